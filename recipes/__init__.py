@@ -1,0 +1,1 @@
+"""The tested cookbook of PyTorch distributed training. ``python -m recipes`` lists the recipes."""

@@ -1,0 +1,48 @@
+"""``python -m recipes.X`` for every recipe: parse the config, run, print the result as JSON on rank 0.
+
+Errors a user can fix end in one line on stderr and a non-zero exit, never a hang or a deep traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence, TypeVar
+
+import torch.distributed as dist
+
+from recipes.core.config import RecipeError, exit_with, parse_config
+from recipes.core.log import current_rank
+from recipes.core.result import RecipeResult
+
+C = TypeVar("C")
+
+
+def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: str | None,
+            argv: Sequence[str] | None = None) -> None:
+    description = (doc or "").strip().split("\n\n")[0] or None
+    cfg = parse_config(config_cls, argv, description)
+    try:
+        result = run(cfg)
+    except RecipeError as exc:
+        # Every rank hits the same bad input: say it once, from rank 0, and exit non-zero everywhere.
+        if current_rank() == 0:
+            exit_with(str(exc), 2)
+        raise SystemExit(2)
+    except dist.DistError as exc:
+        _collective_failed(exc)
+    except RuntimeError as exc:
+        text = str(exc)
+        if any(word in text for word in ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL")):
+            _collective_failed(exc)
+        raise
+    if result is not None and current_rank() == 0:
+        print(result.to_json(), flush=True)
+
+
+def _collective_failed(exc: BaseException) -> None:
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    exit_with(
+        f"rank {current_rank()}: a collective failed ({first.strip()[:200]}); another rank probably exited or "
+        "hung - see its error above; rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL for more",
+        1,
+    )

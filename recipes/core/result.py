@@ -1,0 +1,109 @@
+"""The one result type every recipe returns, and the measurements that fill it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["RecipeResult", "param_checksum", "peak_memory_bytes", "StepTimer", "full_state_on_cpu", "mean_over_ranks", "make_result"]
+
+
+@dataclass
+class RecipeResult:
+    """What a run produced. On rank 0 a recipe's CLI prints it as its last stdout line (``to_json``)."""
+
+    recipe: str
+    world_size: int
+    backend: str
+    device: str
+    losses: list[float]  # the global mean loss of each optimizer step, identical on every rank
+    param_checksum: float  # sum of every final parameter, in float64: equal checksums, equal training
+    seconds_per_step: float  # median over the steps after the first (which includes warm-up)
+    peak_memory_bytes: int  # CUDA: max allocated on this device; CPU: the process's peak resident set
+    extras: dict[str, Any] = field(default_factory=dict)  # recipe-specific figures, e.g. skipped_steps
+    final_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # only with keep_final_state
+
+    def to_json(self) -> str:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "final_state"}
+        return json.dumps(data, default=_jsonable)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value)
+
+
+def param_checksum(tensors: Iterable[torch.Tensor]) -> float:
+    return float(sum(t.detach().double().sum().item() for t in tensors))
+
+
+def full_state_on_cpu(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of an unsharded module's parameters (DDP's ``.module`` prefix removed)."""
+    module = getattr(module, "module", module)
+    return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class StepTimer:
+    """Wall time per step; synchronises CUDA so that queued kernels are counted in their own step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.durations: list[float] = []
+        self._start = 0.0
+
+    def __enter__(self) -> "StepTimer":
+        self._sync()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._sync()
+        self.durations.append(time.perf_counter() - self._start)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def seconds_per_step(self) -> float:
+        steady = self.durations[1:] or self.durations
+        return statistics.median(steady) if steady else 0.0
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The average of a scalar over all ranks (for logging a global loss); every rank gets the same float."""
+    import torch.distributed as dist
+
+    value = value.detach().float().reshape(1).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return float(value.item())
+
+
+def make_result(recipe: str, world: Any, losses: list[float], params: Iterable[torch.Tensor], timer: StepTimer,
+                *, keep_final_state: dict[str, torch.Tensor] | None = None, **extras: Any) -> RecipeResult:
+    """Fill a RecipeResult from what every training recipe has at its end."""
+    params = list(params)
+    return RecipeResult(
+        recipe=recipe, world_size=world.world_size, backend=world.backend, device=str(world.device),
+        losses=losses, param_checksum=param_checksum(params), seconds_per_step=timer.seconds_per_step,
+        peak_memory_bytes=peak_memory_bytes(world.device), extras=extras, final_state=keep_final_state,
+    )

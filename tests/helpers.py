@@ -1,0 +1,75 @@
+"""What the tests share: run a recipe in a spawned world, compare with the single-process run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from recipes.core.world import join_world, spawn_world
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_DEVICES = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+# Every distributed test runs on gloo; the NCCL variant runs where there is one GPU per rank.
+BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(CUDA_DEVICES == 0, reason="NCCL needs CUDA devices"))]
+
+
+def require_world(backend: str, world_size: int) -> None:
+    """Skip (with the reason) a world this machine cannot host."""
+    if backend == "nccl" and CUDA_DEVICES < world_size:
+        pytest.skip(f"NCCL with {world_size} ranks needs {world_size} CUDA devices, found {CUDA_DEVICES}")
+
+
+def in_one_world(train_fn, configs, backend: str = "gloo", timeout_s: float = 60.0):
+    """Run several configs of a recipe in one world: one spawn instead of one per config."""
+    with join_world(backend, timeout_s=timeout_s):
+        return [train_fn(cfg) for cfg in configs]
+
+
+def run_world(train_fn, world_size: int, configs, *, backend: str = "gloo", timeout_s: float = 120.0):
+    """Rank 0's results of ``train_fn`` over ``configs`` on a fresh spawned world."""
+    require_world(backend, world_size)
+    return spawn_world(in_one_world, world_size, train_fn, list(configs), backend, timeout_s=timeout_s)
+
+
+def run_alone(train_fn, cfg):
+    """The single-process reference: a world of 1 in this very process."""
+    return train_fn(cfg)
+
+
+def assert_states_close(actual: dict, expected: dict, *, atol: float, rtol: float = 0.0) -> None:
+    assert actual.keys() == expected.keys(), f"parameter names differ: {sorted(actual.keys() ^ expected.keys())}"
+    worst = max(((name, (actual[name].float() - expected[name].float()).abs().max().item()) for name in expected),
+                key=lambda item: item[1])
+    for name in expected:
+        torch.testing.assert_close(actual[name].float(), expected[name].float(), atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"{name}: {m} (largest difference: {worst})")
+
+
+def assert_losses_close(actual, expected, *, atol: float) -> None:
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=atol, rtol=0.0)
+
+
+def run_cli(args: list[str], *, timeout_s: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command from the repo root the way a user would; never waits longer than ``timeout_s``."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("RANK", None)
+    return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s, env=full_env)
+
+
+def last_json(stdout: str) -> dict:
+    """A recipe CLI's result: the last stdout line, one JSON object."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def with_fields(cfg, **changes):
+    return dataclasses.replace(cfg, **changes)
+
+
+PYTHON = sys.executable
