@@ -13,6 +13,7 @@ import torch.distributed as dist
 from recipes.core.config import RecipeError, exit_with, parse_config
 from recipes.core.log import current_rank
 from recipes.core.result import RecipeResult
+from recipes.core.world import RankError
 
 C = TypeVar("C")
 
@@ -28,6 +29,10 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         if current_rank() == 0:
             exit_with(str(exc), 2)
         raise SystemExit(2)
+    except RankError as exc:  # a spawned world lost a rank: its traceback (if it raised), then one line
+        if exc.remote_traceback:
+            print(exc.remote_traceback, file=sys.stderr)
+        exit_with(exc.args[0], 1)
     except dist.DistError as exc:
         _collective_failed(exc)
     except RuntimeError as exc:
