@@ -143,6 +143,12 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
     launcher = os.environ.get("RECIPES_LAUNCHER", "torchrun") if under_launcher else "single"
     try:
         yield World(rank, world_size, local_rank, local_world_size, backend, device, launcher)
+    except BaseException as exc:
+        # Stamp the failure before teardown: destroying the group makes the peers fail too, and
+        # spawn_world reports the rank that failed first, not the echoes.
+        with contextlib.suppress(AttributeError, TypeError):
+            exc.failed_at = getattr(exc, "failed_at", time.time())
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -232,7 +238,7 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
         report = {
-            "time": time.time(), "type": type(exc).__name__, "message": _first_line(str(exc)),
+            "time": getattr(exc, "failed_at", time.time()), "type": type(exc).__name__, "message": _first_line(str(exc)),
             "traceback": traceback.format_exc(), "operation": _operation(frames[::-1]),
             "is_recipe_error": isinstance(exc, RecipeError),
         }

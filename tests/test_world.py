@@ -1,0 +1,126 @@
+"""The world harness: three ways in, backend choice, and failures that become clear errors, never hangs."""
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from recipes.core.config import RecipeError
+from recipes.core.world import RankError, WorldTimeoutError, join_world, resolve_backend, spawn_world
+
+
+# Module-level functions: spawned ranks import them by name.
+def describe_world():
+    with join_world("gloo", timeout_s=30) as world:
+        ranks = [None] * world.world_size
+        dist.all_gather_object(ranks, (world.rank, world.local_rank, world.launcher))
+        return world.world_size, world.backend, str(world.device), ranks
+
+
+def raise_on_rank(bad_rank):
+    with join_world("gloo", timeout_s=30) as world:
+        if world.rank == bad_rank:
+            raise ZeroDivisionError("bad arithmetic on purpose")
+        dist.barrier()
+
+
+def skip_a_collective(timeout_s):
+    with join_world("gloo", timeout_s=timeout_s) as world:
+        if world.rank == 0:
+            dist.all_reduce(torch.ones(1))  # rank 1 never joins this all_reduce
+        else:
+            time.sleep(60)
+
+
+def wait_forever_in_barrier():
+    with join_world("gloo", timeout_s=600) as world:  # collectives would wait 10 minutes...
+        if world.rank == 0:
+            dist.barrier()
+        else:
+            time.sleep(600)
+
+
+def die_mid_run():
+    with join_world("gloo", timeout_s=30) as world:
+        for step in range(3):
+            if step == 1 and world.rank == 1:
+                os._exit(3)  # no exception, no cleanup: like an OOM kill
+            dist.all_reduce(torch.ones(1))
+
+
+def test_spawned_world_sees_the_torchrun_variables():
+    world_size, backend, device, ranks = spawn_world(describe_world, 3, timeout_s=60)
+    assert (world_size, backend, device) == (3, "gloo", "cpu")
+    assert ranks == [(0, 0, "spawn"), (1, 1, "spawn"), (2, 2, "spawn")]
+
+
+def test_a_single_process_is_a_world_of_one(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    world_size, backend, device, ranks = describe_world()
+    assert (world_size, backend, device, ranks) == (1, "gloo", "cpu", [(0, 0, "single")])
+    assert not dist.is_initialized(), "the process group must be destroyed on the way out"
+
+
+def test_process_group_is_destroyed_when_the_body_raises():
+    with pytest.raises(KeyError):
+        with join_world("gloo"):
+            raise KeyError("boom")
+    assert not dist.is_initialized()
+
+
+def test_backend_choice_and_override(monkeypatch):
+    gpus = torch.cuda.device_count()
+    assert resolve_backend("auto", 1) == ("nccl" if gpus >= 1 else "gloo")
+    assert resolve_backend("gloo", 1) == "gloo"
+    monkeypatch.setenv("RECIPES_BACKEND", "gloo")
+    assert resolve_backend("auto", 1) == "gloo", "the environment variable overrides auto"
+    with pytest.raises(RecipeError, match="valid values: auto, gloo, nccl"):
+        resolve_backend("mpi", 1)
+    with pytest.raises(RecipeError, match=rf"needs one CUDA device per local rank: {gpus + 1} local rank"):
+        resolve_backend("nccl", gpus + 1)
+
+
+def test_failing_rank_is_reraised_with_its_number_and_traceback():
+    with pytest.raises(RankError) as info:
+        spawn_world(raise_on_rank, 2, 1, timeout_s=60)
+    assert info.value.rank == 1
+    assert "rank 1 failed: ZeroDivisionError: bad arithmetic on purpose" in str(info.value)
+    assert "raise_on_rank" in info.value.remote_traceback  # the failing rank's own frames
+
+
+def test_a_skipped_collective_times_out_naming_rank_and_operation():
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn_world(skip_a_collective, 2, 3, timeout_s=60)
+    assert (info.value.rank, info.value.operation) == (0, "all_reduce")
+    assert "rank 0 failed in all_reduce" in str(info.value)
+    assert time.monotonic() - started < 45, "the collective timeout, not the world deadline, should end it"
+
+
+def test_a_stuck_world_is_killed_at_its_deadline_with_where_each_rank_waited():
+    started = time.monotonic()
+    with pytest.raises(WorldTimeoutError) as info:
+        spawn_world(wait_forever_in_barrier, 2, timeout_s=8)
+    message = str(info.value).splitlines()[0]
+    assert "did not finish within 8s" in message
+    assert "rank 0 waiting in barrier called from wait_forever_in_barrier" in message
+    assert "rank 1 waiting in no collective" in message
+    assert time.monotonic() - started < 30
+
+
+def test_a_rank_that_dies_stops_the_world_and_is_named():
+    with pytest.raises(RankError, match="rank 1 exited with code 3 without raising an error; the other ranks were stopped"):
+        spawn_world(die_mid_run, 2, timeout_s=60)
+
+
+def test_a_busy_master_port_is_a_one_line_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RecipeError, match=rf"MASTER_PORT {port} is already in use"):
+            spawn_world(describe_world, 2, master_port=port, timeout_s=30)
