@@ -1,0 +1,183 @@
+"""memory_estimate: the ZeRO paper's formulas, its own example, and bytes measured on a real 2-rank world."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from recipes import memory_estimate
+from recipes.core.config import RecipeError
+from recipes.core.memory import model_state_bytes
+from recipes.core.workload import build_model, lm_loss, make_dataset
+from recipes.core.world import join_world, spawn_world
+from recipes.memory_estimate import LAYOUTS, EstimateConfig, estimate, model_state_per_rank
+from tests.helpers import PYTHON, last_json, run_cli
+
+GB = 1e9
+
+
+def _row(result, optimizer, stage, offload=False):
+    (row,) = [r for r in result["rows"] if (r["optimizer"], r["stage"], r["offload"]) == (optimizer, stage, offload)]
+    return row
+
+
+def test_the_papers_example_7_5b_params_on_64_ranks():
+    # ZeRO paper, Figure 1 / section 5: Psi = 7.5B, N = 64, K = 12 (mixed-precision Adam).
+    result = estimate(EstimateConfig(params=7.5e9, world_size=64, optimizer="adam-mixed"))
+    device_gb = {stage: _row(result, "adam-mixed", stage)["device"]["total_bytes"] / GB
+                 for stage in ("ddp", "zero1", "zero2", "zero3")}
+    assert device_gb["ddp"] == pytest.approx(120.0)
+    assert round(device_gb["zero1"], 1) == 31.4
+    assert round(device_gb["zero2"], 1) == 16.6
+    assert round(device_gb["zero3"], 1) == 1.9
+    # The exact values behind the paper's rounding: (2+2)Psi + 12Psi/64, 2Psi + 14Psi/64, 16Psi/64.
+    assert device_gb["zero1"] == pytest.approx(31.40625)
+    assert device_gb["zero2"] == pytest.approx(16.640625)
+    assert device_gb["zero3"] == pytest.approx(1.875)
+
+
+@pytest.mark.parametrize("layout_name", ["adam-mixed", "adam-fp32"])
+@pytest.mark.parametrize("world_size", [1, 8, 64])
+def test_formulas_of_each_stage(layout_name, world_size):
+    psi, n, layout = 1e9, world_size, LAYOUTS[layout_name]
+    p, g, k = layout.param_bytes, layout.grad_bytes, layout.optimizer_bytes
+    assert p + g + k == 16, "Adam is 16 bytes per parameter in both layouts"
+    expected = {"ddp": (p + g + k) * psi, "zero1": (p + g) * psi + k * psi / n,
+                "zero2": p * psi + (g + k) * psi / n, "zero3": (p + g + k) * psi / n}
+    for stage, total in expected.items():
+        figures = model_state_per_rank(psi, n, stage, layout)
+        assert figures["device"]["total_bytes"] == pytest.approx(total)
+        assert figures["host"]["total_bytes"] == 0
+        if stage == "ddp":
+            continue
+        # Offload moves exactly the sharded parts to the host; the sum is unchanged.
+        offloaded = model_state_per_rank(psi, n, stage, layout, offload=True)
+        assert offloaded["device"]["total_bytes"] + offloaded["host"]["total_bytes"] == pytest.approx(total)
+        replicated = {"zero1": (p + g) * psi, "zero2": p * psi, "zero3": 0.0}[stage]
+        assert offloaded["device"]["total_bytes"] == pytest.approx(replicated)
+    if world_size == 1:  # one rank: sharding saves nothing
+        assert len({round(model_state_per_rank(psi, 1, s, layout)["device"]["total_bytes"]) for s in expected}) == 1
+
+
+def test_ddp_has_no_offload_row_and_bad_input_is_refused():
+    with pytest.raises(RecipeError, match="DDP has no CPU offload"):
+        model_state_per_rank(1e9, 8, "ddp", LAYOUTS["adam-fp32"], offload=True)
+    with pytest.raises(RecipeError, match="world_size must be a whole number >= 1, got 0"):
+        EstimateConfig(world_size=0)
+    with pytest.raises(RecipeError, match="params must be > 0"):
+        EstimateConfig(params=-1)
+    with pytest.raises(RecipeError, match="unknown optimizer='sgd'; valid values: both, adam-mixed, adam-fp32"):
+        EstimateConfig(optimizer="sgd")
+    rows = estimate(EstimateConfig())["rows"]
+    assert len(rows) == 2 * 7  # two layouts x (DDP + ZeRO-1/2/3 with and without offload)
+
+
+def test_cli_prints_the_table_and_the_same_figures_as_json_last():
+    proc = run_cli([PYTHON, "-m", "recipes.memory_estimate", "--params", "7.5e9", "--world-size", "64"], timeout_s=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = last_json(proc.stdout)
+    assert data == json.loads(json.dumps(estimate(EstimateConfig(params=7.5e9, world_size=64))))
+    table = proc.stdout.strip().splitlines()[:-1]
+    zero3 = next(line for line in table if line.startswith("ZeRO-3 (P_os+g+p) ") and "offload" not in line)
+    assert zero3.split()[-2:] == ["1.88", "0.00"]  # device total, host total (GB) of mixed-precision Adam
+    assert any("FULL_SHARD" in line and "fully_shard" in line and "FSDPStrategy" in line for line in table)
+    assert any("SHARD_GRAD_OP" in line for line in table) and any("ZeroRedundancyOptimizer" in line for line in table)
+    assert any("CPUOffload(offload_params=True)" in line and "CPUOffloadPolicy" in line for line in table)
+    bad = run_cli([PYTHON, "-m", "recipes.memory_estimate", "--world-size", "0"], timeout_s=60)
+    assert bad.returncode == 2 and "error: world_size must be a whole number >= 1" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# The estimate against bytes measured on the real tiny model (fp32 AdamW, one optimizer step, 2 ranks).
+
+
+def _wrap(strategy, model, world):
+    """The model and optimizer of each strategy, as the sharding recipes build them."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    if strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model)
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    if strategy == "fsdp_full_shard":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+
+        wrapped = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=world.device,
+                       use_orig_params=True)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    if strategy == "fully_shard":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(world.device.type, (world.world_size,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    raise AssertionError(strategy)
+
+
+def measure_per_rank_bytes(strategies):
+    """Every rank's model_state_bytes after one optimizer step, per strategy (runs in the spawned world)."""
+    with join_world("gloo", timeout_s=120) as world:
+        rows = make_dataset("tiny", 12).tokens[6 * world.rank: 6 * world.rank + 6]  # this rank's 6 sequences
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        measured = {}
+        for strategy in strategies:
+            wrapped, optimizer = _wrap(strategy, build_model("tiny", seed=0), world)
+            lm_loss(wrapped(inputs), targets).backward()
+            optimizer.step()  # measured now: after step(), before zero_grad(), gradients still present
+            per_rank = [None] * world.world_size
+            dist.all_gather_object(per_rank, model_state_bytes(wrapped, optimizer))
+            measured[strategy] = per_rank
+        return measured
+
+
+def test_estimate_matches_bytes_measured_on_a_real_world_of_2():
+    model = build_model("tiny")
+    psi = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    largest = max(p.numel() for p in model.parameters())
+    fp32 = LAYOUTS["adam-fp32"]
+    measured = spawn_world(measure_per_rank_bytes, 2, ["ddp", "zero1", "fsdp_full_shard", "fully_shard"],
+                           timeout_s=180)
+
+    # Tolerances, stated: AdamW keeps a 4-byte scalar `step` per parameter tensor that the formulas
+    # (bytes per parameter) do not count; the rest must agree exactly or within the named slack.
+    step_bytes = 4 * n_tensors
+
+    def estimate_of(stage):
+        return model_state_per_rank(psi, 2, stage, fp32)["device"]
+
+    # DDP: every rank holds all of it.
+    for per_rank in measured["ddp"]:
+        assert per_rank["param_bytes"] == estimate_of("ddp")["param_bytes"] == 4 * psi
+        assert per_rank["grad_bytes"] == estimate_of("ddp")["grad_bytes"] == 4 * psi
+        assert per_rank["optimizer_bytes"] == estimate_of("ddp")["optimizer_bytes"] + step_bytes
+
+    # ZeRO-1: whole parameter tensors are dealt to ranks, so one rank may hold up to one tensor's
+    # state more than 8 * psi / N; over all ranks it adds up exactly.
+    zero1 = measured["zero1"]
+    for per_rank in zero1:
+        assert per_rank["param_bytes"] == 4 * psi and per_rank["grad_bytes"] == 4 * psi
+        assert abs(per_rank["optimizer_bytes"] - estimate_of("zero1")["optimizer_bytes"]) <= 8 * largest + step_bytes
+    assert sum(r["optimizer_bytes"] for r in zero1) == 8 * psi + step_bytes
+    assert max(r["optimizer_bytes"] for r in zero1) < 0.6 * measured["ddp"][0]["optimizer_bytes"]
+
+    # FULL_SHARD (classic FSDP and fully_shard): 1/N of everything, plus the padding that makes each
+    # flat buffer / each tensor's dim 0 divide by N: at most N-1 elements per parameter tensor.
+    pad_bytes = 4 * (2 - 1) * n_tensors
+    for strategy in ("fsdp_full_shard", "fully_shard"):
+        for per_rank in measured[strategy]:
+            assert abs(per_rank["param_bytes"] - estimate_of("zero3")["param_bytes"]) <= pad_bytes, (strategy, per_rank)
+            assert abs(per_rank["grad_bytes"] - estimate_of("zero3")["grad_bytes"]) <= pad_bytes, (strategy, per_rank)
+            assert abs(per_rank["optimizer_bytes"] - estimate_of("zero3")["optimizer_bytes"]) <= 2 * pad_bytes + step_bytes
+            assert per_rank["param_bytes"] <= measured["ddp"][0]["param_bytes"] / 2 + pad_bytes
