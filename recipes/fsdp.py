@@ -1,0 +1,285 @@
+"""Classic FSDP (FullyShardedDataParallel): ZeRO-3, ZeRO-2, DDP-like and hybrid sharding, equal to DDP.
+
+    torchrun --standalone --nproc_per_node=2 -m recipes.fsdp
+    torchrun --standalone --nproc_per_node=2 -m recipes.fsdp --sharding-strategy shard_grad_op --mixed-precision bf16
+    torchrun --standalone --nproc_per_node=4 -m recipes.fsdp --sharding-strategy hybrid --ranks-per-node 2
+
+Each rank keeps 1/N of the parameters, gradients and AdamW state (``full``); FSDP all-gathers a wrapped
+unit's parameters just before its forward and backward and reduce-scatters its gradients after. The
+numbers are asserted by tests/test_memory.py with ``recipes.core.memory.model_state_bytes``; the
+training equals DDP's (same losses and final parameters, fp32 atol 1e-5) on every strategy.
+
+Strategies: ``full`` = FULL_SHARD (ZeRO-3); ``shard_grad_op`` = SHARD_GRAD_OP (ZeRO-2: parameters stay
+unsharded from forward to the end of backward, no re-all-gather in backward); ``no_shard`` = NO_SHARD
+(DDP-like, deprecated by torch in favour of DDP); ``hybrid`` = HYBRID_SHARD (shard inside a node,
+replicate across nodes: a 2-D mesh ("replicate", "shard") of nodes x ``--ranks-per-node``).
+
+New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing training code
+uses, so its options and pitfalls are shown here. Pitfalls named where they bite: fp16 needs
+ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds unsharded gradients; the optimizer
+is built after wrapping; activation checkpointing goes inside the FSDP unit; the full state dict is
+gathered on every rank's call but kept on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+from recipes.core.cli import run_cli
+from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
+from recipes.core.log import get_logger
+from recipes.core.memory import model_state_bytes
+from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.workload import Block, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.world import join_world
+
+log = get_logger(__name__)
+
+Precision = Literal["none", "bf16", "fp16"]
+
+
+@dataclass
+class FSDPConfig(TrainConfig):
+    sharding_strategy: Literal["full", "shard_grad_op", "no_shard", "hybrid"] = opt(
+        "full", "full = ZeRO-3, shard_grad_op = ZeRO-2, no_shard = DDP-like, hybrid = shard in a node, replicate across")
+    ranks_per_node: int = opt(0, "hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE")
+    wrap_policy: Literal["block", "size", "module", "none"] = opt(
+        "block", "FSDP units: block = one per transformer Block, size = by --min-num-params, "
+        "module = Blocks and Embeddings, none = the whole model is one unit (no overlap, full-size all-gathers)")
+    min_num_params: int = opt(10_000, "size policy: wrap a submodule once it has at least this many parameters")
+    mixed_precision: Precision = opt("none", "compute dtype; gradients are reduced in fp32 either way")
+    cpu_offload: bool = opt(False, "keep the sharded parameters and gradients in host memory; AdamW runs on CPU")
+    backward_prefetch: Literal["pre", "post", "none"] = opt(
+        "pre", "when to all-gather the next unit in backward: pre = before this unit's gradient (most overlap)")
+    forward_prefetch: bool = opt(False, "all-gather the next unit before this one's forward (CPU-bound models)")
+    limit_all_gathers: bool = opt(True, "rate-limit all-gathers so prefetching cannot grow GPU memory unbounded")
+    sync_module_states: bool = opt(True, "broadcast rank 0's parameters at wrap time (ranks need not init equally)")
+    activation_checkpointing: bool = opt(False, "recompute each Block's activations in backward (non-reentrant)")
+    micro_batches: int = opt(1, "gradient accumulation: micro-batches per optimizer step")
+    accumulation: Literal["sync", "no_sync"] = opt(
+        "sync", "sync = reduce-scatter every micro-batch (gradients stay sharded); "
+        "no_sync = communicate on the last one only (every rank holds unsharded gradients: N x the memory)")
+    max_grad_norm: float = opt(0.0, "clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)")
+    grad_scaler: Literal["sharded", "amp"] = opt(
+        "sharded", "fp16 only: sharded = ShardedGradScaler (right); amp = torch.amp.GradScaler (wrong under "
+        "FSDP: an inf in one rank's shard is not seen by the others; kept to show the pitfall)")
+    inject_inf_step: int = opt(-1, "pitfall demo (fp16): at this step one rank puts an inf into its gradient shard")
+    inject_inf_rank: int = opt(1, "the rank that injects the inf (see --inject-inf-step)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.micro_batches < 1:
+            raise RecipeError(f"micro_batches must be >= 1, got {self.micro_batches}")
+
+
+STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
+              "no_shard": ShardingStrategy.NO_SHARD, "hybrid": ShardingStrategy.HYBRID_SHARD}
+PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --8<-- [start:apply_fsdp]
+def apply_fsdp(model: nn.Module, *, sharding_strategy: str = "full", wrap_policy: str = "block",
+               min_num_params: int = 10_000, mixed_precision: str = "none", cpu_offload: bool = False,
+               backward_prefetch: str = "pre", forward_prefetch: bool = False, limit_all_gathers: bool = True,
+               sync_module_states: bool = True, activation_checkpointing: bool = False,
+               device: torch.device | None = None, mesh: DeviceMesh | None = None) -> FSDP:
+    """Wrap ``model`` in classic FSDP. ``mesh``: 2-D ("replicate", "shard") for hybrid, else optional 1-D."""
+    policies = {
+        "block": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        "size": functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params),
+        "module": ModuleWrapPolicy({Block, nn.Embedding}),
+        "none": None,  # one unit: the whole model is all-gathered at once, nothing to overlap
+    }
+    precision = None
+    if mixed_precision != "none":
+        low = DTYPES[mixed_precision]
+        # Compute in low precision, but reduce gradients in fp32: a sum over many ranks in bf16 loses bits.
+        precision = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+    if sharding_strategy == "hybrid" and (mesh is None or mesh.ndim != 2):
+        raise RecipeError("sharding_strategy='hybrid' needs a 2-D device mesh (replicate, shard)")
+    on_cpu = (device or next(model.parameters()).device).type == "cpu"
+    if cpu_offload and on_cpu:
+        raise RecipeError("cpu_offload needs a GPU: FSDP pins host memory for the copies to and from the device; "
+                          "on a CPU-only world the parameters already live in host memory: drop --cpu-offload")
+    if sync_module_states and on_cpu:
+        # FSDP's own sync_module_states refuses CPU tensors (it broadcasts on the accelerator): on a
+        # CPU-only world, broadcast rank 0's parameters and buffers by hand, before sharding.
+        with torch.no_grad():
+            for tensor in itertools.chain(model.parameters(), model.buffers()):
+                dist.broadcast(tensor, src=0)
+        sync_module_states = False
+    fsdp_model = FSDP(
+        model,
+        sharding_strategy=STRATEGIES[sharding_strategy],
+        auto_wrap_policy=policies[wrap_policy],
+        mixed_precision=precision,
+        cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
+        backward_prefetch=PREFETCH[backward_prefetch],
+        forward_prefetch=forward_prefetch,
+        limit_all_gathers=limit_all_gathers,
+        sync_module_states=sync_module_states,
+        # use_orig_params: parameters keep their names and shapes for the optimizer (per-parameter
+        # groups, weight-decay rules) and for torch.compile; gradients are views into the flat shard.
+        use_orig_params=True,
+        # Pitfall: without device_id FSDP looks for an accelerator and refuses a CPU-only host.
+        device_id=device,
+        device_mesh=mesh,
+    )
+    if activation_checkpointing:
+        # Order: wrap with FSDP FIRST, then checkpoint, so each unit is FSDP(CheckpointWrapper(Block)):
+        # the recomputation in backward runs inside the unit while its parameters are all-gathered.
+        # Non-reentrant: the reentrant variant runs a nested backward that FSDP's hooks do not expect.
+        apply_activation_checkpointing(
+            fsdp_model, check_fn=lambda module: isinstance(module, Block),
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    return fsdp_model
+# --8<-- [end:apply_fsdp]
+
+
+def hybrid_mesh(world, ranks_per_node: int) -> DeviceMesh:
+    """nodes x ranks_per_node: FSDP shards over the inner dim and replicates over the outer one."""
+    ranks_per_node = ranks_per_node or world.local_world_size
+    if world.world_size % ranks_per_node:
+        raise RecipeError(f"hybrid: world size {world.world_size} is not a multiple of ranks_per_node="
+                          f"{ranks_per_node}; pick --ranks-per-node dividing {world.world_size}")
+    return init_device_mesh(world.device.type, (world.world_size // ranks_per_node, ranks_per_node),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def grad_scaler(cfg: FSDPConfig, device: torch.device):
+    if cfg.mixed_precision != "fp16":
+        return None  # fp32 and bf16 share fp32's exponent range: nothing to scale
+    # Pitfall: torch.amp.GradScaler looks for inf/nan in THIS rank's gradients only. Under FSDP each rank
+    # holds a different shard, so one rank would skip the step and the others would not: the replicas
+    # silently diverge. ShardedGradScaler all-reduces found_inf, so every rank makes the same decision.
+    if cfg.grad_scaler == "amp":
+        return torch.amp.GradScaler(device.type)
+    return ShardedGradScaler(device.type)
+
+
+# --8<-- [start:train]
+def train(cfg: FSDPConfig) -> RecipeResult:
+    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size, cfg.micro_batches)
+        mesh = hybrid_mesh(world, cfg.ranks_per_node) if cfg.sharding_strategy == "hybrid" else None
+        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
+        model = apply_fsdp(
+            model, sharding_strategy=cfg.sharding_strategy, wrap_policy=cfg.wrap_policy,
+            min_num_params=cfg.min_num_params, mixed_precision=cfg.mixed_precision, cpu_offload=cfg.cpu_offload,
+            backward_prefetch=cfg.backward_prefetch, forward_prefetch=cfg.forward_prefetch,
+            limit_all_gathers=cfg.limit_all_gathers, sync_module_states=cfg.sync_module_states,
+            activation_checkpointing=cfg.activation_checkpointing, device=world.device, mesh=mesh)
+        # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the originals.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        scaler = grad_scaler(cfg, world.device)
+        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+        loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
+                                             per_rank_batch_size=per_rank_batch * cfg.micro_batches, seed=cfg.seed)
+        log.info("FSDP %s on %d rank(s), wrap=%s, precision=%s, %d x %d sequences per rank per step",
+                 cfg.sharding_strategy, world.world_size, cfg.wrap_policy, cfg.mixed_precision,
+                 cfg.micro_batches, per_rank_batch)
+
+        losses, grad_norms, skipped_steps, timer = [], [], [], StepTimer(world.device)
+        extras: dict = {}
+        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
+            last_step = step == cfg.steps - 1
+            with timer:
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = torch.zeros((), device=world.device)
+                micro = list(zip(inputs.to(world.device).chunk(cfg.micro_batches),
+                                 targets.to(world.device).chunk(cfg.micro_batches)))
+                for index, (x, y) in enumerate(micro):
+                    syncing = cfg.accumulation == "sync" or index == len(micro) - 1
+                    # Pitfall: no_sync() skips the reduce-scatter, so every rank keeps UNSHARDED gradients
+                    # until the synced micro-batch: N x the gradient memory that sharding saved.
+                    with contextlib.nullcontext() if syncing else model.no_sync():
+                        logits = model(x)
+                        if last_step and index == len(micro) - 1:
+                            extras["param_bytes_after_forward"] = model_state_bytes(model)["param_bytes"]
+                        loss = lm_loss(logits, y) / cfg.micro_batches
+                        (scaler.scale(loss) if scaler else loss).backward()
+                    step_loss += loss.detach().float()
+                    if last_step and index == len(micro) - 2:  # the accumulated gradients, before the last sync
+                        extras["grad_bytes_accumulated"] = model_state_bytes(model)["grad_bytes"]
+                if step == cfg.inject_inf_step and world.rank == cfg.inject_inf_rank:
+                    next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()).view(-1)[0] = math.inf
+                if scaler:
+                    scaler.unscale_(optimizer)  # clip (and report) the true gradients, not the scaled ones
+                if cfg.max_grad_norm > 0:
+                    # Pitfall: torch.nn.utils.clip_grad_norm_ here would return the norm of this rank's shard.
+                    grad_norms.append(float(model.clip_grad_norm_(cfg.max_grad_norm)))
+                if scaler:
+                    scale = scaler.get_scale()
+                    scaler.step(optimizer)  # skips optimizer.step() if any inf/nan was found
+                    scaler.update()
+                    if scaler.get_scale() < scale:
+                        skipped_steps.append(step)
+                else:
+                    optimizer.step()
+            losses.append(mean_over_ranks(step_loss))
+            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
+
+        # After step, before zero_grad: gradients present. Every rank measures its own bytes.
+        extras["memory_per_rank"] = all_ranks(model_state_bytes(model, optimizer))
+        if cfg.max_grad_norm > 0:
+            extras["grad_norms"] = grad_norms
+        if scaler:
+            extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
+            extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
+        full_state, checksum = full_state_on_rank0(
+            model, params_on_host=world.device.type == "cpu" or cfg.cpu_offload)
+        result = make_result("fsdp", world, losses, full_state.values(), timer,
+                             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None, **extras)
+        result.param_checksum = checksum
+        return result
+# --8<-- [end:train]
+
+
+# --8<-- [start:full_state]
+def full_state_on_rank0(model: nn.Module, *, params_on_host: bool) -> tuple[dict[str, torch.Tensor], float]:
+    """The unsharded parameters on rank 0's CPU (other ranks get {}), and their checksum on every rank.
+
+    Every rank must call it: it all-gathers. With cpu_offload=True the state dict is also rank0_only:
+    the full model is built up in rank 0's host memory, never whole on a GPU, and the other ranks hold
+    nothing. Pitfall: when the flat parameters are already in host memory (a CPU world, or CPUOffload),
+    offload_to_cpu frees the very storage it then copies and the process crashes (pytorch/pytorch#188989):
+    gather without offloading there, and drop the copy on ranks other than 0.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not params_on_host)
+    state = get_model_state_dict(model, options=options)  # clean names: no _fsdp_wrapped_module prefixes
+    if dist.get_rank() != 0:
+        state = {}
+    checksum = [float(sum(t.double().sum().item() for t in state.values()))]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(checksum, src=0)
+    return {name: t.detach().cpu() for name, t in state.items()}, checksum[0]
+# --8<-- [end:full_state]
+
+
+def all_ranks(value):
+    """Every rank's value, in rank order (rank 0's result carries what all ranks saw)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+if __name__ == "__main__":
+    run_cli(train, FSDPConfig, __doc__)

@@ -1,0 +1,228 @@
+"""FSDP2 (``fully_shard``): per-parameter sharding as DTensors on a DeviceMesh, equal to DDP.
+
+    torchrun --standalone --nproc_per_node=2 -m recipes.fsdp2
+    torchrun --standalone --nproc_per_node=2 -m recipes.fsdp2 --mixed-precision bf16 --explicit-prefetch
+    torchrun --standalone --nproc_per_node=4 -m recipes.fsdp2 --hsdp-replicas 2   # HSDP: 2 replicas x 2 shards
+
+Every parameter becomes a DTensor sharded on dim 0 over the mesh's "shard" dim; each Block is one
+communication group (one all-gather before its forward and backward, one reduce-scatter after its
+backward), then the root takes what is left (embeddings, final norm, output). Per-rank bytes are 1/N
+of DDP's, like classic FULL_SHARD (asserted by tests/test_memory.py); training equals DDP's.
+
+The model is built on CPU from the seed, then sharded: every rank starts from exactly the reference
+weights (so the parity tests are exact), and each ``fully_shard`` call moves only its group to the
+device and keeps a 1/N shard of it. A model too big for one host's memory is built under
+``torch.device("meta")`` instead, sharded, then materialised with ``model.to_empty(device=...)`` and
+initialised or loaded from a sharded checkpoint (recipes/sharded_checkpoint.py).
+
+| this recipe (fully_shard)                     | classic FullyShardedDataParallel (recipes/fsdp.py)           |
+|-----------------------------------------------|--------------------------------------------------------------|
+| ``reshard_after_forward=True``                | ``ShardingStrategy.FULL_SHARD`` (ZeRO-3)                     |
+| ``reshard_after_forward=False``               | ``ShardingStrategy.SHARD_GRAD_OP`` (ZeRO-2)                  |
+| ``reshard_after_forward=2`` (int)             | none: after forward keep a copy sharded over 2 ranks (e.g. a node), so backward re-gathers inside that group |
+| 2-D mesh ("replicate", "shard")               | ``ShardingStrategy.HYBRID_SHARD`` with a 2-D ``device_mesh`` |
+| ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` | ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` |
+| ``CPUOffloadPolicy()``                        | ``CPUOffload(offload_params=True)``                          |
+| ``set_modules_to_forward_prefetch`` / ``_backward_prefetch`` | ``forward_prefetch`` / ``BackwardPrefetch``  |
+| one ``fully_shard`` call per Block, then the root | ``auto_wrap_policy`` (transformer_auto_wrap_policy)      |
+| ``set_requires_gradient_sync(False)``         | ``no_sync()``                                                |
+| ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware) | ``FSDP.clip_grad_norm_``                                |
+| ``torch.amp.GradScaler`` (found_inf reduced by DTensor) | ``ShardedGradScaler``                              |
+| always "use_orig_params" (DTensor parameters) | ``use_orig_params=True``                                     |
+| no ``sync_module_states``: same init on every rank, or a DCP load | ``sync_module_states=True``             |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from recipes.core.cli import run_cli
+from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
+from recipes.core.log import get_logger
+from recipes.core.memory import model_state_bytes
+from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.workload import Block, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.world import join_world
+
+log = get_logger(__name__)
+
+
+def parse_reshard_after_forward(value: str) -> bool | int:
+    """"true" / "false" / an integer group size (the command line passes strings)."""
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise RecipeError(f"reshard_after_forward={value!r}: use true, false, or a group size that divides "
+                      "the shard dim, e.g. 2")
+
+
+@dataclass
+class FSDP2Config(TrainConfig):
+    reshard_after_forward: str = opt(
+        "true", "true = free the unsharded Block parameters after forward, re-gather in backward (ZeRO-3); "
+        "false = keep them until backward (ZeRO-2); k = keep a copy sharded over groups of k ranks")
+    hsdp_replicas: int = opt(1, "HSDP: replicate over this many groups, shard inside each (mesh replicate x shard)")
+    mixed_precision: Literal["none", "bf16", "fp16"] = opt("none", "compute dtype; gradients reduced in fp32")
+    cpu_offload: bool = opt(False, "keep sharded parameters, gradients and AdamW state in host memory")
+    explicit_prefetch: bool = opt(False, "issue each Block's all-gather one Block ahead, in forward and backward")
+    micro_batches: int = opt(1, "gradient accumulation: micro-batches per optimizer step")
+    accumulation: Literal["sync", "no_sync"] = opt(
+        "sync", "sync = reduce-scatter every micro-batch (gradients stay sharded); "
+        "no_sync = set_requires_gradient_sync(False) until the last one (unsharded gradients: N x the memory)")
+    max_grad_norm: float = opt(0.0, "clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0 = off)")
+    inject_inf_step: int = opt(-1, "pitfall demo (fp16): at this step one rank puts an inf into its gradient shard")
+    inject_inf_rank: int = opt(1, "the rank that injects the inf (see --inject-inf-step)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parse_reshard_after_forward(self.reshard_after_forward)
+        if self.micro_batches < 1 or self.hsdp_replicas < 1:
+            raise RecipeError("micro_batches and hsdp_replicas must be >= 1")
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --8<-- [start:apply_fully_shard]
+def apply_fully_shard(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool | int = True,
+                      mixed_precision: str = "none", cpu_offload: bool = False,
+                      explicit_prefetch: bool = False) -> nn.Module:
+    """Shard each Block, then the root, over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP)."""
+    precision = MixedPrecisionPolicy()
+    if mixed_precision != "none":
+        # Compute in low precision; reduce gradients in fp32 (a sum over many ranks in bf16 loses bits).
+        precision = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    # Pinned memory needs an accelerator; on a CPU-only world the offload is a no-op that runs the code path.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
+    blocks = [module for module in model.modules() if isinstance(module, Block)]
+    # Order: bottom-up. Each call groups the parameters not yet claimed by an inner call, so the
+    # Blocks go first and the root call collects the rest (embeddings, final norm, output).
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=precision, offload_policy=offload)
+    # The root keeps fully_shard's default (None -> not resharded after forward): backward needs
+    # its parameters (the output layer) first, so freeing them would only re-gather them at once.
+    fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    if explicit_prefetch:
+        # Default: each group all-gathers when its own forward / backward starts (after the previous
+        # one is issued). Explicit: Block i issues Block i+1's all-gather in forward and Block i-1's
+        # in backward, so the communication runs under Block i's compute.
+        for previous, following in zip(blocks, blocks[1:]):
+            previous.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([previous])
+    return model
+# --8<-- [end:apply_fully_shard]
+
+
+def data_parallel_mesh(world, hsdp_replicas: int) -> DeviceMesh:
+    if world.world_size % hsdp_replicas:
+        raise RecipeError(f"hsdp_replicas={hsdp_replicas} does not divide world size {world.world_size}; "
+                          f"pick a divisor of {world.world_size}")
+    if hsdp_replicas == 1:
+        return init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(world.device.type, (hsdp_replicas, world.world_size // hsdp_replicas),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+# --8<-- [start:train]
+def train(cfg: FSDP2Config) -> RecipeResult:
+    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size, cfg.micro_batches)
+        mesh = data_parallel_mesh(world, cfg.hsdp_replicas)
+        shard_size = mesh.size(mesh.ndim - 1)
+        reshard = parse_reshard_after_forward(cfg.reshard_after_forward)
+        if not isinstance(reshard, bool) and shard_size % reshard:
+            raise RecipeError(f"reshard_after_forward={reshard} does not divide the shard group size {shard_size}; "
+                              f"use true, false or a divisor of {shard_size}")
+        model = build_model(cfg.model, seed=cfg.seed, device="cpu")  # fully_shard moves each shard to the mesh's device
+        model = apply_fully_shard(model, mesh, reshard_after_forward=reshard, mixed_precision=cfg.mixed_precision,
+                                  cpu_offload=cfg.cpu_offload, explicit_prefetch=cfg.explicit_prefetch)
+        # After sharding: AdamW's state is created like the parameters, as DTensor shards (1/N each).
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        # Pitfall check: the plain amp GradScaler IS right here. DTensor reduces its found_inf over the mesh,
+        # so an inf in one rank's shard makes every rank skip (tests/test_fsdp2.py injects one).
+        scaler = torch.amp.GradScaler(world.device.type) if cfg.mixed_precision == "fp16" else None
+        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+        loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
+                                             per_rank_batch_size=per_rank_batch * cfg.micro_batches, seed=cfg.seed)
+        log.info("fully_shard on mesh %s, reshard_after_forward=%s, precision=%s, %d x %d sequences per rank",
+                 tuple(mesh.shape), reshard, cfg.mixed_precision, cfg.micro_batches, per_rank_batch)
+
+        losses, grad_norms, skipped_steps, timer = [], [], [], StepTimer(world.device)
+        extras: dict = {}
+        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
+            last_step = step == cfg.steps - 1
+            with timer:
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = torch.zeros((), device=world.device)
+                micro = list(zip(inputs.to(world.device).chunk(cfg.micro_batches),
+                                 targets.to(world.device).chunk(cfg.micro_batches)))
+                for index, (x, y) in enumerate(micro):
+                    syncing = cfg.accumulation == "sync" or index == len(micro) - 1
+                    # Pitfall: with sync off, each rank accumulates UNSHARDED gradients until the last
+                    # micro-batch: N x the gradient memory that sharding saved.
+                    model.set_requires_gradient_sync(syncing)
+                    loss = lm_loss(model(x), y) / cfg.micro_batches
+                    (scaler.scale(loss) if scaler else loss).backward()
+                    step_loss += loss.detach().float()
+                    if last_step and index == len(micro) - 2:  # the accumulated gradients, before the last sync
+                        extras["grad_bytes_accumulated"] = model_state_bytes(model)["grad_bytes"]
+                if step == cfg.inject_inf_step and world.rank == cfg.inject_inf_rank:
+                    shard = next(p.grad.to_local() for p in model.parameters() if p.grad is not None and p.grad.to_local().numel())
+                    shard.view(-1)[0] = math.inf
+                if scaler:
+                    scaler.unscale_(optimizer)  # clip (and report) the true gradients, not the scaled ones
+                if cfg.max_grad_norm > 0:
+                    # On DTensor gradients the norm is global: each rank's partial sum is all-reduced.
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+                if scaler:
+                    scale = scaler.get_scale()
+                    scaler.step(optimizer)
+                    scaler.update()
+                    if scaler.get_scale() < scale:
+                        skipped_steps.append(step)
+                else:
+                    optimizer.step()
+            losses.append(mean_over_ranks(step_loss))
+            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
+
+        # After step, before zero_grad: gradients present. Every rank measures its own bytes.
+        extras["memory_per_rank"] = all_ranks(model_state_bytes(model, optimizer))
+        if cfg.max_grad_norm > 0:
+            extras["grad_norms"] = grad_norms
+        if scaler:
+            extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
+            extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
+        # Every rank calls it (it all-gathers); cpu_offload=True -> rank0_only: the others get {}.
+        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        checksum = [float(sum(t.double().sum().item() for t in full_state.values()))]
+        dist.broadcast_object_list(checksum, src=0)
+        result = make_result("fsdp2", world, losses, full_state.values(), timer,
+                             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None, **extras)
+        result.param_checksum = checksum[0]
+        return result
+# --8<-- [end:train]
+
+
+def all_ranks(value):
+    """Every rank's value, in rank order (rank 0's result carries what all ranks saw)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+if __name__ == "__main__":
+    run_cli(train, FSDP2Config, __doc__)
