@@ -1,0 +1,79 @@
+"""collectives: every op's result matches the value computed from the rank numbers, on worlds of 1, 2 and 3;
+the checks can fail; a rank that skips a collective makes the others time out naming it, never hang."""
+
+import time
+
+import pytest
+import torch
+
+from recipes import collectives
+from recipes.core.config import RecipeError
+from recipes.core.world import RankError, spawn_world
+from tests.helpers import BACKENDS, PYTHON, last_json, run_alone, run_cli, run_world, with_fields
+
+CFG = collectives.CollectivesConfig(timeout_s=60)
+FALLBACK_OPS = {"all_reduce_avg", "reduce_scatter_single", "all_to_all_single"}
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_collective_matches_its_expected_value(world_size, backend):
+    native, portable = run_world(collectives.run, world_size, [CFG, with_fields(CFG, portable_only=True)],
+                                 backend=backend)
+    assert (native.world_size, native.backend) == (world_size, backend)
+    assert list(native.extras["ops"]) == list(collectives.OPS)  # every op ran, in order (the recipe raises on a mismatch)
+    if backend == "nccl" or TORCH_VERSION >= (2, 13):  # torch 2.13's gloo has AVG, reduce_scatter and all_to_all
+        assert set(native.extras["ops"].values()) == {"ok"}, native.extras["ops"]
+    else:
+        assert all(note == "ok" or note.startswith("fallback: ") for note in native.extras["ops"].values())
+    # The portable fallbacks ran instead, and produced the same values.
+    for name, note in portable.extras["ops"].items():
+        assert note.startswith("fallback: portable_only requested") if name in FALLBACK_OPS else note == "ok", (name, note)
+    assert portable.param_checksum == pytest.approx(native.param_checksum, abs=1e-3)
+    assert native.losses == [] and native.seconds_per_step > 0
+
+
+def test_a_world_of_one_skips_only_point_to_point():
+    result = run_alone(collectives.run, CFG)
+    skipped = {name for name, note in result.extras["ops"].items() if note != "ok"}
+    assert skipped == {"send_recv_ring", "isend_irecv_ring"}
+    assert result.extras["ops"]["send_recv_ring"] == "skipped: a world of 1 has no peer"
+
+
+@pytest.mark.parametrize("op, shown", [("all_reduce_sum", "expected ["), ("barrier", "expected [1, 'deliberately wrong']"),
+                                       ("scatter_object_list", "expected ['work item 0', 'deliberately wrong']")])
+def test_a_wrong_expectation_is_caught(op, shown):
+    with pytest.raises(collectives.CollectiveMismatch, match=rf"^{op} on rank 0 of 1: ") as caught:
+        run_alone(collectives.run, with_fields(CFG, break_check=op))
+    assert shown in str(caught.value)
+
+
+def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it():
+    # 8 s: short enough for a quick test, long enough that the ranks' start-up skew (the same timeout
+    # bounds the rendezvous) cannot fail the world before the collective does.
+    cfg = with_fields(CFG, skip_on_rank=1, timeout_s=8)
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        spawn_world(collectives.run, 2, cfg, timeout_s=120)
+    assert caught.value.rank == 0 and caught.value.operation == "all_reduce"
+    assert "rank 0 failed in all_reduce" in str(caught.value) and "Timed out" in str(caught.value)
+    assert time.monotonic() - start < 60  # the timeout fired, nothing waited for the 120 s deadline
+
+
+def test_bad_options_are_rejected_with_the_valid_values():
+    with pytest.raises(RecipeError, match="unknown break_check='all_reduce'; valid values: all_reduce_sum, "):
+        collectives.CollectivesConfig(break_check="all_reduce")
+    with pytest.raises(RecipeError, match="skip_on_rank=3 needs a world of at least 2 with that rank in it"):
+        run_alone(collectives.run, with_fields(CFG, skip_on_rank=3))
+
+
+def test_torchrun_launch_with_three_ranks():
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=3", "-m", "recipes.collectives"], timeout_s=150)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["world_size"] == 3 and set(result["extras"]["ops"]) == set(collectives.OPS)
+    assert all(note == "ok" or note.startswith("fallback: ") for note in result["extras"]["ops"].values())
+    # One log line per op, from rank 0 only.
+    assert sum(f"] {name} " in proc.stdout for name in collectives.OPS) == len(collectives.OPS)
+    assert "[rank1]" not in proc.stdout and "[rank2]" not in proc.stdout
