@@ -18,7 +18,8 @@ stack, which splits it into segments and - pitfall - never checkpoints the last 
 
 Always ``use_reentrant=False``: the reentrant variant does not support ``torch.autograd.grad``, drops
 the parameters' gradients when no input requires grad, and needs ``static_graph=True`` under DDP;
-PyTorch asks for an explicit choice and recommends this one. Gradients are unchanged by checkpointing (tests assert it exactly).
+PyTorch recommends this one - but leaving ``use_reentrant`` out still selects the reentrant variant
+(torch 2.13 only warns), so always pass it. Gradients are unchanged by checkpointing (tests assert it exactly).
 
 The recipe reports the bytes autograd keeps for backward, measured, not estimated (``SavedTensorBytes``),
 and the time per step. It trains on one device; the same wrapping works under DDP and FSDP (apply it
