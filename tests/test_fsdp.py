@@ -1,0 +1,149 @@
+"""fsdp: every classic-FSDP strategy and option trains like DDP; its pitfalls are real and guarded."""
+
+import pytest
+import torch
+
+from recipes import ddp_torchrun, fsdp, zero
+from recipes.core.config import RecipeError
+from recipes.core.workload import build_model
+from recipes.core.world import join_world
+from tests.helpers import (BACKENDS, CUDA_DEVICES, PYTHON, assert_losses_close, assert_states_close, last_json,
+                           run_alone, run_cli, run_world, with_fields)
+from tests.test_memory import assert_about_fraction, run_pair
+
+STEPS = 4
+CFG = fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, timeout_s=120)
+CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping really happens
+# bf16 keeps 8 bits of mantissa (relative error 2^-8 = 0.4% per rounding): over 4 AdamW steps the
+# losses stay within 1e-2 and the weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2 of fp32.
+BF16_ATOL = 2e-2
+INJECT_STEP = 2
+
+# name -> config; every one runs in the same 2-rank world.
+RUNS = {
+    "full": CFG,
+    "shard_grad_op": with_fields(CFG, sharding_strategy="shard_grad_op"),
+    "no_shard": with_fields(CFG, sharding_strategy="no_shard"),
+    "checkpointed": with_fields(CFG, activation_checkpointing=True),
+    "wrap_size": with_fields(CFG, wrap_policy="size"),
+    "wrap_module": with_fields(CFG, wrap_policy="module"),
+    "wrap_none": with_fields(CFG, wrap_policy="none"),
+    "prefetch": with_fields(CFG, backward_prefetch="post", forward_prefetch=True, limit_all_gathers=False),
+    "prefetch_none": with_fields(CFG, backward_prefetch="none", sync_module_states=False),
+    "accumulate_sync": with_fields(CFG, micro_batches=3),
+    "accumulate_no_sync": with_fields(CFG, micro_batches=3, accumulation="no_sync"),
+    "clipped": with_fields(CFG, max_grad_norm=CLIP),
+    "bf16": with_fields(CFG, mixed_precision="bf16"),
+    "fp16": with_fields(CFG, mixed_precision="fp16", inject_inf_step=INJECT_STEP),
+    "fp16_amp_scaler": with_fields(CFG, mixed_precision="fp16", inject_inf_step=INJECT_STEP, grad_scaler="amp"),
+}
+FP32_EXACT = ["full", "shard_grad_op", "no_shard", "checkpointed", "wrap_size", "wrap_module", "wrap_none",
+              "prefetch", "prefetch_none", "accumulate_sync", "accumulate_no_sync"]
+
+
+def sync_module_states_check(_cfg):
+    """Each rank builds a DIFFERENT model (seed = rank): apply_fsdp must leave everyone with rank 0's."""
+    with join_world("gloo") as world:
+        model = fsdp.apply_fsdp(build_model("tiny", seed=world.rank), device=world.device)
+        state, _ = fsdp.full_state_on_rank0(model, params_on_host=True)
+        return state
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
+    runs, exact = dict(RUNS), list(FP32_EXACT)
+    if backend == "nccl":  # CPU offload pins host memory: it needs a GPU
+        runs["cpu_offload"] = with_fields(CFG, cpu_offload=True)
+        exact.append("cpu_offload")
+    pairs = [(fsdp.train, with_fields(cfg, backend=backend)) for cfg in runs.values()]
+    pairs += [(zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)),  # DDP's bytes
+              (sync_module_states_check, None)]
+    *outputs, ddp, synced = run_world(run_pair, 2, pairs, backend=backend, timeout_s=300)
+    results = dict(zip(runs, outputs))
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+
+    # Parity: every fp32 strategy, wrap policy, prefetch setting and accumulation mode is DDP's training.
+    for name in exact:
+        assert_losses_close(results[name].losses, reference.losses, atol=1e-5)
+        assert_states_close(results[name].final_state, reference.final_state, atol=1e-5)
+        # The checksum comes from the gathered FULL parameters: the same number for every strategy.
+        assert results[name].param_checksum == pytest.approx(reference.param_checksum, abs=1e-3), name
+    # Activation checkpointing recomputes the same forward: bit-identical weights, not merely close.
+    assert_states_close(results["checkpointed"].final_state, results["full"].final_state, atol=0.0)
+    # sync_module_states: ranks that initialised differently all train rank 0's weights.
+    assert_states_close(synced, {k: v.detach() for k, v in build_model("tiny", seed=0).state_dict().items()}, atol=0.0)
+
+    # Memory on 2 ranks, against DDP's bytes (tests/test_memory.py does 4 ranks and explains the slack).
+    ddp_memory = ddp.extras["memory_per_rank"][0]
+    for name in ("full", "shard_grad_op"):
+        for memory in results[name].extras["memory_per_rank"]:
+            for key in ddp_memory:
+                assert_about_fraction(memory[key], ddp_memory[key], 2, f"{name} {key}")
+    assert results["no_shard"].extras["memory_per_rank"][0]["grad_bytes"] == ddp_memory["grad_bytes"]
+
+    # no_sync: the accumulating ranks hold UNSHARDED gradients (N x); syncing every micro-batch keeps
+    # them sharded, and both give the same update (parity above).
+    synced_bytes = results["accumulate_sync"].extras["grad_bytes_accumulated"]
+    unsynced_bytes = results["accumulate_no_sync"].extras["grad_bytes_accumulated"]
+    assert_about_fraction(synced_bytes, ddp_memory["grad_bytes"], 2, "sync accumulation")
+    assert unsynced_bytes >= 0.9 * 2 * synced_bytes and unsynced_bytes >= ddp_memory["grad_bytes"]
+
+    # Clipping: FSDP.clip_grad_norm_ returns the norm of the whole (unsharded) gradient.
+    clipped_reference = run_alone(zero.train, zero.ZeroConfig(optimizer="adamw", max_grad_norm=CLIP, steps=STEPS,
+                                                              keep_final_state=True))
+    assert results["clipped"].extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
+    assert max(results["clipped"].extras["grad_norms"]) > CLIP
+    assert_states_close(results["clipped"].final_state, clipped_reference.final_state, atol=1e-5)
+
+    # bf16: compute in bf16, reduce in fp32; close to fp32 at the documented tolerance.
+    assert_losses_close(results["bf16"].losses, reference.losses, atol=BF16_ATOL / 2)
+    assert_states_close(results["bf16"].final_state, reference.final_state, atol=BF16_ATOL)
+
+    # fp16 + ShardedGradScaler: an inf in ONE rank's gradient shard makes EVERY rank skip that step and
+    # halve its scale. With the plain amp GradScaler only the injecting rank (1) notices: the ranks
+    # take different decisions and the model's shards are no longer one consistent model.
+    fp16 = results["fp16"].extras
+    assert fp16["skipped_steps_per_rank"] == [[INJECT_STEP], [INJECT_STEP]]
+    assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]  # 2^16 halved once, on both ranks
+    assert_losses_close(results["fp16"].losses[:INJECT_STEP + 1], reference.losses[:INJECT_STEP + 1], atol=BF16_ATOL)
+    wrong = results["fp16_amp_scaler"].extras
+    assert wrong["skipped_steps_per_rank"] == [[], [INJECT_STEP]]
+    assert wrong["loss_scale_per_rank"] == [2.0**16, 2.0**15]
+
+
+def test_torchrun_launch_equals_single_process():
+    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.fsdp",
+                        "--sharding-strategy", "shard_grad_op"])
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    result = last_json(launched.stdout)
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig())  # the same defaults, one process
+    assert result["world_size"] == 2 and result["recipe"] == "fsdp"
+    assert_losses_close(result["losses"], reference.losses, atol=1e-5)
+    assert result["param_checksum"] == pytest.approx(reference.param_checksum, abs=1e-3)
+    assert launched.stdout.count("] step ") == len(result["losses"]) and "[rank1]" not in launched.stdout
+
+
+def test_bad_options_fail_in_one_line():
+    proc = run_cli([PYTHON, "-m", "recipes.fsdp", "--sharding-strategy", "zero3"], timeout_s=60)
+    assert proc.returncode == 2
+    assert "invalid choice: 'zero3'" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(RecipeError, match="unknown wrap_policy='layer'; valid values: block, size, module, none"):
+        fsdp.FSDPConfig(wrap_policy="layer")
+    with pytest.raises(RecipeError, match="hybrid: world size 1 is not a multiple of ranks_per_node=2"):
+        run_alone(fsdp.train, with_fields(CFG, sharding_strategy="hybrid", ranks_per_node=2))
+
+
+@pytest.mark.skipif(CUDA_DEVICES > 0, reason="on a GPU host cpu_offload is valid (the NCCL run above covers it)")
+def test_cpu_offload_on_a_cpu_only_world_says_why_it_cannot_run():
+    with pytest.raises(RecipeError, match="cpu_offload needs a GPU"):
+        run_alone(fsdp.train, with_fields(CFG, cpu_offload=True))
+
+
+@pytest.mark.slow
+def test_three_ranks_uneven_shards_equal_ddp():
+    """3 ranks: flat parameters do not divide by 3, so shards are padded; the training is still DDP's."""
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    configs = [CFG, with_fields(CFG, sharding_strategy="shard_grad_op"), with_fields(CFG, activation_checkpointing=True)]
+    for result in run_world(fsdp.train, 3, configs, timeout_s=300):
+        assert_losses_close(result.losses, reference.losses, atol=1e-5)
+        assert_states_close(result.final_state, reference.final_state, atol=1e-5)

@@ -1,0 +1,102 @@
+"""fsdp2: fully_shard trains like DDP with every option; its pitfalls (fp16, clipping, no_sync) are guarded."""
+
+import pytest
+
+from recipes import ddp_torchrun, fsdp2, zero
+from recipes.core.config import RecipeError
+from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
+                           run_cli, run_world, with_fields)
+from tests.test_memory import assert_about_fraction, run_pair
+
+STEPS = 4
+CFG = fsdp2.FSDP2Config(steps=STEPS, keep_final_state=True, timeout_s=120)
+CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping really happens
+BF16_ATOL = 2e-2  # as in tests/test_fsdp.py: bf16's 8-bit mantissa over 4 AdamW steps
+INJECT_STEP = 2
+
+RUNS = {
+    "default": CFG,
+    "no_reshard": with_fields(CFG, reshard_after_forward="false"),
+    # CPU offload on a CPU world runs the offload code path (its tensors already live in host memory).
+    "prefetch_offload": with_fields(CFG, explicit_prefetch=True, cpu_offload=True),
+    "accumulate_sync": with_fields(CFG, micro_batches=3),
+    "accumulate_no_sync": with_fields(CFG, micro_batches=3, accumulation="no_sync"),
+    "clipped": with_fields(CFG, max_grad_norm=CLIP),
+    "bf16": with_fields(CFG, mixed_precision="bf16"),
+    "fp16": with_fields(CFG, mixed_precision="fp16", inject_inf_step=INJECT_STEP),
+}
+FP32_EXACT = ["default", "no_reshard", "prefetch_offload", "accumulate_sync", "accumulate_no_sync"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_shard_equals_ddp_with_every_option(backend):
+    pairs = [(fsdp2.train, with_fields(cfg, backend=backend)) for cfg in RUNS.values()]
+    pairs.append((zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
+    *outputs, ddp = run_world(run_pair, 2, pairs, backend=backend, timeout_s=300)
+    results = dict(zip(RUNS, outputs))
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+
+    for name in FP32_EXACT:
+        assert_losses_close(results[name].losses, reference.losses, atol=1e-5)
+        assert_states_close(results[name].final_state, reference.final_state, atol=1e-5)
+        assert results[name].param_checksum == pytest.approx(reference.param_checksum, abs=1e-3), name
+
+    ddp_memory = ddp.extras["memory_per_rank"][0]
+    for memory in results["default"].extras["memory_per_rank"]:
+        for key in ddp_memory:
+            assert_about_fraction(memory[key], ddp_memory[key], 2, f"fully_shard {key}")
+
+    # set_requires_gradient_sync(False) accumulates UNSHARDED gradients (N x); syncing every
+    # micro-batch keeps them sharded; both give DDP's update (parity above).
+    synced_bytes = results["accumulate_sync"].extras["grad_bytes_accumulated"]
+    unsynced_bytes = results["accumulate_no_sync"].extras["grad_bytes_accumulated"]
+    assert_about_fraction(synced_bytes, ddp_memory["grad_bytes"], 2, "sync accumulation")
+    assert unsynced_bytes >= 0.9 * 2 * synced_bytes and unsynced_bytes >= ddp_memory["grad_bytes"]
+
+    # torch.nn.utils.clip_grad_norm_ on DTensor gradients returns the unsharded model's norm.
+    clipped_reference = run_alone(zero.train, zero.ZeroConfig(optimizer="adamw", max_grad_norm=CLIP, steps=STEPS,
+                                                              keep_final_state=True))
+    assert results["clipped"].extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
+    assert max(results["clipped"].extras["grad_norms"]) > CLIP
+    assert_states_close(results["clipped"].final_state, clipped_reference.final_state, atol=1e-5)
+
+    assert_losses_close(results["bf16"].losses, reference.losses, atol=BF16_ATOL / 2)
+    assert_states_close(results["bf16"].final_state, reference.final_state, atol=BF16_ATOL)
+
+    # fp16 with the plain amp GradScaler: an inf in ONE rank's shard is found on EVERY rank (DTensor
+    # reduces found_inf over the mesh), so both skip the step and halve the scale.
+    fp16 = results["fp16"].extras
+    assert fp16["skipped_steps_per_rank"] == [[INJECT_STEP], [INJECT_STEP]]
+    assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]
+    assert_losses_close(results["fp16"].losses[:INJECT_STEP + 1], reference.losses[:INJECT_STEP + 1], atol=BF16_ATOL)
+
+
+def test_torchrun_launch_equals_single_process():
+    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.fsdp2", "--explicit-prefetch"])
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    result = last_json(launched.stdout)
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig())  # the same defaults, one process
+    assert result["world_size"] == 2 and result["recipe"] == "fsdp2"
+    assert_losses_close(result["losses"], reference.losses, atol=1e-5)
+    assert result["param_checksum"] == pytest.approx(reference.param_checksum, abs=1e-3)
+    assert launched.stdout.count("] step ") == len(result["losses"]) and "[rank1]" not in launched.stdout
+
+
+def test_bad_options_fail_in_one_line():
+    proc = run_cli([PYTHON, "-m", "recipes.fsdp2", "--reshard-after-forward", "maybe"], timeout_s=60)
+    assert proc.returncode == 2
+    assert "error: reshard_after_forward='maybe': use true, false, or a group size" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(RecipeError, match="hsdp_replicas=2 does not divide world size 1"):
+        run_alone(fsdp2.train, with_fields(CFG, hsdp_replicas=2))
+    with pytest.raises(RecipeError, match="reshard_after_forward=2 does not divide the shard group size 1"):
+        run_alone(fsdp2.train, with_fields(CFG, reshard_after_forward="2"))
+
+
+@pytest.mark.slow
+def test_three_ranks_uneven_shards_equal_ddp():
+    """3 ranks: dim 0 of most parameters does not divide by 3, so shards are padded; still DDP's training."""
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    for result in run_world(fsdp2.train, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], timeout_s=300):
+        assert_losses_close(result.losses, reference.losses, atol=1e-5)
+        assert_states_close(result.final_state, reference.final_state, atol=1e-5)

@@ -1,0 +1,60 @@
+"""zero: DDP + ZeroRedundancyOptimizer trains exactly like DDP and keeps 1/N of AdamW's state per rank."""
+
+import pytest
+
+from recipes import ddp_torchrun, zero
+from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
+                           run_cli, run_world, with_fields)
+
+CFG = zero.ZeroConfig(steps=4, keep_final_state=True, timeout_s=120)
+CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping really happens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero1_equals_ddp_with_half_the_optimizer_state(backend):
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=4, keep_final_state=True))
+    clipped_reference = run_alone(zero.train, with_fields(CFG, optimizer="adamw", max_grad_norm=CLIP))
+    ddp, zero1, clipped = run_world(
+        zero.train, 2, [with_fields(CFG, optimizer="adamw"), CFG, with_fields(CFG, max_grad_norm=CLIP)], backend=backend)
+
+    for result in (ddp, zero1):
+        assert_losses_close(result.losses, reference.losses, atol=1e-5)
+        assert_states_close(result.final_state, reference.final_state, atol=1e-5)
+    assert_losses_close(clipped.losses, clipped_reference.losses, atol=1e-5)
+    assert_states_close(clipped.final_state, clipped_reference.final_state, atol=1e-5)
+    # DDP's gradients are full on every rank, so the plain clip_grad_norm_ norm is the global one.
+    assert clipped.extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
+    assert max(clipped.extras["grad_norms"]) > CLIP
+
+    # Every parameter tensor is owned by exactly one rank, and the split is near even.
+    numel = sum(t.numel() for t in reference.final_state.values())
+    owned = zero1.extras["optimizer_numel_per_rank"]
+    assert sum(owned) == numel and ddp.extras["optimizer_numel_per_rank"] == [numel, numel]
+    largest = max(t.numel() for t in reference.final_state.values())
+    assert max(owned) <= numel / 2 + largest
+    # Memory: the optimizer state is split (the sum over ranks is DDP's: no state is held twice);
+    # parameters and gradients are not (that is ZeRO-2/3, recipes/fsdp.py).
+    ddp_memory = ddp.extras["memory_per_rank"][0]
+    zero_memory = zero1.extras["memory_per_rank"]
+    assert sum(m["optimizer_bytes"] for m in zero_memory) == ddp_memory["optimizer_bytes"]
+    for memory in zero_memory:
+        assert memory["optimizer_bytes"] <= ddp_memory["optimizer_bytes"] / 2 + 8 * largest + 4
+        assert memory["param_bytes"] == ddp_memory["param_bytes"] and memory["grad_bytes"] == ddp_memory["grad_bytes"]
+    # consolidate_state_dict(to=0) gathered every rank's partition: one state per parameter tensor.
+    assert zero1.extras["consolidated_optimizer_states"] == len(reference.final_state)
+
+
+def test_torchrun_launch_equals_single_process():
+    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.zero"])
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    result = last_json(launched.stdout)
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig())  # the same defaults, one process
+    assert result["world_size"] == 2 and result["recipe"] == "zero"
+    assert_losses_close(result["losses"], reference.losses, atol=1e-5)
+    assert launched.stdout.count("] step ") == len(result["losses"]) and "[rank1]" not in launched.stdout
+
+
+def test_unknown_optimizer_fails_in_one_line():
+    proc = run_cli([PYTHON, "-m", "recipes.zero", "--optimizer", "sgd"], timeout_s=60)
+    assert proc.returncode == 2
+    assert "invalid choice: 'sgd'" in proc.stderr and "Traceback" not in proc.stderr
