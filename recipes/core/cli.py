@@ -6,6 +6,7 @@ Errors a user can fix end in one line on stderr and a non-zero exit, never a han
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import Callable, Sequence, TypeVar
 
 import torch.distributed as dist
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from recipes.core.config import RecipeError, exit_with, parse_config
 from recipes.core.log import current_rank
 from recipes.core.result import RecipeResult
-from recipes.core.world import RankError
+from recipes.core.world import RankError, collective_in_frames
 
 C = TypeVar("C")
 
@@ -46,8 +47,10 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
 
 def _collective_failed(exc: BaseException) -> None:
     first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)][::-1]
+    operation = collective_in_frames(frames) or "a collective"
     exit_with(
-        f"rank {current_rank()}: a collective failed ({first.strip()[:200]}); another rank probably exited or "
+        f"rank {current_rank()}: {operation} failed ({first.strip()[:200]}); another rank probably exited or "
         "hung - see its error above; rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL for more",
         1,
     )

@@ -239,7 +239,7 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
         frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
         report = {
             "time": getattr(exc, "failed_at", time.time()), "type": type(exc).__name__, "message": _first_line(str(exc)),
-            "traceback": traceback.format_exc(), "operation": _operation(frames[::-1]),
+            "traceback": traceback.format_exc(), "operation": collective_in_frames(frames[::-1]),
             "is_recipe_error": isinstance(exc, RecipeError),
         }
         _write_atomically(os.path.join(workdir, f"error{rank}.pkl"), pickle.dumps(report))
@@ -308,7 +308,7 @@ def _raise_timeout(processes, workdir: str, timeout_s: float) -> None:
         with open(os.path.join(workdir, f"stack{rank}.txt")) as f:
             stack = f.read()
         frames = re.findall(r'File "(.+?)", line (\d+) in (\S+)', stack)
-        operation = _operation([(name, int(line), func) for name, line, func in frames])
+        operation = collective_in_frames([(name, int(line), func) for name, line, func in frames])
         user = next((f"{func} ({os.path.basename(name)}:{line})" for name, line, func in frames
                      if "/torch/" not in name and "multiprocessing" not in name), "unknown code")
         places.append(f"rank {rank} waiting in {operation or 'no collective'} called from {user}")
@@ -319,7 +319,7 @@ def _raise_timeout(processes, workdir: str, timeout_s: float) -> None:
     )
 
 
-def _operation(frames_innermost_first: list[tuple[str, int, str]]) -> str | None:
+def collective_in_frames(frames_innermost_first: list[tuple[str, int, str]]) -> str | None:
     """The public torch.distributed call a rank was in, from its frames (innermost first)."""
     for filename, _line, func in frames_innermost_first:
         if filename.endswith("distributed_c10d.py") and not func.startswith("_"):
