@@ -1,0 +1,426 @@
+"""The docs site: `mkdocs build --strict` passes, every recipe has its page in the nav with the generated
+sections, the hooks render what the code says, and a headless browser shows the navigation, the code
+and the mermaid diagrams of the built site, offline.
+
+The site is built once per test module (it imports every recipe, lightning included: a few seconds).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import fcntl
+import functools
+import http.server
+import importlib.util
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from recipes.__main__ import recipe_modules
+from recipes.core.config import TrainConfig, opt
+from tests.helpers import PYTHON, REPO_ROOT
+
+ROOT = Path(REPO_ROOT)
+TEMPLATE_SECTIONS = ["## What it solves", "## The code", "## How to run", "## Options", "## Measured", "## Pitfalls"]
+QUIET = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor
+
+
+def mkdocs_build(config: Path, site_dir: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **QUIET})
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    site_dir = tmp_path_factory.mktemp("site")
+    proc = mkdocs_build(ROOT / "mkdocs.yml", site_dir)
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-4000:]}"
+    return site_dir
+
+
+@functools.cache
+def hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def nav_pages() -> dict[str, str]:
+    """{page path: its group under Recipes} from mkdocs.yml, parsed by mkdocs itself."""
+    from mkdocs.config import load_config
+
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    return {path: group for group, entries in hooks()._recipe_groups(config["nav"]).items() for _, path in entries}
+
+
+def page_text(site_dir: Path, page: str) -> str:
+    """The visible text of a built page's article, tags stripped."""
+    import html
+
+    source = (site_dir / page / "index.html").read_text()
+    article = source[source.index("<article"):source.index("</article>")]
+    return html.unescape(re.sub(r"<[^>]+>", "", article))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every recipe has its page, in the nav, built from the template.
+
+
+@pytest.mark.parametrize("name", recipe_modules())
+def test_every_recipe_has_a_page_in_the_nav_with_the_template(name):
+    path = ROOT / "docs" / "recipes" / f"{name}.md"
+    assert path.exists(), f"recipes/{name}.py has no docs page: write docs/recipes/{name}.md (copy ddp_torchrun.md)"
+    assert f"recipes/{name}.md" in nav_pages(), (
+        f"docs/recipes/{name}.md is not in the nav: add it under Recipes in mkdocs.yml, in its group")
+    text = path.read_text()
+    assert text.startswith(f"# {name}: "), f"the page must open with '# {name}: <title>'"
+    positions = [text.find(f"\n{section}\n") for section in TEMPLATE_SECTIONS]
+    missing = [s for s, p in zip(TEMPLATE_SECTIONS, positions) if p < 0]
+    assert not missing, f"docs/recipes/{name}.md lacks the sections {missing}"
+    assert positions == sorted(positions), f"the sections must come in this order: {TEMPLATE_SECTIONS}"
+    options = re.search(rf"^<!-- options: recipes\.{name}\.(\w+) -->$", text, re.M)
+    assert options, f"## Options must contain <!-- options: recipes.{name}.<ConfigClass> -->"
+    assert re.search(rf"^<!-- results: {name} -->$", text, re.M), f"## Measured must contain <!-- results: {name} -->"
+    # Code is included from the tested source, never pasted: python blocks hold snippet lines only.
+    for block in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S):
+        pasted = [line for line in block.splitlines() if line.strip() and not line.strip().startswith("--8<--")]
+        assert not pasted, f"python code pasted into the page instead of included with --8<--: {pasted[:3]}"
+    code = text[positions[1]:positions[2]]
+    assert f'--8<-- "recipes/{name}.py' in code, f"## The code must include recipes/{name}.py with a snippet line"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The built site: strict, complete, generated parts present.
+
+
+def test_the_recipe_page_shows_included_code_generated_options_and_measured_figures(site):
+    from recipes.core.config import config_table
+    from recipes.ddp_torchrun import DDPConfig
+
+    text = page_text(site, "recipes/ddp_torchrun")
+    # The code is the tested source between its markers, with the markers themselves removed.
+    assert "def train(cfg: DDPConfig) -> RecipeResult:" in text
+    assert "--8<--" not in text
+    for flag, default, help_text in config_table(DDPConfig):
+        assert flag in text and help_text in text, f"option {flag} missing from the generated table"
+    results = json.loads((ROOT / "results" / "ddp_torchrun.json").read_text())
+    assert results["command"] in text and "Time per step" in text and "Not measured yet" not in text
+    assert f"{results['result']['peak_memory_bytes'] / 2**20:,.0f} MiB" in text
+
+
+def test_the_api_reference_documents_every_module_with_stable_anchors(site):
+    core = (site / "reference" / "core" / "index.html").read_text()
+    import recipes.core.world as world
+
+    for name in world.__all__:
+        assert f'id="recipes.core.world.{name}"' in core, f"recipes.core.world.{name} missing from the API reference"
+    reference = (site / "reference" / "recipes" / "index.html").read_text()
+    for name in recipe_modules():
+        assert f'id="recipes.{name}"' in reference, f"recipes.{name} missing from the API reference"
+    assert 'id="recipes.ddp_torchrun.train"' in reference and 'id="recipes.ddp_torchrun.DDPConfig"' in reference
+
+
+def test_the_recipes_index_lists_every_recipe_with_its_command(site):
+    text = page_text(site, "recipes")
+    for name in recipe_modules():
+        assert re.search(rf"^{name}( \(no page yet\))?$", text, re.M), f"{name} missing from the recipes index"
+    assert "torchrun --standalone --nproc_per_node=2 -m recipes.ddp_torchrun" in text
+
+
+# ----------------------------------------------------------------------------------------------------
+# The strict build fails on what it must fail on (each case a small site that inherits mkdocs.yml).
+
+
+@pytest.mark.parametrize("case", ["links_and_nav", "snippet_section", "snippet_file"])
+def test_strict_build_fails_on_broken_links_missing_snippets_and_pages_left_out_of_the_nav(case, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    config = tmp_path / "mkdocs.yml"
+    config.write_text(f"INHERIT: {ROOT / 'mkdocs.yml'}\ndocs_dir: docs\nhooks: []\nnav:\n  - index.md\n  - other.md\n")
+    (docs / "other.md").write_text("# Other\n\n## Present\n")
+    snippet = {"snippet_section": "recipes/ddp_torchrun.py:no_such_section",
+               "snippet_file": "recipes/no_such_recipe.py:train"}.get(case, "recipes/ddp_torchrun.py:train")
+    (docs / "index.md").write_text(f'# Home\n\n```python\n--8<-- "{snippet}"\n```\n')
+    if case == "links_and_nav":
+        (docs / "index.md").write_text("# Home\n\n[a missing page](missing.md) and "
+                                       "[a missing anchor](other.md#absent)\n")
+        (docs / "orphan.md").write_text("# Not in the nav\n")
+    proc = mkdocs_build(config, tmp_path / "site", timeout_s=120)
+    assert proc.returncode != 0, "the strict build should have failed"
+    expected = {
+        "links_and_nav": ["'missing.md', but the target is not found", "'#absent'", "orphan.md", "strict mode"],
+        "snippet_section": ["Snippet section 'no_such_section' could not be located"],
+        "snippet_file": ["Snippet at path 'recipes/no_such_recipe.py' could not be found"],
+    }[case]
+    output = proc.stdout + proc.stderr
+    for message in expected:
+        assert message in output, f"expected {message!r} in:\n{output[-3000:]}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The hooks, called directly.
+
+
+class FakePage:
+    class file:
+        src_uri = "recipes/example.md"
+
+
+def render(markdown: str) -> str:
+    return hooks().on_page_markdown(markdown, page=FakePage(), config={"nav": [], "docs_dir": str(ROOT / "docs")}, files=None)
+
+
+def test_a_marker_naming_something_missing_is_a_warning_that_fails_the_strict_build(caplog):
+    out = render("<!-- options: recipes.ddp_torchrun.NoSuchConfig -->\n<!-- options: recipes.no_such_recipe.C -->")
+    assert out.count('!!! failure "Generated content missing"') == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("mkdocs.") and r.levelname == "WARNING"]
+    assert any("recipes.ddp_torchrun has no 'NoSuchConfig'" in w for w in warnings), warnings
+    assert any("cannot import recipes.no_such_recipe" in w for w in warnings), warnings
+
+
+def test_markers_inside_code_blocks_are_left_alone():
+    text = "```markdown\n<!-- results: ddp_torchrun -->\n```\n"
+    assert render(text) == text
+
+
+def test_a_recipe_without_results_gets_a_note_saying_how_to_measure_it():
+    out = render("<!-- results: not_measured_recipe -->")
+    assert "Not measured yet" in out and "python scripts/collect_results.py not_measured_recipe" in out
+
+
+@dataclasses.dataclass
+class ExampleConfig(TrainConfig):
+    precision: Literal["bf16", "fp16"] = opt("bf16", "autocast dtype")
+    steps: int = opt(20, "more steps than the shared default")
+
+
+def test_option_tables_separate_a_recipes_own_options_from_the_shared_ones():
+    own, _, shared = render(f"<!-- options: {__name__}.ExampleConfig -->").partition("??? info")
+    assert "| `--precision` | `'bf16'` | autocast dtype. One of: `bf16`, `fp16` |" in own
+    assert "| `--steps` | `20` |" in own, "an overridden shared default belongs with the recipe's own options"
+    assert "`--global-batch-size`" in shared and "`--global-batch-size`" not in own
+    assert "`--keep-final-state / --no-keep-final-state`" in shared
+
+
+def test_a_malformed_results_file_fails_with_the_command_that_remakes_it(tmp_path, monkeypatch):
+    (tmp_path / "ddp_torchrun.json").write_text('{"result": {}}')
+    monkeypatch.setattr(hooks(), "RESULTS_DIR", tmp_path)
+    with pytest.raises(hooks().MarkerError, match=r"results/ddp_torchrun.json is not a results file \(KeyError: 'machine'\); "
+                                                  r"rerun python scripts/collect_results.py ddp_torchrun"):
+        hooks().render_results("ddp_torchrun")
+
+
+# ----------------------------------------------------------------------------------------------------
+# scripts/collect_results.py
+
+
+def test_collect_results_writes_what_the_measured_section_renders(tmp_path):
+    command = "python -m recipes.ddp_torchrun --steps 3"
+    proc = subprocess.run([PYTHON, "scripts/collect_results.py", "ddp_torchrun", "--command", command,
+                           "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "ddp_torchrun.json").read_text())
+    assert data["command"] == command and data["result"]["world_size"] == 1 and len(data["result"]["losses"]) == 3
+    assert data["machine"]["cpu_cores"] >= 1 and data["torch"] and data["python"]
+    table = hooks().results_markdown(data, "ddp_torchrun")
+    assert "| World | 1 rank(s), backend `gloo`, device `cpu` |" in table
+    assert f"`{command}`" in table and "Time per step" in table
+
+
+def test_collect_results_reports_a_failing_recipe_and_keeps_the_old_file(tmp_path):
+    (tmp_path / "ddp_torchrun.json").write_text("{}")
+    # A command that fails without importing torch: the failure path is what is tested, quickly.
+    command = "python -c 'import sys; sys.exit(\"error: no such option\")'"
+    proc = subprocess.run([PYTHON, "scripts/collect_results.py", "ddp_torchrun", "--command", command,
+                           "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "FAILED: exited with code 1" in proc.stdout and "error: no such option" in proc.stdout
+    assert (tmp_path / "ddp_torchrun.json").read_text() == "{}"
+
+
+def test_every_committed_results_file_renders():
+    for path in sorted((ROOT / "results").glob("*.json")):
+        data = json.loads(path.read_text())
+        assert data["recipe"] == path.stem and path.stem in recipe_modules(), f"{path.name}: no such recipe"
+        hooks().results_markdown(data, path.stem)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The built site in a browser: headless Chromium over the DevTools protocol (on a pipe: no websocket
+# library needed), served from localhost, with no network beyond it.
+
+
+def find_chromium() -> str | None:
+    return next((path for name in ("chromium", "chromium-browser", "google-chrome") if (path := shutil.which(name))), None)
+
+
+class Chromium:
+    """A headless Chromium driven over --remote-debugging-pipe (fd 3 in, fd 4 out, NUL-separated JSON)."""
+
+    def __init__(self, binary: str, profile_dir: Path):
+        to_browser, self._to_browser = os.pipe()
+        self._from_browser, from_browser = os.pipe()
+        # Chromium expects the pipe on fds 3 and 4: a small Python trampoline moves the ends there (from
+        # above 9, so that neither can overwrite the other) and becomes Chromium.
+        to_browser, from_browser = (self._above_9(fd) for fd in (to_browser, from_browser))
+        trampoline = (f"import os, sys; os.dup2({to_browser}, 3); os.dup2({from_browser}, 4); "
+                      "os.execv(sys.argv[1], sys.argv[1:])")
+        self.process = subprocess.Popen(
+            [PYTHON, "-c", trampoline, binary, "--headless", "--no-sandbox", "--disable-gpu",
+             "--remote-debugging-pipe", "--no-first-run", f"--user-data-dir={profile_dir}",
+             "--window-size=1280,1600", "about:blank"],
+            pass_fds=(to_browser, from_browser), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_browser)
+        os.close(from_browser)
+        self._buffer, self._last_id, self.events = b"", 0, []
+
+    @staticmethod
+    def _above_9(fd: int) -> int:
+        moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(fd)
+        return moved
+
+    def send(self, method: str, params: dict | None = None, session: str | None = None, timeout_s: float = 60) -> dict:
+        self._last_id += 1
+        message = {"id": self._last_id, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        os.write(self._to_browser, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._receive(deadline)
+            if reply.get("id") == self._last_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+            self.events.append(reply)
+
+    def _receive(self, deadline: float) -> dict:
+        while b"\0" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("Chromium did not answer in time")
+            if select.select([self._from_browser], [], [], left)[0]:
+                chunk = os.read(self._from_browser, 1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"Chromium exited with code {self.process.wait(10)}")
+                self._buffer += chunk
+        raw, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(raw)
+
+    def open(self, url: str) -> str:
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Page", "Runtime", "Network"):
+            self.send(f"{domain}.enable", session=session)
+        self.send("Page.navigate", {"url": url}, session=session)
+        return session
+
+    def evaluate(self, session: str, expression: str):
+        reply = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session)
+        return reply["result"].get("value")
+
+    def close(self) -> None:
+        try:
+            self.send("Browser.close", timeout_s=10)
+            self.process.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - whatever happened, do not leave the browser running
+            self.process.kill()
+            self.process.wait()
+        os.close(self._to_browser)
+        os.close(self._from_browser)
+
+
+@pytest.fixture(scope="module")
+def served_site(site):
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+def shadow_svgs(node: dict, in_shadow: bool = False) -> list[dict]:
+    """The <svg> elements inside shadow roots (mkdocs-material renders each mermaid diagram into a closed one)."""
+    found = [node] if in_shadow and node.get("nodeName", "").lower() == "svg" else []
+    for child in node.get("children", []):
+        found += shadow_svgs(child, in_shadow)
+    for root in node.get("shadowRoots", []):
+        found += shadow_svgs(root, True)
+    return found
+
+
+def texts(node: dict) -> str:
+    return (node.get("nodeValue") or "") + " ".join(texts(child) for child in node.get("children", []))
+
+
+@pytest.mark.parametrize("page, code_text, diagram_text", [
+    ("", "python -m recipes.ddp_torchrun", "join_world"),
+    ("recipes/ddp_torchrun/", "def train(cfg: DDPConfig) -> RecipeResult:", "optimizer.step()"),
+])
+def test_a_browser_shows_navigation_code_and_diagrams_offline(page, code_text, diagram_text, served_site, site, tmp_path):
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("headless Chromium not found (Debian: apt-get install chromium)")
+    diagrams = (site / page / "index.html").read_text().count('<pre class="mermaid">')
+    assert diagrams >= 1, f"{page or 'home'}: expected a mermaid diagram in the built page"
+    browser = Chromium(binary, tmp_path / "profile")
+    try:
+        session = browser.open(served_site + page)
+        deadline, rendered = time.monotonic() + 90, 0
+        while time.monotonic() < deadline:
+            rendered = browser.evaluate(session, "document.readyState === 'complete' && "
+                                                 "document.querySelectorAll('div.mermaid').length")
+            if rendered == diagrams:
+                break
+            time.sleep(0.25)
+        assert rendered == diagrams, f"{rendered or 0} of {diagrams} mermaid diagrams rendered"
+
+        nav = browser.evaluate(session, "[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link')]"
+                                        ".map(a => a.textContent.trim())")
+        assert {"Home", "ddp_torchrun", "Troubleshooting", "recipes.core"} <= set(nav), nav
+        code = browser.evaluate(session, "[...document.querySelectorAll('.highlight code')].map(c => c.textContent)")
+        assert any(code_text in block for block in code), f"no code block shows {code_text!r}"
+        assert browser.evaluate(session, "document.querySelectorAll('.highlight .md-code__button[data-md-type=copy]').length"), \
+            "the theme's JavaScript did not decorate the code blocks"
+
+        svgs = shadow_svgs(browser.send("DOM.getDocument", {"depth": -1, "pierce": True}, session=session)["root"])
+        assert len(svgs) == diagrams
+        errors = [svg for svg in svgs if ("aria-roledescription", "error") in zip(*[iter(svg.get("attributes", []))] * 2)]
+        assert not errors, "mermaid rendered a syntax-error diagram"
+        assert any(diagram_text in texts(svg) for svg in svgs), f"no diagram shows {diagram_text!r}"
+
+        screenshot = base64.b64decode(browser.send("Page.captureScreenshot", {"format": "png"}, session=session)["data"])
+        assert screenshot.startswith(b"\x89PNG") and len(screenshot) > 20_000
+        out_dir = Path(os.environ.get("DOCS_SCREENSHOT_DIR", tmp_path))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{page.strip('/').replace('/', '_') or 'home'}.png").write_bytes(screenshot)
+
+        exceptions = [e["params"]["exceptionDetails"] for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
+        assert not exceptions, f"JavaScript errors: {exceptions}"
+        requests = {e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"}
+        external = sorted(url for url in requests if not url.startswith((served_site, "data:", "blob:")))
+        assert not external, f"the site reaches outside localhost (fails offline): {external}"
+        missing = sorted(e["params"]["response"]["url"] for e in browser.events
+                         if e.get("method") == "Network.responseReceived" and e["params"]["response"]["status"] >= 400)
+        assert not missing, f"the page asks for files the site does not have: {missing}"
+    finally:
+        browser.close()
