@@ -5,12 +5,17 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recipes import memory_estimate
 from recipes.core.config import RecipeError
 from recipes.core.memory import model_state_bytes
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
+from recipes.fsdp import apply_fsdp
+from recipes.fsdp2 import apply_fully_shard
 from recipes.memory_estimate import LAYOUTS, EstimateConfig, estimate, model_state_per_rank
 from tests.helpers import PYTHON, last_json, run_cli
 
@@ -94,34 +99,19 @@ def test_cli_prints_the_table_and_the_same_figures_as_json_last():
 
 
 def _wrap(strategy, model, world):
-    """The model and optimizer of each strategy, as the sharding recipes build them."""
+    """The model and optimizer of each strategy, as the recipes build them (recipes.zero, .fsdp, .fsdp2)."""
     if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         wrapped = DDP(model)
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    if strategy == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
+    if strategy == "zero1":  # as recipes.zero builds it
         wrapped = DDP(model)
         return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     if strategy == "fsdp_full_shard":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import ShardingStrategy
-
-        wrapped = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=world.device,
-                       use_orig_params=True)
+        wrapped = apply_fsdp(model, sharding_strategy="full", device=world.device)
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     if strategy == "fully_shard":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(world.device.type, (world.world_size,))
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+        wrapped = apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)))
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     raise AssertionError(strategy)
 
 

@@ -1,0 +1,503 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): resume on any world size, export, crash-safe.
+
+    torchrun --standalone --nproc_per_node=2 -m recipes.sharded_checkpoint --strategy fsdp2 --steps 3
+    torchrun --standalone --nproc_per_node=4 -m recipes.sharded_checkpoint --steps 6 --resume-from latest
+    python -m recipes.sharded_checkpoint --steps 6 --resume-from latest --export-to model.pt  # 1 rank reads it too
+
+Every rank writes only the shard it holds (``dcp.save``), in parallel, and a load reads what each rank of
+the NEW world needs, whatever world wrote it: a checkpoint from 2 ranks resumes on 1, 3 or 4, from FSDP
+into fully_shard or DDP. What a resumed run needs is one ``Stateful`` (``AppState``): model, optimizer,
+the data position (epoch and batches done in it) and every rank's RNG state. A run resumed at step k
+gives the same losses as one that never stopped (tests/test_sharded_checkpoint.py asserts it for DDP,
+FSDP and fully_shard, and after resharding to 1, 3 and 4 ranks).
+
+Crash safety, the part DCP leaves to you: DCP writes shards straight into the directory it is given and
+``.metadata`` last, so a save that dies part-way leaves a half-written directory, and saving over the last
+good checkpoint destroys it. Here every save goes to ``.tmp-step_N/`` beside the target; when all ranks
+are done, rank 0 writes a manifest (name, size, sha256 of every file), renames the directory to
+``step_N/`` (atomic on one filesystem) and then replaces the ``latest`` pointer file (atomic too). A load
+verifies the manifest first and refuses a missing, truncated or altered file with a one-line error that
+names it. The checkpoint directory must be on a filesystem every rank sees (as DCP itself requires).
+
+``--async-save`` overlaps writing with training (``dcp.async_save``: the state is copied to host memory,
+then written by a background thread); the next save first waits for the previous one and publishes it.
+``--export-to`` writes one full ``state_dict`` file on rank 0 for single-device inference
+(``torch.load(..., weights_only=True)`` into a plain model), and ``--init-from`` is the path back: rank 0
+reads such a file and every rank gets its shard. Offline, without a world:
+``python -m torch.distributed.checkpoint.format_utils dcp_to_torch step_N/ model.pt`` converts a whole
+checkpoint (optimizer included) to one torch.save file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from recipes.core.cli import run_cli
+from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
+from recipes.core.log import get_logger
+from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.workload import build_model, lm_loss, make_dataset
+from recipes.core.world import World, join_world
+from recipes.fsdp import apply_fsdp
+from recipes.fsdp2 import apply_fully_shard
+
+log = get_logger(__name__)
+
+MANIFEST = "MANIFEST.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass
+class CheckpointConfig(TrainConfig):
+    strategy: Literal["ddp", "fsdp", "fsdp2"] = opt(
+        "fsdp2", "ddp (replicated), fsdp (classic FullyShardedDataParallel) or fsdp2 (fully_shard); a checkpoint "
+        "saved with one loads into any other")
+    checkpoint_dir: str = opt("checkpoints/sharded_checkpoint", "where step_NNNNNNNN/ checkpoints and the 'latest' pointer live")
+    save_every: int = opt(3, "save every N steps and after the last one; 0 = never save")
+    resume_from: str = opt("", "'' = start fresh; 'latest' = the checkpoint 'latest' names in --checkpoint-dir "
+                               "(fresh if there is none yet); or a checkpoint directory")
+    async_save: bool = opt(False, "write checkpoints in the background (dcp.async_save) while training goes on")
+    keep_last: int = opt(2, "published checkpoints to keep; older ones are deleted (0 = keep all)")
+    export_to: str = opt("", "after training, rank 0 writes the full model state_dict to this file (for inference)")
+    init_from: str = opt("", "when starting fresh, load the model from this full state_dict file (e.g. an --export-to "
+                             "file): rank 0 reads it, every rank gets its part")
+    batches_per_epoch: int = opt(4, "global batches per epoch of the synthetic data; 4 makes 6 steps cross an epoch "
+                                    "boundary, so a resume must restore the epoch, not only the step")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("save_every", "keep_last"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.batches_per_epoch < 1:
+            raise RecipeError(f"batches_per_epoch must be >= 1, got {self.batches_per_epoch}")
+
+
+def parallelize(model: nn.Module, strategy: str, world: World) -> nn.Module:
+    """The model as each strategy wraps it (recipes.fsdp / recipes.fsdp2); the checkpoint code is the same for all."""
+    if strategy == "ddp":
+        return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    if strategy == "fsdp":
+        return apply_fsdp(model, device=world.device)
+    return apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)))
+
+
+# --8<-- [start:app_state]
+class AppState(Stateful):
+    """Everything a resumed run needs. DCP calls ``state_dict()`` on every rank when saving, and
+    ``state_dict()`` (for the shapes to read into) then ``load_state_dict()`` when loading."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
+                 group: dist.ProcessGroup | None = None):
+        self.model, self.optimizer, self.group = model, optimizer, group
+        # The data position, in world-size-free units: global step s reads the same samples on any world
+        # size, so (epoch, global batches done in it) means the same thing to a resharded run.
+        self.progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "global_batch_size": global_batch_size}
+
+    def state_dict(self) -> dict[str, Any]:
+        # get_state_dict: one call for DDP, FSDP and fully_shard. Names come without "module." or
+        # "_fsdp_wrapped_module." prefixes, and sharded tensors stay sharded (DTensor / ShardedTensor),
+        # so each rank writes only its part and any other wrapping can read it back.
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state, "progress": dict(self.progress),
+                "rng": gather_rng_states(self.group)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.progress = dict(state["progress"])
+        restore_rng_state(state["rng"])
+
+
+def gather_rng_states(group: dist.ProcessGroup | None) -> dict[str, list[str]]:
+    """Every rank's RNG states, so that dropout masks or random augmentations continue, not restart.
+
+    Gathered into lists that are the same on every rank: DCP stores a value that every rank has once,
+    and a per-rank key would be missing for the extra ranks of a larger world. A list of strings is one
+    value to DCP (a list of tensors would be split into per-rank keys again) and loads with
+    ``weights_only=True`` (bytes would not). "cuda" is always there, empty on a CPU world, so that a GPU
+    world can load a CPU world's checkpoint.
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    local = (torch.get_rng_state().numpy().tobytes().hex(), torch.cuda.get_rng_state().numpy().tobytes().hex() if cuda else "")
+    states: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, local, group=group)
+    return {"cpu": [cpu for cpu, _ in states], "cuda": [cuda for _, cuda in states]}
+
+
+def restore_rng_state(states: dict[str, list[str]]) -> None:
+    # Same world size: each rank continues its own stream. Resharded: rank r takes saved rank r mod N's
+    # (per-rank streams of a different world size cannot be continued; this keeps them deterministic).
+    index = dist.get_rank() % len(states["cpu"])
+    torch.set_rng_state(torch.frombuffer(bytearray.fromhex(states["cpu"][index]), dtype=torch.uint8))
+    if states["cuda"][index] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray.fromhex(states["cuda"][index]), dtype=torch.uint8))
+# --8<-- [end:app_state]
+
+
+# --8<-- [start:data_position]
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` that can start part-way into an epoch, without reading the skipped batches.
+
+    Global batch b of an epoch is positions [b*G, (b+1)*G) of the epoch's shuffled order, dealt round-robin,
+    whatever the world size; skipping b batches = skipping b * per_rank_batch_size of this rank's indices.
+    (torchdata's StatefulDataLoader does the same for real pipelines with workers.)
+    """
+
+    def __init__(self, dataset: Dataset, *, per_rank_batch_size: int, **kwargs: Any):
+        super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
+        self.per_rank_batch_size = per_rank_batch_size
+        self.skip_batches = 0  # applies to the next epoch iterated, then resets
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())[self.skip_batches * self.per_rank_batch_size:]
+        self.skip_batches = 0
+        return iter(indices)
+
+
+def steps_from(loader: DataLoader, sampler: ResumableSampler, progress: dict[str, int],
+               num_steps: int) -> Iterator[tuple[int, Any, dict[str, int]]]:
+    """Yield ``(step, batch, progress after this batch)`` from the saved position up to ``num_steps``."""
+    step, epoch, batch_in_epoch = progress["step"], progress["epoch"], progress["batch_in_epoch"]
+    sampler.skip_batches = batch_in_epoch
+    while step < num_steps:
+        sampler.set_epoch(epoch)  # Pitfall: restore the epoch too, or the resumed epoch reshuffles differently
+        for batch in loader:
+            if step == num_steps:
+                return
+            batch_in_epoch += 1
+            step += 1
+            yield step - 1, batch, {**progress, "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch}
+        epoch, batch_in_epoch = epoch + 1, 0
+# --8<-- [end:data_position]
+
+
+# --8<-- [start:save]
+@dataclass
+class PendingSave:
+    """A checkpoint whose shards may still be being written; ``finish()`` waits and publishes it."""
+
+    root: str
+    step: int
+    group: dist.ProcessGroup | None
+    keep_last: int
+    future: Any = None  # dcp.async_save's future; None for a blocking save
+    tmp_dir: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tmp_dir = os.path.join(self.root, TMP_PREFIX + step_dir_name(self.step))
+
+    def finish(self) -> str:
+        if self.future is not None:
+            self.future.result()  # re-raises here if this rank's background write failed
+        return publish(self)
+
+
+def save_checkpoint(root: str, app: AppState, step: int, *, group: dist.ProcessGroup | None,
+                    async_save: bool = False, keep_last: int = 0) -> PendingSave:
+    """Write every rank's shard into ``root/.tmp-step_N``; call ``finish()`` on the result to publish it."""
+    final_dir = os.path.join(root, step_dir_name(step))
+    if os.path.exists(final_dir):  # every rank sees it (shared filesystem): all raise, none hangs
+        raise RecipeError(f"{final_dir} already exists: a checkpoint is never written over; "
+                          "resume from it or use another --checkpoint-dir")
+    pending = PendingSave(root, step, group, keep_last)
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # the remains of saves that died part-way: never published, never read
+            if name.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(root, name))
+    dist.barrier(group=group)  # nobody writes into .tmp-* before rank 0 has cleared it
+    if async_save:
+        # The state is copied to host memory before async_save returns, so training may change the
+        # parameters right away; the write runs in a thread, with collectives on `group` only.
+        future = dcp.async_save({"app": app}, checkpoint_id=pending.tmp_dir, process_group=group)
+        pending.future = getattr(future, "upload_completion", future)  # newer torch returns a response object
+    else:
+        dcp.save({"app": app}, checkpoint_id=pending.tmp_dir, process_group=group)
+    return pending
+
+
+def publish(pending: PendingSave) -> str:
+    """Manifest, then one rename, then the ``latest`` pointer: a crash at any point leaves the last good
+    checkpoint loadable and ``latest`` naming a complete one."""
+    rank, group = dist.get_rank(), pending.group
+    dist.barrier(group=group)  # every rank's dcp.save has returned, so .metadata and all shards exist
+    files = sorted(os.listdir(pending.tmp_dir))
+    entries = _gather_file_entries(pending.tmp_dir, files, group)  # hashing is split over the ranks
+    final_dir = os.path.join(pending.root, step_dir_name(pending.step))
+    if rank == 0:
+        manifest = {"step": pending.step, "world_size": dist.get_world_size(), "files": entries}
+        _write_durably(os.path.join(pending.tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+        os.rename(pending.tmp_dir, final_dir)  # atomic: the checkpoint appears whole or not at all
+        _fsync_dir(pending.root)
+        _write_durably(os.path.join(pending.root, LATEST), step_dir_name(pending.step).encode())
+        _prune(pending.root, pending.keep_last)
+    dist.barrier(group=group)  # nobody reads 'latest' before it names the new checkpoint
+    return final_dir
+# --8<-- [end:save]
+
+
+def _gather_file_entries(directory: str, files: list[str], group: dist.ProcessGroup | None) -> dict[str, dict]:
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    mine = {name: _file_entry(os.path.join(directory, name)) for name in files[rank::world_size]}
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    return dict(sorted((name, entry) for part in gathered for name, entry in part.items()))
+
+
+def _file_entry(path: str) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    """Write to a temporary name, fsync, rename over ``path``: readers see the old or the new file, whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # makes the rename itself durable, not only the file contents
+    finally:
+        os.close(fd)
+
+
+def published_steps(root: str) -> list[int]:
+    """Steps of the published checkpoints in ``root`` (a directory with a manifest), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(root))
+                  if m and os.path.exists(os.path.join(root, m.group(0), MANIFEST)))
+
+
+def _prune(root: str, keep_last: int) -> None:
+    if keep_last > 0:
+        for step in published_steps(root)[:-keep_last]:
+            shutil.rmtree(os.path.join(root, step_dir_name(step)))
+
+
+# --8<-- [start:load]
+def find_checkpoint(resume_from: str, checkpoint_dir: str) -> str | None:
+    """The directory to resume from, or None to start fresh."""
+    if not resume_from:
+        return None
+    if resume_from == "latest":
+        pointer = os.path.join(checkpoint_dir, LATEST)
+        if not os.path.exists(pointer):
+            return None  # the first run of a job that always says --resume-from latest
+        with open(pointer) as f:
+            path = os.path.join(checkpoint_dir, f.read().strip())
+        if not os.path.isdir(path):
+            raise RecipeError(f"{pointer} names {path}, which does not exist; pass --resume-from <a step_* directory>")
+        return path
+    if not os.path.isdir(resume_from):
+        raise RecipeError(f"--resume-from {resume_from}: no such checkpoint directory")
+    return resume_from
+
+
+def verify_checkpoint(path: str, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Check every file against the manifest written at publish time; RecipeError naming the first bad one.
+
+    Works without a world too (a world of 1). In a world, the hashing is split over the ranks and every
+    rank raises the same error.
+    """
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest_path):
+        raise RecipeError(f"{path} is not a complete checkpoint: {MANIFEST} is missing (a save that did not "
+                          "finish?); resume from a published step_* directory, e.g. --resume-from latest")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        expected = manifest["files"]
+    except (ValueError, KeyError) as exc:
+        raise RecipeError(f"{manifest_path} is unreadable ({exc}); the checkpoint cannot be verified") from None
+    if ".metadata" not in expected:
+        raise RecipeError(f"{manifest_path} lists no .metadata file; this is not a DCP checkpoint")
+    names = sorted(expected)
+    rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    problems = {name: _file_problem(os.path.join(path, name), expected[name]) for name in names[rank::world_size]}
+    if world_size > 1:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, problems, group=group)
+        problems = {name: problem for part in gathered for name, problem in part.items()}
+    bad = [problems[name] for name in names if problems[name]]
+    if bad:
+        more = f" ({len(bad) - 1} more bad file(s))" if len(bad) > 1 else ""
+        raise RecipeError(f"{bad[0]}{more}; resume from another checkpoint")
+    return manifest
+
+
+def _file_problem(path: str, expected: dict[str, Any]) -> str | None:
+    if not os.path.exists(path):
+        return f"checkpoint file {path} is missing"
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        return f"checkpoint file {path} is truncated or overwritten: {size} bytes, the manifest says {expected['bytes']}"
+    if _file_entry(path)["sha256"] != expected["sha256"]:
+        return f"checkpoint file {path} is corrupt: its sha256 differs from the manifest's"
+    return None
+
+
+def load_checkpoint(path: str, app: AppState, *, group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Verify, then read into the model and optimizer that already exist (DCP loads in place, resharding)."""
+    manifest = verify_checkpoint(path, group)
+    dcp.load({"app": app}, checkpoint_id=path, process_group=group)
+    return manifest
+# --8<-- [end:load]
+
+
+# --8<-- [start:export]
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's ``state_dict`` on rank 0 (other ranks get {}); every rank must call it."""
+    # full_state_dict all-gathers each parameter; cpu_offload moves it to host memory on rank 0 only.
+    # Pitfall: without cpu_offload every rank holds the whole model on its GPU at once. Pitfall 2: classic
+    # FSDP whose parameters already live in host memory (a CPU world, CPUOffload) frees the storage it
+    # then copies under cpu_offload and the process segfaults: gather without it there (it is on host anyway).
+    on_host = next(model.parameters()).device.type == "cpu"
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_host))
+    return state if dist.get_rank() == 0 else {}
+
+
+def export_full_state_dict(model: nn.Module, path: str) -> None:
+    """One ``state_dict`` file for single-device inference, written by rank 0; every rank must call it."""
+    state = full_model_state(model)
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    dist.barrier()
+
+
+def load_full_state_dict(model: nn.Module, path: str) -> None:
+    """The path back: rank 0 reads a full ``state_dict`` file and each rank receives the part it holds."""
+    # Only rank 0 touches the file (one read, not N); weights_only: a pickle from disk must not run code.
+    state = torch.load(path, map_location="cpu", weights_only=True) if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+# --8<-- [end:export]
+
+
+# --8<-- [start:train]
+def train(cfg: CheckpointConfig) -> RecipeResult:
+    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
+        # Checkpoint I/O gets a gloo group of its own: async_save runs its collectives in a background
+        # thread, and two threads must not issue collectives on one group (they can interleave); DCP's
+        # async_save also needs a CPU-capable group when training runs on NCCL.
+        group = dist.new_group(backend="gloo")
+        try:
+            return _train(cfg, world, per_rank_batch, group)
+        finally:
+            dist.destroy_process_group(group)
+
+
+def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist.ProcessGroup) -> RecipeResult:
+    model = parallelize(build_model(cfg.model, seed=cfg.seed, device=world.device), cfg.strategy, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size, group=group)
+
+    resume_dir, saved_by = find_checkpoint(cfg.resume_from, cfg.checkpoint_dir), None
+    if resume_dir is not None:
+        saved_by = load_checkpoint(resume_dir, app, group=group)["world_size"]
+        if app.progress["global_batch_size"] != cfg.global_batch_size:
+            raise RecipeError(f"{resume_dir} was trained with global_batch_size={app.progress['global_batch_size']}; "
+                              "resume with the same --global-batch-size (the data position counts global batches)")
+        log.info("resumed from %s at step %d (saved by %d rank(s), loaded on %d)",
+                 resume_dir, app.progress["step"], saved_by, world.world_size)
+    elif cfg.init_from:
+        load_full_state_dict(model, cfg.init_from)
+        log.info("model initialised from %s", cfg.init_from)
+    start_step = app.progress["step"]
+    later = [s for s in published_steps(cfg.checkpoint_dir) if s > start_step] if cfg.save_every else []
+    if later:  # refuse now rather than after training up to the clash
+        raise RecipeError(f"{cfg.checkpoint_dir} already holds checkpoints past step {start_step} (up to step "
+                          f"{later[-1]}) that this run would collide with; use --resume-from latest or another "
+                          "--checkpoint-dir")
+
+    dataset = make_dataset(cfg.model, cfg.global_batch_size, batches_per_epoch=cfg.batches_per_epoch, seed=cfg.seed)
+    sampler = ResumableSampler(dataset, per_rank_batch_size=per_rank_batch, num_replicas=world.world_size,
+                               rank=world.rank, seed=cfg.seed)
+    loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
+
+    losses, timer, pending = [], StepTimer(world.device), None
+    saved_steps, blocked_seconds = [], []
+    for step, (inputs, targets), progress in steps_from(loader, sampler, app.progress, cfg.steps):
+        with timer:
+            inputs, targets = inputs.to(world.device), targets.to(world.device)
+            loss = lm_loss(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        losses.append(mean_over_ranks(loss))
+        log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
+        app.progress = progress
+        if cfg.save_every and (progress["step"] % cfg.save_every == 0 or progress["step"] == cfg.steps):
+            started = time.perf_counter()
+            if pending is not None:
+                pending.finish()  # one save in flight at a time: wait for the previous one and publish it
+            pending = save_checkpoint(cfg.checkpoint_dir, app, progress["step"], group=group,
+                                      async_save=cfg.async_save, keep_last=cfg.keep_last)
+            if not cfg.async_save:
+                pending.finish()
+                pending = None
+            blocked_seconds.append(time.perf_counter() - started)  # the time training stood still
+            saved_steps.append(progress["step"])
+            log.info("checkpoint of step %d %s in %.1f ms", progress["step"],
+                     "started" if cfg.async_save else "published", blocked_seconds[-1] * 1e3)
+    if pending is not None:
+        pending.finish()
+
+    if cfg.export_to:
+        export_full_state_dict(model, cfg.export_to)
+        log.info("full state_dict written to %s", cfg.export_to)
+    full_state = full_model_state(model)
+    return make_result(
+        "sharded_checkpoint", world, losses, full_state.values(), timer,  # rank 0 holds the full state
+        keep_final_state=full_state if cfg.keep_final_state else None,
+        strategy=cfg.strategy, start_step=start_step, resumed_from=resume_dir or "", saved_by_world_size=saved_by,
+        saved_steps=saved_steps, save_blocking_seconds=blocked_seconds,
+        checkpoint_bytes=_published_bytes(cfg.checkpoint_dir, saved_steps[-1]) if saved_steps else 0,
+    )
+# --8<-- [end:train]
+
+
+def _published_bytes(root: str, step: int) -> int:
+    with open(os.path.join(root, step_dir_name(step), MANIFEST)) as f:
+        return sum(entry["bytes"] for entry in json.load(f)["files"].values())
+
+
+if __name__ == "__main__":
+    run_cli(train, CheckpointConfig, __doc__)
