@@ -1,0 +1,119 @@
+"""lightning_fabric: the raw DDP loop converted to Fabric gives the raw loop's losses and weights."""
+
+import os
+from unittest import mock
+
+import lightning as L
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from recipes import ddp_torchrun, lightning_fabric
+from recipes.core.config import RecipeError
+from recipes.core.world import spawn_world
+from tests.helpers import (CUDA_DEVICES, assert_losses_close, assert_states_close, in_one_world, last_json,
+                           run_alone, run_cli)
+
+STEPS = 6
+REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, timeout_s=120)
+
+
+def fabric_cfg(**changes) -> lightning_fabric.FabricConfig:
+    return lightning_fabric.FabricConfig(**({"steps": STEPS, "keep_final_state": True, "timeout_s": 120} | changes))
+
+
+def _train_counting_grad_syncs(cfg):
+    """Fabric's train, with a DDP comm hook that counts gradient all-reduces (buckets x synced backwards)."""
+    syncs = []
+    original_setup = L.Fabric.setup
+
+    def setup(self, module, *optimizers, **kwargs):
+        wrapped = original_setup(self, module, *optimizers, **kwargs)
+        ddp = wrapped[0]._forward_module  # the DistributedDataParallel inside Fabric's wrapper
+
+        def counting_allreduce(state, bucket):
+            syncs.append(bucket.index())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting_allreduce)
+        return wrapped
+
+    with mock.patch.object(L.Fabric, "setup", setup):
+        result = lightning_fabric.train(cfg)
+    result.extras["grad_syncs"] = len(syncs)
+    return result
+
+
+def _run_phase(phase):
+    name, cfg = phase
+    if name == "raw_ddp":
+        return ddp_torchrun.train(cfg)
+    if name.startswith("count"):
+        return _train_counting_grad_syncs(cfg)
+    return lightning_fabric.train(cfg)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Rank 0's results of every phase, run in order in one gloo world of 2."""
+    ckpt_dir = str(tmp_path_factory.mktemp("fabric_checkpoints"))
+    phases = [
+        ("raw_ddp", REFERENCE),
+        ("fabric", fabric_cfg(checkpoint_every_n_steps=3, checkpoint_dir=ckpt_dir)),
+        ("fabric_resumed", fabric_cfg(resume_from=os.path.join(ckpt_dir, "step-3.ckpt"))),
+        ("count_accumulate", fabric_cfg(accumulate_grad_batches=3)),
+        ("count_plain", fabric_cfg()),
+    ]
+    results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, timeout_s=300)
+    return {name: result for (name, _), result in zip(phases, results)} | {"ckpt_dir": ckpt_dir}
+
+
+def test_fabric_ddp_equals_raw_ddp(world):
+    raw, fabric = world["raw_ddp"], world["fabric"]
+    assert (fabric.world_size, fabric.backend) == (2, "gloo")
+    assert_losses_close(fabric.losses, raw.losses, atol=1e-5)
+    assert_states_close(fabric.final_state, raw.final_state, atol=1e-5)
+    assert fabric.losses[-1] < fabric.losses[0], "the model should learn the synthetic sequences"
+
+
+def test_fabric_save_writes_one_unwrapped_checkpoint_and_load_resumes_exactly(world):
+    assert sorted(os.listdir(world["ckpt_dir"])) == ["step-3.ckpt", "step-6.ckpt"]
+    checkpoint = torch.load(os.path.join(world["ckpt_dir"], "step-3.ckpt"), weights_only=False)
+    assert set(checkpoint) == {"model", "optimizer", "step"} and checkpoint["step"] == 3
+    # Saved from the unwrapped model: no DDP "module." prefix, loads into a plain TransformerLM.
+    assert set(checkpoint["model"]) == set(world["raw_ddp"].final_state)
+    resumed = world["fabric_resumed"]
+    assert resumed.extras["start_step"] == 3
+    assert_losses_close(resumed.losses, world["fabric"].losses[3:], atol=1e-6)
+    assert_states_close(resumed.final_state, world["fabric"].final_state, atol=1e-6)
+
+
+def test_accumulation_with_no_backward_sync_equals_one_big_batch_and_syncs_once_per_step(world):
+    accumulated, plain = world["count_accumulate"], world["count_plain"]
+    assert_losses_close(accumulated.losses, world["raw_ddp"].losses, atol=1e-5)
+    assert_states_close(accumulated.final_state, world["raw_ddp"].final_state, atol=1e-5)
+    # 3 backwards per step, one gradient sync: as many all-reduces as the plain run's one backward per step.
+    assert plain.extras["grad_syncs"] >= STEPS
+    assert accumulated.extras["grad_syncs"] == plain.extras["grad_syncs"]
+
+
+def test_torchrun_launch_equals_raw_and_logs_from_rank_zero_only():
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.lightning_fabric",
+                    "--accumulate-grad-batches", "2"], timeout_s=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    assert result["world_size"] == 2
+    assert_losses_close(result["losses"], run_alone(ddp_torchrun.train, REFERENCE).losses, atol=1e-5)
+    assert proc.stdout.count("] step ") == STEPS and "[rank1]" not in proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(CUDA_DEVICES > 0, reason="on a GPU machine 16-mixed is valid")
+def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run():
+    with pytest.raises(RecipeError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"):
+        lightning_fabric.train(fabric_cfg(precision="16-mixed"))
+
+
+def test_global_batch_that_does_not_divide_into_micro_batches_is_rejected():
+    with pytest.raises(RecipeError, match=r"global_batch_size=12 does not divide across 1 ranks x 5 micro-batches"):
+        lightning_fabric.train(fabric_cfg(accumulate_grad_batches=5))

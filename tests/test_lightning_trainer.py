@@ -1,0 +1,271 @@
+"""lightning_trainer: Lightning's Trainer (DDP, ddp_spawn, FSDP, ModelParallel) equals the raw DDP recipe.
+
+One spawned world of 2 runs every in-world phase (Lightning imports cost seconds per process): the module
+fixture ``world`` returns rank 0's results by name, and each test asserts one claim about them.
+"""
+
+import glob
+import os
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from recipes import ddp_torchrun, lightning_fabric, lightning_trainer
+from recipes.core.cli import run_cli as core_run_cli
+from recipes.core.config import RecipeError
+from recipes.core.workload import build_model
+from recipes.core.world import spawn_world
+from tests.helpers import (CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, in_one_world, last_json,
+                           run_alone, run_cli)
+
+STEPS = 6
+REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, timeout_s=120)
+
+
+def lightning_cfg(out: str, **changes) -> lightning_trainer.LightningConfig:
+    fields = {"steps": STEPS, "keep_final_state": True, "timeout_s": 120, "output_dir": out, "logger": "none"}
+    return lightning_trainer.LightningConfig(**(fields | changes))
+
+
+def _train_with_plain_loader(cfg):
+    """The pitfall: the same resume with a plain DataLoader, which Lightning cannot resume mid-epoch."""
+    with mock.patch.object(lightning_trainer, "ResumableLoader", DataLoader):
+        return lightning_trainer.train(cfg)
+
+
+def _run_phase(phase):
+    name, cfg = phase
+    if name == "raw_ddp":
+        return ddp_torchrun.train(cfg)
+    if name == "fabric_clip":
+        return lightning_fabric.train(cfg)
+    if name.startswith("plain_loader"):
+        return _train_with_plain_loader(cfg)
+    return lightning_trainer.train(cfg)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Rank 0's results of every phase, run in order in one gloo world of 2."""
+    out = str(tmp_path_factory.mktemp("lightning_world"))
+    ckpt = os.path.join(out, "ddp", "checkpoints", "step=3.ckpt")
+    fsdp_ckpt = os.path.join(out, "fsdp", "checkpoints", "step=3.ckpt")
+    phases = [
+        ("raw_ddp", REFERENCE),
+        ("ddp", lightning_cfg(f"{out}/ddp", logger="csv", checkpoint_every_n_steps=3)),
+        # The resumed runs keep the ModelCheckpoint callback, as Lightning asks when resuming.
+        ("ddp_resumed", lightning_cfg(f"{out}/ddp_resumed", resume_from=ckpt, checkpoint_every_n_steps=3)),
+        # A plain DataLoader's checkpoint has no loader state (Lightning refuses to mix the two): its own run.
+        ("plain_loader", lightning_cfg(f"{out}/plain", checkpoint_every_n_steps=3)),
+        ("plain_loader_resumed", lightning_cfg(f"{out}/plain_resumed", checkpoint_every_n_steps=3,
+                                               resume_from=os.path.join(out, "plain", "checkpoints", "step=3.ckpt"))),
+        ("ddp_accumulate", lightning_cfg(f"{out}/acc", accumulate_grad_batches=3)),
+        ("ddp_clip", lightning_cfg(f"{out}/clip", gradient_clip_val=0.05, logger="tensorboard")),
+        ("fabric_clip", lightning_fabric.FabricConfig(steps=STEPS, keep_final_state=True, timeout_s=120,
+                                                      gradient_clip_val=0.05)),
+        ("fsdp", lightning_cfg(f"{out}/fsdp", strategy="fsdp", checkpoint_every_n_steps=3)),
+        ("fsdp_resumed", lightning_cfg(f"{out}/fsdp_resumed", strategy="fsdp", resume_from=fsdp_ckpt,
+                                       checkpoint_every_n_steps=3)),
+        ("model_parallel", lightning_cfg(f"{out}/tp", strategy="model_parallel")),
+        ("bf16", lightning_cfg(f"{out}/bf16", precision="bf16-mixed")),
+    ]
+    results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, timeout_s=400)
+    return {name: result for (name, _), result in zip(phases, results)} | {"out": out}
+
+
+def test_lightning_ddp_equals_raw_ddp(world):
+    raw, lit = world["raw_ddp"], world["ddp"]
+    assert (lit.world_size, lit.backend, lit.extras["global_step"]) == (2, "gloo", STEPS)
+    assert_losses_close(lit.losses, raw.losses, atol=1e-5)
+    assert_states_close(lit.final_state, raw.final_state, atol=1e-5)
+    assert lit.losses[-1] < lit.losses[0], "the model should learn the synthetic sequences"
+    assert lit.extras["param_fraction_per_rank"] == 1.0  # DDP: every rank holds every weight
+
+
+def test_logged_loss_is_synced_over_ranks(world):
+    """self.log(sync_dist=True): the CSV holds the global batch's loss at every step, not rank 0's own."""
+    import csv
+
+    with open(world["ddp"].extras["metrics_file"]) as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train_loss")]
+    assert [int(row["step"]) for row in rows] == list(range(STEPS))
+    assert_losses_close([float(row["train_loss"]) for row in rows], world["raw_ddp"].losses, atol=1e-6)
+
+
+def test_tensorboard_logger_writes_events(world):
+    assert glob.glob(os.path.join(world["out"], "clip", "lightning_trainer", "*", "events.out.tfevents.*"))
+
+
+def test_resume_from_mid_epoch_checkpoint_equals_uninterrupted_run(world):
+    full, resumed = world["ddp"], world["ddp_resumed"]
+    assert [os.path.basename(p) for p in full.extras["checkpoints"]] == ["step=3.ckpt", "step=6.ckpt"]
+    assert_losses_close(resumed.losses, full.losses[3:], atol=1e-6)
+    assert_states_close(resumed.final_state, full.final_state, atol=1e-6)
+    # The loader's position is in the checkpoint: epoch 0, 3 of its 8 batches done.
+    checkpoint = torch.load(full.extras["checkpoints"][0], weights_only=False)
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "batches_done": 3}]
+
+
+def test_plain_dataloader_repeats_batches_after_mid_epoch_resume(world):
+    """The pitfall ResumableLoader guards against: resumed at step 3, a plain DataLoader starts its epoch over."""
+    full, plain = world["plain_loader"], world["plain_loader_resumed"]
+    assert_losses_close(full.losses, world["raw_ddp"].losses, atol=1e-5)  # uninterrupted, it is fine
+    # Same weights at step 3, different batches (0, 1, 2 again): every resumed loss is off.
+    assert all(abs(p - f) > 1e-3 for p, f in zip(plain.losses, full.losses[3:])), (plain.losses, full.losses)
+
+
+def test_gradient_accumulation_equals_one_big_batch(world):
+    assert_losses_close(world["ddp_accumulate"].losses, world["raw_ddp"].losses, atol=1e-5)
+    assert_states_close(world["ddp_accumulate"].final_state, world["raw_ddp"].final_state, atol=1e-5)
+
+
+def test_gradient_clipping_clips_the_global_norm_like_fabric(world):
+    clipped, fabric, raw = world["ddp_clip"], world["fabric_clip"], world["raw_ddp"]
+    assert_states_close(clipped.final_state, fabric.final_state, atol=1e-6)
+    worst = max((clipped.final_state[k] - raw.final_state[k]).abs().max().item() for k in raw.final_state)
+    assert worst > 1e-5, "a clip value far below the gradient norm must change training"
+
+
+def test_fsdp_trains_like_ddp_and_shards_the_weights(world):
+    fsdp = world["fsdp"]
+    assert fsdp.losses[-1] < fsdp.losses[0]
+    assert_losses_close(fsdp.losses, world["raw_ddp"].losses, atol=1e-5)
+    assert_states_close(fsdp.final_state, world["raw_ddp"].final_state, atol=1e-5)
+    assert fsdp.extras["param_fraction_per_rank"] == pytest.approx(0.5, abs=0.01)  # FULL_SHARD over 2 ranks
+
+
+def test_fsdp_sharded_checkpoint_is_a_folder_of_shards_and_reloads(world):
+    folder = world["fsdp"].extras["checkpoints"][0]
+    assert os.path.isdir(folder)
+    assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= set(os.listdir(folder)), "one shard file per rank"
+    resumed = world["fsdp_resumed"]
+    assert_losses_close(resumed.losses, world["fsdp"].losses[3:], atol=1e-6)
+    assert_states_close(resumed.final_state, world["fsdp"].final_state, atol=1e-6)
+
+
+def test_model_parallel_strategy_runs_tensor_parallel_on_cpu(world):
+    """ModelParallelStrategy needs no CUDA: TP over 2 gloo ranks equals DDP up to float summation order."""
+    tp = world["model_parallel"]
+    assert_losses_close(tp.losses, world["raw_ddp"].losses, atol=1e-5)
+    assert_states_close(tp.final_state, world["raw_ddp"].final_state, atol=1e-5)
+    # Each rank holds half of every Block linear (w_out's bias stays whole under RowwiseParallel).
+    model = build_model("tiny")
+    total = sum(p.numel() for p in model.parameters())
+    split = sum(p.numel() for name, p in model.named_parameters()
+                if name.startswith("layers.") and (".attn.w" in name or ".mlp.w" in name)
+                and not name.endswith("w_out.bias"))
+    assert tp.extras["param_fraction_per_rank"] == pytest.approx((total - split / 2) / total)
+
+
+def test_bf16_mixed_trains_close_to_fp32(world):
+    bf16, fp32 = world["bf16"], world["raw_ddp"]
+    assert bf16.losses[-1] < bf16.losses[0]
+    assert_losses_close(bf16.losses, fp32.losses, atol=1e-2)  # bf16 matmuls: ~3 significant digits
+    worst = max((bf16.final_state[k] - fp32.final_state[k]).abs().max().item() for k in fp32.final_state)
+    assert 1e-6 < worst < 1e-2, "bf16 autocast must really run, and stay close"
+
+
+def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
+    reference = run_alone(ddp_torchrun.train, REFERENCE)
+    # ddp_spawn sets MASTER_PORT & co. in this process: restore the environment for the tests after it.
+    with mock.patch.dict(os.environ):
+        result = lightning_trainer.train(lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2))
+    assert (result.world_size, result.extras["strategy"]) == (2, "ddp_spawn")
+    assert_losses_close(result.losses, reference.losses, atol=1e-5)
+    assert_states_close(result.final_state, reference.final_state, atol=1e-5)  # rank 0's weights came back
+
+
+def test_torchrun_launch_prints_readable_logs_and_the_result(tmp_path):
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.lightning_trainer",
+                    "--output-dir", str(tmp_path)], timeout_s=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    assert_losses_close(result["losses"], run_alone(ddp_torchrun.train, REFERENCE).losses, atol=1e-5)
+    # One log line per step, from rank 0 only; no progress-bar carriage returns in a non-terminal log.
+    assert proc.stdout.count("] step ") == STEPS and "[rank1]" not in proc.stdout and "\r" not in proc.stdout
+    # No warnings: the known-harmless ones are filtered in the recipe, each with its reason.
+    assert "Warning" not in proc.stderr and "warn" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert "Tip:" not in proc.stdout + proc.stderr
+
+
+def test_lightning_cli_yaml_config_runs_ddp_with_lightnings_launcher(tmp_path):
+    """``fit --config configs/lightning/ddp.yaml``: Lightning starts the 2nd process; same losses as raw DDP."""
+    import csv
+
+    proc = run_cli([PYTHON, "-m", "recipes.lightning_trainer", "fit", "--config", "configs/lightning/ddp.yaml",
+                    "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
+                   timeout_s=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Starting with 2 processes" in proc.stdout + proc.stderr
+    (version,) = glob.glob(os.path.join(tmp_path, "lightning_trainer_cli", "version_*"))
+    with open(os.path.join(version, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    train_losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
+    assert_losses_close(train_losses, run_alone(ddp_torchrun.train, REFERENCE).losses, atol=1e-5)
+    assert any(row.get("val_loss") for row in rows), "validation ran (val_check_interval: 3)"
+    assert sorted(os.listdir(os.path.join(version, "checkpoints"))) == ["step=3.ckpt", "step=6.ckpt"]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_wrong_key_in_yaml_config_is_named_by_lightning_cli(tmp_path):
+    with open(os.path.join(REPO_ROOT, "configs", "lightning", "ddp.yaml")) as f:
+        bad = f.read().replace("max_steps:", "max_stepz:")
+    config = tmp_path / "bad.yaml"
+    config.write_text(bad)
+    proc = run_cli([PYTHON, "-m", "recipes.lightning_trainer", "fit", "--config", str(config)], timeout_s=120)
+    assert proc.returncode != 0
+    assert "error:" in proc.stderr and "trainer.max_stepz" in proc.stderr
+
+
+def test_fsdp_yaml_config_is_valid(capsys):
+    with pytest.raises(SystemExit) as exit_info, mock.patch.object(sys, "argv", ["lightning_trainer.py"]):
+        lightning_trainer.lightning_cli(["fit", "--config", os.path.join(REPO_ROOT, "configs", "lightning", "fsdp.yaml"),
+                                         "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "FSDPStrategy" in printed and "recipes.core.workload.Block" in printed
+    assert "state_dict_type: sharded" in printed
+
+
+@pytest.mark.slow
+def test_fsdp_yaml_config_trains_on_cpu_with_the_cpu_strategy(tmp_path):
+    proc = run_cli([PYTHON, "-m", "recipes.lightning_trainer", "fit", "--config", "configs/lightning/fsdp.yaml",
+                    "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+                    "--trainer.strategy.class_path", "recipes.lightning_trainer.FSDPOnCPUStrategy",
+                    "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
+                   timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (version,) = glob.glob(os.path.join(tmp_path, "lightning_trainer_fsdp", "version_*"))
+    assert sorted(os.listdir(os.path.join(version, "checkpoints"))) == ["step=3.ckpt", "step=6.ckpt"]
+
+
+@pytest.mark.skipif(CUDA_DEVICES > 0, reason="on a GPU machine 16-mixed is valid")
+def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run(tmp_path):
+    with pytest.raises(RecipeError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"):
+        lightning_trainer.train(lightning_cfg(str(tmp_path), precision="16-mixed"))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"devices": 3}, r"the launcher started 1 node\(s\) x 1 process\(es\); --devices 3 --num-nodes 0 disagree"),
+    ({"strategy": "model_parallel", "tensor_parallel_size": 2}, "tensor_parallel_size=2 does not divide the world of 1"),
+])
+def test_settings_that_do_not_fit_the_world_are_rejected(tmp_path, changes, message):
+    with pytest.raises(RecipeError, match=message):
+        lightning_trainer.train(lightning_cfg(str(tmp_path), **changes))
+
+
+def test_ddp_spawn_inside_a_launched_world_is_rejected(tmp_path):
+    with mock.patch.dict(os.environ, {"RANK": "0"}):
+        with pytest.raises(RecipeError, match="ddp_spawn' starts its own processes"):
+            lightning_trainer.train(lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2))
+
+
+def test_help_names_both_command_lines(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        core_run_cli(lightning_trainer.train, lightning_trainer.LightningConfig, lightning_trainer.__doc__, ["--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "--strategy {ddp,ddp_spawn,fsdp,model_parallel}" in printed and "LightningCLI" in printed
