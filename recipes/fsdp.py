@@ -58,7 +58,8 @@ Precision = Literal["none", "bf16", "fp16"]
 @dataclass
 class FSDPConfig(TrainConfig):
     sharding_strategy: Literal["full", "shard_grad_op", "no_shard", "hybrid"] = opt(
-        "full", "full = ZeRO-3, shard_grad_op = ZeRO-2, no_shard = DDP-like, hybrid = shard in a node, replicate across")
+        "full", "full = ZeRO-3, shard_grad_op = ZeRO-2, no_shard = DDP-like, "
+        "hybrid = shard inside a node, replicate across nodes")
     ranks_per_node: int = opt(0, "hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE")
     wrap_policy: Literal["block", "size", "module", "none"] = opt(
         "block", "FSDP units: block = one per transformer Block, size = by --min-num-params, "
@@ -164,12 +165,12 @@ def hybrid_mesh(world, ranks_per_node: int) -> DeviceMesh:
                             mesh_dim_names=("replicate", "shard"))
 
 
-def grad_scaler(cfg: FSDPConfig, device: torch.device):
+def make_grad_scaler(cfg: FSDPConfig, device: torch.device):
     if cfg.mixed_precision != "fp16":
         return None  # fp32 and bf16 share fp32's exponent range: nothing to scale
     # Pitfall: torch.amp.GradScaler looks for inf/nan in THIS rank's gradients only. Under FSDP each rank
-    # holds a different shard, so one rank would skip the step and the others would not: the replicas
-    # silently diverge. ShardedGradScaler all-reduces found_inf, so every rank makes the same decision.
+    # holds a different shard, so one rank would skip the step and the others would not: the shards
+    # silently stop being one model. ShardedGradScaler all-reduces found_inf: every rank decides alike.
     if cfg.grad_scaler == "amp":
         return torch.amp.GradScaler(device.type)
     return ShardedGradScaler(device.type)
@@ -189,7 +190,7 @@ def train(cfg: FSDPConfig) -> RecipeResult:
             activation_checkpointing=cfg.activation_checkpointing, device=world.device, mesh=mesh)
         # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the originals.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        scaler = grad_scaler(cfg, world.device)
+        scaler = make_grad_scaler(cfg, world.device)
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
                                              per_rank_batch_size=per_rank_batch * cfg.micro_batches, seed=cfg.seed)
@@ -220,7 +221,8 @@ def train(cfg: FSDPConfig) -> RecipeResult:
                     if last_step and index == len(micro) - 2:  # the accumulated gradients, before the last sync
                         extras["grad_bytes_accumulated"] = model_state_bytes(model)["grad_bytes"]
                 if step == cfg.inject_inf_step and world.rank == cfg.inject_inf_rank:
-                    next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()).view(-1)[0] = math.inf
+                    shard = next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel())
+                    shard.view(-1)[0] = math.inf
                 if scaler:
                     scaler.unscale_(optimizer)  # clip (and report) the true gradients, not the scaled ones
                 if cfg.max_grad_norm > 0:

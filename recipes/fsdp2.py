@@ -15,21 +15,22 @@ device and keeps a 1/N shard of it. A model too big for one host's memory is bui
 ``torch.device("meta")`` instead, sharded, then materialised with ``model.to_empty(device=...)`` and
 initialised or loaded from a sharded checkpoint (recipes/sharded_checkpoint.py).
 
-| this recipe (fully_shard)                     | classic FullyShardedDataParallel (recipes/fsdp.py)           |
-|-----------------------------------------------|--------------------------------------------------------------|
-| ``reshard_after_forward=True``                | ``ShardingStrategy.FULL_SHARD`` (ZeRO-3)                     |
-| ``reshard_after_forward=False``               | ``ShardingStrategy.SHARD_GRAD_OP`` (ZeRO-2)                  |
-| ``reshard_after_forward=2`` (int)             | none: after forward keep a copy sharded over 2 ranks (e.g. a node), so backward re-gathers inside that group |
-| 2-D mesh ("replicate", "shard")               | ``ShardingStrategy.HYBRID_SHARD`` with a 2-D ``device_mesh`` |
-| ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` | ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` |
-| ``CPUOffloadPolicy()``                        | ``CPUOffload(offload_params=True)``                          |
-| ``set_modules_to_forward_prefetch`` / ``_backward_prefetch`` | ``forward_prefetch`` / ``BackwardPrefetch``  |
-| one ``fully_shard`` call per Block, then the root | ``auto_wrap_policy`` (transformer_auto_wrap_policy)      |
-| ``set_requires_gradient_sync(False)``         | ``no_sync()``                                                |
-| ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware) | ``FSDP.clip_grad_norm_``                                |
-| ``torch.amp.GradScaler`` (found_inf reduced by DTensor) | ``ShardedGradScaler``                              |
-| always "use_orig_params" (DTensor parameters) | ``use_orig_params=True``                                     |
-| no ``sync_module_states``: same init on every rank, or a DCP load | ``sync_module_states=True``             |
+| fully_shard (this recipe)                            | classic FSDP (recipes/fsdp.py)                  |
+|------------------------------------------------------|-------------------------------------------------|
+| ``reshard_after_forward=True``                       | ``ShardingStrategy.FULL_SHARD`` (ZeRO-3)        |
+| ``reshard_after_forward=False``                      | ``ShardingStrategy.SHARD_GRAD_OP`` (ZeRO-2)     |
+| ``reshard_after_forward=2``: re-gather within pairs  | no counterpart                                  |
+| 2-D mesh ("replicate", "shard")                      | ``HYBRID_SHARD`` with a 2-D ``device_mesh``     |
+| ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``  | ``MixedPrecision(param_, reduce_, buffer_dtype)`` |
+| ``CPUOffloadPolicy()``                               | ``CPUOffload(offload_params=True)``             |
+| ``set_modules_to_forward_prefetch``                  | ``forward_prefetch=True``                       |
+| ``set_modules_to_backward_prefetch``                 | ``backward_prefetch=BackwardPrefetch...``       |
+| one ``fully_shard`` per Block, then the root         | ``auto_wrap_policy=transformer_auto_wrap_policy`` |
+| ``set_requires_gradient_sync(False)``                | ``no_sync()``                                   |
+| ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware)   | ``FSDP.clip_grad_norm_``                        |
+| ``torch.amp.GradScaler`` (DTensor reduces found_inf) | ``ShardedGradScaler``                           |
+| DTensor parameters, names unchanged                  | ``use_orig_params=True``                        |
+| same init on every rank, or a checkpoint load        | ``sync_module_states=True``                     |
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def train(cfg: FSDP2Config) -> RecipeResult:
                     if last_step and index == len(micro) - 2:  # the accumulated gradients, before the last sync
                         extras["grad_bytes_accumulated"] = model_state_bytes(model)["grad_bytes"]
                 if step == cfg.inject_inf_step and world.rank == cfg.inject_inf_rank:
-                    shard = next(p.grad.to_local() for p in model.parameters() if p.grad is not None and p.grad.to_local().numel())
+                    shard = next(p.grad.to_local() for p in model.parameters()
+                                 if p.grad is not None and p.grad.to_local().numel())
                     shard.view(-1)[0] = math.inf
                 if scaler:
                     scaler.unscale_(optimizer)  # clip (and report) the true gradients, not the scaled ones

@@ -143,7 +143,8 @@ def test_cpu_offload_on_a_cpu_only_world_says_why_it_cannot_run():
 def test_three_ranks_uneven_shards_equal_ddp():
     """3 ranks: flat parameters do not divide by 3, so shards are padded; the training is still DDP's."""
     reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
-    configs = [CFG, with_fields(CFG, sharding_strategy="shard_grad_op"), with_fields(CFG, activation_checkpointing=True)]
+    configs = [CFG, with_fields(CFG, sharding_strategy="shard_grad_op"),
+               with_fields(CFG, activation_checkpointing=True)]
     for result in run_world(fsdp.train, 3, configs, timeout_s=300):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)

@@ -14,8 +14,8 @@ CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping r
 def test_zero1_equals_ddp_with_half_the_optimizer_state(backend):
     reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=4, keep_final_state=True))
     clipped_reference = run_alone(zero.train, with_fields(CFG, optimizer="adamw", max_grad_norm=CLIP))
-    ddp, zero1, clipped = run_world(
-        zero.train, 2, [with_fields(CFG, optimizer="adamw"), CFG, with_fields(CFG, max_grad_norm=CLIP)], backend=backend)
+    configs = [with_fields(CFG, optimizer="adamw"), CFG, with_fields(CFG, max_grad_norm=CLIP)]
+    ddp, zero1, clipped = run_world(zero.train, 2, configs, backend=backend)
 
     for result in (ddp, zero1):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
