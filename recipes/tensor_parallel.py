@@ -1,0 +1,201 @@
+"""Tensor parallelism with DTensor: every layer's weights split across ranks, the same model computed.
+
+    torchrun --standalone --nproc_per_node=2 -m recipes.tensor_parallel
+    torchrun --standalone --nproc_per_node=4 -m recipes.tensor_parallel --sequence-parallel --loss-parallel
+    python -m recipes.tensor_parallel                   # a world of 1: tensor-parallel degree 1
+
+The whole world is one tensor-parallel group (a 1-D DeviceMesh named "tp"); for tensor parallel inside
+each of several data-parallel replicas see recipes.hybrid_parallel. ``apply_tp`` is the Megatron-LM
+split, written with ``torch.distributed.tensor.parallel`` as torchtitan's ``parallelize.py`` does:
+
+- attention: ``wq``/``wk``/``wv`` column-wise (each rank computes n_heads / N whole heads; the model's
+  attention infers its local head count from the projection's output size), ``wo`` row-wise (its
+  all-reduce sums the heads' contributions);
+- MLP: ``w_in`` column-wise, ``w_out`` row-wise: one all-reduce per MLP, none between the two matmuls;
+- embeddings row-wise (vocabulary rows split), the output head column-wise (vocabulary columns split);
+- ``--sequence-parallel``: the norms and residual stream are split along the sequence instead of
+  replicated (the all-reduces become reduce-scatter + all-gather; activations take 1/N of the memory);
+- ``--loss-parallel``: the logits stay split over the vocabulary and cross-entropy is computed on the
+  shards (``loss_parallel()``), so the full [batch, seq, vocab] logits never exist on one rank.
+
+Every tensor-parallel rank must see the SAME batch (it computes a part of every sample, not a part of
+the batch): the loader here is the single-process one on every rank. The losses and weights equal
+single-process training (tests/test_tensor_parallel.py, worlds of 2 and 4); forward outputs and full
+gradients equal the unsplit model's. Runs on gloo/CPU (checked with torch 2.13) and NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+from recipes.core.cli import run_cli
+from recipes.core.config import RecipeError, TrainConfig, opt
+from recipes.core.log import get_logger
+from recipes.core.memory import model_state_bytes
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.workload import (MODEL_PRESETS, ModelConfig, build_model, distributed_loader, iterate_steps,
+                                   lm_loss, make_dataset)
+from recipes.core.world import join_world
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TPConfig(TrainConfig):
+    sequence_parallel: bool = opt(False, "split norms and the residual stream along the sequence (Shard(1)) "
+                                         "instead of replicating them")
+    loss_parallel: bool = opt(False, "keep the logits split over the vocabulary and compute cross-entropy on "
+                                     "the shards (loss_parallel())")
+
+
+def check_tp_fits(model_cfg: ModelConfig, tp_size: int) -> None:
+    """RecipeError unless every split dimension divides by ``tp_size``: heads, MLP width, vocabulary and
+    sequence (the position embedding's rows). DTensor could shard unevenly; equal shards keep it simple."""
+    sizes = {"n_heads": model_cfg.n_heads, "mlp width": model_cfg.mlp_ratio * model_cfg.dim,
+             "vocab_size": model_cfg.vocab_size, "seq_len": model_cfg.seq_len}
+    bad = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
+    if bad:
+        fits = [n for n in range(1, model_cfg.n_heads + 1) if all(size % n == 0 for size in sizes.values())]
+        raise RecipeError(f"tensor parallel over {tp_size} ranks cannot split {', '.join(bad)}; "
+                          f"use a tensor-parallel size of {', '.join(map(str, fits))}")
+
+
+# --8<-- [start:apply_tp]
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
+             loss_parallel: bool = False) -> nn.Module:
+    """Split ``model`` (a recipes TransformerLM) across the ranks of the 1-D ``tp_mesh``, in place.
+
+    Apply it before fully_shard and before building the optimizer (the optimizer must see the DTensor
+    parameters that replace the plain ones). Parameters keep their names; their values are DTensors.
+    """
+    # Between blocks the residual stream is either replicated (every rank holds all of it) or, with
+    # sequence parallel, split along the sequence dim: Shard(1) of [batch, seq, dim].
+    residual = Shard(1) if sequence_parallel else Replicate()
+    top_plan = {
+        # Row-wise on an embedding splits the vocabulary rows; each rank looks up the ids it owns and
+        # the partial results are summed (or reduce-scattered straight into the sequence shards).
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        # Position embeddings are [seq, dim]: their sequence dim is 0, so their shard is Shard(0);
+        # added to tok_embeddings' [batch, seq/N, dim] shard it lines up position by position.
+        "pos_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=Shard(0) if sequence_parallel else Replicate()),
+        # Column-wise head: each rank computes logits for its slice of the vocabulary. Without loss
+        # parallel they are all-gathered (Replicate); with it they stay a DTensor sharded on the last dim
+        # (use_local_output=False: the loss needs to know they are shards).
+        "output": ColwiseParallel(input_layouts=residual,
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        top_plan["norm"] = SequenceParallel()
+    # A pipeline stage has set the parts it does not own to None: split only what is there.
+    parallelize_module(model, tp_mesh, {name: style for name, style in top_plan.items()
+                                        if getattr(model, name) is not None})
+
+    for block in model.layers.values():
+        block_plan = {
+            # Column-wise q/k/v: rank r gets heads [r*H/N, (r+1)*H/N): attention needs no communication.
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            # Row-wise wo: takes its input's head shard, sums partial outputs across ranks (all-reduce,
+            # or reduce-scatter into sequence shards with sequence parallel).
+            "attn.wo": RowwiseParallel(output_layouts=residual),
+            "mlp.w_in": ColwiseParallel(),
+            "mlp.w_out": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            block_plan.update({
+                # LayerNorm normalizes over dim, so it runs on sequence shards unchanged...
+                "attn_norm": SequenceParallel(),
+                "mlp_norm": SequenceParallel(),
+                # ...but attention and the MLP need whole sequences: all-gather them on the way in.
+                # Pitfall: without these, q/k/v see a sequence shard and attention is silently wrong.
+                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, block_plan)
+    return model
+# --8<-- [end:apply_tp]
+
+
+def full_state_gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain CPU copies of every parameter, DTensors all-gathered: a collective, every rank must call it."""
+    # fully_shard over TP shards gives (_StridedShard, Shard) placements, whose full_tensor() logs a
+    # "2 sequential all_gather operations" performance warning on every rank, for every parameter: a
+    # one-off gather for the result does not care, so that logger is quieted for its duration.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+                for name, p in model.named_parameters()}
+    finally:
+        redistribute_log.setLevel(level)
+
+
+def as_float(value: torch.Tensor) -> float:
+    """A scalar that may be a (replicated) DTensor, e.g. the loss under loss_parallel()."""
+    return float((value.full_tensor() if isinstance(value, DTensor) else value).item())
+
+
+# --8<-- [start:train]
+def train(cfg: TPConfig) -> RecipeResult:
+    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+        model_cfg = MODEL_PRESETS[cfg.model]
+        check_tp_fits(model_cfg, world.world_size)
+        tp_mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("tp",))
+        # Same seed everywhere: each rank builds the full model, then keeps only its shards. (For a model
+        # that does not fit one device, build on the "meta" device and initialize after apply_tp.)
+        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
+        params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        apply_tp(model, tp_mesh, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # after apply_tp: sees the DTensors
+        # Pitfall: a DistributedSampler over the TP ranks would give each rank different samples, and
+        # each rank would compute its slice of a different batch. Every TP rank reads the whole batch.
+        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+        loader, sampler = distributed_loader(dataset, rank=0, world_size=1,
+                                             per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
+        # The loss and its backward must both run inside loss_parallel() when the logits are shards.
+        loss_context = loss_parallel if cfg.loss_parallel else contextlib.nullcontext
+        log.info("tensor parallel over %d rank(s), backend %s, sequence_parallel=%s, loss_parallel=%s",
+                 world.world_size, world.backend, cfg.sequence_parallel, cfg.loss_parallel)
+
+        losses, timer = [], StepTimer(world.device)
+        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
+            with timer:
+                inputs, targets = inputs.to(world.device), targets.to(world.device)
+                logits = model(inputs)
+                optimizer.zero_grad(set_to_none=True)
+                with loss_context():
+                    loss = lm_loss(logits, targets)
+                    loss.backward()
+                optimizer.step()
+                if step == 0:
+                    state_bytes = model_state_bytes(model, optimizer)  # gradients still present
+            losses.append(as_float(loss))  # the same on every rank: they all computed the whole batch
+            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
+
+        full_state = full_state_gathered(model)  # every rank joins the all-gathers
+        return make_result(
+            "tensor_parallel", world, losses, full_state.values(), timer,
+            keep_final_state=full_state if cfg.keep_final_state else None,
+            tp_size=world.world_size, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel,
+            param_bytes_per_rank=state_bytes["param_bytes"], param_bytes_unsplit=params_unsplit_bytes,
+            param_fraction_per_rank=state_bytes["param_bytes"] / params_unsplit_bytes,
+            optimizer_bytes_per_rank=state_bytes["optimizer_bytes"],
+        )
+# --8<-- [end:train]
+
+
+if __name__ == "__main__":
+    run_cli(train, TPConfig, __doc__)

@@ -1,0 +1,101 @@
+"""tensor_parallel: the split model computes what the unsplit one does (outputs, gradients, training)."""
+
+import contextlib
+import itertools
+
+import pytest
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from recipes import ddp_torchrun, tensor_parallel
+from recipes.core.config import RecipeError
+from recipes.core.workload import MODEL_PRESETS, build_model, lm_loss, make_dataset
+from recipes.core.world import join_world, spawn_world
+from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, require_world, run_alone,
+                           run_cli, with_fields)
+
+STEPS = 3
+CFG = tensor_parallel.TPConfig(steps=STEPS, keep_final_state=True, timeout_s=120)
+# Every combination of the two options: each one changes which collectives run and where.
+OPTIONS = [dict(sequence_parallel=sp, loss_parallel=lp) for sp, lp in itertools.product([False, True], repeat=2)]
+
+
+def forward_backward_differences(world, options: list[dict]) -> list[dict[str, float]]:
+    """On every rank: largest |TP - unsplit| of the logits and of each full gradient, per option set."""
+    mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("tp",))
+    device = world.device
+    dataset = make_dataset("tiny", 8, seed=1)
+    inputs, targets = dataset.tokens[:8, :-1].to(device), dataset.tokens[:8, 1:].to(device)
+    reference = build_model("tiny", seed=3, device=device)
+    reference_logits = reference(inputs)
+    lm_loss(reference_logits, targets).backward()
+    differences = []
+    for opts in options:
+        model = tensor_parallel.apply_tp(build_model("tiny", seed=3, device=device), mesh, **opts)
+        logits = model(inputs)
+        assert isinstance(logits, DTensor) == opts["loss_parallel"], "loss parallel keeps the logits sharded"
+        with tensor_parallel.loss_parallel() if opts["loss_parallel"] else contextlib.nullcontext():
+            lm_loss(logits, targets).backward()
+        full_logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        diffs = {"logits": (full_logits - reference_logits).abs().max().item()}
+        for (name, p), (ref_name, ref_p) in zip(model.named_parameters(), reference.named_parameters()):
+            assert name == ref_name, "apply_tp keeps parameter names"
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            diffs[name] = (grad - ref_p.grad).abs().max().item()
+        differences.append(diffs)
+    return differences
+
+
+def tp_world(configs, backend):
+    """One spawned world: the forward/backward comparison, then a training run per config."""
+    with join_world(backend, timeout_s=120) as world:
+        return forward_backward_differences(world, OPTIONS), [tensor_parallel.train(cfg) for cfg in configs]
+
+
+def expected_param_fraction(tp_size: int) -> float:
+    """Norms and row-wise biases are replicated on every rank; every other parameter is split N ways."""
+    model = build_model("tiny")
+    replicated = sum(p.numel() for n, p in model.named_parameters() if "norm" in n or n.endswith("w_out.bias"))
+    total = sum(p.numel() for p in model.parameters())
+    return (replicated + (total - replicated) / tp_size) / total
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tp_equals_unsplit_model(world_size, backend):
+    # Training runs every option set on 2 ranks; on 4, none and both (the forward/backward check runs all).
+    trained = OPTIONS if world_size == 2 else [OPTIONS[0], OPTIONS[-1]]
+    configs = [with_fields(CFG, **opts) for opts in trained]
+    require_world(backend, world_size)
+    differences, results = spawn_world(tp_world, world_size, configs, backend, timeout_s=240)
+    # 1. One forward + backward: the same logits and the same (all-gathered) gradient for every parameter.
+    for opts, diffs in zip(OPTIONS, differences):
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < 1e-5, f"{opts}: {worst} differs by {diffs[worst]:.2e}"
+    # 2. Training: the losses and final weights of single-process training (the DDP recipe on 1 process).
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    for opts, result in zip(trained, results):
+        assert result.extras["tp_size"] == world_size and result.backend == backend
+        assert (result.extras["sequence_parallel"], result.extras["loss_parallel"]) == tuple(opts.values())
+        assert_losses_close(result.losses, reference.losses, atol=1e-5)
+        assert_states_close(result.final_state, reference.final_state, atol=1e-5)
+        # 3. Each rank holds 1/N of the split weights plus the replicated norms and biases.
+        assert result.extras["param_fraction_per_rank"] == pytest.approx(expected_param_fraction(world_size))
+        # AdamW keeps two moments per parameter, shaped like its shard: the optimizer state is split too.
+        assert result.extras["optimizer_bytes_per_rank"] == pytest.approx(2 * result.extras["param_bytes_per_rank"], rel=0.01)
+
+
+def test_tp_size_that_does_not_split_the_heads_is_rejected():
+    with pytest.raises(RecipeError, match=r"cannot split n_heads=4.*use a tensor-parallel size of 1, 2, 4"):
+        tensor_parallel.check_tp_fits(MODEL_PRESETS["tiny"], 3)
+
+
+def test_torchrun_launch_equals_single_process():
+    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.tensor_parallel",
+                        "--sequence-parallel", "--loss-parallel", "--steps", str(STEPS)], timeout_s=180)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    result = last_json(launched.stdout)
+    assert result["world_size"] == 2 and result["extras"]["sequence_parallel"] is True
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS))
+    assert_losses_close(result["losses"], reference.losses, atol=1e-5)
+    assert launched.stdout.count("] step ") == STEPS and "[rank1]" not in launched.stdout
