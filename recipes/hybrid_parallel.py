@@ -1,0 +1,167 @@
+"""Hybrid parallelism on a DeviceMesh: fully_shard x tensor parallel (2-D), and x pipeline (3-D).
+
+    torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel                  # dp 2 x tp 2
+    torchrun --standalone --nproc_per_node=8 -m recipes.hybrid_parallel --pp 2           # pp 2 x dp 2 x tp 2
+    torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel --sequence-parallel
+
+The world is one mesh; each parallelism takes one named dimension of it, from the outside in:
+
+- ``pp`` (3-D only, outermost): pipeline stages (recipes.pipeline_parallel), point-to-point between
+  stage neighbours: the least traffic, so it may cross the slowest links (between nodes);
+- ``dp``: ``fully_shard`` (recipes.fsdp2's ``apply_fully_shard``): each data-parallel rank reads its own
+  share of the batch, parameters are sharded across the dp ranks and all-gathered per block;
+- ``tp`` (innermost: consecutive ranks, i.e. one node's NVLink): tensor parallel
+  (recipes.tensor_parallel's ``apply_tp``), collectives inside every layer.
+
+With 8 ranks as pp 2 x dp 2 x tp 2, rank 5 is stage 1, data shard 0, tensor slice 1. The rank layout is
+logged as a grid (recipes.process_groups explains how mesh dims map to process groups). The groups each
+piece uses are taken from the mesh: ``mesh["tp"]`` for TP, ``mesh["dp"]`` for fully_shard,
+``mesh["pp"].get_group()`` for the pipeline's send/recv, ``mesh["dp"].get_group()`` for the loss average.
+
+Order matters: tensor parallel first, then fully_shard (it shards the TP DTensors again along dp, giving
+2-D DTensors), then the optimizer; a pipeline stage is cut before both. Losses and weights equal
+single-process training (tests/test_hybrid_parallel.py). Runs on gloo/CPU (checked with torch 2.13).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from recipes import pipeline_parallel as pp_recipe
+from recipes.core.cli import run_cli
+from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
+from recipes.core.log import get_logger
+from recipes.core.memory import model_state_bytes
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.workload import MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.world import join_world
+from recipes.fsdp2 import apply_fully_shard
+from recipes.process_groups import rank_grid
+from recipes.tensor_parallel import apply_tp, check_tp_fits, full_state_gathered
+
+log = get_logger(__name__)
+
+
+@dataclass
+class HybridConfig(TrainConfig):
+    tp: int = opt(2, "tensor-parallel size (innermost mesh dim)")
+    pp: int = opt(1, "pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh")
+    sequence_parallel: bool = opt(False, "tensor parallel with the sequence split between blocks (see tensor_parallel)")
+    schedule: Literal["gpipe", "1f1b"] = opt("1f1b", "pipeline schedule when pp > 1")
+    microbatches: int = opt(2, "pipeline micro-batches per optimizer step, per data-parallel rank (pp > 1)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if min(self.tp, self.pp, self.microbatches) < 1:
+            raise RecipeError("tp, pp and microbatches must be >= 1")
+
+
+def build_mesh(world, *, pp: int, tp: int) -> DeviceMesh:
+    """("dp", "tp"), or ("pp", "dp", "tp") when pp > 1; dp is what is left of the world."""
+    if world.world_size % (pp * tp):
+        raise RecipeError(f"pp={pp} x tp={tp} does not divide the world size {world.world_size}; "
+                          f"run on a multiple of {pp * tp} ranks")
+    dp = world.world_size // (pp * tp)
+    if pp == 1:
+        return init_device_mesh(world.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(world.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+# --8<-- [start:parallelize]
+def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                      in_pipeline: bool = False) -> nn.Module:
+    """Tensor parallel over mesh["tp"], then fully_shard over mesh["dp"]: the 2-D part of every layout."""
+    apply_tp(module, mesh["tp"], sequence_parallel=sequence_parallel)
+    # In a pipeline every micro-batch runs the stage's forward: resharding after each forward would
+    # all-gather the parameters once per micro-batch. Keep them (ZeRO-2 style) until the backward.
+    return apply_fully_shard(module, mesh["dp"], reshard_after_forward=not in_pipeline)
+# --8<-- [end:parallelize]
+
+
+# --8<-- [start:train]
+def train(cfg: HybridConfig) -> RecipeResult:
+    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+        mesh = build_mesh(world, pp=cfg.pp, tp=cfg.tp)
+        check_tp_fits(MODEL_PRESETS[cfg.model], cfg.tp)
+        dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        microbatches = cfg.microbatches if cfg.pp > 1 else 1
+        per_dp_rank_batch = per_rank_batch_size(cfg.global_batch_size, dp_size, microbatches) * microbatches
+        log.info("%s", rank_grid(mesh))
+        groups = {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in mesh.mesh_dim_names}
+
+        if cfg.pp == 1:
+            model = build_model(cfg.model, seed=cfg.seed, device=world.device)
+            params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            apply_tp_and_fsdp(model, mesh, sequence_parallel=cfg.sequence_parallel)
+            modules = [model]
+        else:
+            pp_cfg = pp_recipe.PPConfig(model=cfg.model, schedule=cfg.schedule, microbatches=cfg.microbatches,
+                                        n_layers=0, global_batch_size=per_dp_rank_batch)
+            pp_recipe.check_pipeline_fits(pp_cfg, cfg.pp)
+            model_cfg = MODEL_PRESETS[cfg.model]
+            params_unsplit_bytes = sum(p.numel() * p.element_size() for p in build_model(model_cfg).parameters())
+            stage_ids, num_stages = pp_recipe.stage_placement(cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
+            # Each pp rank cuts its stage, then splits it over its tp x dp sub-mesh; send/recv between
+            # stages run on the pp group: the ranks with the same dp and tp coordinates.
+            stages = pp_recipe.manual_stages(
+                model_cfg, stage_ids, num_stages, seed=cfg.seed, device=world.device, group=mesh["pp"].get_group(),
+                parallelize=lambda m: apply_tp_and_fsdp(m, mesh, sequence_parallel=cfg.sequence_parallel,
+                                                        in_pipeline=True))
+            schedule = pp_recipe.build_schedule(cfg.schedule, stages, cfg.microbatches)
+            modules = [stage.submod for stage in stages]
+        optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=cfg.lr)
+
+        # Data: one share per dp coordinate. Ranks that differ only in tp (or pp) read the same samples.
+        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+        loader, sampler = distributed_loader(dataset, rank=dp_rank, world_size=dp_size,
+                                             per_rank_batch_size=per_dp_rank_batch, seed=cfg.seed)
+        dp_group = mesh["dp"].get_group()
+
+        losses, timer = [], StepTimer(world.device)
+        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
+            with timer, warnings.catch_warnings():
+                # fully_shard warns when a module returns a view: here it is TP's local view of the
+                # all-gathered activations, and nothing modifies it in place.
+                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+                inputs, targets = inputs.to(world.device), targets.to(world.device)
+                optimizer.zero_grad(set_to_none=True)
+                if cfg.pp == 1:
+                    loss = lm_loss(model(inputs), targets)
+                    loss.backward()  # fully_shard reduce-scatters (averages) gradients over mesh["dp"]
+                    loss = loss.detach().reshape(1).clone()
+                    dist.all_reduce(loss, group=dp_group)  # the global batch's loss: mean over dp
+                    loss = float(loss.item()) / dp_size
+                else:
+                    # Every dp x tp rank of the last stage holds its dp share's loss: sum / (dp * tp).
+                    loss = pp_recipe.pipeline_step(schedule, stages, inputs, targets,
+                                                   loss_holders=dp_size * cfg.tp)
+                optimizer.step()
+                if step == 0:
+                    state_bytes = [model_state_bytes(m, optimizer)["param_bytes"] for m in modules]
+            losses.append(loss)
+            log.info("step %d loss %.4f time %.1f ms", step, loss, timer.durations[-1] * 1e3)
+
+        if cfg.pp == 1:
+            state = full_state_gathered(model)  # all-gathers over dp and tp
+        else:
+            state = pp_recipe.sorted_by_model_order(pp_recipe.gathered_state(stages), MODEL_PRESETS[cfg.model])
+        return make_result(
+            "hybrid_parallel", world, losses, state.values(), timer,
+            keep_final_state=state if cfg.keep_final_state else None,
+            mesh_shape=list(mesh.mesh.shape), mesh_dim_names=list(mesh.mesh_dim_names), rank_grid=mesh.mesh.tolist(),
+            groups_of_this_rank=groups, sequence_parallel=cfg.sequence_parallel,
+            param_bytes_per_rank=sum(state_bytes), param_bytes_unsplit=params_unsplit_bytes,
+            param_fraction_per_rank=sum(state_bytes) / params_unsplit_bytes,
+        )
+# --8<-- [end:train]
+
+
+if __name__ == "__main__":
+    run_cli(train, HybridConfig, __doc__)

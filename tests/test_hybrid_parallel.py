@@ -1,0 +1,125 @@
+"""hybrid_parallel: fully_shard x tensor parallel (4 ranks) and pipeline x fully_shard x TP (8 ranks) equal
+single-process training; groups come from the mesh; the rank layout is printed as a grid."""
+
+import types
+import warnings
+
+import pytest
+from torch.distributed.tensor import DTensor
+
+from recipes import ddp_torchrun, hybrid_parallel, pipeline_parallel
+from recipes.core.config import RecipeError
+from recipes.core.workload import build_model, lm_loss, make_dataset
+from recipes.core.world import join_world, spawn_world
+from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, require_world, run_alone,
+                           run_cli, with_fields)
+from tests.test_tensor_parallel import expected_param_fraction
+
+STEPS = 3
+CFG = hybrid_parallel.HybridConfig(steps=STEPS, keep_final_state=True, timeout_s=180)
+
+
+def reference():
+    return run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+
+
+def gradient_difference(world, cfg) -> float:
+    """One step of the hybrid layout on the whole batch; largest |full gradient - unsplit gradient|."""
+    mesh = hybrid_parallel.build_mesh(world, pp=cfg.pp, tp=cfg.tp)
+    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    dataset = make_dataset("tiny", 12, seed=1)
+    inputs, targets = dataset.tokens[:12, :-1], dataset.tokens[:12, 1:]
+    reference_model = build_model("tiny", seed=2)
+    lm_loss(reference_model(inputs), targets).backward()
+    reference_grads = {name: p.grad for name, p in reference_model.named_parameters()}
+    share = slice(dp_rank * 12 // dp_size, (dp_rank + 1) * 12 // dp_size)  # this dp rank's samples
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        if cfg.pp == 1:
+            model = hybrid_parallel.apply_tp_and_fsdp(build_model("tiny", seed=2), mesh,
+                                                      sequence_parallel=cfg.sequence_parallel)
+            lm_loss(model(inputs[share]), targets[share]).backward()
+            modules = [model]
+        else:
+            ids, num_stages = pipeline_parallel.stage_placement(cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
+            stages = pipeline_parallel.manual_stages(
+                build_model("tiny").cfg, ids, num_stages, seed=2, device=world.device, group=mesh["pp"].get_group(),
+                parallelize=lambda m: hybrid_parallel.apply_tp_and_fsdp(
+                    m, mesh, sequence_parallel=cfg.sequence_parallel, in_pipeline=True))
+            schedule = pipeline_parallel.build_schedule(cfg.schedule, stages, cfg.microbatches)
+            pipeline_parallel.pipeline_step(schedule, stages, inputs[share], targets[share],
+                                            loss_holders=dp_size * cfg.tp)
+            modules = [stage.submod for stage in stages]
+    worst = 0.0
+    for module in modules:
+        for name, p in module.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            worst = max(worst, (grad - reference_grads[name]).abs().max().item())
+    return worst
+
+
+def hybrid_world(configs, backend):
+    with join_world(backend, timeout_s=180) as world:
+        return [gradient_difference(world, cfg) for cfg in configs], [hybrid_parallel.train(cfg) for cfg in configs]
+
+
+def check_against_reference(configs, differences, results):
+    expected = reference()
+    for cfg, difference, result in zip(configs, differences, results):
+        assert difference < 1e-5, f"sequence_parallel={cfg.sequence_parallel}: a gradient differs by {difference:.2e}"
+        assert_losses_close(result.losses, expected.losses, atol=1e-5)
+        assert_states_close(result.final_state, expected.final_state, atol=1e-5)
+        assert result.extras["sequence_parallel"] == cfg.sequence_parallel
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_shard_x_tensor_parallel_on_a_2d_mesh_and_a_4_rank_pipeline(backend):
+    require_world(backend, 4)
+    # dp 2 x tp 2, without and with sequence parallel; then pp 2 x dp 1 x tp 2: the 3-D code path on 4
+    # ranks (the full pp 2 x dp 2 x tp 2 on 8 ranks is the slow test below).
+    configs = [with_fields(CFG, backend=backend, sequence_parallel=sp) for sp in (False, True)]
+    configs.append(with_fields(CFG, backend=backend, pp=2, sequence_parallel=True))
+    differences, results = spawn_world(hybrid_world, 4, configs, backend, timeout_s=300)
+    check_against_reference(configs, differences, results)
+    extras = results[0].extras
+    assert (extras["mesh_dim_names"], extras["mesh_shape"]) == (["dp", "tp"], [2, 2])
+    assert extras["rank_grid"] == [[0, 1], [2, 3]]
+    assert extras["groups_of_this_rank"] == {"dp": [0, 2], "tp": [0, 1]}  # rank 0's column and row
+    # TP splits the weights 2 ways (norms and row-wise biases stay whole), fully_shard splits everything 2 ways.
+    assert extras["param_fraction_per_rank"] == pytest.approx(expected_param_fraction(2) / 2)
+    extras = results[2].extras
+    assert (extras["mesh_dim_names"], extras["mesh_shape"]) == (["pp", "dp", "tp"], [2, 1, 2])
+    assert extras["groups_of_this_rank"] == {"pp": [0, 2], "dp": [0], "tp": [0, 1]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_x_fully_shard_x_tensor_parallel_on_a_3d_mesh(backend):
+    require_world(backend, 8)
+    # One world of 8 on the tiniest model: 2 stages of 1 block, dp 2, tp 2 with sequence parallel.
+    # Slow: 8 processes on a 2-core machine take ~40 s of CPU; the 4-rank test above runs the same code.
+    configs = [with_fields(CFG, backend=backend, pp=2, sequence_parallel=True)]
+    differences, results = spawn_world(hybrid_world, 8, configs, backend, timeout_s=420)
+    check_against_reference(configs, differences, results)
+    extras = results[0].extras
+    assert (extras["mesh_dim_names"], extras["mesh_shape"]) == (["pp", "dp", "tp"], [2, 2, 2])
+    assert extras["rank_grid"] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert extras["groups_of_this_rank"] == {"pp": [0, 4], "dp": [0, 2], "tp": [0, 1]}
+    # Rank 0 holds stage 0 (embeddings + block 0), split 4 ways: less than a quarter of the model.
+    assert extras["param_fraction_per_rank"] < 0.25
+
+
+def test_torchrun_launch_prints_the_rank_grid_and_equals_single_process():
+    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=4", "-m", "recipes.hybrid_parallel",
+                        "--steps", "2"], timeout_s=240)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert "mesh dp x tp = 2 x 2" in launched.stdout
+    assert "  dp=1       2     3" in launched.stdout  # the grid: row dp=1 holds ranks 2 and 3
+    result = last_json(launched.stdout)
+    assert_losses_close(result["losses"], reference().losses[:2], atol=1e-5)
+
+
+def test_layout_that_does_not_fit_the_world_is_rejected():
+    world = types.SimpleNamespace(world_size=6, device=types.SimpleNamespace(type="cpu"))
+    with pytest.raises(RecipeError, match=r"pp=2 x tp=2 does not divide the world size 6; run on a multiple of 4"):
+        hybrid_parallel.build_mesh(world, pp=2, tp=2)
