@@ -1,8 +1,8 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): resume on any world size, export, crash-safe.
 
-    torchrun --standalone --nproc_per_node=2 -m recipes.sharded_checkpoint --strategy fsdp2 --steps 3
-    torchrun --standalone --nproc_per_node=4 -m recipes.sharded_checkpoint --steps 6 --resume-from latest
-    python -m recipes.sharded_checkpoint --steps 6 --resume-from latest --export-to model.pt  # 1 rank reads it too
+    torchrun --standalone --nproc_per_node=2 -m recipes.sharded_checkpoint --steps 3
+    torchrun --standalone --nproc_per_node=4 -m recipes.sharded_checkpoint --steps 6  # resumes step 3 on 4 ranks
+    python -m recipes.sharded_checkpoint --steps 9 --export-to model.pt              # ... and on 1, then exports
 
 Every rank writes only the shard it holds (``dcp.save``), in parallel, and a load reads what each rank of
 the NEW world needs, whatever world wrote it: a checkpoint from 2 ranks resumes on 1, 3 or 4, from FSDP
@@ -78,8 +78,9 @@ class CheckpointConfig(TrainConfig):
         "saved with one loads into any other")
     checkpoint_dir: str = opt("checkpoints/sharded_checkpoint", "where step_NNNNNNNN/ checkpoints and the 'latest' pointer live")
     save_every: int = opt(3, "save every N steps and after the last one; 0 = never save")
-    resume_from: str = opt("", "'' = start fresh; 'latest' = the checkpoint 'latest' names in --checkpoint-dir "
-                               "(fresh if there is none yet); or a checkpoint directory")
+    resume_from: str = opt("latest", "'latest' = the checkpoint 'latest' names in --checkpoint-dir (start fresh if "
+                                     "there is none yet: the same command starts and resumes a job); a step_* "
+                                     "directory; or '' = always start fresh")
     async_save: bool = opt(False, "write checkpoints in the background (dcp.async_save) while training goes on")
     keep_last: int = opt(2, "published checkpoints to keep; older ones are deleted (0 = keep all)")
     export_to: str = opt("", "after training, rank 0 writes the full model state_dict to this file (for inference)")
@@ -441,6 +442,8 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist
         load_full_state_dict(model, cfg.init_from)
         log.info("model initialised from %s", cfg.init_from)
     start_step = app.progress["step"]
+    if start_step >= cfg.steps:
+        log.info("the checkpoint is at step %d and --steps is %d: nothing to train", start_step, cfg.steps)
     later = [s for s in published_steps(cfg.checkpoint_dir) if s > start_step] if cfg.save_every else []
     if later:  # refuse now rather than after training up to the clash
         raise RecipeError(f"{cfg.checkpoint_dir} already holds checkpoints past step {start_step} (up to step "

@@ -12,15 +12,16 @@ import torch.distributed as dist
 
 from recipes import sharded_checkpoint
 from recipes.core.config import RecipeError
-from recipes.core.workload import build_model
+from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import RankError, join_world, spawn_world
-from recipes.sharded_checkpoint import (AppState, CheckpointConfig, find_checkpoint, load_checkpoint,
-                                        published_steps, save_checkpoint, verify_checkpoint)
+from recipes.sharded_checkpoint import (AppState, CheckpointConfig, ResumableSampler, find_checkpoint,
+                                        load_checkpoint, published_steps, save_checkpoint, verify_checkpoint)
 from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, in_one_world, last_json, run_alone,
                            run_cli, run_world, with_fields)
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
-BASE = CheckpointConfig(steps=6, save_every=0, timeout_s=120, keep_final_state=True)
+# resume_from="" : the recipe's default ("latest") would pick up whatever the default directory holds.
+BASE = CheckpointConfig(steps=6, save_every=0, resume_from="", timeout_s=120, keep_final_state=True)
 # Same world, same strategy: the resumed run repeats the same arithmetic (observed: bit-identical).
 # Another world size sums the gradients in another order: equal to float32 rounding.
 SAME_WORLD_ATOL, RESHARDED_ATOL = 1e-6, 1e-5
@@ -82,10 +83,11 @@ def resumed(saved, tmp_path_factory):
     configs = [with_fields(BASE, strategy=s, resume_from="latest", checkpoint_dir=str(saved.root / s))
                for s in STRATEGIES]
     configs.append(with_fields(BASE, strategy="fsdp2", resume_from=str(saved.root / "async" / "step_00000004")))
+    configs.append(with_fields(BASE, strategy="fsdp", steps=1, init_from=str(saved.root / "ddp.pt")))
     results, imported, draws = spawn_world(resume_import_and_rng, 2, configs, str(saved.root / "ddp.pt"),
                                            str(tmp_path_factory.mktemp("rng")), timeout_s=240)
-    return SimpleNamespace(by_strategy=dict(zip(STRATEGIES, results)), async_resume=results[-1],
-                           imported=imported, draws=draws)
+    return SimpleNamespace(by_strategy=dict(zip(STRATEGIES, results)), async_resume=results[3],
+                           init_from=results[4], imported=imported, draws=draws)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -150,6 +152,25 @@ def test_full_file_loads_into_every_sharded_model(saved, resumed):
     exported = torch.load(saved.root / "ddp.pt", weights_only=True)
     for strategy in STRATEGIES:
         assert_states_close(resumed.imported[strategy], exported, atol=0.0)
+
+
+def test_init_from_a_full_file_starts_training_from_its_weights(saved, resumed):
+    # The first loss of a run started with --init-from is the file's model on global batch 0.
+    model = build_model("tiny", seed=1)
+    model.load_state_dict(torch.load(saved.root / "ddp.pt", weights_only=True))
+    dataset = make_dataset("tiny", 12, batches_per_epoch=BASE.batches_per_epoch)
+    first_batch = list(ResumableSampler(dataset, per_rank_batch_size=12, num_replicas=1, rank=0))[:12]
+    inputs, targets = dataset.tokens[first_batch][:, :-1], dataset.tokens[first_batch][:, 1:]
+    with torch.no_grad():
+        expected = lm_loss(model(inputs), targets).item()
+    assert resumed.init_from.extras["start_step"] == 0
+    assert_losses_close(resumed.init_from.losses, [expected], atol=1e-5)
+
+
+def test_the_same_command_again_has_nothing_left_to_train(saved):
+    cfg = with_fields(BASE, strategy="ddp", steps=3, resume_from="latest", checkpoint_dir=str(saved.root / "ddp"))
+    result = run_alone(sharded_checkpoint.train, cfg)
+    assert (result.extras["start_step"], result.losses, result.extras["saved_steps"]) == (3, [], [])
 
 
 def test_whole_checkpoint_converts_offline_to_one_torch_save_file(saved, tmp_path):
