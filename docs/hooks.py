@@ -10,6 +10,10 @@ A page asks for generated content with a marker on a line of its own (outside co
   ``<!-- api: package.* -->`` does it for every public module of the package (``recipes.*``: the recipes).
 - ``<!-- recipe-index -->``: every recipe, grouped as in the navigation, with what it shows and its command.
 
+And inline, anywhere outside code: ``[fsdp2][]`` (a recipe's name as an empty reference link) becomes a
+link to docs/recipes/fsdp2.md once that page exists, and the name in code font until then, so that
+prose can name recipes whose pages are still being written without breaking the strict build.
+
 A marker that names something missing is logged as a warning, so ``mkdocs build --strict`` fails on it
 (the page also shows a red box saying what is missing, for a non-strict ``mkdocs serve``).
 
@@ -27,6 +31,7 @@ import json
 import logging
 import os
 import pkgutil
+import pprint
 import re
 import sys
 import typing
@@ -40,6 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "results"
 MARKER = re.compile(r"^<!--\s*(options|results|api|recipe-index)\s*(?::\s*(\S+?))?\s*-->\s*$")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+RECIPE_LINK = re.compile(r"\[([a-z][a-z0-9_]*)\]\[\]")
 RECIPES_SECTION = "Recipes"  # the nav section whose pages are recipe pages
 
 
@@ -74,7 +80,7 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
             fence = None
         match = MARKER.match(line) if fence is None else None
         if match is None:
-            out.append(line)
+            out.append(line if fence is not None else _link_recipes(line, page, config))
             continue
         kind, argument = match.group(1), match.group(2) or ""
         try:
@@ -83,6 +89,22 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
             log.warning("%s: %s", page.file.src_uri, exc)
             out.append(f'!!! failure "Generated content missing"\n    {_escape(str(exc))}\n')
     return "\n".join(out)
+
+
+def _link_recipes(line: str, page: Any, config: Any) -> str:
+    def link(match: re.Match) -> str:
+        name = match.group(1)
+        target = f"recipes/{name}.md"
+        if (Path(config["docs_dir"]) / target).exists():
+            return f"[{name}]({os.path.relpath(target, os.path.dirname(page.file.src_uri))})"
+        if not (REPO_ROOT / "recipes" / f"{name}.py").exists():
+            log.warning("%s: [%s][] names no recipe (no recipes/%s.py)", page.file.src_uri, name, name)
+        return f"`{name}`"
+
+    if "][]" not in line:
+        return line
+    spans = re.split(r"(`[^`]*`)", line)  # inline code stays as written
+    return "".join(span if span.startswith("`") else RECIPE_LINK.sub(link, span) for span in spans)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,9 +303,15 @@ def _module_api(module_name: str) -> str:
         obj = getattr(module, name)
         anchor = f"{module_name}.{name}"
         parts.append(f"### `{name}` {{ #{anchor} }}\n")
-        declaration = _class_declaration(obj) if inspect.isclass(obj) else f"def {name}{_signature(obj)}"
+        if inspect.isclass(obj):
+            declaration = _class_declaration(obj)
+        elif callable(obj):
+            declaration = f"def {name}{_signature(obj)}"
+        else:  # a constant: its value (an instance's __doc__ would be its type's, so none is shown)
+            declaration = f"{name} = {_value(obj)}"
         parts.append(f"```python\n{declaration}\n```\n")
-        parts.append(_docstring(_own_doc(obj)))
+        if inspect.isclass(obj) or callable(obj):
+            parts.append(_docstring(_own_doc(obj)))
         if inspect.isclass(obj):
             for member_name, member in _public_members(obj):
                 parts.append(f"#### `{name}.{member_name}` {{ #{anchor}.{member_name} }}\n")
@@ -357,9 +385,14 @@ def _signature(obj: Callable, *, indent: str = "") -> str:
     if signature.return_annotation is not inspect.Signature.empty:
         returns = " -> " + inspect.formatannotation(unquoted(signature.return_annotation))
     one_line = f"({', '.join(parts)}){returns}"
-    if len(one_line) <= 100:
+    if len(one_line) <= 80:
         return one_line
     return "(\n" + "".join(f"{indent}    {part},\n" for part in parts) + f"{indent}){returns}"
+
+
+def _value(obj: Any, max_lines: int = 30) -> str:
+    lines = pprint.pformat(obj, width=110, sort_dicts=False).splitlines()
+    return "\n".join(lines[:max_lines] + (["..."] if len(lines) > max_lines else []))
 
 
 def _class_declaration(cls: type) -> str:

@@ -195,6 +195,20 @@ def test_markers_inside_code_blocks_are_left_alone():
     assert render(text) == text
 
 
+def test_recipe_names_link_to_pages_that_exist_and_stay_code_until_then(tmp_path, caplog):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "ddp_torchrun.md").write_text("# ddp_torchrun: x\n")
+
+    class Page:
+        class file:
+            src_uri = "concepts/example.md"
+
+    out = hooks().on_page_markdown("[ddp_torchrun][] and [amp][] but `[zero][]` and [no_such_recipe][]",
+                                   page=Page(), config={"nav": [], "docs_dir": str(tmp_path)}, files=None)
+    assert out == "[ddp_torchrun](../recipes/ddp_torchrun.md) and `amp` but `[zero][]` and `no_such_recipe`"
+    assert any("[no_such_recipe][] names no recipe" in r.getMessage() for r in caplog.records)
+
+
 def test_a_recipe_without_results_gets_a_note_saying_how_to_measure_it():
     out = render("<!-- results: not_measured_recipe -->")
     assert "Not measured yet" in out and "python scripts/collect_results.py not_measured_recipe" in out
