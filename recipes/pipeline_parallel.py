@@ -1,10 +1,11 @@
 """Pipeline parallelism with torch.distributed.pipelining: consecutive blocks on consecutive ranks.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel                       # 1F1B, 2 stages
-    torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --schedule gpipe --microbatches 8
-    torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --schedule interleaved_1f1b
-    torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --schedule zbv_zero_bubble
+    torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --schedule gpipe --microbatches 6
+    torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --schedule interleaved_1f1b --n-layers 4
+    torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --schedule zbv_zero_bubble --n-layers 4
     torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --split tracer
+    python -m recipes.pipeline_parallel                                 # a world of 1: one stage, no bubble
 
 The model is cut into stages of consecutive blocks (stage 0 also owns the embeddings, the last stage the
 final norm and the output head), each rank runs its stage(s), and activations / their gradients travel
@@ -34,7 +35,7 @@ Gradients are computed per micro-batch and summed; the schedule divides them by 
 (``scale_grads``), so with the mean loss the step equals the whole-batch step: losses and weights equal
 single-process training (tests/test_pipeline_parallel.py). Every schedule and both splits run on
 gloo/CPU (checked with torch 2.13: send/recv are all they need). The tiny preset has 2 blocks: 4 stages
-need more, hence ``--n-layers`` (the preset's dims, more blocks; default 4).
+need more, hence ``--n-layers`` (the preset's dims with more blocks).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.workload import (MODEL_PRESETS, ModelConfig, build_model, distributed_loader, iterate_steps,
                                    lm_loss, make_dataset)
 from recipes.core.world import join_world
+from recipes.tensor_parallel import full_state_gathered  # DTensor-aware: hybrid stages hold TP/FSDP shards
 
 log = get_logger(__name__)
 
@@ -77,8 +79,8 @@ class PPConfig(TrainConfig):
     microbatches: int = opt(4, "micro-batches per optimizer step: more of them shrink the bubble (p-1)/(m+p-1)")
     stages_per_rank: int = opt(0, "pipeline stages per rank; 0 = what the schedule needs "
                                   "(1 for gpipe/1f1b, 2 for the interleaved and zero-bubble schedules)")
-    n_layers: int = opt(4, "transformer blocks (the preset's dims with this many blocks; 0 = the preset's own "
-                           "count); every stage needs at least one")
+    n_layers: int = opt(0, "transformer blocks: the preset's dims with this many blocks (0 = the preset's own "
+                           "count; tiny has 2); every stage needs at least one")
     split: Literal["manual", "tracer"] = opt(
         "manual", "manual: each stage deletes the blocks it does not own; tracer: pipeline() traces the model "
                   "and cuts it at SplitPoint.BEGINNING of each stage's first block")
@@ -243,11 +245,9 @@ def bubble_fraction(pp_size: int, microbatches: int, stages_per_rank: int = 1) -
 
 def gathered_state(stages: list[PipelineStage], group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """The whole model's parameters on every rank, from every rank's stages (a collective)."""
-    from recipes.tensor_parallel import full_state_gathered  # DTensor-aware (hybrid stages have TP/FSDP)
-
     local: dict[str, torch.Tensor] = {}
     for stage in stages:
-        local.update(full_state_gathered(stage.submod))
+        local.update(full_state_gathered(stage.submod))  # all-gathers any DTensor (TP/FSDP) shards
     pieces: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(pieces, local, group=group)
     return {name: tensor for piece in pieces for name, tensor in sorted(piece.items())}

@@ -103,7 +103,7 @@ def test_every_schedule_equals_the_unsplit_model(backend):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(n_layers=2, schedule="interleaved_1f1b"), r"2 blocks cannot fill 4 pipeline stages .* --n-layers 4"),
+        (dict(n_layers=0, schedule="interleaved_1f1b"), r"2 blocks cannot fill 4 pipeline stages .* --n-layers 4"),
         (dict(schedule="1f1b", n_layers=4, microbatches=1), r"1f1b needs at least one micro-batch per stage"),
         (dict(schedule="gpipe", stages_per_rank=2), r"gpipe runs one stage per rank"),
         (dict(schedule="zbv_zero_bubble", stages_per_rank=3), r"exactly 2 stages per rank"),
@@ -122,7 +122,7 @@ def test_layouts_the_schedule_cannot_run_are_rejected(changes, message):
 
 def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.pipeline_parallel",
-                        "--schedule", "interleaved_1f1b", "--steps", "2"], timeout_s=180)
+                        "--schedule", "interleaved_1f1b", "--n-layers", "4", "--steps", "2"], timeout_s=180)
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and result["extras"]["num_stages"] == 4
