@@ -113,11 +113,13 @@ class AppState(Stateful):
     ``state_dict()`` (for the shapes to read into) then ``load_state_dict()`` when loading."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
-                 group: dist.ProcessGroup | None = None):
+                 batches_per_epoch: int, group: dist.ProcessGroup | None = None):
         self.model, self.optimizer, self.group = model, optimizer, group
         # The data position, in world-size-free units: global step s reads the same samples on any world
-        # size, so (epoch, global batches done in it) means the same thing to a resharded run.
-        self.progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "global_batch_size": global_batch_size}
+        # size, so (epoch, global batches done in it) means the same thing to a resharded run, as long as
+        # the global batch and the epoch are the same size (checked on resume).
+        self.progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "global_batch_size": global_batch_size,
+                         "batches_per_epoch": batches_per_epoch}
 
     def state_dict(self) -> dict[str, Any]:
         # get_state_dict: one call for DDP, FSDP and fully_shard. Names come without "module." or
@@ -428,14 +430,16 @@ def train(cfg: CheckpointConfig) -> RecipeResult:
 def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist.ProcessGroup) -> RecipeResult:
     model = parallelize(build_model(cfg.model, seed=cfg.seed, device=world.device), cfg.strategy, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size, group=group)
+    app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size,
+                   batches_per_epoch=cfg.batches_per_epoch, group=group)
 
     resume_dir, saved_by = find_checkpoint(cfg.resume_from, cfg.checkpoint_dir), None
     if resume_dir is not None:
         saved_by = load_checkpoint(resume_dir, app, group=group)["world_size"]
-        if app.progress["global_batch_size"] != cfg.global_batch_size:
-            raise RecipeError(f"{resume_dir} was trained with global_batch_size={app.progress['global_batch_size']}; "
-                              "resume with the same --global-batch-size (the data position counts global batches)")
+        for name in ("global_batch_size", "batches_per_epoch"):  # the data position counts global batches
+            if app.progress[name] != getattr(cfg, name):
+                raise RecipeError(f"{resume_dir} was trained with {name}={app.progress[name]}; resume with the same "
+                                  f"--{name.replace('_', '-')}, or the resumed run reads other data")
         log.info("resumed from %s at step %d (saved by %d rank(s), loaded on %d)",
                  resume_dir, app.progress["step"], saved_by, world.world_size)
     elif cfg.init_from:

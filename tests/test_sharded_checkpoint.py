@@ -16,8 +16,8 @@ from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import RankError, join_world, spawn_world
 from recipes.sharded_checkpoint import (AppState, CheckpointConfig, ResumableSampler, find_checkpoint,
                                         load_checkpoint, published_steps, save_checkpoint, verify_checkpoint)
-from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, in_one_world, last_json, run_alone,
-                           run_cli, run_world, with_fields)
+from tests.helpers import (CUDA_DEVICES, PYTHON, assert_losses_close, assert_states_close, in_one_world, last_json,
+                           run_alone, run_cli, run_world, with_fields)
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
 # resume_from="" : the recipe's default ("latest") would pick up whatever the default directory holds.
@@ -64,7 +64,8 @@ def resume_import_and_rng(configs, exported_file, rng_dir):
         # RNG: each rank saves its own stream, then draws; after reseeding and loading it must draw the same.
         group = dist.new_group(backend="gloo")
         model = sharded_checkpoint.parallelize(build_model("tiny"), "ddp", world)
-        app = AppState(model, torch.optim.AdamW(model.parameters()), global_batch_size=12, group=group)
+        app = AppState(model, torch.optim.AdamW(model.parameters()), global_batch_size=12, batches_per_epoch=4,
+                       group=group)
         torch.manual_seed(100 + world.rank)
         torch.rand(5)
         save_checkpoint(rng_dir, app, 1, group=group).finish()
@@ -254,7 +255,8 @@ def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path):
     ddp_dir = str(saved.root / "ddp")
     with pytest.raises(RecipeError, match=r"already holds checkpoints past step 0 \(up to step 3\)"):
         run_alone(sharded_checkpoint.train, with_fields(BASE, strategy="ddp", save_every=3, checkpoint_dir=ddp_dir))
-    with pytest.raises(RecipeError, match=r"was trained with global_batch_size=12; resume with the same"):
+    with pytest.raises(RecipeError, match=r"was trained with global_batch_size=12; resume with the same "
+                                          r"--global-batch-size, or the resumed run reads other data"):
         run_alone(sharded_checkpoint.train, with_fields(BASE, strategy="ddp", global_batch_size=6,
                                                         resume_from="latest", checkpoint_dir=ddp_dir))
     with pytest.raises(RecipeError, match=r"--resume-from .*nowhere: no such checkpoint directory"):
@@ -267,6 +269,21 @@ def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path):
         CheckpointConfig(strategy="zero")
     with pytest.raises(RecipeError, match="save_every must be >= 0"):
         CheckpointConfig(save_every=-1)
+
+
+@pytest.mark.skipif(CUDA_DEVICES < 2, reason=f"NCCL with 2 ranks needs 2 CUDA devices, found {CUDA_DEVICES}")
+def test_nccl_world_saves_async_and_a_cpu_world_resumes(saved, tmp_path):
+    # GPU path: CUDA RNG state, cpu_offload of the full state, async staging from GPU memory; the
+    # checkpoint I/O still runs on its own gloo group. The same checkpoint then resumes on CPU / gloo.
+    cfg = with_fields(BASE, strategy="fsdp2", backend="nccl", save_every=3, async_save=True,
+                      checkpoint_dir=str(tmp_path / "nccl"))
+    (first,) = run_world(sharded_checkpoint.train, 2, [with_fields(cfg, steps=3)], backend="nccl", timeout_s=240)
+    (second,) = run_world(sharded_checkpoint.train, 2, [with_fields(cfg, resume_from="latest", save_every=0)],
+                          backend="nccl", timeout_s=240)
+    on_cpu = run_alone(sharded_checkpoint.train, with_fields(cfg, backend="gloo", resume_from="latest", save_every=0))
+    reference = saved.straight["fsdp2"].losses  # computed on CPU: GPU kernels differ in rounding
+    assert_losses_close(first.losses + second.losses, reference, atol=1e-4)
+    assert_losses_close(on_cpu.losses, second.losses, atol=1e-4)
 
 
 def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
