@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from recipes.core.cli import run_cli
@@ -70,12 +70,32 @@ def check_tp_fits(model_cfg: ModelConfig, tp_size: int) -> None:
 
 
 # --8<-- [start:apply_tp]
+class ReplicateParallel(ParallelStyle):
+    """Parameters become Replicate DTensors; the module takes and returns plain tensors (torchtitan's
+    NoParallel). For the norms without sequence parallel: every parameter is then a DTensor.
+
+    Pitfall: a model with both DTensor and plain parameters trains on CPU, where AdamW loops over
+    tensors one by one, and fails on GPU, where it defaults to foreach kernels ("got mixed torch.Tensor
+    and DTensor"); clip_grad_norm_ fails the same way.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicated_inputs(_module, inputs, mesh):
+            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+
+        def local_output(_module, output, _mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, input_fn=replicated_inputs, output_fn=local_output)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> nn.Module:
     """Split ``model`` (a recipes TransformerLM) across the ranks of the 1-D ``tp_mesh``, in place.
 
     Apply it before fully_shard and before building the optimizer (the optimizer must see the DTensor
-    parameters that replace the plain ones). Parameters keep their names; their values are DTensors.
+    parameters that replace the plain ones). Parameters keep their names; every one becomes a DTensor.
     """
     # Between blocks the residual stream is either replicated (every rank holds all of it) or, with
     # sequence parallel, split along the sequence dim: Shard(1) of [batch, seq, dim].
@@ -95,8 +115,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
     }
-    if sequence_parallel:
-        top_plan["norm"] = SequenceParallel()
+    # The final norm: split along the sequence, or replicated (its parameters still become DTensors).
+    top_plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     # A pipeline stage has set the parts it does not own to None: split only what is there.
     parallelize_module(model, tp_mesh, {name: style for name, style in top_plan.items()
                                         if getattr(model, name) is not None})
@@ -123,6 +143,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
                 "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
+        else:  # replicated norms, whose parameters still become DTensors
+            block_plan.update({"attn_norm": ReplicateParallel(), "mlp_norm": ReplicateParallel()})
         parallelize_module(block, tp_mesh, block_plan)
     return model
 # --8<-- [end:apply_tp]

@@ -4,6 +4,7 @@ import contextlib
 import itertools
 
 import pytest
+import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -43,6 +44,9 @@ def forward_backward_differences(world, options: list[dict]) -> list[dict[str, f
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             diffs[name] = (grad - ref_p.grad).abs().max().item()
         differences.append(diffs)
+        # Every parameter is a DTensor (norms included), so the foreach AdamW that GPUs default to works.
+        assert all(isinstance(p, DTensor) for p in model.parameters()), "a plain parameter is left"
+        torch.optim.AdamW(model.parameters(), foreach=True).step()
     return differences
 
 
