@@ -35,7 +35,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -47,6 +46,7 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.state import all_ranks, full_state_on_rank0
 from recipes.core.workload import Block, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
 from recipes.core.world import join_world
 
@@ -246,41 +246,12 @@ def train(cfg: FSDPConfig) -> RecipeResult:
         if scaler:
             extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
             extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
-        full_state, checksum = full_state_on_rank0(
-            model, params_on_host=world.device.type == "cpu" or cfg.cpu_offload)
+        full_state, checksum = full_state_on_rank0(model)  # every rank calls it: it all-gathers
         result = make_result("fsdp", world, losses, full_state.values(), timer,
                              keep_final_state=full_state if cfg.keep_final_state and world.is_main else None, **extras)
         result.param_checksum = checksum
         return result
 # --8<-- [end:train]
-
-
-# --8<-- [start:full_state]
-def full_state_on_rank0(model: nn.Module, *, params_on_host: bool) -> tuple[dict[str, torch.Tensor], float]:
-    """The unsharded parameters on rank 0's CPU (other ranks get {}), and their checksum on every rank.
-
-    Every rank must call it: it all-gathers. With cpu_offload=True the state dict is also rank0_only:
-    the full model is built up in rank 0's host memory, never whole on a GPU, and the other ranks hold
-    nothing. Pitfall: when the flat parameters are already in host memory (a CPU world, or CPUOffload),
-    offload_to_cpu frees the very storage it then copies and the process crashes (pytorch/pytorch#188989):
-    gather without offloading there, and drop the copy on ranks other than 0.
-    """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=not params_on_host)
-    state = get_model_state_dict(model, options=options)  # clean names: no _fsdp_wrapped_module prefixes
-    if dist.get_rank() != 0:
-        state = {}
-    checksum = [float(sum(t.double().sum().item() for t in state.values()))]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(checksum, src=0)
-    return {name: t.detach().cpu() for name, t in state.items()}, checksum[0]
-# --8<-- [end:full_state]
-
-
-def all_ranks(value):
-    """Every rank's value, in rank order (rank 0's result carries what all ranks saw)."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 if __name__ == "__main__":

@@ -40,9 +40,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -52,6 +50,7 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.state import all_ranks, full_state_on_rank0
 from recipes.core.workload import Block, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
 from recipes.core.world import join_world
 
@@ -208,22 +207,12 @@ def train(cfg: FSDP2Config) -> RecipeResult:
         if scaler:
             extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
             extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
-        # Every rank calls it (it all-gathers); cpu_offload=True -> rank0_only: the others get {}.
-        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        checksum = [float(sum(t.double().sum().item() for t in full_state.values()))]
-        dist.broadcast_object_list(checksum, src=0)
+        full_state, checksum = full_state_on_rank0(model)  # every rank calls it: it all-gathers
         result = make_result("fsdp2", world, losses, full_state.values(), timer,
                              keep_final_state=full_state if cfg.keep_final_state and world.is_main else None, **extras)
-        result.param_checksum = checksum[0]
+        result.param_checksum = checksum
         return result
 # --8<-- [end:train]
-
-
-def all_ranks(value):
-    """Every rank's value, in rank order (rank 0's result carries what all ranks saw)."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 if __name__ == "__main__":

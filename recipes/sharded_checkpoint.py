@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,6 +54,7 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import World, join_world
 from recipes.fsdp import apply_fsdp
@@ -383,20 +384,9 @@ def load_checkpoint(path: str, app: AppState, *, group: dist.ProcessGroup | None
 
 
 # --8<-- [start:export]
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's ``state_dict`` on rank 0 (other ranks get {}); every rank must call it."""
-    # full_state_dict all-gathers each parameter; cpu_offload moves it to host memory on rank 0 only.
-    # Pitfall: without cpu_offload every rank holds the whole model on its GPU at once. Pitfall 2: classic
-    # FSDP whose parameters already live in host memory (a CPU world, CPUOffload) frees the storage it
-    # then copies under cpu_offload and the process segfaults: gather without it there (it is on host anyway).
-    on_host = next(model.parameters()).device.type == "cpu"
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_host))
-    return state if dist.get_rank() == 0 else {}
-
-
 def export_full_state_dict(model: nn.Module, path: str) -> None:
     """One ``state_dict`` file for single-device inference, written by rank 0; every rank must call it."""
-    state = full_model_state(model)
+    state, _ = full_state_on_rank0(model)  # every rank calls it: it all-gathers
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
@@ -490,7 +480,7 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist
     if cfg.export_to:
         export_full_state_dict(model, cfg.export_to)
         log.info("full state_dict written to %s", cfg.export_to)
-    full_state = full_model_state(model)
+    full_state, _ = full_state_on_rank0(model)
     return make_result(
         "sharded_checkpoint", world, losses, full_state.values(), timer,  # rank 0 holds the full state
         keep_final_state=full_state if cfg.keep_final_state else None,

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,6 +29,7 @@ from recipes.core.config import TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result, mean_over_ranks
+from recipes.core.state import all_ranks
 from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
 from recipes.core.world import join_world
 
@@ -90,13 +90,6 @@ def train(cfg: ZeroConfig) -> RecipeResult:
         return make_result("zero", world, losses, model.parameters(), timer,
                            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None, **extras)
 # --8<-- [end:train]
-
-
-def all_ranks(value):
-    """Every rank's value, in rank order (rank 0's result carries what all ranks saw)."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import torch
 
 from recipes import ddp_torchrun, fsdp, zero
 from recipes.core.config import RecipeError
+from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model
 from recipes.core.world import join_world
 from tests.helpers import (BACKENDS, CUDA_DEVICES, PYTHON, assert_losses_close, assert_states_close, last_json,
@@ -45,7 +46,7 @@ def sync_module_states_check(_cfg):
     """Each rank builds a DIFFERENT model (seed = rank): apply_fsdp must leave everyone with rank 0's."""
     with join_world("gloo") as world:
         model = fsdp.apply_fsdp(build_model("tiny", seed=world.rank), device=world.device)
-        state, _ = fsdp.full_state_on_rank0(model, params_on_host=True)
+        state, _ = full_state_on_rank0(model)
         return state
 
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from recipes import ddp_torchrun, fsdp, fsdp2, zero
 from recipes.core.memory import model_state_bytes, tensor_storage_bytes
+from recipes.core.state import all_ranks
 from recipes.core.workload import build_model, lm_loss
 from tests.helpers import assert_losses_close, assert_states_close, run_alone, run_world
 
@@ -49,7 +50,7 @@ def classic_fsdp_flat_parameters(cfg):
         tokens = torch.randint(0, 64, (2, 16))
         lm_loss(model(tokens), tokens).backward()
         optimizer.step()
-        return fsdp.all_ranks(model_state_bytes(model, optimizer))
+        return all_ranks(model_state_bytes(model, optimizer))
 
 
 def test_counts_storages_once_and_skips_none_and_freed():

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from recipes import sharded_checkpoint
 from recipes.core.config import RecipeError
+from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import RankError, join_world, spawn_world
 from recipes.sharded_checkpoint import (AppState, CheckpointConfig, ResumableSampler, find_checkpoint,
@@ -60,7 +61,7 @@ def resume_import_and_rng(configs, exported_file, rng_dir):
             # Another seed: the file must overwrite every weight of the sharded model.
             model = sharded_checkpoint.parallelize(build_model("tiny", seed=1), strategy, world)
             sharded_checkpoint.load_full_state_dict(model, exported_file)
-            imported[strategy] = sharded_checkpoint.full_model_state(model)
+            imported[strategy] = full_state_on_rank0(model)[0]
         # RNG: each rank saves its own stream, then draws; after reseeding and loading it must draw the same.
         group = dist.new_group(backend="gloo")
         model = sharded_checkpoint.parallelize(build_model("tiny"), "ddp", world)

@@ -1,0 +1,46 @@
+"""Gathering what the ranks hold: a full model state on rank 0, and one value from every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+__all__ = ["full_state_on_rank0", "all_ranks"]
+
+
+# --8<-- [start:full_state]
+def full_state_on_rank0(model: nn.Module) -> tuple[dict[str, torch.Tensor], float]:
+    """The unsharded ``state_dict`` on rank 0's CPU (other ranks get {}), and its checksum on every rank.
+
+    Works for a plain module, DDP, classic FSDP and fully_shard alike: ``get_model_state_dict`` gives
+    clean names (no ``module.`` or ``_fsdp_wrapped_module.`` prefixes). Every rank must call it: it
+    all-gathers each parameter.
+
+    Pitfall 1: without ``cpu_offload`` every rank briefly holds the whole model on its GPU. With it, the
+    full state is built up in rank 0's host memory only (rank0_only).
+    Pitfall 2: when classic FSDP's flat parameters already live in host memory (a CPU world, or
+    CPUOffload), ``cpu_offload`` frees the very storage it then copies and the process crashes
+    (pytorch/pytorch#188989): gather without offloading there; it is on the host anyway.
+    """
+    on_host = next(model.parameters()).device.type == "cpu"
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_host))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = {name: t.detach().cpu() for name, t in state.items()} if rank == 0 else {}
+    checksum = [float(sum(t.double().sum().item() for t in state.values()))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(checksum, src=0)
+    return state, checksum[0]
+# --8<-- [end:full_state]
+
+
+def all_ranks(value: Any) -> list[Any]:
+    """Every rank's value, in rank order: how rank 0's result reports what each rank measured."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
