@@ -33,12 +33,13 @@ def gradient_difference(world, cfg) -> float:
     lm_loss(reference_model(inputs), targets).backward()
     reference_grads = {name: p.grad for name, p in reference_model.named_parameters()}
     share = slice(dp_rank * 12 // dp_size, (dp_rank + 1) * 12 // dp_size)  # this dp rank's samples
+    inputs, targets = inputs[share].to(world.device), targets[share].to(world.device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         if cfg.pp == 1:
-            model = hybrid_parallel.apply_tp_and_fsdp(build_model("tiny", seed=2), mesh,
+            model = hybrid_parallel.apply_tp_and_fsdp(build_model("tiny", seed=2, device=world.device), mesh,
                                                       sequence_parallel=cfg.sequence_parallel)
-            lm_loss(model(inputs[share]), targets[share]).backward()
+            lm_loss(model(inputs), targets).backward()
             modules = [model]
         else:
             ids, num_stages = pipeline_parallel.stage_placement(cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
@@ -47,14 +48,13 @@ def gradient_difference(world, cfg) -> float:
                 parallelize=lambda m: hybrid_parallel.apply_tp_and_fsdp(
                     m, mesh, sequence_parallel=cfg.sequence_parallel, in_pipeline=True))
             schedule = pipeline_parallel.build_schedule(cfg.schedule, stages, cfg.microbatches)
-            pipeline_parallel.pipeline_step(schedule, stages, inputs[share], targets[share],
-                                            loss_holders=dp_size * cfg.tp)
+            pipeline_parallel.pipeline_step(schedule, stages, inputs, targets, loss_holders=dp_size * cfg.tp)
             modules = [stage.submod for stage in stages]
     worst = 0.0
     for module in modules:
         for name, p in module.named_parameters():
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            worst = max(worst, (grad - reference_grads[name]).abs().max().item())
+            worst = max(worst, (grad.cpu() - reference_grads[name]).abs().max().item())
     return worst
 
 

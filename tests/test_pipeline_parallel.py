@@ -58,15 +58,15 @@ def gradient_differences(world, configs) -> list[float]:
         if cfg.split == "manual":
             stages = pp.manual_stages(model_cfg, ids, num_stages, seed=cfg.seed, device=world.device)
         else:
-            example = inputs[: cfg.global_batch_size // cfg.microbatches]
+            example = inputs[: cfg.global_batch_size // cfg.microbatches].to(world.device)
             stages = pp.traced_stages(model_cfg, ids, num_stages, seed=cfg.seed, device=world.device,
                                       example_microbatch=example)
         schedule = pp.build_schedule(cfg.schedule, stages, cfg.microbatches)
-        loss = pp.pipeline_step(schedule, stages, inputs, targets)
+        loss = pp.pipeline_step(schedule, stages, inputs.to(world.device), targets.to(world.device))
         assert abs(loss - lm_loss(reference(inputs), targets).item()) < 1e-5, "the step's loss on every rank"
         names = [name for stage in stages for name, _ in stage.submod.named_parameters()]
         assert names and set(names) <= reference_grads.keys(), "stages keep the unsplit model's parameter names"
-        worst.append(max((p.grad - reference_grads[name]).abs().max().item()
+        worst.append(max((p.grad.cpu() - reference_grads[name]).abs().max().item()
                          for stage in stages for name, p in stage.submod.named_parameters()))
     return worst
 
