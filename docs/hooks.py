@@ -183,6 +183,8 @@ def results_markdown(data: dict, name: str) -> str:
     rows = [("Machine", f"{machine['description']}; load average {machine['load_average_1m']:.1f} when the run started")]
     if {"world_size", "backend", "device"} <= result.keys():
         rows.append(("World", f"{result['world_size']} rank(s), backend `{result['backend']}`, device `{result['device']}`"))
+    elif "world_size" in result:
+        rows.append(("World size", str(result["world_size"])))
     if "seconds_per_step" in result:
         rows.append(("Time per step", f"{_milliseconds(result['seconds_per_step'])} "
                                       "(rank 0, median over the steps after the first)"))
@@ -192,9 +194,12 @@ def results_markdown(data: dict, name: str) -> str:
     if losses:
         rows.append(("Loss", f"{_number(losses[0])} at the first step, {_number(losses[-1])} after {len(losses)} steps"))
     extras = {**{k: v for k, v in result.items() if k not in _SHOWN}, **(result.get("extras") or {})}
+    nested = False
     for key, value in extras.items():
         text = _number(value)
-        rows.append((f"`{key}`", _escape(text if len(text) <= 300 else text[:300] + " ...")))
+        if isinstance(value, (dict, list)) and len(text) > 200:
+            text, nested = "in the whole result below", True
+        rows.append((f"`{key}`", _escape(text)))
     date = datetime.datetime.fromisoformat(data["date"]).strftime("%Y-%m-%d")
     rows += [
         ("Command", f"`{data['command']}`"),
@@ -202,9 +207,14 @@ def results_markdown(data: dict, name: str) -> str:
                      f"{data['wall_seconds']:.0f} s for the whole command"),
     ]
     table = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows)
-    return (table + "\n\nTimes on a shared CPU are noisy and say little about a GPU cluster: these figures show "
-            f"that the recipe runs and what it costs here. Reproduce them with "
-            f"`python scripts/collect_results.py {name}`.\n")
+    if nested:
+        lines = json.dumps(result, indent=2).splitlines()
+        lines = lines[:80] + (["..."] if len(lines) > 80 else [])
+        table += '\n\n??? note "The whole result (JSON)"\n\n    ```json\n' + "\n".join(f"    {line}" for line in lines) + "\n    ```"
+    if "seconds_per_step" in result and not machine.get("gpus"):
+        table += ("\n\nTimes on a shared CPU are noisy and say little about a GPU cluster: these figures show "
+                  "that the recipe runs and what it costs here.")
+    return table + f"\n\nReproduce them with `python scripts/collect_results.py {name}`.\n"
 
 
 def _milliseconds(seconds: float) -> str:

@@ -6,7 +6,8 @@
 
 Each recipe runs the command its module docstring opens with (the one `python -m recipes` prints and its
 page shows: the default config on a small world, e.g. `torchrun --standalone --nproc_per_node=2 -m
-recipes.X`), from the repository root, under a timeout. Its last stdout line is its result as JSON
+recipes.X`), under a timeout, in a fresh temporary directory with the repository on PYTHONPATH: a recipe
+that writes checkpoints or logs starts from nothing (no resuming an earlier run) and leaves nothing behind. Its last stdout line is its result as JSON
 (run_cli prints it on rank 0); this script stores it with what is needed to judge and reproduce it: the
 command, the date, the torch and Python versions, the machine (CPU model and cores, GPUs) and the load
 average when the run started (times measured on a busy machine are slower).
@@ -25,6 +26,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,11 +76,13 @@ def describe_machine(load_average_1m: float) -> dict:
 def measure(name: str, command: str, timeout_s: float) -> dict:
     """Run one recipe and return its record; a RuntimeError says why it failed."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     load_average_1m = os.getloadavg()[0]  # before the run: the load the run started under
     start = time.perf_counter()
     try:
-        proc = subprocess.run(runnable(command), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        with tempfile.TemporaryDirectory(prefix=f"collect-{name}-") as workdir:
+            proc = subprocess.run(runnable(command), cwd=workdir, env=env, capture_output=True, text=True,
+                                  timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"did not finish within {timeout_s:.0f}s") from None
     wall_seconds = time.perf_counter() - start
