@@ -148,7 +148,7 @@ def test_strict_build_fails_on_broken_links_missing_snippets_and_pages_left_out_
     docs = tmp_path / "docs"
     docs.mkdir()
     config = tmp_path / "mkdocs.yml"
-    config.write_text(f"INHERIT: {ROOT / 'mkdocs.yml'}\ndocs_dir: docs\nhooks: []\nnav:\n  - index.md\n  - other.md\n")
+    config.write_text(f"INHERIT: {ROOT / 'mkdocs.yml'}\ndocs_dir: docs\nhooks: []\nwatch: []\nnav:\n  - index.md\n  - other.md\n")
     (docs / "other.md").write_text("# Other\n\n## Present\n")
     snippet = {"snippet_section": "recipes/ddp_torchrun.py:no_such_section",
                "snippet_file": "recipes/no_such_recipe.py:train"}.get(case, "recipes/ddp_torchrun.py:train")
@@ -299,7 +299,7 @@ class Chromium:
             pass_fds=(to_browser, from_browser), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_browser)
         os.close(from_browser)
-        self._buffer, self._last_id, self.events = b"", 0, []
+        self._buffer, self._last_id, self.events, self.targets = b"", 0, [], {}
 
     @staticmethod
     def _above_9(fd: int) -> int:
@@ -341,7 +341,11 @@ class Chromium:
         for domain in ("Page", "Runtime", "Network"):
             self.send(f"{domain}.enable", session=session)
         self.send("Page.navigate", {"url": url}, session=session)
+        self.targets[session] = target
         return session
+
+    def close_page(self, session: str) -> None:
+        self.send("Target.closeTarget", {"targetId": self.targets.pop(session)})
 
     def evaluate(self, session: str, expression: str):
         reply = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session)
@@ -386,27 +390,49 @@ def texts(node: dict) -> str:
     return (node.get("nodeValue") or "") + " ".join(texts(child) for child in node.get("children", []))
 
 
+def wait_for_diagrams(browser: Chromium, session: str, expected: int, timeout_s: float = 90) -> int:
+    """Wait until the page has loaded and mkdocs-material has replaced its `expected` mermaid blocks."""
+    deadline, rendered = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        rendered = browser.evaluate(session, "document.readyState === 'complete' && "
+                                             "document.querySelectorAll('div.mermaid').length") or 0
+        if rendered == expected or script_errors(browser):  # a diagram that fails to parse never renders
+            break
+        time.sleep(0.25)
+    return rendered
+
+
+def mermaid_blocks(site: Path, page: str) -> int:
+    return (site / page / "index.html").read_text().count('<pre class="mermaid">')
+
+
+def script_errors(browser: Chromium) -> list[str]:
+    return [" ".join(e["params"]["exceptionDetails"].get("exception", {}).get("description", str(e["params"]))
+                     .splitlines()[:3])[:300]
+            for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
+
+
+@pytest.fixture
+def chromium_binary() -> str:
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("headless Chromium not found (Debian: apt-get install chromium)")
+    return binary
+
+
 @pytest.mark.parametrize("page, code_text, diagram_text", [
     ("", "python -m recipes.ddp_torchrun", "join_world"),
     ("recipes/ddp_torchrun/", "def train(cfg: DDPConfig) -> RecipeResult:", "optimizer.step()"),
 ])
-def test_a_browser_shows_navigation_code_and_diagrams_offline(page, code_text, diagram_text, served_site, site, tmp_path):
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip("headless Chromium not found (Debian: apt-get install chromium)")
-    diagrams = (site / page / "index.html").read_text().count('<pre class="mermaid">')
+def test_a_browser_shows_navigation_code_and_diagrams_offline(page, code_text, diagram_text, served_site, site,
+                                                              chromium_binary, tmp_path):
+    diagrams = mermaid_blocks(site, page)
     assert diagrams >= 1, f"{page or 'home'}: expected a mermaid diagram in the built page"
-    browser = Chromium(binary, tmp_path / "profile")
+    browser = Chromium(chromium_binary, tmp_path / "profile")
     try:
         session = browser.open(served_site + page)
-        deadline, rendered = time.monotonic() + 90, 0
-        while time.monotonic() < deadline:
-            rendered = browser.evaluate(session, "document.readyState === 'complete' && "
-                                                 "document.querySelectorAll('div.mermaid').length")
-            if rendered == diagrams:
-                break
-            time.sleep(0.25)
-        assert rendered == diagrams, f"{rendered or 0} of {diagrams} mermaid diagrams rendered"
+        rendered = wait_for_diagrams(browser, session, diagrams)
+        assert rendered == diagrams, f"{rendered} of {diagrams} mermaid diagrams rendered: {script_errors(browser)}"
 
         nav = browser.evaluate(session, "[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link')]"
                                         ".map(a => a.textContent.trim())")
@@ -428,8 +454,7 @@ def test_a_browser_shows_navigation_code_and_diagrams_offline(page, code_text, d
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"{page.strip('/').replace('/', '_') or 'home'}.png").write_bytes(screenshot)
 
-        exceptions = [e["params"]["exceptionDetails"] for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
-        assert not exceptions, f"JavaScript errors: {exceptions}"
+        assert not script_errors(browser), f"JavaScript errors: {script_errors(browser)}"
         requests = {e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"}
         external = sorted(url for url in requests if not url.startswith((served_site, "data:", "blob:")))
         assert not external, f"the site reaches outside localhost (fails offline): {external}"
@@ -438,3 +463,26 @@ def test_a_browser_shows_navigation_code_and_diagrams_offline(page, code_text, d
         assert not missing, f"the page asks for files the site does not have: {missing}"
     finally:
         browser.close()
+
+
+def test_every_mermaid_diagram_on_the_site_renders(served_site, site, chromium_binary, tmp_path):
+    """A diagram with a syntax error builds fine and shows an error box: only a browser sees it."""
+    pages = sorted(str(path.parent.relative_to(site)) + "/" for path in site.rglob("index.html")
+                   if '<pre class="mermaid">' in path.read_text())
+    assert len(pages) >= 3, pages
+    browser = Chromium(chromium_binary, tmp_path / "profile")
+    failures = []
+    try:
+        for page in pages:
+            page = "" if page == "./" else page
+            browser.events.clear()
+            session = browser.open(served_site + page)
+            expected = mermaid_blocks(site, page)
+            rendered = wait_for_diagrams(browser, session, expected, timeout_s=30)
+            if rendered != expected or script_errors(browser):
+                failures.append(f"{page or 'home'}: {rendered} of {expected} rendered; {script_errors(browser)}")
+            browser.close_page(session)
+    finally:
+        browser.close()
+    assert not failures, ("mermaid diagrams that do not render (in a label, ';' ends the statement and '#' starts "
+                          "an entity code: reword or quote the label):\n" + "\n".join(failures))
