@@ -55,6 +55,7 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import all_ranks
 from recipes.core.workload import (MODEL_PRESETS, ModelConfig, build_model, distributed_loader, iterate_steps,
                                    lm_loss, make_dataset)
 from recipes.core.world import join_world
@@ -243,14 +244,12 @@ def bubble_fraction(pp_size: int, microbatches: int, stages_per_rank: int = 1) -
     return (pp_size - 1) / (stages_per_rank * microbatches + pp_size - 1)
 
 
-def gathered_state(stages: list[PipelineStage], group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def gathered_state(stages: list[PipelineStage]) -> dict[str, torch.Tensor]:
     """The whole model's parameters on every rank, from every rank's stages (a collective)."""
     local: dict[str, torch.Tensor] = {}
     for stage in stages:
         local.update(full_state_gathered(stage.submod))  # all-gathers any DTensor (TP/FSDP) shards
-    pieces: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(pieces, local, group=group)
-    return {name: tensor for piece in pieces for name, tensor in sorted(piece.items())}
+    return {name: tensor for piece in all_ranks(local) for name, tensor in piece.items()}
 
 
 def sorted_by_model_order(state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -298,9 +297,7 @@ def train(cfg: PPConfig) -> RecipeResult:
 
         # Idle fraction per pipeline rank, after the first (warm-up) step, gathered for rank 0's report.
         steady = idle_fractions[1:] or idle_fractions
-        idle = torch.tensor([sum(steady) / len(steady)], dtype=torch.float64, device=world.device)
-        idle_per_rank = [torch.zeros_like(idle) for _ in range(pp_size)]
-        dist.all_gather(idle_per_rank, idle)
+        idle_per_rank = all_ranks(sum(steady) / len(steady))
         state = sorted_by_model_order(gathered_state(stages), model_cfg)
         return make_result(
             "pipeline_parallel", world, losses, state.values(), timer,
@@ -310,7 +307,7 @@ def train(cfg: PPConfig) -> RecipeResult:
             stage_ids_per_rank=[stage_placement(cfg.schedule, r, pp_size, cfg.stages_per_rank)[0]
                                 for r in range(pp_size)],
             bubble_fraction_theory=bubble_fraction(pp_size, cfg.microbatches, len(stage_ids)),
-            idle_fraction_measured_per_rank=[float(t.item()) for t in idle_per_rank],
+            idle_fraction_measured_per_rank=idle_per_rank,
         )
 # --8<-- [end:train]
 
