@@ -228,13 +228,14 @@ def _memory(num_bytes: int, device: str) -> str:
     return text + " (rank 0; on CPU this is the process's peak resident set, Python and torch included)"
 
 
-def _number(value: Any) -> str:
+def _number(value: Any, top: bool = True) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_number(v) for v in value) + "]"
+        return "[" + ", ".join(_number(v, False) for v in value) + "]"
     if isinstance(value, dict):
-        return ", ".join(f"{k}: {_number(v)}" for k, v in value.items())
+        text = ", ".join(f"{k}: {_number(v, False)}" for k, v in value.items())
+        return text if top else "{" + text + "}"
     return str(value)
 
 
