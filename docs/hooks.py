@@ -206,7 +206,7 @@ def results_markdown(data: dict, name: str) -> str:
         ("Measured", f"{date}, torch {data['torch']}, Python {data['python']}, "
                      f"{data['wall_seconds']:.0f} s for the whole command"),
     ]
-    table = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows)
+    table = "| Figure | Value |\n|---|---|\n" + "\n".join(f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows)
     if nested:
         lines = json.dumps(result, indent=2).splitlines()
         lines = lines[:80] + (["..."] if len(lines) > 80 else [])

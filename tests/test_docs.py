@@ -478,7 +478,7 @@ def test_every_mermaid_diagram_on_the_site_renders(served_site, site, chromium_b
             browser.events.clear()
             session = browser.open(served_site + page)
             expected = mermaid_blocks(site, page)
-            rendered = wait_for_diagrams(browser, session, expected, timeout_s=30)
+            rendered = wait_for_diagrams(browser, session, expected, timeout_s=60)
             if rendered != expected or script_errors(browser):
                 failures.append(f"{page or 'home'}: {rendered} of {expected} rendered; {script_errors(browser)}")
             browser.close_page(session)
