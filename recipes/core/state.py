@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 __all__ = ["full_state_on_rank0", "all_ranks"]
 
@@ -24,10 +25,13 @@ def full_state_on_rank0(model: nn.Module) -> tuple[dict[str, torch.Tensor], floa
     full state is built up in rank 0's host memory only (rank0_only).
     Pitfall 2: when classic FSDP's flat parameters already live in host memory (a CPU world, or
     CPUOffload), ``cpu_offload`` frees the very storage it then copies and the process crashes
-    (pytorch/pytorch#188989): gather without offloading there; it is on the host anyway.
+    (pytorch/pytorch#188989): gather without offloading there; it is on the host anyway. (fully_shard
+    needs the opposite on a CPU world: without ``cpu_offload`` its gather aborts the process.)
     """
-    on_host = next(model.parameters()).device.type == "cpu"
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_host))
+    classic_fsdp_on_host = next(model.parameters()).device.type == "cpu" and any(
+        isinstance(module, FullyShardedDataParallel) for module in model.modules())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not classic_fsdp_on_host)
+    state = get_model_state_dict(model, options=options)
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = {name: t.detach().cpu() for name, t in state.items()} if rank == 0 else {}
     checksum = [float(sum(t.double().sum().item() for t in state.values()))]
