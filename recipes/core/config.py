@@ -115,8 +115,13 @@ def config_table(config_cls: type) -> list[tuple[str, str, str]]:
     """(flag, default, help) for each field: the docs' option tables are generated from this."""
     rows = []
     for f in dataclasses.fields(config_cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        rows.append(("--" + f.name.replace("_", "-"), repr(default), f.metadata.get("help", "")))
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = repr(f.default_factory())  # type: ignore[misc]
+        else:
+            default = "(required)"
+        rows.append(("--" + f.name.replace("_", "-"), default, f.metadata.get("help", "")))
     return rows
 
 
