@@ -38,7 +38,8 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         _collective_failed(exc)
     except RuntimeError as exc:
         text = str(exc)
-        if any(word in text for word in ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL")):
+        if any(word in text for word in ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL",
+                                             "mismatch between collectives")):
             _collective_failed(exc)
         raise
     if result is not None and current_rank() == 0:
