@@ -128,8 +128,13 @@ def train(cfg: FabricConfig) -> RecipeResult:
                 fabric.save(os.path.join(cfg.checkpoint_dir, f"step-{step + 1}.ckpt"),
                             {"model": ddp_model, "optimizer": optimizer, "step": step + 1})
 
-        return make_result("lightning_fabric", world, losses, model.parameters(), timer, start_step=start_step,
-                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None)
+        result = make_result("lightning_fabric", world, losses, model.parameters(), timer, start_step=start_step,
+                             keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None)
+        # Pitfall: free the DDP wrapper while the process group is alive. Its reducer holds the group; if the
+        # reducer goes last (after join_world destroyed the group), it destroys the gloo group from Python
+        # garbage collection, and that can deadlock at exit (4 of 6 torchrun runs hung on torch 2.13).
+        del ddp_model, optimizer
+        return result
 # --8<-- [end:train]
 
 

@@ -66,11 +66,11 @@ class LightningConfig(TrainConfig):
     accumulate_grad_batches: int = opt(1, "micro-batches per optimizer step (the global batch stays global_batch_size)")
     gradient_clip_val: float = opt(0.0, "clip the global gradient norm to this value; 0 = off")
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = opt(
-        "FULL_SHARD", "fsdp: what to shard (FULL_SHARD = params, grads and optimizer state)")
+        "FULL_SHARD", "fsdp: what to shard (FULL_SHARD = params, grads and optimizer state; HYBRID_SHARD: GPUs)")
     activation_checkpointing: bool = opt(False, "fsdp: recompute each Block's activations in backward")
-    cpu_offload: bool = opt(False, "fsdp: keep sharded params and optimizer state in CPU memory")
+    cpu_offload: bool = opt(False, "fsdp on GPUs: keep sharded params and optimizer state in CPU memory")
     state_dict_type: Literal["sharded", "full"] = opt(
-        "sharded", "fsdp checkpoints: a folder with one shard per rank, or one full file written by rank 0")
+        "sharded", "fsdp checkpoints: a folder with one shard per rank, or one full file written by rank 0 (GPUs)")
     tensor_parallel_size: int = opt(0, "model_parallel: ranks per tensor-parallel group; 0 = all ranks of a node")
     checkpoint_every_n_steps: int = opt(0, "ModelCheckpoint saves every N optimizer steps; 0 = no checkpoints")
     resume_from: str = opt("", "checkpoint to resume from (Trainer.fit ckpt_path): a .ckpt file or FSDP folder")
@@ -286,8 +286,6 @@ class FSDPOnCPUStrategy(FSDPStrategy):
         return model
 
 
-
-
 class RecipeMetrics(L.Callback):
     """At the end of fit, on every rank: the global loss of each optimizer step, for the RecipeResult.
 
@@ -300,7 +298,7 @@ class RecipeMetrics(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: LMModule) -> None:
         k = trainer.accumulate_grad_batches
-        local = torch.stack(pl_module.local_losses).view(-1, k).mean(dim=1)  # each step's mean of micro-batches
+        local = torch.stack(pl_module.local_losses or [torch.zeros(0)]).view(-1, k).mean(dim=1)  # per step
         losses = trainer.strategy.reduce(local, reduce_op="mean")  # mean over ranks: the global batch's loss
         trainer.callback_metrics["recipe/losses"] = losses.detach().cpu()
         trainer.callback_metrics["recipe/seconds_per_step"] = torch.tensor(self.timer.seconds_per_step)
@@ -324,8 +322,7 @@ def full_state(trainer: L.Trainer, module: LMModule) -> dict[str, torch.Tensor]:
         return {name: p.detach().cpu().clone() for name, p in module.model.state_dict().items()}
     # cpu_offload: gather on rank 0 only, in CPU memory. Not on a CPU world: there it gains nothing, and with
     # FSDP1 it crashes torch 2.13 (segfault); every rank then gets the full state, and uses no more memory.
-    on_gpu = next(module.model.parameters()).device.type == "cuda"
-    options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=trainer.strategy.root_device.type == "cuda")
     # TP + FSDP2 weights reach rank 0 in two all-gathers per tensor; torch logs that as "suboptimal" on every
     # rank. True, and irrelevant for a one-off gather at the end: quiet that logger for this call only.
     redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -338,8 +335,8 @@ def full_state(trainer: L.Trainer, module: LMModule) -> dict[str, torch.Tensor]:
     return {name.removeprefix("model."): t.detach().cpu().clone() for name, t in state.items()}
 
 
+# --8<-- [start:trainer]
 def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_nodes: int, timer: StepTimer) -> L.Trainer:
-    # --8<-- [start:trainer]
     callbacks: list[L.Callback] = [StepLog(timer, print_lines=not _progress_bar(cfg)), RecipeMetrics(timer)]
     if cfg.checkpoint_every_n_steps:
         # save_top_k=-1: keep every checkpoint (no metric to rank them by); FSDP "sharded" writes a folder.
@@ -360,7 +357,7 @@ def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_no
         enable_progress_bar=_progress_bar(cfg), enable_model_summary=_progress_bar(cfg) or cfg.model != "tiny",
         default_root_dir=cfg.output_dir,
     )
-    # --8<-- [end:trainer]
+# --8<-- [end:trainer]
 
 
 def make_logger(cfg: LightningConfig):
@@ -429,6 +426,17 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
                           "use --precision bf16-mixed or 32-true")
     if cfg.strategy == "model_parallel" and cfg.precision == "16-mixed":
         raise RecipeError("ModelParallelStrategy does not take precision '16-mixed'; use bf16-mixed or 32-true")
+    if cfg.strategy == "fsdp" and accelerator == "cpu":
+        # Both are GPU features: found out on torch 2.13 (tests/test_lightning_trainer.py), said up front.
+        if cfg.cpu_offload:
+            raise RecipeError("cpu_offload moves FSDP shards from GPU to CPU memory; on a CPU world they are "
+                              "there already (and torch pins memory, which needs an accelerator): drop --cpu-offload")
+        if cfg.sharding_strategy == "HYBRID_SHARD":
+            raise RecipeError("HYBRID_SHARD groups ranks by GPUs per node; on CPU every rank counts as a node of "
+                              "its own and training drifts from DDP (measured on torch 2.13): use FULL_SHARD on CPU")
+        if cfg.state_dict_type == "full":
+            raise RecipeError("state_dict_type 'full' crashes torch's FSDP on CPU (a segfault offloading the "
+                              "gathered state to CPU); use --state-dict-type sharded on CPU, full on GPUs")
     timer = StepTimer(world.device)
     module = LMModule(cfg.model, lr=cfg.lr, seed=cfg.seed)
     data = LMDataModule(cfg.model, cfg.global_batch_size, seed=cfg.seed)

@@ -3,9 +3,10 @@
 import os
 from unittest import mock
 
-import lightning as L
 import pytest
 import torch
+
+L = pytest.importorskip("lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]")
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from recipes import ddp_torchrun, lightning_fabric
