@@ -23,6 +23,10 @@ Lightning and raw DDP agree exactly (tests/test_lightning_trainer.py): same init
 order (our DistributedSampler, ``use_distributed_sampler=False``), same loss (``lm_loss``), same AdamW; the
 DDP strategy averages gradients the way DDP does. Pitfalls named where they bite: resuming mid-epoch,
 16-bit AMP on CPU, FSDP on CPU, reading the full weights out of a sharded model.
+
+Longer than the cookbook's usual 300 lines, on purpose: one LightningModule and DataModule serve four
+strategies and two command lines, and what Lightning leaves out (a resumable loader, FSDP on CPU, the full
+weights of a sharded model) is here rather than in a private helper module.
 """
 
 from __future__ import annotations
@@ -354,7 +358,7 @@ def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_no
         limit_val_batches=0, num_sanity_val_steps=0,  # the raw recipe does not validate (the CLI path does)
         callbacks=callbacks, logger=make_logger(cfg), log_every_n_steps=1,  # metrics of every step
         enable_checkpointing=bool(cfg.checkpoint_every_n_steps),  # else Lightning adds one that saves every epoch
-        enable_progress_bar=_progress_bar(cfg), enable_model_summary=_progress_bar(cfg) or cfg.model != "tiny",
+        enable_progress_bar=_progress_bar(cfg),
         default_root_dir=cfg.output_dir,
     )
 # --8<-- [end:trainer]
@@ -427,7 +431,7 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
     if cfg.strategy == "model_parallel" and cfg.precision == "16-mixed":
         raise RecipeError("ModelParallelStrategy does not take precision '16-mixed'; use bf16-mixed or 32-true")
     if cfg.strategy == "fsdp" and accelerator == "cpu":
-        # Both are GPU features: found out on torch 2.13 (tests/test_lightning_trainer.py), said up front.
+        # GPU-only in practice: each found by running it on CPU with torch 2.13, and refused up front.
         if cfg.cpu_offload:
             raise RecipeError("cpu_offload moves FSDP shards from GPU to CPU memory; on a CPU world they are "
                               "there already (and torch pins memory, which needs an accelerator): drop --cpu-offload")
@@ -443,14 +447,17 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
     trainer = make_trainer(cfg, accelerator=accelerator, devices=devices, num_nodes=num_nodes, timer=timer)
     log.info("Lightning %s on %d node(s) x %d device(s), precision %s", cfg.strategy, num_nodes, devices, cfg.precision)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from or None)
+    # _fit returns inside join_world: the Trainer and its DDP wrapper are freed while the process group is
+    # alive (freed after it, a DDP reducer can deadlock the gloo teardown: see recipes/lightning_fabric.py).
 
     metrics = trainer.callback_metrics
     state = full_state(trainer, module)  # every rank takes part in the gather; rank 0 keeps the result
     checkpoint = trainer.checkpoint_callback if cfg.checkpoint_every_n_steps else None
     extras = {
         "strategy": cfg.strategy, "precision": cfg.precision, "global_step": trainer.global_step,
-        # (rank 0 holds the gathered state; with cpu_offload the other ranks hold none: max(..., 1))
-        "param_fraction_per_rank": int(metrics["recipe/param_elements_per_rank"]) / max(sum(t.numel() for t in state.values()), 1),
+        # Rank 0 holds the gathered state (with cpu_offload the other ranks hold none: max(..., 1)).
+        "param_fraction_per_rank": int(metrics["recipe/param_elements_per_rank"])
+        / max(sum(t.numel() for t in state.values()), 1),
         "metrics_file": os.path.join(trainer.logger.log_dir, "metrics.csv") if cfg.logger == "csv" else None,
         "checkpoints": sorted(os.path.join(checkpoint.dirpath, name) for name in os.listdir(checkpoint.dirpath))
         if checkpoint and os.path.isdir(checkpoint.dirpath) else [],
