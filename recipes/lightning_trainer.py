@@ -31,6 +31,7 @@ weights of a sharded model) is here rather than in a private helper module.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -314,6 +315,21 @@ class RecipeMetrics(L.Callback):
         trainer.callback_metrics["recipe/param_elements_per_rank"] = torch.tensor(held)
 
 
+class LeaveWorld(L.Callback):
+    """Destroy the process group Lightning created (ddp_spawn, LightningCLI) before the process exits.
+
+    Pitfall: Lightning registers a teardown for NCCL groups only; a process that exits with a gloo group
+    alive aborts now and then ("terminate called without an active exception": 1 ddp_spawn run in 10 here).
+    Hooks run after Strategy.teardown unwrapped DDP, so its reducer is gone before the group (see
+    recipes/lightning_fabric.py for what happens the other way round).
+    """
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if dist.is_initialized():
+            gc.collect()
+            dist.destroy_process_group()
+
+
 def full_state(trainer: L.Trainer, module: LMModule) -> dict[str, torch.Tensor]:
     """The unsharded weights on rank 0, whatever wraps them (DDP, FSDP units, DTensor TP shards).
 
@@ -342,6 +358,8 @@ def full_state(trainer: L.Trainer, module: LMModule) -> dict[str, torch.Tensor]:
 # --8<-- [start:trainer]
 def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_nodes: int, timer: StepTimer) -> L.Trainer:
     callbacks: list[L.Callback] = [StepLog(timer, print_lines=not _progress_bar(cfg)), RecipeMetrics(timer)]
+    if cfg.strategy == "ddp_spawn":  # Lightning owns that world; under torchrun join_world owns it
+        callbacks.append(LeaveWorld())
     if cfg.checkpoint_every_n_steps:
         # save_top_k=-1: keep every checkpoint (no metric to rank them by); FSDP "sharded" writes a folder.
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(cfg.output_dir, "checkpoints"), filename="{step}",
@@ -480,7 +498,7 @@ def lightning_cli(args: list[str] | None = None) -> None:
 
     filter_known_warnings()
     LightningCLI(LMModule, LMDataModule, args=args, save_config_kwargs={"overwrite": True},
-                 trainer_defaults={"use_distributed_sampler": False})
+                 trainer_defaults={"use_distributed_sampler": False, "callbacks": [LeaveWorld()]})
 
 
 if __name__ == "__main__":
