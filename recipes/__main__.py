@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
+import ast
 import pkgutil
+from pathlib import Path
 
 import recipes
 
@@ -15,8 +16,13 @@ def recipe_modules() -> list[str]:
 
 
 def describe(name: str) -> tuple[str, str]:
-    """(what it shows, how to run it), both taken from the module's docstring."""
-    doc = (importlib.import_module(f"recipes.{name}").__doc__ or "").strip()
+    """(what it shows, how to run it), both taken from the module's docstring.
+
+    The docstring is read from the source, not imported: listing needs neither torch nor the optional
+    extras (lightning) that some recipes import.
+    """
+    source = Path(recipes.__path__[0], f"{name}.py").read_text(encoding="utf-8")
+    doc = (ast.get_docstring(ast.parse(source)) or "").strip()
     lines = [line.strip() for line in doc.splitlines()]
     summary = lines[0] if lines else ""
     command = next((line for line in lines if line.startswith(("torchrun ", "python "))), f"python -m recipes.{name}")
