@@ -5,6 +5,7 @@ Errors a user can fix end in one line on stderr and a non-zero exit, never a han
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 from typing import Callable, Sequence, TypeVar
@@ -42,6 +43,10 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
                                              "mismatch between collectives")):
             _collective_failed(exc)
         raise
+    # Free what the recipe built (modules and hooks that hold process groups, often in reference cycles)
+    # now, while the interpreter is whole: freed during interpreter shutdown instead, a gloo group's
+    # threads can abort the process ("terminate called without an active exception") after a good run.
+    gc.collect()
     if result is not None and current_rank() == 0:
         print(result.to_json(), flush=True)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import gc
 import os
 import pickle
 import re
@@ -233,6 +234,7 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     try:
         result = fn(*args, **kwargs)
+        gc.collect()  # free process-group holders now, not during shutdown (see recipes/core/cli.py)
         if rank == 0:
             _write_atomically(os.path.join(workdir, "result.pkl"), pickle.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
