@@ -13,7 +13,7 @@ from typing import Callable, Sequence, TypeVar
 import torch.distributed as dist
 
 from recipes.core.config import RecipeError, exit_with, parse_config
-from recipes.core.log import current_rank
+from recipes.core.log import current_rank, get_logger
 from recipes.core.result import RecipeResult
 from recipes.core.world import RankError, collective_in_frames
 
@@ -48,6 +48,11 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
     # threads can abort the process ("terminate called without an active exception") after a good run.
     gc.collect()
     if result is not None and current_rank() == 0:
+        if result.losses:
+            get_logger("recipes").info(
+                "done: %d steps on %d rank(s) (%s, %s): loss %.4f -> %.4f, %.1f ms/step, peak memory %.0f MiB",
+                len(result.losses), result.world_size, result.backend, result.device, result.losses[0],
+                result.losses[-1], result.seconds_per_step * 1e3, result.peak_memory_bytes / 2**20)
         print(result.to_json(), flush=True)
 
 
