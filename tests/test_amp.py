@@ -5,8 +5,8 @@ import torch
 
 from recipes import amp
 from recipes.core.config import RecipeError
-from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
-from tests.helpers import PYTHON, assert_losses_close, assert_states_close, last_json, run_alone, run_cli, with_fields
+from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json, plain_training_loop, run_alone,
+                           run_cli, with_fields)
 
 CFG = amp.AMPConfig(steps=6, device="cpu", keep_final_state=True, timeout_s=60)
 
@@ -22,18 +22,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 def plain_fp32_loop(cfg: amp.AMPConfig):
     """The textbook loop, no autocast and no scaler: what --precision fp32 must equal bit for bit."""
-    model = build_model(cfg.model, seed=cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    loader, sampler = distributed_loader(make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed), rank=0,
-                                         world_size=1, per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
-    losses = []
-    for _, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-        loss = lm_loss(model(inputs), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    return plain_training_loop(cfg.model, steps=cfg.steps, global_batch_size=cfg.global_batch_size, lr=cfg.lr,
+                               seed=cfg.seed)
 
 
 def test_fp32_equals_the_plain_training_loop_exactly():

@@ -9,7 +9,7 @@ import torch
 from recipes import collectives
 from recipes.core.config import RecipeError
 from recipes.core.world import RankError, spawn_world
-from tests.helpers import BACKENDS, PYTHON, last_json, run_alone, run_cli, run_world, with_fields
+from tests.helpers import BACKENDS, last_json, run_alone, run_cli, run_world, with_fields
 
 CFG = collectives.CollectivesConfig(timeout_s=60)
 FALLBACK_OPS = {"all_reduce_avg", "reduce_scatter_single", "all_to_all_single"}

@@ -1,7 +1,6 @@
 """fsdp: every classic-FSDP strategy and option trains like DDP; its pitfalls are real and guarded."""
 
 import pytest
-import torch
 
 from recipes import ddp_torchrun, fsdp, zero
 from recipes.core.config import RecipeError

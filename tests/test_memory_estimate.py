@@ -9,7 +9,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recipes import memory_estimate
 from recipes.core.config import RecipeError
 from recipes.core.memory import model_state_bytes
 from recipes.core.workload import build_model, lm_loss, make_dataset

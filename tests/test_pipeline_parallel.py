@@ -3,14 +3,13 @@
 import dataclasses
 
 import pytest
-import torch
 
 from recipes import pipeline_parallel as pp
 from recipes.core.config import RecipeError
-from recipes.core.result import full_state_on_cpu
-from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
-from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, require_world, run_cli,
+from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, plain_training_loop,
+                           require_world, run_cli,
                            with_fields)
 
 STEPS = 3
@@ -27,20 +26,8 @@ CONFIGS = [
 
 def unsplit_reference(cfg: pp.PPConfig):
     """Single-process training of the same model (same blocks, seed, data, optimizer), whole batch per step."""
-    model_cfg = pp.model_config(cfg.model, cfg.n_layers)
-    model = build_model(model_cfg, seed=cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    dataset = make_dataset(model_cfg, cfg.global_batch_size, seed=cfg.seed)
-    loader, sampler = distributed_loader(dataset, rank=0, world_size=1, per_rank_batch_size=cfg.global_batch_size,
-                                         seed=cfg.seed)
-    losses = []
-    for _, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-        loss = lm_loss(model(inputs), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, full_state_on_cpu(model)
+    return plain_training_loop(pp.model_config(cfg.model, cfg.n_layers), steps=cfg.steps,
+                               global_batch_size=cfg.global_batch_size, lr=cfg.lr, seed=cfg.seed)
 
 
 def gradient_differences(world, configs) -> list[float]:
