@@ -54,3 +54,14 @@ def test_a_rank_that_raises_is_named(monkeypatch):
     object.__setattr__(cfg, "model", "no-such-model")  # bypass __post_init__ to fail inside the ranks
     with pytest.raises(Exception, match=r"rank \d+ failed: KeyError: 'no-such-model'"):
         ddp_spawn.launch(cfg)
+
+
+def test_a_busy_master_port_is_refused_before_spawning(monkeypatch):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+        with pytest.raises(RecipeError, match="is already in use"):
+            ddp_spawn.launch(ddp_spawn.DDPSpawnConfig(nprocs=2))
