@@ -33,21 +33,23 @@ from typing import Literal
 import torch
 
 from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt
+from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
-from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.speed import (apply_compile, autocast, check_autocast, low_precision_dtype, make_adamw,
+                                make_grad_scaler, setup_precision)
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps,
+                                   lm_loss, make_dataset)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 @dataclass
-class AMPConfig(TrainConfig):
-    precision: Literal["bf16", "fp16", "fp32"] = opt(
-        "bf16", "bf16: autocast, no scaler; fp16: autocast + GradScaler; fp32: no autocast (the reference)")
+class AMPConfig(CompileOption, TrainConfig):
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = opt(
+        "bf16", "bf16: autocast, no scaler; fp16: autocast + GradScaler; fp32: no autocast (the "
+                "reference); tf32: fp32 with TF32 matmuls (CUDA); auto: bf16 on a GPU, fp32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "where to train; auto = cuda if a GPU is visible, else cpu")
     overflow_at_step: int = opt(
         -1, "fp16 only: put an inf into one gradient at this step (as if fp16 had overflowed), to watch the "
@@ -69,34 +71,6 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested, torch.cuda.current_device()) if requested == "cuda" else torch.device("cpu")
 
 
-def check_autocast(device: torch.device, dtype: torch.dtype | None) -> None:
-    """Refuse, with the fix, a precision this torch build cannot autocast to on this device.
-
-    Pitfall: an unsupported autocast dtype is not an error in torch: it warns and *disables* autocast,
-    so the run would silently be fp32. A matmul probe tells the truth.
-    """
-    if dtype is None:
-        return
-    probe = torch.ones(2, 2, device=device)
-    with torch.autocast(device.type, dtype=dtype):
-        produced = (probe @ probe).dtype
-    if produced != dtype:
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-        raise RecipeError(f"torch {torch.__version__} cannot autocast to {name} on {device.type} (needs torch >= 2.3 "
-                          f"for cpu fp16); use --precision bf16, or --device cuda")
-
-
-def make_scaler(device: torch.device, precision: str, init_scale: float) -> torch.amp.GradScaler:
-    """A dynamic loss scaler for fp16; a disabled one (scale() and step() pass through) otherwise."""
-    if not hasattr(torch.amp, "GradScaler"):  # torch < 2.3 had only torch.cuda.amp.GradScaler
-        raise RecipeError(f"torch {torch.__version__} has no torch.amp.GradScaler; upgrade to torch >= 2.3")
-    scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, enabled=precision == "fp16")
-    if precision == "fp16" and not scaler.is_enabled():  # it disables itself (with a warning) where unsupported
-        raise RecipeError(f"torch.amp.GradScaler is unavailable on {device.type} in this torch build; "
-                          "use --precision bf16 (no scaler needed)")
-    return scaler
-
-
 # --8<-- [start:train]
 def train(cfg: AMPConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
@@ -104,15 +78,18 @@ def train(cfg: AMPConfig) -> RecipeResult:
             raise RecipeError(f"amp trains on one device, got a world of {world.world_size}; run "
                               "`python -m recipes.amp` (AMP with DDP: see ddp_torchrun, add this loop's autocast)")
         device = pick_device(cfg.device)
-        dtype = AUTOCAST_DTYPES[cfg.precision]
-        check_autocast(device, dtype)
+        precision = setup_precision(cfg.precision, device)  # also sets TF32 on or off for fp32 matmuls
+        check_autocast(device, precision)  # an unsupported dtype would silently run fp32
         model = build_model(cfg.model, seed=cfg.seed, device=device)  # parameters stay fp32 ("master weights")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        scaler = make_scaler(device, cfg.precision, cfg.init_scale)
+        if cfg.compile:
+            apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=device)  # fused on CUDA
+        scaler = make_grad_scaler(device, precision, init_scale=cfg.init_scale)
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=0, world_size=1,
                                              per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
-        log.info("%s on %s (autocast dtype %s, loss scaling %s)", cfg.precision, device, dtype,
+        log.info("%s on %s (autocast dtype %s, loss scaling %s)", precision, device,
+                 low_precision_dtype(precision),
                  "on" if scaler.is_enabled() else "off")
 
         losses, scales, skipped_steps, timer = [], [], [], StepTimer(device)
@@ -121,7 +98,7 @@ def train(cfg: AMPConfig) -> RecipeResult:
                 inputs, targets = inputs.to(device), targets.to(device)
                 # Only the forward (and the loss) runs under autocast; backward reuses the dtypes the
                 # forward chose. lm_loss computes the cross entropy in fp32 either way.
-                with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                with autocast(device, precision):
                     loss = lm_loss(model(inputs), targets)
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()  # fp16: loss * scale, so small gradients survive in fp16
@@ -141,7 +118,8 @@ def train(cfg: AMPConfig) -> RecipeResult:
 
         return make_result("amp", dataclasses.replace(world, device=device), losses, model.parameters(), timer,
                            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-                           precision=cfg.precision, skipped_steps=len(skipped_steps),
+                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+                           skipped_steps=len(skipped_steps),
                            skipped_step_indices=skipped_steps, final_scale=scaler.get_scale(), scales=scales)
 # --8<-- [end:train]
 

@@ -29,7 +29,10 @@ from recipes.core.cli import run_cli
 from recipes.core.config import TrainConfig, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, param_checksum, peak_memory_bytes
-from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
+                                   make_dataset)
 
 log = get_logger(__name__)
 
@@ -48,9 +51,11 @@ def train(cfg: DataParallelConfig) -> RecipeResult:
         log.info("DataParallel over %d GPU(s); outputs gather on %s", gpus, device)
     else:
         log.info("no GPU visible: DataParallel calls the module directly on CPU (one device)")
+    precision = setup_precision(cfg.precision, device)
     model = build_model(cfg.model, seed=cfg.seed, device=device)  # parameters must live on device_ids[0]
     dp_model = nn.DataParallel(model)
-    optimizer = torch.optim.AdamW(dp_model.parameters(), lr=cfg.lr)
+    optimizer = make_adamw(dp_model.parameters(), lr=cfg.lr, device=device)
+    scaler = make_grad_scaler(device, precision)
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
     # One process reads the whole global batch (a "world" of 1, in the same order as the DDP recipes).
     loader, sampler = distributed_loader(dataset, rank=0, world_size=1,
@@ -59,10 +64,13 @@ def train(cfg: DataParallelConfig) -> RecipeResult:
     for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
         with timer:
             # Scattered along dim 0 to the GPUs; logits come back gathered on GPU 0.
-            loss = lm_loss(dp_model(inputs.to(device)), targets.to(device))
+            # autocast reaches the replicas: DataParallel's threads re-enter the caller's autocast state.
+            with autocast(device, precision):
+                loss = lm_loss(dp_model(inputs.to(device)), targets.to(device))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         losses.append(loss.item())
         log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
@@ -70,6 +78,8 @@ def train(cfg: DataParallelConfig) -> RecipeResult:
         recipe="data_parallel", world_size=1, backend="none", device=str(device), losses=losses,
         param_checksum=param_checksum(model.parameters()), seconds_per_step=timer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(device), extras={"gpus": gpus},
+        **Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision).measure(
+            timer.seconds_per_step, device, max(gpus, 1) if device.type == "cuda" else 1),
         # Pitfall: the weights live in dp_model.module; save that, not dp_model (its keys get "module.").
         final_state=full_state_on_cpu(dp_model) if cfg.keep_final_state else None,
     )

@@ -39,7 +39,10 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result, mean_over_ranks, param_checksum
-from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
+                                   make_dataset)
 from recipes.core.world import RankError, check_port_free, free_port, join_world, resolve_backend
 
 log = get_logger(__name__)
@@ -60,6 +63,7 @@ def train(cfg: DDPSpawnConfig) -> RecipeResult:
     """One rank's training; runs inside the world that ``launch`` (or a test) spawned."""
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
+        precision = setup_precision(cfg.precision, world.device)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         ddp_model = DDP(
             model,
@@ -69,24 +73,27 @@ def train(cfg: DDPSpawnConfig) -> RecipeResult:
             static_graph=cfg.static_graph,
             bucket_cap_mb=cfg.bucket_cap_mb,
         )
-        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
+        optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)
+        scaler = make_grad_scaler(world.device, precision)  # a pass-through unless fp16
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
                                              per_rank_batch_size=per_rank_batch, seed=cfg.seed)
         losses, timer = [], StepTimer(world.device)
         for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
             with timer:
-                loss = lm_loss(ddp_model(inputs.to(world.device)), targets.to(world.device))
+                with autocast(world.device, precision):
+                    loss = lm_loss(ddp_model(inputs.to(world.device)), targets.to(world.device))
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
             losses.append(mean_over_ranks(loss))
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
         loaded = save_on_rank0_and_load_everywhere(ddp_model, optimizer, cfg.steps, cfg.checkpoint_path, world.device)
         return make_result("ddp_spawn", world, losses, model.parameters(), timer,
                            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-                           **loaded)
+                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision), **loaded)
 # --8<-- [end:train]
 
 

@@ -1,7 +1,7 @@
 """Classic FSDP (FullyShardedDataParallel): ZeRO-3, ZeRO-2, DDP-like and hybrid sharding, equal to DDP.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.fsdp
-    torchrun --standalone --nproc_per_node=2 -m recipes.fsdp --sharding-strategy shard_grad_op --mixed-precision bf16
+    torchrun --standalone --nproc_per_node=2 -m recipes.fsdp --sharding-strategy shard_grad_op --precision bf16
     torchrun --standalone --nproc_per_node=4 -m recipes.fsdp --sharding-strategy hybrid --ranks-per-node 2
 
 Each rank keeps 1/N of the parameters, gradients and AdamW state (``full``); FSDP all-gathers a wrapped
@@ -47,13 +47,13 @@ from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
 from recipes.core.state import all_ranks, full_state_on_rank0
-from recipes.core.workload import Block, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.speed import low_precision_dtype, make_adamw, setup_precision
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps,
+                                   lm_loss, make_dataset)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
-
-Precision = Literal["none", "bf16", "fp16"]
-
 
 @dataclass
 class FSDPConfig(TrainConfig):
@@ -65,7 +65,6 @@ class FSDPConfig(TrainConfig):
         "block", "FSDP units: block = one per transformer Block, size = by --min-num-params, "
         "module = Blocks and Embeddings, none = the whole model is one unit (no overlap, full-size all-gathers)")
     min_num_params: int = opt(10_000, "size policy: wrap a submodule once it has at least this many parameters")
-    mixed_precision: Precision = opt("none", "compute dtype; gradients are reduced in fp32 either way")
     cpu_offload: bool = opt(False, "keep the sharded parameters and gradients in host memory; AdamW runs on CPU")
     backward_prefetch: Literal["pre", "post", "none"] = opt(
         "pre", "when to all-gather the next unit in backward: pre = before this unit's gradient (most overlap)")
@@ -93,12 +92,19 @@ class FSDPConfig(TrainConfig):
 STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
               "no_shard": ShardingStrategy.NO_SHARD, "hybrid": ShardingStrategy.HYBRID_SHARD}
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fsdp_mixed_precision(precision: str) -> MixedPrecision | None:
+    """bf16/fp16: compute (and keep buffers) in that dtype, reduce gradients in fp32: a sum over many
+    ranks in bf16 loses bits. fp32/tf32: None, everything in the parameters' fp32."""
+    low = low_precision_dtype(precision)
+    return MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low) if low else None
 
 
 # --8<-- [start:apply_fsdp]
 def apply_fsdp(model: nn.Module, *, sharding_strategy: str = "full", wrap_policy: str = "block",
-               min_num_params: int = 10_000, mixed_precision: str = "none", cpu_offload: bool = False,
+               min_num_params: int = 10_000, mixed_precision: MixedPrecision | None = None,
+               cpu_offload: bool = False,
                backward_prefetch: str = "pre", forward_prefetch: bool = False, limit_all_gathers: bool = True,
                sync_module_states: bool = True, activation_checkpointing: bool = False,
                device: torch.device | None = None, mesh: DeviceMesh | None = None) -> FSDP:
@@ -109,11 +115,6 @@ def apply_fsdp(model: nn.Module, *, sharding_strategy: str = "full", wrap_policy
         "module": ModuleWrapPolicy({Block, nn.Embedding}),
         "none": None,  # one unit: the whole model is all-gathered at once, nothing to overlap
     }
-    precision = None
-    if mixed_precision != "none":
-        low = DTYPES[mixed_precision]
-        # Compute in low precision, but reduce gradients in fp32: a sum over many ranks in bf16 loses bits.
-        precision = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
     if sharding_strategy == "hybrid" and (mesh is None or mesh.ndim != 2):
         raise RecipeError("sharding_strategy='hybrid' needs a 2-D device mesh (replicate, shard)")
     on_cpu = (device or next(model.parameters()).device).type == "cpu"
@@ -131,7 +132,7 @@ def apply_fsdp(model: nn.Module, *, sharding_strategy: str = "full", wrap_policy
         model,
         sharding_strategy=STRATEGIES[sharding_strategy],
         auto_wrap_policy=policies[wrap_policy],
-        mixed_precision=precision,
+        mixed_precision=mixed_precision,  # e.g. fsdp_mixed_precision("bf16"); None = fp32
         cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
         backward_prefetch=PREFETCH[backward_prefetch],
         forward_prefetch=forward_prefetch,
@@ -165,8 +166,8 @@ def hybrid_mesh(world, ranks_per_node: int) -> DeviceMesh:
                             mesh_dim_names=("replicate", "shard"))
 
 
-def make_grad_scaler(cfg: FSDPConfig, device: torch.device):
-    if cfg.mixed_precision != "fp16":
+def fsdp_grad_scaler(cfg: FSDPConfig, precision: str, device: torch.device):
+    if precision != "fp16":
         return None  # fp32 and bf16 share fp32's exponent range: nothing to scale
     # Pitfall: torch.amp.GradScaler looks for inf/nan in THIS rank's gradients only. Under FSDP each rank
     # holds a different shard, so one rank would skip the step and the others would not: the shards
@@ -181,21 +182,23 @@ def train(cfg: FSDPConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size, cfg.micro_batches)
         mesh = hybrid_mesh(world, cfg.ranks_per_node) if cfg.sharding_strategy == "hybrid" else None
+        precision = setup_precision(cfg.precision, world.device)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         model = apply_fsdp(
             model, sharding_strategy=cfg.sharding_strategy, wrap_policy=cfg.wrap_policy,
-            min_num_params=cfg.min_num_params, mixed_precision=cfg.mixed_precision, cpu_offload=cfg.cpu_offload,
+            min_num_params=cfg.min_num_params, mixed_precision=fsdp_mixed_precision(precision),
+            cpu_offload=cfg.cpu_offload,
             backward_prefetch=cfg.backward_prefetch, forward_prefetch=cfg.forward_prefetch,
             limit_all_gathers=cfg.limit_all_gathers, sync_module_states=cfg.sync_module_states,
             activation_checkpointing=cfg.activation_checkpointing, device=world.device, mesh=mesh)
         # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the originals.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        scaler = make_grad_scaler(cfg, world.device)
+        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # fused on CUDA
+        scaler = fsdp_grad_scaler(cfg, precision, world.device)
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
                                              per_rank_batch_size=per_rank_batch * cfg.micro_batches, seed=cfg.seed)
         log.info("FSDP %s on %d rank(s), wrap=%s, precision=%s, %d x %d sequences per rank per step",
-                 cfg.sharding_strategy, world.world_size, cfg.wrap_policy, cfg.mixed_precision,
+                 cfg.sharding_strategy, world.world_size, cfg.wrap_policy, precision,
                  cfg.micro_batches, per_rank_batch)
 
         losses, grad_norms, skipped_steps, timer = [], [], [], StepTimer(world.device)
@@ -248,7 +251,9 @@ def train(cfg: FSDPConfig) -> RecipeResult:
             extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
         full_state, checksum = full_state_on_rank0(model)  # every rank calls it: it all-gathers
         result = make_result("fsdp", world, losses, full_state.values(), timer,
-                             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None, **extras)
+                             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
+                             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+                             **extras)
         result.param_checksum = checksum
         return result
 # --8<-- [end:train]

@@ -30,7 +30,10 @@ from recipes.core.cli import run_cli
 from recipes.core.config import TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result, mean_over_ranks
-from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
+                                   make_dataset)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -63,11 +66,13 @@ def counting_allreduce_hook(counter: AllReduceCounter, bucket: dist.GradBucket) 
 def train(cfg: GradAccumulationConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         micro_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size, cfg.micro_batches)
+        precision = setup_precision(cfg.precision, world.device)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         ddp_model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
         counter = AllReduceCounter()
         ddp_model.register_comm_hook(counter, counting_allreduce_hook)
-        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
+        optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)
+        scaler = make_grad_scaler(world.device, precision)  # fp16: scale every micro-batch's loss
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # The loader yields one rank's share of a whole step; it is cut into micro-batches below, so the
         # samples of a step are the same as without accumulation.
@@ -85,11 +90,14 @@ def train(cfg: GradAccumulationConfig) -> RecipeResult:
                     sync = contextlib.nullcontext() if last or not cfg.use_no_sync else ddp_model.no_sync()
                     before = counter.buckets
                     with sync:
-                        loss = lm_loss(ddp_model(x.to(world.device)), y.to(world.device)) / cfg.micro_batches
-                        loss.backward()
+                        with autocast(world.device, precision):
+                            loss = lm_loss(ddp_model(x.to(world.device)), y.to(world.device))
+                        loss = loss / cfg.micro_batches
+                        scaler.scale(loss).backward()
                     rounds += counter.buckets > before
                     step_loss += loss.detach()
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
             counter.rounds_per_step.append(rounds)
             losses.append(mean_over_ranks(step_loss))
             log.info("step %d loss %.4f all-reduce rounds %d time %.1f ms",
@@ -97,6 +105,7 @@ def train(cfg: GradAccumulationConfig) -> RecipeResult:
 
         return make_result("grad_accumulation", world, losses, model.parameters(), timer,
                            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
                            allreduce_rounds_per_step=counter.rounds_per_step,
                            bucket_allreduces=counter.buckets, micro_batch_size=micro_batch)
 # --8<-- [end:train]

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from recipes import pipeline_parallel as pp_recipe
 from recipes.core.cli import run_cli
@@ -40,9 +41,12 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.workload import MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.speed import make_adamw, setup_precision
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps, lm_loss,
+                                   make_dataset)
 from recipes.core.world import join_world
-from recipes.fsdp2 import apply_fully_shard
+from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
 from recipes.process_groups import rank_grid
 from recipes.tensor_parallel import apply_tp, check_tp_fits, full_state_gathered
 
@@ -76,12 +80,14 @@ def build_mesh(world, *, pp: int, tp: int) -> DeviceMesh:
 
 # --8<-- [start:parallelize]
 def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False,
-                      in_pipeline: bool = False) -> nn.Module:
+                      in_pipeline: bool = False,
+                      mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Tensor parallel over mesh["tp"], then fully_shard over mesh["dp"]: the 2-D part of every layout."""
     apply_tp(module, mesh["tp"], sequence_parallel=sequence_parallel)
     # In a pipeline every micro-batch runs the stage's forward: resharding after each forward would
     # all-gather the parameters once per micro-batch. Keep them (ZeRO-2 style) until the backward.
-    return apply_fully_shard(module, mesh["dp"], reshard_after_forward=not in_pipeline)
+    return apply_fully_shard(module, mesh["dp"], block_types=(Block,), reshard_after_forward=not in_pipeline,
+                             mp_policy=mp_policy)
 # --8<-- [end:parallelize]
 
 
@@ -89,6 +95,9 @@ def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel:
 def train(cfg: HybridConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         mesh = build_mesh(world, pp=cfg.pp, tp=cfg.tp)
+        precision = setup_precision(cfg.precision, world.device)
+        # bf16/fp16: fully_shard's own policy (low-precision compute, fp32 reduction), no autocast.
+        mp_policy = mixed_precision_policy(precision)
         check_tp_fits(MODEL_PRESETS[cfg.model], cfg.tp)
         dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         microbatches = cfg.microbatches if cfg.pp > 1 else 1
@@ -99,7 +108,7 @@ def train(cfg: HybridConfig) -> RecipeResult:
         if cfg.pp == 1:
             model = build_model(cfg.model, seed=cfg.seed, device=world.device)
             params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            apply_tp_and_fsdp(model, mesh, sequence_parallel=cfg.sequence_parallel)
+            apply_tp_and_fsdp(model, mesh, sequence_parallel=cfg.sequence_parallel, mp_policy=mp_policy)
             modules = [model]
         else:
             pp_cfg = pp_recipe.PPConfig(model=cfg.model, schedule=cfg.schedule, microbatches=cfg.microbatches,
@@ -113,10 +122,10 @@ def train(cfg: HybridConfig) -> RecipeResult:
             stages = pp_recipe.manual_stages(
                 model_cfg, stage_ids, num_stages, seed=cfg.seed, device=world.device, group=mesh["pp"].get_group(),
                 parallelize=lambda m: apply_tp_and_fsdp(m, mesh, sequence_parallel=cfg.sequence_parallel,
-                                                        in_pipeline=True))
+                                                        in_pipeline=True, mp_policy=mp_policy))
             schedule = pp_recipe.build_schedule(cfg.schedule, stages, cfg.microbatches)
             modules = [stage.submod for stage in stages]
-        optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=cfg.lr)
+        optimizer = make_adamw([p for m in modules for p in m.parameters()], lr=cfg.lr, device=world.device)
 
         # Data: one share per dp coordinate. Ranks that differ only in tp (or pp) read the same samples.
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
@@ -155,6 +164,7 @@ def train(cfg: HybridConfig) -> RecipeResult:
         return make_result(
             "hybrid_parallel", world, losses, state.values(), timer,
             keep_final_state=state if cfg.keep_final_state else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
             mesh_shape=list(mesh.mesh.shape), mesh_dim_names=list(mesh.mesh_dim_names), rank_grid=mesh.mesh.tolist(),
             groups_of_this_rank=groups, sequence_parallel=cfg.sequence_parallel,
             param_bytes_per_rank=sum(state_bytes), param_bytes_unsplit=params_unsplit_bytes,

@@ -42,7 +42,10 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
-from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.speed import lightning_precision, make_adamw
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
+                                   make_dataset)
 from recipes.core.world import join_world
 
 import lightning as L
@@ -52,8 +55,8 @@ log = get_logger(__name__)
 
 @dataclass
 class FabricConfig(TrainConfig):
-    precision: Literal["32-true", "bf16-mixed", "16-mixed"] = opt(
-        "32-true", "Fabric precision; 16-mixed needs CUDA (fp16 autocast does not exist on CPU)")
+    precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed"] = opt(  # type: ignore[assignment]
+        "auto", "Fabric precision; auto = bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA")
     accumulate_grad_batches: int = opt(1, "micro-batches per optimizer step (the global batch stays global_batch_size)")
     gradient_clip_val: float = opt(0.0, "clip the global gradient norm to this value; 0 = off")
     checkpoint_every_n_steps: int = opt(0, "fabric.save a checkpoint every N optimizer steps; 0 = never")
@@ -69,7 +72,8 @@ class FabricConfig(TrainConfig):
 # --8<-- [start:train]
 def train(cfg: FabricConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        if cfg.precision == "16-mixed" and world.device.type == "cpu":
+        precision, core_precision = lightning_precision(cfg.precision, world.device)
+        if precision == "16-mixed" and world.device.type == "cpu":
             # Fabric would silently switch to bf16-mixed: say it instead of measuring the wrong thing.
             raise RecipeError("precision '16-mixed' needs CUDA (fp16 autocast does not run on CPU); "
                               "use --precision bf16-mixed or 32-true")
@@ -77,11 +81,11 @@ def train(cfg: FabricConfig) -> RecipeResult:
         micro_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size, micro_batches=k)
         fabric = L.Fabric(accelerator="cuda" if world.device.type == "cuda" else "cpu",
                           devices=world.local_world_size, num_nodes=world.world_size // world.local_world_size,
-                          strategy="ddp", precision=cfg.precision)
+                          strategy="ddp", precision=precision)
         fabric.launch()  # the process group exists already (join_world): Fabric only takes its place in it
 
         model = build_model(cfg.model, seed=cfg.seed)  # on CPU: fabric.setup moves it to fabric.device
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # fused on CUDA
         ddp_model, optimizer = fabric.setup(model, optimizer)  # DDP wrapper + precision, in one call
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
@@ -129,7 +133,8 @@ def train(cfg: FabricConfig) -> RecipeResult:
                             {"model": ddp_model, "optimizer": optimizer, "step": step + 1})
 
         result = make_result("lightning_fabric", world, losses, model.parameters(), timer, start_step=start_step,
-                             keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None)
+                             keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+                             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, core_precision))
         # Pitfall: free the DDP wrapper while the process group is alive. Its reducer holds the group; if the
         # reducer goes last (after join_world destroyed the group), it destroys the gloo group from Python
         # garbage collection, and that can deadlock at exit (4 of 6 torchrun runs hung on torch 2.13).

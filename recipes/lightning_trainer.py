@@ -48,7 +48,9 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result, peak_memory_bytes
-from recipes.core.workload import Block, build_model, distributed_loader, lm_loss, make_dataset
+from recipes.core.speed import lightning_precision
+from recipes.core.throughput import Workload
+from recipes.core.workload import MODEL_PRESETS, Block, build_model, distributed_loader, lm_loss, make_dataset
 from recipes.core.world import World, join_world, resolve_backend
 
 import lightning as L
@@ -64,8 +66,8 @@ LIGHTNING_CLI_SUBCOMMANDS = ("fit", "validate")
 class LightningConfig(TrainConfig):
     strategy: Literal["ddp", "ddp_spawn", "fsdp", "model_parallel"] = opt(
         "ddp", "Lightning strategy; ddp_spawn starts --devices processes itself, the others join torchrun's world")
-    precision: Literal["32-true", "bf16-mixed", "16-mixed"] = opt(
-        "32-true", "Lightning precision; 16-mixed needs CUDA (fp16 autocast does not exist on CPU)")
+    precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed"] = opt(  # type: ignore[assignment]
+        "auto", "Lightning precision; auto = bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA")
     devices: int = opt(0, "processes per node; 0 = as the launcher says (LOCAL_WORLD_SIZE); ddp_spawn: how many to start")
     num_nodes: int = opt(0, "nodes; 0 = WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1")
     accumulate_grad_batches: int = opt(1, "micro-batches per optimizer step (the global batch stays global_batch_size)")
@@ -137,7 +139,9 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # self.parameters() after configure_model/FSDP wrapping: the sharded parameters (use_orig_params).
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        # fused=True on CUDA: one kernel for every parameter (as recipes.core.speed.make_adamw).
+        return torch.optim.AdamW(self.parameters(), lr=self.lr,
+                                 fused=True if self.device.type == "cuda" else None)
 # --8<-- [end:module]
 
 
@@ -356,7 +360,8 @@ def full_state(trainer: L.Trainer, module: LMModule) -> dict[str, torch.Tensor]:
 
 
 # --8<-- [start:trainer]
-def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_nodes: int, timer: StepTimer) -> L.Trainer:
+def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_nodes: int, timer: StepTimer,
+                 precision: str) -> L.Trainer:
     callbacks: list[L.Callback] = [StepLog(timer, print_lines=not _progress_bar(cfg)), RecipeMetrics(timer)]
     if cfg.strategy == "ddp_spawn":  # Lightning owns that world; under torchrun join_world owns it
         callbacks.append(LeaveWorld())
@@ -367,7 +372,7 @@ def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_no
     return L.Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes,
         strategy=build_strategy(cfg, accelerator, devices * num_nodes, num_nodes),
-        precision=cfg.precision,
+        precision=precision,  # "auto" resolved: bf16-mixed on a GPU, 32-true on CPU
         max_steps=cfg.steps, max_epochs=-1,  # steps, not epochs, as in the raw recipe
         accumulate_grad_batches=cfg.accumulate_grad_batches,
         gradient_clip_val=cfg.gradient_clip_val or None, gradient_clip_algorithm="norm",
@@ -442,11 +447,12 @@ def train(cfg: LightningConfig) -> RecipeResult:
 
 def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) -> RecipeResult:
     accelerator = "cuda" if world.device.type == "cuda" else "cpu"
-    if cfg.precision == "16-mixed" and accelerator == "cpu":
+    precision, core_precision = lightning_precision(cfg.precision, world.device)
+    if precision == "16-mixed" and accelerator == "cpu":
         # Lightning would silently switch to bf16-mixed: say it instead of measuring the wrong thing.
         raise RecipeError("precision '16-mixed' needs CUDA (fp16 autocast does not run on CPU); "
                           "use --precision bf16-mixed or 32-true")
-    if cfg.strategy == "model_parallel" and cfg.precision == "16-mixed":
+    if cfg.strategy == "model_parallel" and precision == "16-mixed":
         raise RecipeError("ModelParallelStrategy does not take precision '16-mixed'; use bf16-mixed or 32-true")
     if cfg.strategy == "fsdp" and accelerator == "cpu":
         # GPU-only in practice: each found by running it on CPU with torch 2.13, and refused up front.
@@ -462,8 +468,9 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
     timer = StepTimer(world.device)
     module = LMModule(cfg.model, lr=cfg.lr, seed=cfg.seed)
     data = LMDataModule(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    trainer = make_trainer(cfg, accelerator=accelerator, devices=devices, num_nodes=num_nodes, timer=timer)
-    log.info("Lightning %s on %d node(s) x %d device(s), precision %s", cfg.strategy, num_nodes, devices, cfg.precision)
+    trainer = make_trainer(cfg, accelerator=accelerator, devices=devices, num_nodes=num_nodes, timer=timer,
+                           precision=precision)
+    log.info("Lightning %s on %d node(s) x %d device(s), precision %s", cfg.strategy, num_nodes, devices, precision)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from or None)
     # _fit returns inside join_world: the Trainer and its DDP wrapper are freed while the process group is
     # alive (freed after it, a DDP reducer can deadlock the gloo teardown: see recipes/lightning_fabric.py).
@@ -472,7 +479,7 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
     state = full_state(trainer, module)  # every rank takes part in the gather; rank 0 keeps the result
     checkpoint = trainer.checkpoint_callback if cfg.checkpoint_every_n_steps else None
     extras = {
-        "strategy": cfg.strategy, "precision": cfg.precision, "global_step": trainer.global_step,
+        "strategy": cfg.strategy, "lightning_precision": precision, "global_step": trainer.global_step,
         # Rank 0 holds the gathered state (with cpu_offload the other ranks hold none: max(..., 1)).
         "param_fraction_per_rank": int(metrics["recipe/param_elements_per_rank"])
         / max(sum(t.numel() for t in state.values()), 1),
@@ -485,6 +492,10 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
     # Measured in the training processes (with ddp_spawn, not this one): see RecipeMetrics.
     result.seconds_per_step = float(metrics["recipe/seconds_per_step"])
     result.peak_memory_bytes = int(metrics["recipe/peak_memory_bytes"])
+    speed = Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, core_precision).measure(
+        result.seconds_per_step, world.device, devices * num_nodes if accelerator == "cuda" else 1)
+    for name, value in speed.items():
+        setattr(result, name, value)
     return result
 # --8<-- [end:train]
 

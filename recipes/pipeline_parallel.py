@@ -56,6 +56,8 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import all_ranks
+from recipes.core.speed import autocast, make_adamw, setup_precision
+from recipes.core.throughput import Workload
 from recipes.core.workload import (MODEL_PRESETS, ModelConfig, build_model, distributed_loader, iterate_steps,
                                    lm_loss, make_dataset)
 from recipes.core.world import join_world
@@ -71,6 +73,23 @@ SCHEDULES = {
     "zbv_zero_bubble": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+# torch 2.11's stage set-up sends shape metadata between every pair of adjacent stages, also when one
+# rank holds both, as ZB-V's V puts stages 1 and 2 on rank 1: a send to itself, which gloo cannot make
+# ("Pair is not connected"). NCCL can; torch 2.13 does not send between stages of one rank.
+SELF_SEND_FREE_TORCH = (2, 13)
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_schedule_runs_here(schedule: str, backend: str) -> None:
+    """RecipeError naming the fix where the installed torch cannot run ``schedule`` on ``backend``."""
+    if schedule == "zbv_zero_bubble" and backend == "gloo" and torch_version() < SELF_SEND_FREE_TORCH:
+        raise RecipeError(f"zbv_zero_bubble on gloo needs torch >= 2.13 (torch {torch.__version__} sends "
+                          "from a rank to itself, which gloo cannot); use --backend nccl, or "
+                          "--schedule interleaved_zero_bubble")
 
 
 @dataclass
@@ -200,6 +219,9 @@ def pipeline_step(schedule, stages: list[PipelineStage], inputs: torch.Tensor, t
     by ``loss_holders``: how many ranks hold a last stage (data- or tensor-parallel copies of it).
     """
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    # Pitfall: a stage checks each micro-batch's strides against the ones it expects (torch 2.11:
+    # PipeliningShapeError "stride mismatch"), so a non-contiguous batch such as tokens[:, :-1] fails.
+    inputs, targets = inputs.contiguous(), targets.contiguous()
     microbatch_losses: list[torch.Tensor] = []
     if has_first:
         schedule.step(inputs, target=targets if has_last else None, losses=microbatch_losses)
@@ -262,6 +284,10 @@ def train(cfg: PPConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         pp_size, pp_rank = world.world_size, world.rank  # the whole world is one pipeline
         check_pipeline_fits(cfg, pp_size)
+        check_schedule_runs_here(cfg.schedule, world.backend)
+        precision = setup_precision(cfg.precision, world.device)
+        if precision == "fp16":  # the schedule runs backward inside step(): no place to scale the loss
+            raise RecipeError("pipeline_parallel has no loss scaler for fp16; use --precision bf16")
         model_cfg = model_config(cfg.model, cfg.n_layers)
         stage_ids, num_stages = stage_placement(cfg.schedule, pp_rank, pp_size, cfg.stages_per_rank)
         microbatch_size = per_rank_batch_size(cfg.global_batch_size, 1, cfg.microbatches)
@@ -273,7 +299,8 @@ def train(cfg: PPConfig) -> RecipeResult:
                                    example_microbatch=example)
         schedule = build_schedule(cfg.schedule, stages, cfg.microbatches)
         # One optimizer over every stage this rank holds.
-        optimizer = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=cfg.lr)
+        params = [p for s in stages for p in s.submod.parameters()]
+        optimizer = make_adamw(params, lr=cfg.lr, device=world.device)
         # Every rank reads the whole batch (only the first and last stage use it): the pipeline is one
         # data-parallel replica. Data parallel across pipelines: see recipes.hybrid_parallel.
         dataset = make_dataset(model_cfg, cfg.global_batch_size, seed=cfg.seed)
@@ -288,7 +315,10 @@ def train(cfg: PPConfig) -> RecipeResult:
             compute.seconds = 0.0
             with timer:
                 optimizer.zero_grad(set_to_none=True)
-                loss = pipeline_step(schedule, stages, inputs.to(world.device), targets.to(world.device))
+                # bf16: the stages' forwards run in this thread, inside the schedule's step().
+                with autocast(world.device, precision):
+                    loss = pipeline_step(schedule, stages, inputs.to(world.device),
+                                         targets.to(world.device))
                 optimizer.step()
             idle_fractions.append(max(0.0, 1.0 - compute.seconds / timer.durations[-1]))
             losses.append(loss)
@@ -302,6 +332,7 @@ def train(cfg: PPConfig) -> RecipeResult:
         return make_result(
             "pipeline_parallel", world, losses, state.values(), timer,
             keep_final_state=state if cfg.keep_final_state else None,
+            workload=Workload(model_cfg, cfg.global_batch_size, precision),
             schedule=cfg.schedule, split=cfg.split, pp_size=pp_size, num_stages=num_stages,
             stages_per_rank=len(stage_ids), microbatches=cfg.microbatches, n_layers=model_cfg.n_layers,
             stage_ids_per_rank=[stage_placement(cfg.schedule, r, pp_size, cfg.stages_per_rank)[0]

@@ -55,10 +55,12 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
 from recipes.core.state import full_state_on_rank0
-from recipes.core.workload import build_model, lm_loss, make_dataset
+from recipes.core.speed import autocast, make_adamw, setup_precision
+from recipes.core.throughput import Workload
+from recipes.core.workload import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 from recipes.core.world import World, join_world
-from recipes.fsdp import apply_fsdp
-from recipes.fsdp2 import apply_fully_shard
+from recipes.fsdp import apply_fsdp, fsdp_mixed_precision
+from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
 
 log = get_logger(__name__)
 
@@ -99,13 +101,15 @@ class CheckpointConfig(TrainConfig):
             raise RecipeError(f"batches_per_epoch must be >= 1, got {self.batches_per_epoch}")
 
 
-def parallelize(model: nn.Module, strategy: str, world: World) -> nn.Module:
-    """The model as each strategy wraps it (recipes.fsdp / recipes.fsdp2); the checkpoint code is the same for all."""
+def parallelize(model: nn.Module, strategy: str, world: World, precision: str = "fp32") -> nn.Module:
+    """The model as each strategy wraps it (recipes.fsdp / recipes.fsdp2), in ``precision`` (the FSDPs'
+    own mixed-precision policies; DDP autocasts in the loop). The checkpoint code is the same for all."""
     if strategy == "ddp":
         return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     if strategy == "fsdp":
-        return apply_fsdp(model, device=world.device)
-    return apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)))
+        return apply_fsdp(model, device=world.device, mixed_precision=fsdp_mixed_precision(precision))
+    return apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)),
+                             block_types=(Block,), mp_policy=mixed_precision_policy(precision))
 
 
 # --8<-- [start:app_state]
@@ -418,8 +422,15 @@ def train(cfg: CheckpointConfig) -> RecipeResult:
 
 
 def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist.ProcessGroup) -> RecipeResult:
-    model = parallelize(build_model(cfg.model, seed=cfg.seed, device=world.device), cfg.strategy, world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    precision = setup_precision(cfg.precision, world.device)
+    if precision == "fp16":
+        raise RecipeError("sharded_checkpoint does not checkpoint a loss scaler; use --precision bf16 "
+                          "(no scaler needed) or fp32")
+    model = parallelize(build_model(cfg.model, seed=cfg.seed, device=world.device), cfg.strategy, world,
+                        precision)
+    optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
+    # DDP computes in bf16 under autocast; the FSDPs' policies already do (autocast on top: none).
+    compute_dtype = precision if cfg.strategy == "ddp" else "fp32"
     app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size,
                    batches_per_epoch=cfg.batches_per_epoch, group=group)
 
@@ -454,7 +465,8 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist
     for step, (inputs, targets), progress in steps_from(loader, sampler, app.progress, cfg.steps):
         with timer:
             inputs, targets = inputs.to(world.device), targets.to(world.device)
-            loss = lm_loss(model(inputs), targets)
+            with autocast(world.device, compute_dtype):
+                loss = lm_loss(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -484,6 +496,7 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist
     return make_result(
         "sharded_checkpoint", world, losses, full_state.values(), timer,  # rank 0 holds the full state
         keep_final_state=full_state if cfg.keep_final_state else None,
+        workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
         strategy=cfg.strategy, start_step=start_step, resumed_from=resume_dir or "", saved_by_world_size=saved_by,
         saved_steps=saved_steps, save_blocking_seconds=blocked_seconds,
         checkpoint_bytes=_published_bytes(cfg.checkpoint_dir, saved_steps[-1]) if saved_steps else 0,

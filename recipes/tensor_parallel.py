@@ -38,19 +38,22 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt
+from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.workload import (MODEL_PRESETS, ModelConfig, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
+from recipes.core.speed import (apply_compile, autocast, make_adamw, make_grad_scaler,
+                                setup_precision)
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, Block, ModelConfig, build_model, distributed_loader,
+                                   iterate_steps, lm_loss, make_dataset)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
 
 
 @dataclass
-class TPConfig(TrainConfig):
+class TPConfig(CompileOption, TrainConfig):
     sequence_parallel: bool = opt(False, "split norms and the residual stream along the sequence (Shard(1)) "
                                          "instead of replicating them")
     loss_parallel: bool = opt(False, "keep the logits split over the vocabulary and compute cross-entropy on "
@@ -181,7 +184,12 @@ def train(cfg: TPConfig) -> RecipeResult:
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         apply_tp(model, tp_mesh, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # after apply_tp: sees the DTensors
+        if cfg.compile:  # after TP: the compiled blocks trace the DTensor ops and their collectives
+            apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+        # TP alone has no mixed-precision policy of its own: bf16 is autocast (as torchtitan does).
+        precision = setup_precision(cfg.precision, world.device)
+        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # sees the DTensors
+        scaler = make_grad_scaler(world.device, precision)
         # Pitfall: a DistributedSampler over the TP ranks would give each rank different samples, and
         # each rank would compute its slice of a different batch. Every TP rank reads the whole batch.
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
@@ -196,12 +204,14 @@ def train(cfg: TPConfig) -> RecipeResult:
         for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
             with timer:
                 inputs, targets = inputs.to(world.device), targets.to(world.device)
-                logits = model(inputs)
+                with autocast(world.device, precision):
+                    logits = model(inputs)
                 optimizer.zero_grad(set_to_none=True)
                 with loss_context():
-                    loss = lm_loss(logits, targets)
-                    loss.backward()
-                optimizer.step()
+                    loss = lm_loss(logits, targets)  # the cross entropy in fp32 either way
+                    scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
                 if step == 0:
                     state_bytes = model_state_bytes(model, optimizer)  # gradients still present
             losses.append(as_float(loss))  # the same on every rank: they all computed the whole batch
@@ -211,6 +221,7 @@ def train(cfg: TPConfig) -> RecipeResult:
         return make_result(
             "tensor_parallel", world, losses, full_state.values(), timer,
             keep_final_state=full_state if cfg.keep_final_state else None,
+            workload=Workload(model_cfg, cfg.global_batch_size, precision),
             tp_size=world.world_size, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel,
             param_bytes_per_rank=state_bytes["param_bytes"], param_bytes_unsplit=params_unsplit_bytes,
             param_fraction_per_rank=state_bytes["param_bytes"] / params_unsplit_bytes,

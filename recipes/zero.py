@@ -30,7 +30,10 @@ from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result, mean_over_ranks
 from recipes.core.state import all_ranks
-from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
+                                   make_dataset)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -47,15 +50,19 @@ class ZeroConfig(TrainConfig):
 def train(cfg: ZeroConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
+        precision = setup_precision(cfg.precision, world.device)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         ddp_model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
         if cfg.optimizer == "zero":
             # Same arguments as AdamW, plus the class: each rank builds an AdamW over its own partition.
-            optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.AdamW, lr=cfg.lr)
+            # fused=: one kernel per partition on CUDA, like make_adamw (None = torch's default).
+            optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.AdamW,
+                                                lr=cfg.lr, fused=True if world.device.type == "cuda" else None)
             owned = [p for group in optimizer.optim.param_groups for p in group["params"]]
         else:
-            optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
+            optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)
             owned = list(ddp_model.parameters())
+        scaler = make_grad_scaler(world.device, precision)  # a pass-through unless fp16
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
                                              per_rank_batch_size=per_rank_batch, seed=cfg.seed)
@@ -66,14 +73,17 @@ def train(cfg: ZeroConfig) -> RecipeResult:
         for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
             with timer:
                 inputs, targets = inputs.to(world.device), targets.to(world.device)
-                loss = lm_loss(ddp_model(inputs), targets)
+                with autocast(world.device, precision):
+                    loss = lm_loss(ddp_model(inputs), targets)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # DDP all-reduces FULL gradients: every rank has all of them
+                scaler.scale(loss).backward()  # DDP all-reduces FULL gradients: every rank has all
                 if cfg.max_grad_norm > 0:
+                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                     # Gradients are replicated, so the local norm IS the global norm: no collective needed
                     # (unlike FSDP, where each rank holds a shard: see recipes/fsdp.py).
                     grad_norms.append(float(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), cfg.max_grad_norm)))
-                optimizer.step()  # ZeRO: update the owned partition, then broadcast it to the other ranks
+                scaler.step(optimizer)  # ZeRO: update the owned partition, broadcast it to the others
+                scaler.update()
             losses.append(mean_over_ranks(loss))
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
@@ -88,7 +98,8 @@ def train(cfg: ZeroConfig) -> RecipeResult:
             if world.is_main:
                 extras["consolidated_optimizer_states"] = len(optimizer.state_dict()["state"])
         return make_result("zero", world, losses, model.parameters(), timer,
-                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None, **extras)
+                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision), **extras)
 # --8<-- [end:train]
 
 

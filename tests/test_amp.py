@@ -8,7 +8,7 @@ from recipes.core.config import RecipeError
 from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json, plain_training_loop, run_alone,
                            run_cli, with_fields)
 
-CFG = amp.AMPConfig(steps=6, device="cpu", keep_final_state=True, timeout_s=60)
+CFG = amp.AMPConfig(steps=6, device="cpu", keep_final_state=True, precision="fp32", timeout_s=60)
 
 # How far a 16-bit run's per-step losses may drift from fp32's on the tiny model over 6 steps.
 # bf16 keeps 8 significant bits (relative rounding 2**-9 ~ 2e-3 per op), fp16 keeps 11 (2**-12 ~ 2.4e-4);
@@ -39,7 +39,7 @@ def test_bf16_and_fp16_losses_track_fp32(device):
     fp32, bf16, fp16 = (run_alone(amp.train, with_fields(CFG, device=device, precision=precision))
                         for precision in ("fp32", "bf16", "fp16"))
     for name, result in (("bf16", bf16), ("fp16", fp16)):
-        assert result.device.startswith(device) and result.extras["precision"] == name
+        assert result.device.startswith(device) and result.precision == name
         assert_losses_close(result.losses, fp32.losses, atol=LOSS_ATOL[name])
         # ...but not equal: autocast really computed in 16 bits (an unsupported dtype silently disables it).
         assert result.losses != fp32.losses, f"{name} gave fp32's exact losses: autocast did not run"

@@ -10,7 +10,7 @@ from recipes.core.config import RecipeError
 from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
                            run_cli, run_world)
 
-REFERENCE = ddp_torchrun.DDPConfig(steps=4, keep_final_state=True)
+REFERENCE = ddp_torchrun.DDPConfig(steps=4, keep_final_state=True, precision="fp32")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -21,7 +21,7 @@ def test_every_ddp_option_trains_like_one_process_and_checkpoint_loads_everywher
         dict(find_unused_parameters=True, gradient_as_bucket_view=False),
         dict(static_graph=True, bucket_cap_mb=0.01),  # tiny buckets: many all-reduces, same result
     ]
-    configs = [ddp_spawn.DDPSpawnConfig(steps=4, keep_final_state=True, checkpoint_path=str(tmp_path / f"ckpt{i}.pt"), **o)
+    configs = [ddp_spawn.DDPSpawnConfig(steps=4, keep_final_state=True, precision="fp32", checkpoint_path=str(tmp_path / f"ckpt{i}.pt"), **o)
                for i, o in enumerate(options)]
     results = run_world(ddp_spawn.train, 3, configs, backend=backend)
     for result, option in zip(results, options):

@@ -12,7 +12,7 @@ from tests.helpers import (BACKENDS, CUDA_DEVICES, PYTHON, assert_losses_close, 
 from tests.test_memory import assert_about_fraction, run_pair
 
 STEPS = 4
-CFG = fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, timeout_s=120)
+CFG = fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
 CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping really happens
 # bf16 keeps 8 bits of mantissa (relative error 2^-8 = 0.4% per rounding): over 4 AdamW steps the
 # losses stay within 1e-2 and the weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2 of fp32.
@@ -33,9 +33,9 @@ RUNS = {
     "accumulate_sync": with_fields(CFG, micro_batches=3),
     "accumulate_no_sync": with_fields(CFG, micro_batches=3, accumulation="no_sync"),
     "clipped": with_fields(CFG, max_grad_norm=CLIP),
-    "bf16": with_fields(CFG, mixed_precision="bf16"),
-    "fp16": with_fields(CFG, mixed_precision="fp16", inject_inf_step=INJECT_STEP),
-    "fp16_amp_scaler": with_fields(CFG, mixed_precision="fp16", inject_inf_step=INJECT_STEP, grad_scaler="amp"),
+    "bf16": with_fields(CFG, precision="bf16"),
+    "fp16": with_fields(CFG, precision="fp16", inject_inf_step=INJECT_STEP),
+    "fp16_amp_scaler": with_fields(CFG, precision="fp16", inject_inf_step=INJECT_STEP, grad_scaler="amp"),
 }
 FP32_EXACT = ["full", "shard_grad_op", "no_shard", "checkpointed", "wrap_size", "wrap_module", "wrap_none",
               "prefetch", "prefetch_none", "accumulate_sync", "accumulate_no_sync"]
@@ -60,7 +60,7 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
               (sync_module_states_check, None)]
     *outputs, ddp, synced = run_world(run_pair, 2, pairs, backend=backend, timeout_s=300)
     results = dict(zip(runs, outputs))
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
 
     # Parity: every fp32 strategy, wrap policy, prefetch setting and accumulation mode is DDP's training.
     for name in exact:
@@ -90,7 +90,7 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
 
     # Clipping: FSDP.clip_grad_norm_ returns the norm of the whole (unsharded) gradient.
     clipped_reference = run_alone(zero.train, zero.ZeroConfig(optimizer="adamw", max_grad_norm=CLIP, steps=STEPS,
-                                                              keep_final_state=True))
+                                                              keep_final_state=True, precision="fp32"))
     assert results["clipped"].extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
     assert max(results["clipped"].extras["grad_norms"]) > CLIP
     assert_states_close(results["clipped"].final_state, clipped_reference.final_state, atol=1e-5)
@@ -116,7 +116,7 @@ def test_torchrun_launch_equals_single_process():
                         "--sharding-strategy", "shard_grad_op"])
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig())  # the same defaults, one process
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(precision="fp32"))  # the same defaults, one process
     assert result["world_size"] == 2 and result["recipe"] == "fsdp"
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
     assert result["param_checksum"] == pytest.approx(reference.param_checksum, abs=1e-3)
@@ -142,7 +142,7 @@ def test_cpu_offload_on_a_cpu_only_world_says_why_it_cannot_run():
 @pytest.mark.slow
 def test_three_ranks_uneven_shards_equal_ddp():
     """3 ranks: flat parameters do not divide by 3, so shards are padded; the training is still DDP's."""
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
     configs = [CFG, with_fields(CFG, sharding_strategy="shard_grad_op"),
                with_fields(CFG, activation_checkpointing=True)]
     for result in run_world(fsdp.train, 3, configs, timeout_s=300):

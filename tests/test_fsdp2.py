@@ -9,7 +9,7 @@ from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_
 from tests.test_memory import assert_about_fraction, run_pair
 
 STEPS = 4
-CFG = fsdp2.FSDP2Config(steps=STEPS, keep_final_state=True, timeout_s=120)
+CFG = fsdp2.FSDP2Config(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
 CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping really happens
 BF16_ATOL = 2e-2  # as in tests/test_fsdp.py: bf16's 8-bit mantissa over 4 AdamW steps
 INJECT_STEP = 2
@@ -22,8 +22,8 @@ RUNS = {
     "accumulate_sync": with_fields(CFG, micro_batches=3),
     "accumulate_no_sync": with_fields(CFG, micro_batches=3, accumulation="no_sync"),
     "clipped": with_fields(CFG, max_grad_norm=CLIP),
-    "bf16": with_fields(CFG, mixed_precision="bf16"),
-    "fp16": with_fields(CFG, mixed_precision="fp16", inject_inf_step=INJECT_STEP),
+    "bf16": with_fields(CFG, precision="bf16"),
+    "fp16": with_fields(CFG, precision="fp16", inject_inf_step=INJECT_STEP),
 }
 FP32_EXACT = ["default", "no_reshard", "prefetch_offload", "accumulate_sync", "accumulate_no_sync"]
 
@@ -34,7 +34,7 @@ def test_fully_shard_equals_ddp_with_every_option(backend):
     pairs.append((zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
     *outputs, ddp = run_world(run_pair, 2, pairs, backend=backend, timeout_s=300)
     results = dict(zip(RUNS, outputs))
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
 
     for name in FP32_EXACT:
         assert_losses_close(results[name].losses, reference.losses, atol=1e-5)
@@ -55,7 +55,7 @@ def test_fully_shard_equals_ddp_with_every_option(backend):
 
     # torch.nn.utils.clip_grad_norm_ on DTensor gradients returns the unsharded model's norm.
     clipped_reference = run_alone(zero.train, zero.ZeroConfig(optimizer="adamw", max_grad_norm=CLIP, steps=STEPS,
-                                                              keep_final_state=True))
+                                                              keep_final_state=True, precision="fp32"))
     assert results["clipped"].extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
     assert max(results["clipped"].extras["grad_norms"]) > CLIP
     assert_states_close(results["clipped"].final_state, clipped_reference.final_state, atol=1e-5)
@@ -75,7 +75,7 @@ def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.fsdp2", "--explicit-prefetch"])
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig())  # the same defaults, one process
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(precision="fp32"))  # the same defaults, one process
     assert result["world_size"] == 2 and result["recipe"] == "fsdp2"
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
     assert result["param_checksum"] == pytest.approx(reference.param_checksum, abs=1e-3)
@@ -96,7 +96,7 @@ def test_bad_options_fail_in_one_line():
 @pytest.mark.slow
 def test_three_ranks_uneven_shards_equal_ddp():
     """3 ranks: dim 0 of most parameters does not divide by 3, so shards are padded; still DDP's training."""
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
     for result in run_world(fsdp2.train, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], timeout_s=300):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)

@@ -13,10 +13,10 @@ STEPS = 4
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size, micro_batches", [(2, 3), (3, 2)])
 def test_no_sync_communicates_once_per_step_and_matches_the_whole_batch(world_size, micro_batches, backend):
-    whole_batch = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    whole_batch = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
     with_no_sync, without = run_world(grad_accumulation.train, world_size, [
-        grad_accumulation.GradAccumulationConfig(steps=STEPS, micro_batches=micro_batches, keep_final_state=True),
-        grad_accumulation.GradAccumulationConfig(steps=STEPS, micro_batches=micro_batches, keep_final_state=True,
+        grad_accumulation.GradAccumulationConfig(steps=STEPS, micro_batches=micro_batches, keep_final_state=True, precision="fp32"),
+        grad_accumulation.GradAccumulationConfig(steps=STEPS, micro_batches=micro_batches, keep_final_state=True, precision="fp32",
                                                  use_no_sync=False),
     ], backend=backend)
     # Communication: exactly one all-reduce round per optimizer step with no_sync, one per micro-batch without.

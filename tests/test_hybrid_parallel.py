@@ -16,11 +16,11 @@ from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, l
 from tests.test_tensor_parallel import expected_param_fraction
 
 STEPS = 3
-CFG = hybrid_parallel.HybridConfig(steps=STEPS, keep_final_state=True, timeout_s=180)
+CFG = hybrid_parallel.HybridConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=180)
 
 
 def reference():
-    return run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    return run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
 
 
 def gradient_difference(world, cfg) -> float:

@@ -16,11 +16,12 @@ from tests.helpers import (CUDA_DEVICES, assert_losses_close, assert_states_clos
                            run_alone, run_cli)
 
 STEPS = 6
-REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, timeout_s=120)
+REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
 
 
 def fabric_cfg(**changes) -> lightning_fabric.FabricConfig:
-    return lightning_fabric.FabricConfig(**({"steps": STEPS, "keep_final_state": True, "timeout_s": 120} | changes))
+    fields = {"steps": STEPS, "keep_final_state": True, "timeout_s": 120, "precision": "32-true"}
+    return lightning_fabric.FabricConfig(**(fields | changes))
 
 
 def _train_counting_grad_syncs(cfg):

@@ -30,11 +30,12 @@ TENSORBOARD = lightning_trainer._tensorboard_available()
 needs_jsonargparse = pytest.mark.skipif(
     importlib.util.find_spec("jsonargparse") is None,
     reason="LightningCLI needs jsonargparse: pip install 'jsonargparse[signatures]' (or lightning[pytorch-extra])")
-REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, timeout_s=120)
+REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
 
 
 def lightning_cfg(out: str, **changes) -> lightning_trainer.LightningConfig:
-    fields = {"steps": STEPS, "keep_final_state": True, "timeout_s": 120, "output_dir": out, "logger": "none"}
+    fields = {"steps": STEPS, "keep_final_state": True, "timeout_s": 120, "output_dir": out, "logger": "none",
+              "precision": "32-true"}
     return lightning_trainer.LightningConfig(**(fields | changes))
 
 

@@ -78,7 +78,7 @@ def test_plain_module_before_and_after_a_step():
     assert model_state_bytes(linear)["grad_bytes"] == 64  # the bias has no gradient: None counts 0
 
 
-COMMON = dict(steps=3, keep_final_state=True, timeout_s=240)
+COMMON = dict(steps=3, keep_final_state=True, precision="fp32", timeout_s=240)
 FOUR_RANK_RUNS = {
     "ddp": (zero.train, zero.ZeroConfig(optimizer="adamw", **COMMON)),
     "zero1": (zero.train, zero.ZeroConfig(**COMMON)),
@@ -95,7 +95,7 @@ FOUR_RANK_RUNS = {
 
 def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
     n = 4
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=3, keep_final_state=True))
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=3, keep_final_state=True, precision="fp32"))
     results = dict(zip(FOUR_RANK_RUNS, run_world(run_pair, n, FOUR_RANK_RUNS.values(), timeout_s=480)))
     flat_params = results.pop("flat_params")
     for name, result in results.items():

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recipes.core.config import RecipeError
 from recipes.core.memory import model_state_bytes
-from recipes.core.workload import build_model, lm_loss, make_dataset
+from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
 from recipes.fsdp import apply_fsdp
 from recipes.fsdp2 import apply_fully_shard
@@ -109,7 +109,8 @@ def _wrap(strategy, model, world):
         wrapped = apply_fsdp(model, sharding_strategy="full", device=world.device)
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     if strategy == "fully_shard":
-        wrapped = apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)))
+        wrapped = apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)),
+                                    block_types=(Block,))
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     raise AssertionError(strategy)
 

@@ -22,7 +22,7 @@ from tests.helpers import (CUDA_DEVICES, PYTHON, assert_losses_close, assert_sta
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
 # resume_from="" : the recipe's default ("latest") would pick up whatever the default directory holds.
-BASE = CheckpointConfig(steps=6, save_every=0, resume_from="", timeout_s=120, keep_final_state=True)
+BASE = CheckpointConfig(steps=6, save_every=0, resume_from="", timeout_s=120, keep_final_state=True, precision="fp32")
 # Same world, same strategy: the resumed run repeats the same arithmetic (observed: bit-identical).
 # Another world size sums the gradients in another order: equal to float32 rounding.
 SAME_WORLD_ATOL, RESHARDED_ATOL = 1e-6, 1e-5
@@ -294,6 +294,7 @@ def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
     assert launched.returncode == 0, launched.stderr[-3000:]
     first = last_json(launched.stdout)
     resumed = run_cli([PYTHON, "-m", "recipes.sharded_checkpoint", "--strategy", "fsdp", "--steps", "6",
+                       "--precision", "fp32",
                        "--resume-from", "latest", "--checkpoint-dir", ckpt, "--export-to", str(tmp_path / "m.pt")],
                       timeout_s=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

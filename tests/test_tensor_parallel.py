@@ -16,7 +16,7 @@ from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, l
                            run_cli, with_fields)
 
 STEPS = 3
-CFG = tensor_parallel.TPConfig(steps=STEPS, keep_final_state=True, timeout_s=120)
+CFG = tensor_parallel.TPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
 # Every combination of the two options: each one changes which collectives run and where.
 OPTIONS = [dict(sequence_parallel=sp, loss_parallel=lp) for sp, lp in itertools.product([False, True], repeat=2)]
 
@@ -78,7 +78,7 @@ def test_tp_equals_unsplit_model(world_size, backend):
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < 1e-5, f"{opts}: {worst} differs by {diffs[worst]:.2e}"
     # 2. Training: the losses and final weights of single-process training (the DDP recipe on 1 process).
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True))
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
     for opts, result in zip(trained, results):
         assert result.extras["tp_size"] == world_size and result.backend == backend
         assert (result.extras["sequence_parallel"], result.extras["loss_parallel"]) == tuple(opts.values())

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence, TypeVar
 
-__all__ = ["RecipeError", "TrainConfig", "parse_config", "per_rank_batch_size", "opt"]
+__all__ = ["RecipeError", "TrainConfig", "CompileOption", "parse_config", "per_rank_batch_size", "opt"]
 
 
 class RecipeError(ValueError):
@@ -42,6 +42,9 @@ class TrainConfig:
     )
     timeout_s: float = opt(300.0, "collective timeout in seconds: a stuck rank errors out instead of hanging")
     keep_final_state: bool = opt(False, "return the final full state dict in the result (tests compare it)")
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = opt(
+        "auto", "auto = bf16 on a GPU, fp32 on CPU; fp32 = true fp32 (TF32 off); tf32 = TF32 matmuls (CUDA); "
+        "bf16/fp16 = mixed precision (fp16 with a loss scaler); see recipes.core.speed")
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -53,6 +56,16 @@ class TrainConfig:
         for name in ("steps", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class CompileOption:
+    """Mixed into the configs of the recipes that can ``torch.compile`` their blocks."""
+
+    compile: bool = opt(False, "torch.compile each transformer block (after checkpointing, before sharding)")
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = opt(
+        "inductor", "torch.compile backend: inductor generates kernels (the fast one); aot_eager traces "
+        "forward and backward without generating code (the tests use it: no C++ compiler needed)")
 
 
 def _literal_choices(annotation: Any) -> tuple | None:

@@ -28,6 +28,10 @@ class RecipeResult:
     param_checksum: float  # sum of every final parameter, in float64: equal checksums, equal training
     seconds_per_step: float  # median over the steps after the first (which includes warm-up)
     peak_memory_bytes: int  # CUDA: max allocated on this device; CPU: the process's peak resident set
+    precision: str = "fp32"  # what the run computed in: fp32, tf32, bf16 or fp16 (``auto`` resolved)
+    tokens_per_second: float = 0.0  # global: every rank's tokens, per second of a steady step
+    model_tflops: float = 0.0  # the model's FLOPs at that rate (recipes.core.throughput.flops_per_token)
+    mfu: float | None = None  # model_tflops / (devices x the device's dense peak); None on CPU or unknown
     extras: dict[str, Any] = field(default_factory=dict)  # recipe-specific figures, e.g. skipped_steps
     final_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # only with keep_final_state
 
@@ -99,11 +103,20 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 
 
 def make_result(recipe: str, world: Any, losses: list[float], params: Iterable[torch.Tensor], timer: StepTimer,
-                *, keep_final_state: dict[str, torch.Tensor] | None = None, **extras: Any) -> RecipeResult:
-    """Fill a RecipeResult from what every training recipe has at its end."""
+                *, keep_final_state: dict[str, torch.Tensor] | None = None, workload: Any = None,
+                **extras: Any) -> RecipeResult:
+    """Fill a RecipeResult from what every training recipe has at its end.
+
+    ``workload`` (a ``recipes.core.throughput.Workload``) turns the step time into tokens/s and MFU.
+    """
     params = list(params)
+    speed = {}
+    if workload is not None:
+        devices = world.world_size if world.device.type == "cuda" else 1
+        speed = workload.measure(timer.seconds_per_step, world.device, devices)
     return RecipeResult(
         recipe=recipe, world_size=world.world_size, backend=world.backend, device=str(world.device),
         losses=losses, param_checksum=param_checksum(params), seconds_per_step=timer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(world.device), extras=extras, final_state=keep_final_state,
+        **speed,
     )

@@ -165,7 +165,7 @@ def make_dataset(model: str | ModelConfig, global_batch_size: int, *, batches_pe
 
 # --8<-- [start:distributed_loader]
 def distributed_loader(dataset: Dataset, *, rank: int, world_size: int, per_rank_batch_size: int,
-                       seed: int = 0) -> tuple[DataLoader, DistributedSampler]:
+                       seed: int = 0, pin_memory: bool = False) -> tuple[DataLoader, DistributedSampler]:
     """Each rank reads a disjoint 1/world_size of every epoch.
 
     With the same ``seed``, global step ``s`` covers the same samples on every world size: the sampler
@@ -173,7 +173,8 @@ def distributed_loader(dataset: Dataset, *, rank: int, world_size: int, per_rank
     batches is the single-process batch. ``drop_last`` keeps every step's global batch full.
     """
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=per_rank_batch_size, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=per_rank_batch_size, sampler=sampler, drop_last=True,
+                        pin_memory=pin_memory)  # pinned host memory: asynchronous copies to the GPU
     return loader, sampler
 
 
