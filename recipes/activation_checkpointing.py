@@ -1,29 +1,41 @@
-"""Activation checkpointing: keep each block's input instead of its internals, recompute them in backward.
+"""Activation checkpointing: keep less of the forward for backward, recompute the rest.
 
-    python -m recipes.activation_checkpointing                           # per_block, "small" model
+    python -m recipes.activation_checkpointing                         # per_block, "small" model
+    python -m recipes.activation_checkpointing --mode op_selective     # keep matmul outputs only
     python -m recipes.activation_checkpointing --mode selective --every-k 2
     python -m recipes.activation_checkpointing --mode sequential --segments 2
-    python -m recipes.activation_checkpointing --mode none               # the baseline to compare with
+    python -m recipes.activation_checkpointing --mode none             # the baseline
 
 Backward needs tensors that forward computed (a linear layer's input, a GELU's input, attention's
-q/k/v...); autograd keeps them alive from forward until backward, and for a transformer they dominate
-memory: ~16 x dim floats per token per block here. Checkpointing a block keeps only its input (dim
-floats per token) and runs the block's forward a second time during backward to rebuild the rest:
-one extra forward of each checkpointed block (a forward is roughly a third of a step's compute) buys
-back most of the activation memory.
+q/k/v...); autograd keeps them alive from forward until backward, and for a transformer they
+dominate memory: ~16 x dim floats per token per block here. Checkpointing a block keeps only its
+input (dim floats per token) and runs the block's forward a second time during backward to rebuild
+the rest: one extra forward of each checkpointed block (a forward is roughly a third of a step's
+compute) buys back most of the activation memory.
 
-Modes: ``per_block`` checkpoints every block; ``selective`` every k-th block (a knob between memory and
-recompute, torchtitan's "selective layer" AC); ``sequential`` uses ``checkpoint_sequential`` on the block
-stack, which splits it into segments and - pitfall - never checkpoints the last segment.
+Modes: ``per_block`` checkpoints every block; ``selective`` every k-th block (torchtitan's
+"selective layer" AC); ``sequential`` uses ``checkpoint_sequential``, which splits the blocks into
+segments and - pitfall - never checkpoints the last one. ``op_selective`` (torchtitan's "selective
+op" AC) checkpoints every block with a policy that decides op by op: it keeps the outputs of the
+matmuls and attention kernels and recomputes the rest (layer norms, GELU, adds, views, casts).
+The trade: the matmuls hold nearly all of a block's FLOPs, the expensive ops to redo; a pointwise
+op is cheap to redo, but its output is as large as a matmul's. Keeping only the matmuls' outputs
+makes the recompute almost free and puts memory between ``none`` and ``per_block``: here
+(7 + mlp_ratio) x dim floats per token per block (block input, q, k, v, attention output, the two
+output projections, the MLP's hidden layer), against 16 x dim. Fewer FLOPs is not less time: in
+eager mode every op passes through the policy's Python dispatch mode, which on a small model costs
+more than the matmuls it saves (measured on the docs page).
 
-Always ``use_reentrant=False``: the reentrant variant does not support ``torch.autograd.grad``, drops
-the parameters' gradients when no input requires grad, and needs ``static_graph=True`` under DDP;
-PyTorch recommends this one - but leaving ``use_reentrant`` out still selects the reentrant variant
-(torch 2.13 only warns), so always pass it. Gradients are unchanged by checkpointing (tests assert it exactly).
+Always ``use_reentrant=False``: the reentrant variant does not support ``torch.autograd.grad`` or
+selective checkpointing, drops the parameters' gradients when no input requires grad, and needs
+``static_graph=True`` under DDP; leaving the argument out still selects it (torch 2.13 only warns).
+Gradients are unchanged by checkpointing (tests assert it exactly, in fp32).
 
-The recipe reports the bytes autograd keeps for backward, measured, not estimated (``SavedTensorBytes``),
-and the time per step. It trains on one device; the same wrapping works under DDP and FSDP (apply it
-before wrapping the model in them).
+Speed: ``--precision`` (auto = bf16 on a GPU, fp32 on CPU) autocasts the forward; AdamW is fused
+on CUDA; the result reports tokens/s and MFU (the recomputed forward is not counted as model
+FLOPs). The recipe also reports the bytes the forward leaves alive for backward, measured
+(``SavedTensorBytes``). It trains on one device; the same wrapping works under DDP and FSDP
+(apply it before wrapping the model in them, and before torch.compile).
 """
 
 from __future__ import annotations
@@ -31,31 +43,40 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
+                                    create_selective_checkpoint_contexts)
 
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
-from recipes.core.workload import (MODEL_PRESETS, TransformerLM, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
+from recipes.core.speed import (autocast, check_autocast, make_adamw, make_grad_scaler,
+                                setup_precision)
+from recipes.core.throughput import Workload
+from recipes.core.workload import (MODEL_PRESETS, Block, TransformerLM, build_model,
+                                   distributed_loader, iterate_steps, lm_loss, make_dataset)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
+aten = torch.ops.aten
 
 
 @dataclass
 class ACConfig(TrainConfig):
-    model: Literal["tiny", "small", "100m"] = opt("small", "model size preset; small has 4 blocks, enough to compare modes")
-    mode: Literal["none", "per_block", "selective", "sequential"] = opt(
+    model: Literal["tiny", "small", "100m"] = opt(
+        "small", "model size preset; small has 4 blocks, enough to compare modes")
+    mode: Literal["none", "per_block", "selective", "sequential", "op_selective"] = opt(
         "per_block", "none | per_block: checkpoint every block | selective: every k-th block | "
-                     "sequential: checkpoint_sequential over the blocks")
+        "sequential: checkpoint_sequential over the blocks | op_selective: every block, keeping "
+        "the matmul outputs and recomputing the rest")
     every_k: int = opt(2, "selective: checkpoint blocks 0, k, 2k, ...")
-    segments: int = opt(2, "sequential: segments of the block stack; all but the last are checkpointed")
+    segments: int = opt(2, "sequential: segments of the blocks; all but the last are checkpointed")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,29 +84,75 @@ class ACConfig(TrainConfig):
         if self.every_k < 1:
             raise RecipeError(f"every_k must be >= 1, got {self.every_k}")
         if not 1 <= self.segments <= n_layers:
-            raise RecipeError(f"segments must be between 1 and the model's {n_layers} blocks, got {self.segments}")
+            raise RecipeError(f"segments must be between 1 and the model's {n_layers} blocks, "
+                              f"got {self.segments}")
+
+
+# --8<-- [start:policy]
+# The ops whose outputs op-level selective checkpointing keeps: the matmuls (nn.Linear is mm, or
+# addmm with a bias) and the fused attention kernels, as torchtitan's _save_list does. Pitfall: the
+# CPU attention kernel has a name of its own; a list written for GPUs recomputes attention on CPU.
+MATMUL_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+
+
+def save_matmul_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep what is expensive to recompute, recompute what is cheap (called per op, in forward).
+
+    MUST_SAVE keeps the op's output in the checkpoint's cache until backward; PREFER_RECOMPUTE lets
+    backward run the op again. A policy keyed by op keeps some outputs nothing reads back: the MLP's
+    output projection, here (torchtitan's policy also recomputed every second mm, to keep less).
+    """
+    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+# --8<-- [end:policy]
 
 
 # --8<-- [start:apply]
-def apply_activation_checkpointing(model: TransformerLM, *, every_k: int = 1) -> list[nn.Module]:
+def apply_activation_checkpointing(
+        model: nn.Module, *, block_types: tuple[type[nn.Module], ...] | None = None,
+        is_block: Callable[[nn.Module], bool] | None = None, every_k: int = 1,
+        policy: Callable[..., CheckpointPolicy] | list | None = None) -> list[nn.Module]:
     """Checkpoint blocks 0, k, 2k, ... of ``model`` in place and return them.
 
-    Each chosen block's ``forward`` is replaced by ``checkpoint(original_forward, x, use_reentrant=False)``.
-    No wrapper module is inserted, so parameter names (and state dicts, optimizer states, checkpoints
-    on disk) stay exactly as they were; a wrapper such as torch's ``checkpoint_wrapper`` adds a
-    ``_checkpoint_wrapped_module.`` prefix that every loader then has to strip.
-    Call it before DDP/FSDP/torch.compile wrap the model, and only once.
+    Name the blocks by class (``block_types=(Block,)``) or by a predicate (``is_block``), in
+    ``model.modules()`` order; match no module that sits inside another match. ``policy`` (a
+    function like ``save_matmul_outputs``, or a list of ops to keep) turns on op-level selective
+    checkpointing; without it a block keeps only its input. Each block's ``forward`` becomes
+    ``checkpoint(original_forward, x, use_reentrant=False, ...)``: no wrapper module is inserted, so
+    parameter names (state dicts, optimizer states, checkpoints on disk) stay as they were, where
+    torch's ``checkpoint_wrapper`` adds a ``_checkpoint_wrapped_module.`` prefix. Call it once,
+    before torch.compile and DDP/FSDP wrap the model.
     """
-    blocks = [block for index, block in enumerate(model.layers.values()) if index % every_k == 0]
+    if (block_types is None) == (is_block is None):
+        raise RecipeError("apply_activation_checkpointing needs exactly one of "
+                          "block_types=(YourBlock,) or is_block=...")
+    if every_k < 1:
+        raise RecipeError(f"every_k must be >= 1, got {every_k}")
+    matches = is_block or (lambda module: isinstance(module, block_types))
+    blocks = [module for module in model.modules() if matches(module)][::every_k]
+    if not blocks:
+        found = sorted({type(module).__name__ for module in model.modules()})
+        raise RecipeError(f"apply_activation_checkpointing matched no block in "
+                          f"{type(model).__name__}; its module classes are: {', '.join(found)}; "
+                          "pass block_types=(TheBlockClass,)")
+    options: dict = {"use_reentrant": False}
+    if policy is not None:  # checkpoint calls context_fn on every forward: a fresh cache each time
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = functools.partial(checkpoint, block.forward, **options)
     return blocks
 # --8<-- [end:apply]
 
 
 # --8<-- [start:sequential]
-def sequential_forward(model: TransformerLM, tokens: torch.Tensor, *, segments: int) -> torch.Tensor:
-    """``model(tokens)`` with ``checkpoint_sequential`` over the blocks (mirrors TransformerLM.forward).
+def sequential_forward(model: TransformerLM, tokens: torch.Tensor, *,
+                       segments: int) -> torch.Tensor:
+    """``model(tokens)`` with ``checkpoint_sequential`` over the blocks (mirrors its forward).
 
     checkpoint_sequential splits the blocks into ``segments`` runs of len // segments blocks and
     checkpoints all of them but the last, whose activations backward needs right away anyway.
@@ -104,54 +171,56 @@ def sequential_segment_starts(n_blocks: int, segments: int) -> list[int]:
 
 
 # --8<-- [start:measure]
-class SavedTensorBytes:
-    """Bytes autograd holds for backward during a forward pass, counted once per storage.
+class SavedTensorBytes(TorchDispatchMode):
+    """Bytes a forward pass leaves alive for backward, counted once per storage.
 
-    ``saved_tensors_hooks`` sees every tensor an op saves for backward. Parameters are excluded (they
-    exist anyway), and a storage saved by several ops (q, k and v views, a norm's input that is also
-    the residual) counts once. Inside a checkpointed region checkpoint installs its own hooks, so
-    nothing there reaches ours - that is the saving. What checkpoint does keep is each region's input.
-    How it keeps it depends on the torch version (2.13 stores it as a saved tensor, which our hook
-    sees; an implementation that holds it in a closure would hide it), so a forward pre-hook on each
-    checkpointed region counts it either way, and the storage deduplication counts it once.
+    Whatever keeps a tensor for backward - autograd's saved tensors, checkpoint's copy of a region's
+    input, the cache where selective checkpointing keeps what its policy saves - keeps its storage
+    alive after the forward. So a dispatch mode notes a weak reference to the storage of every
+    tensor an op produces (it sees every op, inside checkpointed regions too) and counts those still
+    alive at the end. Pitfall: ``saved_tensors_hooks`` alone misses that cache (it holds no saved
+    tensors) and would report op_selective as small as per_block. Parameters and views of them are
+    excluded (they exist anyway), and so is the batch (made before the forward). Hold nothing else
+    from the forward, such as the logits, or it is counted too; and exit after autocast, whose cache
+    of low-precision weights lives until autocast exits. Regions' inputs are labelled by a forward
+    pre-hook, to show what checkpoint itself keeps.
     """
 
     def __init__(self, model: nn.Module, checkpointed_regions: list[nn.Module]):
+        super().__init__()
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._regions = checkpointed_regions
-        self._seen: dict[int, tuple[int, str]] = {}  # storage pointer -> (bytes, "saved" or "checkpoint_input")
+        self.total = self.checkpoint_inputs = 0
 
-    def _remember(self, tensor: torch.Tensor, kind: str) -> None:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()  # every counted storage stays alive until backward: pointers are unique
-        if pointer in self._params:
-            return
-        if pointer not in self._seen or kind == "checkpoint_input":  # the input label wins, whichever came first
-            self._seen[pointer] = (storage.nbytes(), kind)
+    @staticmethod
+    def _note(tensors, notes: list) -> None:
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                notes.append((StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._remember(tensor, "saved")
-        return tensor
+    def _alive_bytes(self, notes: list) -> int:
+        # A freed storage's address can be reused by a later one: only a live reference names it.
+        alive = {pointer: nbytes for ref, pointer, nbytes in notes if not ref.expired()}
+        return sum(nbytes for pointer, nbytes in alive.items() if pointer not in self._params)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._note(out if isinstance(out, (tuple, list)) else (out,), self._made)
+        return out
 
     def __enter__(self) -> "SavedTensorBytes":
-        self._handles = [region.register_forward_pre_hook(lambda _m, args: self._remember(args[0], "checkpoint_input"))
-                         for region in self._regions]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
+        self._made, self._inputs = [], []
+        self._handles = [region.register_forward_pre_hook(
+            lambda _module, args: self._note(args[:1], self._inputs)) for region in self._regions]
+        return super().__enter__()
 
     def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+        super().__exit__(*exc)
         for handle in self._handles:
             handle.remove()
-
-    @property
-    def total(self) -> int:
-        return sum(nbytes for nbytes, _ in self._seen.values())
-
-    @property
-    def checkpoint_inputs(self) -> int:
-        return sum(nbytes for nbytes, kind in self._seen.values() if kind == "checkpoint_input")
+        self.total, self.checkpoint_inputs = map(self._alive_bytes, (self._made, self._inputs))
+        self._made, self._inputs = [], []
 # --8<-- [end:measure]
 
 
@@ -159,42 +228,54 @@ class SavedTensorBytes:
 def train(cfg: ACConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         if world.world_size > 1:
-            raise RecipeError(f"activation_checkpointing trains on one device, got a world of {world.world_size}; "
-                              "run `python -m recipes.activation_checkpointing`")
+            raise RecipeError(f"activation_checkpointing trains on one device, got a world of "
+                              f"{world.world_size}; run "
+                              "`python -m recipes.activation_checkpointing`")
+        precision = setup_precision(cfg.precision, world.device)  # auto: bf16 on a GPU, else fp32
+        check_autocast(world.device, precision)  # an unsupported dtype would silently run fp32
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         blocks = list(model.layers.values())
         forward, regions = model, []
-        if cfg.mode in ("per_block", "selective"):
-            regions = apply_activation_checkpointing(model, every_k=1 if cfg.mode == "per_block" else cfg.every_k)
-        elif cfg.mode == "sequential":
+        if cfg.mode == "sequential":
             forward = functools.partial(sequential_forward, model, segments=cfg.segments)
-            regions = [blocks[start] for start in sequential_segment_starts(len(blocks), cfg.segments)]
+            starts = sequential_segment_starts(len(blocks), cfg.segments)
+            regions = [blocks[start] for start in starts]
+        elif cfg.mode != "none":
+            regions = apply_activation_checkpointing(
+                model, block_types=(Block,), every_k=cfg.every_k if cfg.mode == "selective" else 1,
+                policy=save_matmul_outputs if cfg.mode == "op_selective" else None)
         checkpointed = [blocks.index(region) for region in regions]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # fused on CUDA
+        scaler = make_grad_scaler(world.device, precision)  # a pass-through unless fp16
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(dataset, rank=0, world_size=1,
-                                             per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
+        loader, sampler = distributed_loader(dataset, rank=0, world_size=1, seed=cfg.seed,
+                                             per_rank_batch_size=cfg.global_batch_size)
 
         losses, timer, saved = [], StepTimer(world.device), SavedTensorBytes(model, regions)
         for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
             with timer:
                 inputs, targets = inputs.to(world.device), targets.to(world.device)
-                # Measure in step 0 only: the hooks cost time, and step 0 is left out of seconds_per_step.
-                with saved if step == 0 else contextlib.nullcontext():
+                # Measure in step 0 only (the mode costs time; step 0 is left out of the timing),
+                # and around autocast: its cache of bf16 weight copies is freed when it exits.
+                measure = saved if step == 0 else contextlib.nullcontext()
+                with measure, autocast(world.device, precision):  # forward and loss only
                     loss = lm_loss(forward(inputs), targets)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # checkpointed blocks run their forward again here, one at a time
-                optimizer.step()
+                scaler.scale(loss).backward()  # checkpointed blocks run their forward again here
+                scaler.step(optimizer)
+                scaler.update()
             losses.append(float(loss.item()))
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
-        log.info("mode %s: blocks %s checkpointed; %.2f MiB saved for backward (%.2f MiB of it checkpoint inputs)",
-                 cfg.mode, checkpointed, saved.total / 2**20, saved.checkpoint_inputs / 2**20)
+        log.info("mode %s (%s): blocks %s checkpointed; %.2f MiB saved for backward "
+                 "(%.2f MiB of it checkpoint inputs)", cfg.mode, precision, checkpointed,
+                 saved.total / 2**20, saved.checkpoint_inputs / 2**20)
+        final_state = full_state_on_cpu(model) if cfg.keep_final_state else None
+        workload = Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision)
         return make_result("activation_checkpointing", world, losses, model.parameters(), timer,
-                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+                           keep_final_state=final_state, workload=workload,
                            mode=cfg.mode, checkpointed_blocks=checkpointed, saved_bytes=saved.total,
-                           checkpoint_input_bytes=saved.checkpoint_inputs,
-                           tokens_per_step=cfg.global_batch_size * MODEL_PRESETS[cfg.model].seq_len)
+                           checkpoint_input_bytes=saved.checkpoint_inputs)
 # --8<-- [end:train]
 
 
