@@ -43,7 +43,7 @@ log = logging.getLogger("mkdocs.hooks.recipes")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "results"
-MARKER = re.compile(r"^<!--\s*(options|results|api|recipe-index)\s*(?::\s*(\S+?))?\s*-->\s*$")
+MARKER = re.compile(r"^<!--\s*(options|results|api|recipe-index|bench)\s*(?::\s*(\S+?))?\s*-->\s*$")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 RECIPE_LINK = re.compile(r"\[([a-z][a-z0-9_]*)\]\[\]")
 RECIPES_SECTION = "Recipes"  # the nav section whose pages are recipe pages
@@ -482,7 +482,38 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+# ----------------------------------------------------------------------------------------------------
+# <!-- bench -->: every results/bench/*.json that scripts/bench.py wrote on a GPU, as its own tables.
+
+
+def render_bench(_: str | None = None, **__: Any) -> str:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", REPO_ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    files = sorted((RESULTS_DIR / "bench").glob("*.json"))
+    if not files:
+        return ('!!! note "Not measured on a GPU yet"\n    Run `python scripts/bench.py` on a GPU and commit '
+                "the `results/bench/<device>.json` it writes; the tables then appear here.\n")
+    parts = []
+    for path in files:
+        data = json.loads(path.read_text())
+        parts.append(f"### {data['device']}, torch {data['torch']}, model `{data['model']}`\n\n"
+                     f"Measured {data['date'][:10]} by `python scripts/bench.py` "
+                     f"({data['steps']} steps a row, the median after the first).\n")
+        if data.get("ladder"):
+            parts.append("**The ladder** (one device, `recipes.performance`); *vs bare* is against the "
+                         "first row:\n\n" + bench.table(data["ladder"], data["ladder"][0].get("ms_per_step")))
+        for batch, rows in data.get("recipes", {}).items():
+            parts.append(f"**Every recipe at world 1, global batch {batch}**; *vs bare* is against the "
+                         "bare loop with the same precision, fused AdamW and batch:\n\n"
+                         + bench.table(rows, rows[0].get("ms_per_step")))
+    return "\n\n".join(parts) + "\n"
+
+
 RENDERERS: dict[str, Callable[..., str]] = {
+    "bench": render_bench,
     "options": render_options,
     "results": render_results,
     "api": render_api,

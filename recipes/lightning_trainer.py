@@ -35,7 +35,6 @@ import gc
 import logging
 import os
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -237,17 +236,19 @@ class StepLog(L.Callback):
 
     def __init__(self, timer: StepTimer, print_lines: bool):
         self.timer, self.print_lines = timer, print_lines
-        self._start = 0.0
 
+    # The StepTimer synchronises CUDA on entry and exit, as in the raw recipes: unsynchronised, a step's
+    # time would be the time to queue its kernels (on an H200 at batch 64 it read 48.8 ms: faster than
+    # the bare loop's measured 67 ms).
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx % trainer.accumulate_grad_batches == 0:
-            self._start = time.perf_counter()
+            self.timer.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        self.timer.durations.append(time.perf_counter() - self._start)
+        self.timer.__exit__(None, None, None)
         if self.print_lines:
             loss = trainer.callback_metrics.get("train_loss", torch.tensor(float("nan")))
             log.info("step %d loss %.4f time %.1f ms", trainer.global_step - 1, float(loss),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -73,6 +75,15 @@ def with_fields(cfg, **changes):
 
 
 PYTHON = sys.executable
+
+
+@functools.cache
+def docs_hooks():
+    """docs/hooks.py as a module: the code that renders the pages' generated sections."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", os.path.join(REPO_ROOT, "docs", "hooks.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def plain_training_loop(model, *, steps: int, global_batch_size: int, lr: float, seed: int):

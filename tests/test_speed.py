@@ -1,4 +1,4 @@
-"""recipes.core.speed and recipes.core.throughput: precision, fused AdamW, compile, tokens/s and MFU."""
+"""recipes.core.speed and recipes.core.throughput: precision, fused AdamW, compile, tokens/s, MFU"""
 
 import pytest
 import torch
@@ -9,14 +9,22 @@ from recipes.core.config import RecipeError
 from recipes.core.speed import apply_compile, setup_precision
 from recipes.core.throughput import PEAK_TFLOPS, Workload, flops_per_token, peak_flops
 from recipes.core.workload import MODEL_PRESETS, Block, build_model
-from tests.helpers import assert_losses_close, assert_states_close, run_alone, run_world, with_fields
+from tests.helpers import (
+    assert_losses_close,
+    assert_states_close,
+    run_alone,
+    run_world,
+    with_fields,
+)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "100m"])
 def test_flops_per_token_is_six_times_every_matmul_parameter_plus_attention(preset):
     cfg = MODEL_PRESETS[preset]
     model = build_model(cfg) if preset != "100m" else None
-    if model is not None:  # the formula's matmul parameters are exactly the model's nn.Linear weights
+    if (
+        model is not None
+    ):  # the formula's matmul parameters are exactly the model's nn.Linear weights
         matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
         attention = 12 * cfg.n_layers * cfg.dim * cfg.seq_len
         assert flops_per_token(cfg) == 6 * matmul_params + attention
@@ -47,7 +55,9 @@ def test_auto_is_fp32_on_cpu_and_tf32_is_refused_there():
 
 
 def test_precision_sets_tf32_from_the_flag_every_time():
-    cuda = torch.device("cuda", 0)  # setup_precision only sets flags for it: no GPU needed for tf32/fp32
+    cuda = torch.device(
+        "cuda", 0
+    )  # setup_precision only sets flags for it: no GPU needed for tf32/fp32
     try:
         assert setup_precision("tf32", cuda) == "tf32" and torch.backends.cuda.matmul.allow_tf32
         assert setup_precision("fp32", cuda) == "fp32" and not torch.backends.cuda.matmul.allow_tf32
@@ -62,7 +72,8 @@ def test_a_result_reports_tokens_per_second_from_its_step_time():
     assert result.precision == "fp32" and result.mfu is None
     assert result.tokens_per_second == pytest.approx(tokens_per_step / result.seconds_per_step)
     assert result.model_tflops == pytest.approx(
-        result.tokens_per_second * flops_per_token(MODEL_PRESETS["tiny"]) / 1e12)
+        result.tokens_per_second * flops_per_token(MODEL_PRESETS["tiny"]) / 1e12
+    )
 
 
 def test_apply_compile_keeps_names_and_refuses_a_model_without_the_block():
@@ -70,16 +81,21 @@ def test_apply_compile_keeps_names_and_refuses_a_model_without_the_block():
     names = [name for name, _ in model.named_parameters()]
     apply_compile(model, block_types=(Block,), backend="eager")
     assert [name for name, _ in model.named_parameters()] == names  # checkpoints stay loadable
-    with pytest.raises(RecipeError, match=r"matched no block in Sequential; its module classes are: Linear, "
-                                          r"Sequential; pass block_types"):
+    with pytest.raises(
+        RecipeError,
+        match=r"matched no block in Sequential; its module classes are: Linear, "
+        r"Sequential; pass block_types",
+    ):
         apply_compile(nn.Sequential(nn.Linear(2, 2)), block_types=(Block,))
     with pytest.raises(RecipeError, match="exactly one of block_types"):
         apply_compile(model)
 
 
 # Compiled runs use the aot_eager backend: it traces forward and backward through AOTAutograd as
-# inductor does, without generating C++ (CI has no compiler, and inductor would add ~40 s per model).
-COMPILED = dict(compile=True, compile_backend="aot_eager", steps=3, keep_final_state=True, precision="fp32")
+# inductor does, without generating C++ (CI may have no compiler; inductor adds ~40 s per model).
+COMPILED = dict(
+    compile=True, compile_backend="aot_eager", steps=3, keep_final_state=True, precision="fp32"
+)
 
 
 def train_with(recipe_and_config):
@@ -89,8 +105,11 @@ def train_with(recipe_and_config):
 
 def test_compile_keeps_training_equal_on_ddp_fsdp2_and_tp():
     configs = []
-    for module, config_cls in ((ddp_torchrun, ddp_torchrun.DDPConfig), (fsdp2, fsdp2.FSDP2Config),
-                               (tensor_parallel, tensor_parallel.TPConfig)):
+    for module, config_cls in (
+        (ddp_torchrun, ddp_torchrun.DDPConfig),
+        (fsdp2, fsdp2.FSDP2Config),
+        (tensor_parallel, tensor_parallel.TPConfig),
+    ):
         eager = config_cls(**{**COMPILED, "compile": False})
         configs += [(module.train, eager), (module.train, with_fields(eager, compile=True))]
     results = run_world(train_with, 2, configs, timeout_s=170)
@@ -103,5 +122,8 @@ def test_compile_keeps_training_equal_on_ddp_fsdp2_and_tp():
 
 def test_compile_keeps_amp_bf16_equal():
     cfg = amp.AMPConfig(**{**COMPILED, "precision": "bf16"}, device="cpu")
-    eager, compiled = run_alone(amp.train, with_fields(cfg, compile=False)), run_alone(amp.train, cfg)
+    eager, compiled = (
+        run_alone(amp.train, with_fields(cfg, compile=False)),
+        run_alone(amp.train, cfg),
+    )
     assert_losses_close(compiled.losses, eager.losses, atol=1e-6)

@@ -1,4 +1,4 @@
-"""What a strong engineer turns on for speed, once for every recipe: precision, fused AdamW, compile.
+"""What a strong engineer turns on for speed, once for every recipe: precision, AdamW, compile.
 
 ``--precision`` (every training recipe) takes one of:
 
@@ -7,16 +7,16 @@
   parity tests compare like with like.
 - ``tf32``: fp32 tensors, but CUDA matmuls use TF32 tensor cores (10-bit mantissa inputs, fp32
   accumulation): about 3x fp32 on an H100/H200 with no code change. CUDA only.
-- ``bf16``: autocast to bfloat16 for the DDP-style recipes (fp32 master weights and optimizer state);
-  the sharding APIs' own mixed-precision policy in the FSDP recipes (never autocast on top of it).
+- ``bf16``: autocast to bfloat16 for the DDP-style recipes (fp32 master weights and optimizer
+  state); the sharding APIs' own mixed-precision policy in the FSDP recipes (never autocast on top).
 - ``fp16``: the same with float16, always with a loss scaler (``make_grad_scaler``).
 
 AdamW is ``fused=True`` on CUDA (one kernel for every parameter, DTensor parameters included): the
 default ``foreach`` implementation on DTensor parameters costs tens of ms a step in dispatch alone.
 
-``apply_compile`` compiles each transformer block in place (``Module.compile``), so parameter names and
-checkpoints are unchanged. Order, as torchtitan documents it: activation checkpointing, then compile,
-then sharding (fully_shard / DDP).
+``apply_compile`` compiles each transformer block in place (``Module.compile``), so parameter names
+and checkpoints are unchanged. Order, as torchtitan documents it: activation checkpointing, then
+compile, then sharding (fully_shard / DDP).
 """
 
 from __future__ import annotations
@@ -29,28 +29,40 @@ import torch.nn as nn
 
 from recipes.core.config import RecipeError
 
-__all__ = ["Precision", "setup_precision", "low_precision_dtype", "autocast", "check_autocast",
-           "make_grad_scaler", "make_adamw", "apply_compile"]
+__all__ = [
+    "Precision",
+    "setup_precision",
+    "low_precision_dtype",
+    "autocast",
+    "check_autocast",
+    "make_grad_scaler",
+    "make_adamw",
+    "apply_compile",
+]
 
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def setup_precision(requested: str, device: torch.device) -> str:
-    """Resolve ``auto`` for ``device`` and set this process's fp32 matmul mode; returns the precision used.
+    """Resolve ``auto`` for ``device``, set this process's fp32 matmul mode, return the precision.
 
-    Pitfall: TF32 is a process-wide switch (``torch.backends.cuda.matmul``). Setting it here, for every
-    precision, means a run never inherits it from an earlier one in the same process.
+    Pitfall: TF32 is a process-wide switch (``torch.backends.cuda.matmul``). Setting it here, for
+    every precision, means a run never inherits it from an earlier one in the same process.
     """
     on_cuda = device.type == "cuda"
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise RecipeError(f"--precision tf32 is a CUDA matmul mode and this run is on {device.type}; "
-                          "use --precision fp32 (or bf16)")
+        raise RecipeError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on {device.type}; "
+            "use --precision fp32 (or bf16)"
+        )
     if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
-        raise RecipeError(f"{torch.cuda.get_device_name(device)} has no bf16 support; "
-                          "use --precision fp16 (with its loss scaler) or tf32")
+        raise RecipeError(
+            f"{torch.cuda.get_device_name(device)} has no bf16 support; "
+            "use --precision fp16 (with its loss scaler) or tf32"
+        )
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = requested == "tf32"
         torch.backends.cudnn.allow_tf32 = requested == "tf32"
@@ -63,7 +75,7 @@ def low_precision_dtype(precision: str) -> torch.dtype | None:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """Autocast to the precision's 16-bit type, or a no-op for fp32/tf32. Wrap the forward and loss only."""
+    """Autocast to the precision's 16-bit type; a no-op for fp32/tf32. Wrap forward and loss."""
     dtype = low_precision_dtype(precision)
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
@@ -71,8 +83,8 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 def check_autocast(device: torch.device, precision: str) -> None:
     """Refuse, with the fix, a precision this torch build cannot autocast to on this device.
 
-    Pitfall: an unsupported autocast dtype is not an error in torch: it warns and *disables* autocast,
-    so the run would silently be fp32. A matmul probe tells the truth.
+    Pitfall: an unsupported autocast dtype is not an error in torch: it warns and *disables*
+    autocast, so the run would silently be fp32. A matmul probe tells the truth.
     """
     dtype = low_precision_dtype(precision)
     if dtype is None:
@@ -81,12 +93,15 @@ def check_autocast(device: torch.device, precision: str) -> None:
     with torch.autocast(device.type, dtype=dtype):
         produced = (probe @ probe).dtype
     if produced != dtype:
-        raise RecipeError(f"torch {torch.__version__} cannot autocast to {precision} on {device.type} "
-                          "(needs torch >= 2.3 for cpu fp16); use --precision bf16, or a GPU")
+        raise RecipeError(
+            f"torch {torch.__version__} cannot autocast to {precision} on {device.type} "
+            "(needs torch >= 2.3 for cpu fp16); use --precision bf16, or a GPU"
+        )
 
 
-def make_grad_scaler(device: torch.device, precision: str, *,
-                     init_scale: float = 2.0 ** 16) -> torch.amp.GradScaler:
+def make_grad_scaler(
+    device: torch.device, precision: str, *, init_scale: float = 2.0**16
+) -> torch.amp.GradScaler:
     """A dynamic loss scaler for fp16; a disabled one (scale() and step() pass through) otherwise.
 
     fp16's 5 exponent bits flush small gradients to zero: the loss is multiplied by the scale before
@@ -94,13 +109,16 @@ def make_grad_scaler(device: torch.device, precision: str, *,
     """
     scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, enabled=precision == "fp16")
     if precision == "fp16" and not scaler.is_enabled():  # it disables itself where unsupported
-        raise RecipeError(f"torch.amp.GradScaler is unavailable on {device.type} in this torch build; "
-                          "use --precision bf16 (no scaler needed)")
+        raise RecipeError(
+            f"torch.amp.GradScaler is unavailable on {device.type} in this torch build; "
+            "use --precision bf16 (no scaler needed)"
+        )
     return scaler
 
 
-def make_adamw(params: Iterable[torch.Tensor], *, lr: float,
-               device: torch.device) -> torch.optim.AdamW:
+def make_adamw(
+    params: Iterable[torch.Tensor], *, lr: float, device: torch.device
+) -> torch.optim.AdamW:
     """AdamW, fused into one kernel on CUDA (DTensor parameters too); torch's default elsewhere.
 
     On CPU the default keeps the parity tests bit-exact against the textbook loop.
@@ -109,30 +127,40 @@ def make_adamw(params: Iterable[torch.Tensor], *, lr: float,
 
 
 # --8<-- [start:apply_compile]
-def apply_compile(model: nn.Module, *, block_types: tuple[type[nn.Module], ...] | None = None,
-                  is_block: Callable[[nn.Module], bool] | None = None,
-                  backend: str = "inductor") -> nn.Module:
+def apply_compile(
+    model: nn.Module,
+    *,
+    block_types: tuple[type[nn.Module], ...] | None = None,
+    is_block: Callable[[nn.Module], bool] | None = None,
+    backend: str = "inductor",
+) -> nn.Module:
     """``torch.compile`` each block of ``model`` in place; returns ``model``.
 
-    Name the blocks by class (``block_types``) or by a predicate (``is_block``). Compiling the repeated
-    block, not the whole model, compiles once and reuses the code for every layer, and keeps the
-    sharding hooks between blocks out of the graph. ``Module.compile`` changes no parameter name, so
-    checkpoints and tensor-parallel plans stay valid.
+    Name the blocks by class (``block_types``) or by a predicate (``is_block``). Compiling the
+    repeated block, not the whole model, compiles once and reuses the code for every layer, and
+    keeps the sharding hooks between blocks out of the graph. ``Module.compile`` changes no
+    parameter name, so checkpoints and tensor-parallel plans stay valid.
 
     Order: after activation checkpointing (so the checkpointed region is compiled as a whole) and
     before fully_shard / DDP (which then wrap compiled blocks).
     """
     if (block_types is None) == (is_block is None):
-        raise RecipeError("apply_compile needs exactly one of block_types=(YourBlock,) or is_block=...")
+        raise RecipeError(
+            "apply_compile needs exactly one of block_types=(YourBlock,) or is_block=..."
+        )
     matches = is_block or (lambda module: isinstance(module, block_types))
     blocks = [module for module in model.modules() if matches(module)]
     if not blocks:
         found = sorted({type(m).__name__ for m in model.modules()})
-        raise RecipeError(f"apply_compile matched no block in {type(model).__name__}; its module classes "
-                          f"are: {', '.join(found)}; pass block_types=(TheBlockClass,)")
+        raise RecipeError(
+            f"apply_compile matched no block in {type(model).__name__}; its module classes "
+            f"are: {', '.join(found)}; pass block_types=(TheBlockClass,)"
+        )
     for block in blocks:
         block.compile(backend=backend)
     return model
+
+
 # --8<-- [end:apply_compile]
 
 

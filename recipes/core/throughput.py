@@ -3,11 +3,11 @@
 MFU (model FLOPs utilisation) = the FLOPs the model needs per second at the measured token rate,
 divided by the device's dense peak for the precision used. It counts the model's arithmetic, not the
 hardware's (a recomputed forward under activation checkpointing is not counted), so it compares runs
-that train the same model honestly. nanoGPT's ``estimate_mfu`` and torchtitan's MFU logging use the same
-formula.
+that train the same model honestly. nanoGPT's ``estimate_mfu`` and torchtitan's MFU logging use the
+same formula.
 
-Peaks are vendor datasheet figures for dense tensor-core math (no sparsity); a device not in the table,
-and every CPU, gets ``mfu = None``, never a made-up number.
+Peaks are vendor datasheet figures for dense tensor-core math (no sparsity); a device not in the
+table, and every CPU, gets ``mfu = None``, never a made-up number.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def flops_per_token(cfg: ModelConfig) -> int:
     """Training FLOPs per token of the cookbook's transformer (forward + backward = 3 x forward).
 
     6 x the matmul parameters (each does a multiply and an add per token, forward, and twice that in
-    backward), plus the attention scores and their weighted sum, 12 x layers x dim x seq_len (QK^T and
-    AV are 2 x seq_len x dim multiply-adds per token per layer, x3 for backward). Embedding lookups are
-    not matmuls and are left out; the output head is one. Causal masking is not subtracted (PaLM and
-    nanoGPT count it the same way).
+    backward), plus the attention scores and their weighted sum, 12 x layers x dim x seq_len (QK^T
+    and AV are 2 x seq_len x dim multiply-adds per token per layer, x3 for backward). Embedding
+    lookups are not matmuls and are left out; the output head is one. Causal masking is not
+    subtracted (PaLM and nanoGPT count it the same way).
     """
     hidden = cfg.mlp_ratio * cfg.dim
     per_block = 4 * cfg.dim * cfg.dim + 2 * cfg.dim * hidden  # wq, wk, wv, wo; w_in, w_out
@@ -52,7 +52,7 @@ def flops_per_token(cfg: ModelConfig) -> int:
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The device's dense peak FLOP/s for ``precision``; None on CPU or a device not in the table."""
+    """The device's dense peak FLOP/s for ``precision``; None on CPU or a device not in the table"""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -75,10 +75,13 @@ class Workload:
         return self.global_batch_size * self.model.seq_len
 
     def measure(self, seconds_per_step: float, device: torch.device, devices: int) -> dict:
-        """Global tokens/s, achieved model TFLOP/s, and MFU over ``devices`` devices (None: peak unknown)."""
+        """Global tokens/s, achieved model TFLOP/s, MFU over ``devices`` devices (None: no peak)."""
         tokens_per_second = self.tokens_per_step / seconds_per_step if seconds_per_step > 0 else 0.0
         achieved = tokens_per_second * flops_per_token(self.model)
         peak = peak_flops(device, self.precision)
-        return {"precision": self.precision, "tokens_per_second": tokens_per_second,
-                "model_tflops": achieved / 1e12,
-                "mfu": achieved / (devices * peak) if peak and achieved else None}
+        return {
+            "precision": self.precision,
+            "tokens_per_second": tokens_per_second,
+            "model_tflops": achieved / 1e12,
+            "mfu": achieved / (devices * peak) if peak and achieved else None,
+        }

@@ -1,0 +1,292 @@
+"""The benchmark: the single-device speed ladder, then every training recipe against the bare loop.
+
+    python scripts/bench.py        # a GPU: the 100m preset; CPU: the tiny one (CI runs this path)
+    python scripts/bench.py --model small --steps 6 --out /tmp/bench.json
+
+Part 1, the ladder (recipes.performance, one device): fp32 (TF32 off, torch's default) -> tf32 ->
+bf16 autocast -> + fused AdamW -> + per-block torch.compile -> the same at twice the batch, and the
+habits beside it (zero_grad to zeros, the math attention kernel, pinned-memory copies).
+
+Part 2, every training recipe at world 1 with ``--precision auto`` (bf16 on a GPU) and its own
+defaults otherwise, against the bare loop with the same precision, fused AdamW and batch: the
+distance between a recipe and the bare loop is what the recipe's wrapper costs on one device.
+
+Every row is the median step time over the steps after the first (warm-up and compilation). MFU is
+against the device's dense peak for the precision the row used; "MFU vs bf16 peak" puts every row on
+the bf16 scale so the ladder reads as one line. It prints a markdown table and writes a JSON file
+(device, torch version, date, rows) to results/bench/<device>.json (``--out`` to put it elsewhere);
+the docs page of recipes.performance renders every file there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from recipes import (
+    activation_checkpointing,
+    amp,
+    ddp_torchrun,
+    fsdp,
+    fsdp2,
+    lightning_fabric,  # noqa: E402
+    lightning_trainer,
+    performance,
+    pipeline_parallel,
+    tensor_parallel,
+    zero,
+)
+from recipes.core.config import RecipeError  # noqa: E402
+from recipes.core.throughput import peak_flops  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+
+
+def ladder(model: str, batch: int, steps: int, compile_backend: str) -> list[tuple[str, object]]:
+    base = performance.PerformanceConfig(
+        model=model, global_batch_size=batch, steps=steps, compile_backend=compile_backend
+    )
+    fast = dataclasses.replace(base, precision="auto")
+    return [
+        (
+            "fp32 (TF32 off), foreach AdamW",
+            dataclasses.replace(base, precision="fp32", optimizer="foreach"),
+        ),
+        (
+            "tf32 matmuls, foreach AdamW",
+            dataclasses.replace(base, precision="tf32", optimizer="foreach"),
+        ),
+        ("bf16 autocast, foreach AdamW", dataclasses.replace(fast, optimizer="foreach")),
+        ("bf16 + fused AdamW", fast),
+        ("bf16 + fused + compile", dataclasses.replace(fast, compile=True)),
+        (
+            f"bf16 + fused + compile, batch {2 * batch}",
+            dataclasses.replace(fast, compile=True, global_batch_size=2 * batch),
+        ),
+        ("bf16 + fused, zero_grad to zeros", dataclasses.replace(fast, zero_grad="zeros")),
+        ("bf16 + fused, math attention", dataclasses.replace(fast, sdpa_backend="math")),
+        ("bf16 + fused, pinned non_blocking copies", dataclasses.replace(fast, pin_memory=True)),
+        ("bf16 + fused, for-loop AdamW", dataclasses.replace(fast, optimizer="for_loop")),
+    ]
+
+
+def recipes_at_world_1(
+    model: str,
+    batch: int,
+    steps: int,
+    compile_backend: str = "",
+) -> list[tuple[str, object, object]]:
+    """Every training recipe at world 1; with ``compile_backend``: those with --compile, compiled"""
+    common = dict(model=model, global_batch_size=batch, steps=steps, precision="auto")
+    out = tempfile.mkdtemp(prefix="bench-lightning-")
+    rows = [
+        ("bare loop (performance)", performance.train, performance.PerformanceConfig(**common)),
+        ("ddp_torchrun", ddp_torchrun.train, ddp_torchrun.DDPConfig(**common)),
+        ("amp", amp.train, amp.AMPConfig(**common)),
+        ("zero", zero.train, zero.ZeroConfig(**common)),
+        ("fsdp", fsdp.train, fsdp.FSDPConfig(**common)),
+        ("fsdp2", fsdp2.train, fsdp2.FSDP2Config(**common)),
+        (
+            "fsdp2 reshard_after_forward=false",
+            fsdp2.train,
+            fsdp2.FSDP2Config(**common, reshard_after_forward="false"),
+        ),
+        ("tensor_parallel", tensor_parallel.train, tensor_parallel.TPConfig(**common)),
+        (
+            "pipeline_parallel (1 stage)",
+            pipeline_parallel.train,
+            pipeline_parallel.PPConfig(**common, microbatches=1),
+        ),
+        (
+            "lightning_trainer",
+            lightning_trainer.train,
+            lightning_trainer.LightningConfig(**common, output_dir=out, logger="none"),
+        ),
+        ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**common)),
+        (
+            "activation_checkpointing none",
+            activation_checkpointing.train,
+            activation_checkpointing.ACConfig(**common, mode="none"),
+        ),
+        (
+            "activation_checkpointing per_block",
+            activation_checkpointing.train,
+            activation_checkpointing.ACConfig(**common, mode="per_block"),
+        ),
+        (
+            "activation_checkpointing op_selective",
+            activation_checkpointing.train,
+            activation_checkpointing.ACConfig(**common, mode="op_selective"),
+        ),
+    ]
+    if not compile_backend:
+        return rows
+    return [
+        (
+            f"{label} + compile",
+            train,
+            dataclasses.replace(cfg, compile=True, compile_backend=compile_backend),
+        )
+        for label, train, cfg in rows
+        if hasattr(cfg, "compile")
+    ]
+
+
+def measure(label: str, train, cfg) -> dict:
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    row = {
+        "label": label,
+        "recipe": type(cfg).__module__.split(".")[-1],
+        "batch": cfg.global_batch_size,
+    }
+    try:
+        result = train(cfg)
+    except RecipeError as exc:  # this machine cannot run the row (tf32 on CPU, pinned memory...)
+        return {**row, "skipped": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - one broken row must not lose the others' numbers
+        traceback.print_exc()
+        return {**row, "failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    bf16_peak = peak_flops(torch.device("cuda", 0), "bf16") if ON_GPU else None
+    extras = result.extras
+    return {
+        **row,
+        "precision": result.precision,
+        "ms_per_step": 1e3 * result.seconds_per_step,
+        "tokens_per_second": result.tokens_per_second,
+        "model_tflops": result.model_tflops,
+        "mfu": result.mfu,
+        "mfu_vs_bf16_peak": result.model_tflops * 1e12 / bf16_peak if bf16_peak else None,
+        "peak_memory_gib": result.peak_memory_bytes / 2**30,
+        "saved_bytes": extras.get("saved_bytes"),
+        "sdpa_backend_ran": extras.get("sdpa_backend_ran"),
+        "final_loss": result.losses[-1],
+    }
+
+
+def table(rows: list[dict], baseline_ms: float | None) -> str:
+    def pct(value):
+        return f"{100 * value:.1f}%" if value is not None else "n/a"
+
+    lines = [
+        "| run | batch | ms/step | vs bare | tokens/s | MFU | MFU vs bf16 peak | peak GiB | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "ms_per_step" not in row:
+            lines.append(
+                f"| {row['label']} | {row['batch']} | | | | | | | "
+                f"{row.get('skipped') or row.get('failed')} |"
+            )
+            continue
+        versus = f"{row['ms_per_step'] / baseline_ms - 1:+.1%}" if baseline_ms else ""
+        note = []
+        if row.get("sdpa_backend_ran"):
+            note.append(f"attention: {row['sdpa_backend_ran']}")
+        if row.get("saved_bytes"):
+            note.append(f"saved for backward {row['saved_bytes'] / 2**20:.0f} MiB")
+        lines.append(
+            f"| {row['label']} | {row['batch']} | {row['ms_per_step']:.1f} | {versus} | "
+            f"{row['tokens_per_second']:,.0f} | {pct(row['mfu'])} | "
+            f"{pct(row['mfu_vs_bf16_peak'])} | "
+            f"{row['peak_memory_gib']:.2f} | {'; '.join(note)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", default="100m" if ON_GPU else "tiny", choices=["tiny", "small", "100m"]
+    )
+    parser.add_argument(
+        "--batch", type=int, default=32 if ON_GPU else 8, help="global batch (sequences)"
+    )
+    parser.add_argument("--steps", type=int, default=20 if ON_GPU else 4)
+    parser.add_argument(
+        "--parts", default="ladder,recipes", help="ladder, recipes, or both (comma)"
+    )
+    parser.add_argument(
+        "--out", default="", help="JSON output; default results/bench/<device>.json"
+    )
+    parser.add_argument(
+        "--only", default="", help="comma-separated label prefixes: run only those rows"
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.batch < 1:
+        parser.exit(2, "error: --steps must be >= 2 (the first is warm-up) and --batch >= 1\n")
+    device = (
+        torch.cuda.get_device_name(0) if ON_GPU else f"CPU ({platform.processor() or 'unknown'})"
+    )
+    compile_backend = "inductor" if ON_GPU else "aot_eager"  # no C++ compiler needed on CPU
+    parts = set(args.parts.split(","))
+    prefixes = [p for p in args.only.split(",") if p]
+
+    def chosen(rows):
+        return [row for row in rows if not prefixes or any(row[0].startswith(p) for p in prefixes)]
+
+    report = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": args.model,
+        "steps": args.steps,
+        "ladder": [],
+        "recipes": {},
+    }
+    print(f"# bench on {device}, torch {torch.__version__}, model {args.model}\n", flush=True)
+    if "ladder" in parts:
+        report["ladder"] = [
+            measure(label, performance.train, cfg)
+            for label, cfg in chosen(ladder(args.model, args.batch, args.steps, compile_backend))
+        ]
+        print(table(report["ladder"], report["ladder"][0].get("ms_per_step")), "\n", flush=True)
+    if "recipes" in parts:
+        for batch in (2 * args.batch, args.batch):
+            rows = [
+                measure(label, train, cfg)
+                for label, train, cfg in chosen(recipes_at_world_1(args.model, batch, args.steps))
+            ]
+            report["recipes"][str(batch)] = rows
+            print(f"## every recipe at world 1, batch {batch}, against the bare loop\n")
+            print(table(rows, rows[0].get("ms_per_step")), "\n", flush=True)
+        batch = 2 * args.batch  # compiled: the batch where the ladder's compile row is fastest
+        rows = [
+            measure(label, train, cfg)
+            for label, train, cfg in chosen(
+                recipes_at_world_1(args.model, batch, args.steps, compile_backend)
+            )
+        ]
+        report["recipes"][f"{batch} compiled"] = rows
+        print(f"## the recipes with --compile at world 1, batch {batch}\n")
+        print(table(rows, rows[0].get("ms_per_step") if rows else None), "\n", flush=True)
+    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
+    path = args.out or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "results",
+        "bench",
+        f"{slug}.json",
+    )
+    with open(path, "w") as file:
+        json.dump(report, file, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
