@@ -501,7 +501,8 @@ def render_bench(_: str | None = None, **__: Any) -> str:
         data = json.loads(path.read_text())
         parts.append(f"### {data['device']}, torch {data['torch']}, model `{data['model']}`\n\n"
                      f"Measured {data['date'][:10]} by `python scripts/bench.py` "
-                     f"({data['steps']} steps a row, the median after the first).\n")
+                     f"({data['steps']} steps a row, the median after the first). "
+                     f"{_escape(data.get('notes', ''))}\n")
         if data.get("ladder"):
             parts.append("**The ladder** (one device, `recipes.performance`); *vs bare* is against the "
                          "first row:\n\n" + bench.table(data["ladder"], data["ladder"][0].get("ms_per_step")))

@@ -14,6 +14,11 @@ unsharded from forward to the end of backward, no re-all-gather in backward); ``
 (DDP-like, deprecated by torch in favour of DDP); ``hybrid`` = HYBRID_SHARD (shard inside a node,
 replicate across nodes: a 2-D mesh ("replicate", "shard") of nodes x ``--ranks-per-node``).
 
+Speed: ``--precision auto`` (bf16 on a GPU) is FSDP's own ``MixedPrecision`` (bf16 compute and buffers,
+fp32 reduction), AdamW is fused on CUDA. On one H200 (100m, torch 2.11, a world of 1, where FSDP
+switches itself to NO_SHARD) a step ran 62.9 ms at batch 64 against the bare bf16 loop's 67.4, and
+65.5 against 37.1 ms at batch 32, where issuing a step takes ~72 ms of CPU (scripts/bench.py).
+
 New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing training code
 uses, so its options and pitfalls are shown here. Pitfalls named where they bite: fp16 needs
 ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds unsharded gradients; the optimizer

@@ -181,7 +181,9 @@ def traced_stages(model_cfg: ModelConfig, stage_indices: list[int], num_stages: 
                   for s in range(1, num_stages)}
     # Pitfall: the example is ONE micro-batch, not the whole batch: the traced shapes are the ones
     # every stage will send and receive.
-    pipe = pipeline(model, mb_args=(example_microbatch,), split_spec=split_spec)
+    # contiguous: the traced strides are checked at run time (torch 2.11), and pipeline_step sends
+    # contiguous micro-batches.
+    pipe = pipeline(model, mb_args=(example_microbatch.contiguous(),), split_spec=split_spec)
     return [pipe.build_stage(s, device, group) for s in stage_indices]
 
 

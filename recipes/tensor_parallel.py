@@ -22,6 +22,12 @@ Every tensor-parallel rank must see the SAME batch (it computes a part of every 
 the batch): the loader here is the single-process one on every rank. The losses and weights equal
 single-process training (tests/test_tensor_parallel.py, worlds of 2 and 4); forward outputs and full
 gradients equal the unsplit model's. Runs on gloo/CPU (checked with torch 2.13) and NCCL.
+
+Speed: TP alone has no mixed-precision policy of its own, so ``--precision auto`` (bf16 on a GPU) is
+autocast around the forward, as torchtitan does; AdamW is fused. Every op on a DTensor pays for
+sharding propagation on the host: on one H200 (100m, torch 2.11) a world-1 step ran 129.8 ms
+against the bare loop's 67.4 at batch 64. ``--compile`` traces the DTensor ops once and removes that
+cost: 55.6 ms, against 54.6 for the compiled bare loop (scripts/bench.py).
 """
 
 from __future__ import annotations

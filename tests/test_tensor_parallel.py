@@ -101,6 +101,7 @@ def test_torchrun_launch_equals_single_process():
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and result["extras"]["sequence_parallel"] is True
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS))
+    # fp32: on a GPU host the reference runs on cuda, where auto would mean bf16.
+    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32"))
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
     assert launched.stdout.count("] step ") == STEPS and "[rank1]" not in launched.stdout

@@ -14,8 +14,8 @@
 AdamW is ``fused=True`` on CUDA (one kernel for every parameter, DTensor parameters included): the
 default ``foreach`` implementation on DTensor parameters costs tens of ms a step in dispatch alone.
 
-``apply_compile`` compiles each transformer block in place (``Module.compile``), so parameter names
-and checkpoints are unchanged. Order, as torchtitan documents it: activation checkpointing, then
+``apply_compile`` compiles each transformer block's ``forward`` in place, so parameter names and
+checkpoints are unchanged. Order, as torchtitan documents it: activation checkpointing, then
 compile, then sharding (fully_shard / DDP).
 """
 
@@ -138,8 +138,8 @@ def apply_compile(
 
     Name the blocks by class (``block_types``) or by a predicate (``is_block``). Compiling the
     repeated block, not the whole model, compiles once and reuses the code for every layer, and
-    keeps the sharding hooks between blocks out of the graph. ``Module.compile`` changes no
-    parameter name, so checkpoints and tensor-parallel plans stay valid.
+    keeps the sharding hooks between blocks out of the graph. Compiling ``forward`` in place
+    changes no parameter name, so checkpoints and tensor-parallel plans stay valid.
 
     Order: after activation checkpointing (so the checkpointed region is compiled as a whole) and
     before fully_shard / DDP (which then wrap compiled blocks).
@@ -157,7 +157,11 @@ def apply_compile(
             f"are: {', '.join(found)}; pass block_types=(TheBlockClass,)"
         )
     for block in blocks:
-        block.compile(backend=backend)
+        # The block's forward, not the module call: hooks that wrappers put on the block (fully_shard's
+        # all-gather and reduce-scatter) then run eagerly around the graph instead of breaking it.
+        # On an H200 (100m, bf16, batch 64) fully_shard + compile ran 80.5 ms a step with
+        # Module.compile() and 60.5 ms this way; the unsharded compiled loop, 54.6 ms.
+        block.forward = torch.compile(block.forward, backend=backend)
     return model
 
 
