@@ -9,62 +9,32 @@ import subprocess
 
 from tests.helpers import PYTHON, REPO_ROOT, docs_hooks
 
-ROOT = REPO_ROOT
+
+def collect(command: str, out_dir, timeout_s: float) -> subprocess.CompletedProcess:
+    """Measure ddp_torchrun with ``command`` into ``out_dir``, as a user runs the script."""
+    return subprocess.run([PYTHON, "scripts/collect_results.py", "ddp_torchrun", "--command", command,
+                           "--out-dir", str(out_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_collect_results_writes_what_the_measured_section_renders(tmp_path):
     command = "python -m recipes.ddp_torchrun --steps 3"
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "scripts/collect_results.py",
-            "ddp_torchrun",
-            "--command",
-            command,
-            "--out-dir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = collect(command, tmp_path, timeout_s=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "ddp_torchrun.json").read_text())
-    assert (
-        data["command"] == command
-        and data["result"]["world_size"] == 1
-        and len(data["result"]["losses"]) == 3
-    )
+    result = data["result"]
+    assert data["command"] == command and result["world_size"] == 1 and len(result["losses"]) == 3
     assert data["machine"]["cpu_cores"] >= 1 and data["torch"] and data["python"]
     table = docs_hooks().results_markdown(data, "ddp_torchrun")
-    world = data["result"]  # gloo on CPU here; NCCL on cuda:0 where a GPU is
-    assert (
-        f"| World | 1 rank(s), backend `{world['backend']}`, device `{world['device']}` |" in table
-    )
+    # gloo on CPU here; NCCL on cuda:0 where a GPU is
+    assert f"| World | 1 rank(s), backend `{result['backend']}`, device `{result['device']}` |" in table
     assert f"`{command}`" in table and "Time per step" in table
 
 
 def test_collect_results_reports_a_failing_recipe_and_keeps_the_old_file(tmp_path):
     (tmp_path / "ddp_torchrun.json").write_text("{}")
     # A command that fails without importing torch: the failure path is what is tested, quickly.
-    command = "python -c 'import sys; sys.exit(\"error: no such option\")'"
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "scripts/collect_results.py",
-            "ddp_torchrun",
-            "--command",
-            command,
-            "--out-dir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = collect("python -c 'import sys; sys.exit(\"error: no such option\")'", tmp_path, 120)
     assert proc.returncode == 1
     assert "FAILED: exited with code 1" in proc.stdout and "error: no such option" in proc.stdout
     assert (tmp_path / "ddp_torchrun.json").read_text() == "{}"
