@@ -504,12 +504,15 @@ def render_bench(_: str | None = None, **__: Any) -> str:
                      f"({data['steps']} steps a row, the median after the first). "
                      f"{_escape(data.get('notes', ''))}\n")
         if data.get("ladder"):
-            parts.append("**The ladder** (one device, `recipes.performance`); *vs bare* is against the "
-                         "first row:\n\n" + bench.table(data["ladder"], data["ladder"][0].get("ms_per_step")))
+            parts.append(f"**The ladder** (one device, `recipes.performance`, global batch "
+                         f"{data['ladder'][0]['batch']} unless the row says otherwise); *vs bare* is against the first row. MFU is against the "
+                         "dense bf16 peak for every row, so the ladder reads on one scale (the JSON also "
+                         "has it against each precision's own peak):\n\n"
+                         + bench.table(data["ladder"], data["ladder"][0].get("ms_per_step"), compact=True))
         for batch, rows in data.get("recipes", {}).items():
             parts.append(f"**Every recipe at world 1, global batch {batch}**; *vs bare* is against the "
                          "bare loop with the same precision, fused AdamW and batch:\n\n"
-                         + bench.table(rows, rows[0].get("ms_per_step")))
+                         + bench.table(rows, rows[0].get("ms_per_step"), compact=True))
     return "\n\n".join(parts) + "\n"
 
 

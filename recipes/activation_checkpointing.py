@@ -75,15 +75,14 @@ class ACConfig(TrainConfig):
         "per_block", "none | per_block: checkpoint every block | selective: every k-th block | "
         "sequential: checkpoint_sequential over the blocks | op_selective: every block, keeping "
         "the matmul outputs and recomputing the rest")
-    every_k: int = opt(2, "selective: checkpoint blocks 0, k, 2k, ...")
-    segments: int = opt(2, "sequential: segments of the blocks; all but the last are checkpointed")
+    every_k: int = opt(2, "selective: checkpoint blocks 0, k, 2k, ...", ge=1)
+    segments: int = opt(2, "sequential: segments of the blocks; all but the last are checkpointed",
+                        ge=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         n_layers = MODEL_PRESETS[self.model].n_layers
-        if self.every_k < 1:
-            raise RecipeError(f"every_k must be >= 1, got {self.every_k}")
-        if not 1 <= self.segments <= n_layers:
+        if self.segments > n_layers:
             raise RecipeError(f"segments must be between 1 and the model's {n_layers} blocks, "
                               f"got {self.segments}")
 

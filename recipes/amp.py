@@ -52,9 +52,9 @@ class AMPConfig(CompileOption, TrainConfig):
                 "reference); tf32: fp32 with TF32 matmuls (CUDA); auto: bf16 on a GPU, fp32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "where to train; auto = cuda if a GPU is visible, else cpu")
     overflow_at_step: int = opt(
-        -1, "fp16 only: put an inf into one gradient at this step (as if fp16 had overflowed), to watch the "
-            "scaler skip the step and halve the scale; -1 = never")
-    init_scale: float = opt(2.0 ** 16, "fp16: the GradScaler's initial loss scale")
+        -1, "fp16 only: put an inf into one gradient at this step (as if fp16 had overflowed), to "
+        "watch the scaler skip the step and halve the scale; -1 = never", ge=-1)
+    init_scale: float = opt(2.0 ** 16, "fp16: the GradScaler's initial loss scale", gt=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()

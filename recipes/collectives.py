@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, opt
+from recipes.core.config import Config, RecipeError, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.world import BACKENDS, World, join_world
+from recipes.core.world import World, join_world
 
 log = get_logger(__name__)
 
@@ -43,22 +43,23 @@ dist_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dis
 
 
 @dataclass
-class CollectivesConfig:
-    seed: int = opt(0, "seed of the values each rank contributes (any rank can recompute any other's)")
-    numel: int = opt(4, "elements in each rank's tensor")
+class CollectivesConfig(Config):
+    seed: int = opt(
+        0, "seed of the values each rank contributes (any rank can recompute any other's)", ge=0)
+    numel: int = opt(4, "elements in each rank's tensor", ge=1)
     backend: Literal["auto", "gloo", "nccl"] = opt(
         "auto", "process-group backend; auto = nccl with one GPU per local rank, else gloo (env RECIPES_BACKEND)")
-    timeout_s: float = opt(60.0, "collective timeout in seconds: a rank left waiting errors out instead of hanging")
+    timeout_s: float = opt(
+        60.0, "collective timeout in seconds: a rank left waiting errors out instead of hanging",
+        gt=0)
     portable_only: bool = opt(False, "use the portable fallbacks even where the backend has the op")
     break_check: str = opt("", "an op whose expected value is made wrong on purpose, to see that a check can fail")
-    skip_on_rank: int = opt(-1, "this rank does not call the first all_reduce, to watch the others time out in it "
-                                "(after --timeout-s) instead of hanging; -1 = none")
+    skip_on_rank: int = opt(
+        -1, "this rank does not call the first all_reduce, to watch the others time out in it "
+        "(after --timeout-s) instead of hanging; -1 = none", ge=-1)
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise RecipeError(f"unknown backend={self.backend!r}; valid values: {', '.join(BACKENDS)}")
-        if self.numel < 1:
-            raise RecipeError(f"numel must be >= 1, got {self.numel}")
+        super().__post_init__()  # backend's choices, the ranges
         if self.break_check and self.break_check not in OPS:
             raise RecipeError(f"unknown break_check={self.break_check!r}; valid values: {', '.join(OPS)}")
 

@@ -50,11 +50,12 @@ log = get_logger(__name__)
 
 @dataclass
 class DDPSpawnConfig(TrainConfig):
-    nprocs: int = opt(2, "processes (ranks) to spawn on this machine")
+    nprocs: int = opt(2, "processes (ranks) to spawn on this machine", ge=1)
     find_unused_parameters: bool = opt(False, "walk the graph for parameters without gradients (costs time)")
     gradient_as_bucket_view: bool = opt(True, "let gradients alias DDP's all-reduce buckets (saves memory)")
     static_graph: bool = opt(False, "promise DDP the graph never changes between steps")
-    bucket_cap_mb: float = opt(25.0, "gradient bucket size in MiB for the overlapped all-reduce")
+    bucket_cap_mb: float = opt(
+        25.0, "gradient bucket size in MiB for the overlapped all-reduce", gt=0)
     checkpoint_path: str = opt("", "where rank 0 saves the checkpoint; empty = a temporary file")
 
 

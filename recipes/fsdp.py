@@ -65,11 +65,13 @@ class FSDPConfig(TrainConfig):
     sharding_strategy: Literal["full", "shard_grad_op", "no_shard", "hybrid"] = opt(
         "full", "full = ZeRO-3, shard_grad_op = ZeRO-2, no_shard = DDP-like, "
         "hybrid = shard inside a node, replicate across nodes")
-    ranks_per_node: int = opt(0, "hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE")
+    ranks_per_node: int = opt(
+        0, "hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE", ge=0)
     wrap_policy: Literal["block", "size", "module", "none"] = opt(
         "block", "FSDP units: block = one per transformer Block, size = by --min-num-params, "
         "module = Blocks and Embeddings, none = the whole model is one unit (no overlap, full-size all-gathers)")
-    min_num_params: int = opt(10_000, "size policy: wrap a submodule once it has at least this many parameters")
+    min_num_params: int = opt(
+        10_000, "size policy: wrap a submodule once it has at least this many parameters", ge=1)
     cpu_offload: bool = opt(False, "keep the sharded parameters and gradients in host memory; AdamW runs on CPU")
     backward_prefetch: Literal["pre", "post", "none"] = opt(
         "pre", "when to all-gather the next unit in backward: pre = before this unit's gradient (most overlap)")
@@ -77,21 +79,19 @@ class FSDPConfig(TrainConfig):
     limit_all_gathers: bool = opt(True, "rate-limit all-gathers so prefetching cannot grow GPU memory unbounded")
     sync_module_states: bool = opt(True, "broadcast rank 0's parameters at wrap time (ranks need not init equally)")
     activation_checkpointing: bool = opt(False, "recompute each Block's activations in backward (non-reentrant)")
-    micro_batches: int = opt(1, "gradient accumulation: micro-batches per optimizer step")
+    micro_batches: int = opt(1, "gradient accumulation: micro-batches per optimizer step", ge=1)
     accumulation: Literal["sync", "no_sync"] = opt(
         "sync", "sync = reduce-scatter every micro-batch (gradients stay sharded); "
         "no_sync = communicate on the last one only (every rank holds unsharded gradients: N x the memory)")
-    max_grad_norm: float = opt(0.0, "clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)")
+    max_grad_norm: float = opt(
+        0.0, "clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)", ge=0)
     grad_scaler: Literal["sharded", "amp"] = opt(
         "sharded", "fp16 only: sharded = ShardedGradScaler (right); amp = torch.amp.GradScaler (wrong under "
         "FSDP: an inf in one rank's shard is not seen by the others; kept to show the pitfall)")
-    inject_inf_step: int = opt(-1, "pitfall demo (fp16): at this step one rank puts an inf into its gradient shard")
-    inject_inf_rank: int = opt(1, "the rank that injects the inf (see --inject-inf-step)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.micro_batches < 1:
-            raise RecipeError(f"micro_batches must be >= 1, got {self.micro_batches}")
+    inject_inf_step: int = opt(
+        -1, "pitfall demo (fp16): at this step one rank puts an inf into its gradient shard; "
+        "-1 = never", ge=-1)
+    inject_inf_rank: int = opt(1, "the rank that injects the inf (see --inject-inf-step)", ge=0)
 
 
 STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,

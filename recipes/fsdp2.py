@@ -94,22 +94,24 @@ class FSDP2Config(CompileOption, TrainConfig):
     reshard_after_forward: str = opt(
         "true", "true = free the unsharded Block parameters after forward, re-gather in backward (ZeRO-3); "
         "false = keep them until backward (ZeRO-2); k = keep a copy sharded over groups of k ranks")
-    hsdp_replicas: int = opt(1, "HSDP: replicate over this many groups, shard inside each (mesh replicate x shard)")
+    hsdp_replicas: int = opt(1, "HSDP: replicate over this many groups, shard inside each (mesh "
+                                "replicate x shard)", ge=1)
     cpu_offload: bool = opt(False, "keep sharded parameters, gradients and AdamW state in host memory")
     explicit_prefetch: bool = opt(False, "issue each Block's all-gather one Block ahead, in forward and backward")
-    micro_batches: int = opt(1, "gradient accumulation: micro-batches per optimizer step")
+    micro_batches: int = opt(1, "gradient accumulation: micro-batches per optimizer step", ge=1)
     accumulation: Literal["sync", "no_sync"] = opt(
         "sync", "sync = reduce-scatter every micro-batch (gradients stay sharded); "
         "no_sync = set_requires_gradient_sync(False) until the last one (unsharded gradients: N x the memory)")
-    max_grad_norm: float = opt(0.0, "clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0 = off)")
-    inject_inf_step: int = opt(-1, "pitfall demo (fp16): at this step one rank puts an inf into its gradient shard")
-    inject_inf_rank: int = opt(1, "the rank that injects the inf (see --inject-inf-step)")
+    max_grad_norm: float = opt(
+        0.0, "clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0 = off)", ge=0)
+    inject_inf_step: int = opt(
+        -1, "pitfall demo (fp16): at this step one rank puts an inf into its gradient shard; "
+        "-1 = never", ge=-1)
+    inject_inf_rank: int = opt(1, "the rank that injects the inf (see --inject-inf-step)", ge=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_reshard_after_forward(self.reshard_after_forward)
-        if self.micro_batches < 1 or self.hsdp_replicas < 1:
-            raise RecipeError("micro_batches and hsdp_replicas must be >= 1")
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:

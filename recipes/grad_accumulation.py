@@ -41,7 +41,7 @@ log = get_logger(__name__)
 
 @dataclass
 class GradAccumulationConfig(TrainConfig):
-    micro_batches: int = opt(2, "forward/backward passes per optimizer step on each rank")
+    micro_batches: int = opt(2, "forward/backward passes per optimizer step on each rank", ge=1)
     use_no_sync: bool = opt(True, "skip the all-reduce on all but the last micro-batch (the point of this recipe)")
 
 

@@ -55,16 +55,13 @@ log = get_logger(__name__)
 
 @dataclass
 class HybridConfig(TrainConfig):
-    tp: int = opt(2, "tensor-parallel size (innermost mesh dim)")
-    pp: int = opt(1, "pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh")
+    tp: int = opt(2, "tensor-parallel size (innermost mesh dim)", ge=1)
+    pp: int = opt(
+        1, "pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh", ge=1)
     sequence_parallel: bool = opt(False, "tensor parallel with the sequence split between blocks (see tensor_parallel)")
     schedule: Literal["gpipe", "1f1b"] = opt("1f1b", "pipeline schedule when pp > 1")
-    microbatches: int = opt(2, "pipeline micro-batches per optimizer step, per data-parallel rank (pp > 1)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if min(self.tp, self.pp, self.microbatches) < 1:
-            raise RecipeError("tp, pp and microbatches must be >= 1")
+    microbatches: int = opt(2, "pipeline micro-batches per optimizer step, per data-parallel rank "
+                               "(pp > 1)", ge=1)
 
 
 def build_mesh(world, *, pp: int, tp: int) -> DeviceMesh:

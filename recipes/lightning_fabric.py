@@ -57,16 +57,14 @@ log = get_logger(__name__)
 class FabricConfig(TrainConfig):
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed"] = opt(  # type: ignore[assignment]
         "auto", "Fabric precision; auto = bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA")
-    accumulate_grad_batches: int = opt(1, "micro-batches per optimizer step (the global batch stays global_batch_size)")
-    gradient_clip_val: float = opt(0.0, "clip the global gradient norm to this value; 0 = off")
-    checkpoint_every_n_steps: int = opt(0, "fabric.save a checkpoint every N optimizer steps; 0 = never")
+    accumulate_grad_batches: int = opt(
+        1, "micro-batches per optimizer step (the global batch stays global_batch_size)", ge=1)
+    gradient_clip_val: float = opt(
+        0.0, "clip the global gradient norm to this value; 0 = off", ge=0)
+    checkpoint_every_n_steps: int = opt(
+        0, "fabric.save a checkpoint every N optimizer steps; 0 = never", ge=0)
     checkpoint_dir: str = opt("checkpoints/lightning_fabric", "where checkpoints go (step-N.ckpt)")
     resume_from: str = opt("", "checkpoint to resume from (fabric.load): training goes on at its step")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.accumulate_grad_batches < 1:
-            raise RecipeError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches}")
 
 
 # --8<-- [start:train]

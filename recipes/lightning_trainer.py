@@ -67,18 +67,24 @@ class LightningConfig(TrainConfig):
         "ddp", "Lightning strategy; ddp_spawn starts --devices processes itself, the others join torchrun's world")
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed"] = opt(  # type: ignore[assignment]
         "auto", "Lightning precision; auto = bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA")
-    devices: int = opt(0, "processes per node; 0 = as the launcher says (LOCAL_WORLD_SIZE); ddp_spawn: how many to start")
-    num_nodes: int = opt(0, "nodes; 0 = WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1")
-    accumulate_grad_batches: int = opt(1, "micro-batches per optimizer step (the global batch stays global_batch_size)")
-    gradient_clip_val: float = opt(0.0, "clip the global gradient norm to this value; 0 = off")
+    devices: int = opt(
+        0, "processes per node; 0 = as the launcher says (LOCAL_WORLD_SIZE); ddp_spawn: how many "
+        "to start", ge=0)
+    num_nodes: int = opt(0, "nodes; 0 = WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1", ge=0)
+    accumulate_grad_batches: int = opt(
+        1, "micro-batches per optimizer step (the global batch stays global_batch_size)", ge=1)
+    gradient_clip_val: float = opt(
+        0.0, "clip the global gradient norm to this value; 0 = off", ge=0)
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = opt(
         "FULL_SHARD", "fsdp: what to shard (FULL_SHARD = params, grads and optimizer state; HYBRID_SHARD: GPUs)")
     activation_checkpointing: bool = opt(False, "fsdp: recompute each Block's activations in backward")
     cpu_offload: bool = opt(False, "fsdp on GPUs: keep sharded params and optimizer state in CPU memory")
     state_dict_type: Literal["sharded", "full"] = opt(
         "sharded", "fsdp checkpoints: a folder with one shard per rank, or one full file written by rank 0 (GPUs)")
-    tensor_parallel_size: int = opt(0, "model_parallel: ranks per tensor-parallel group; 0 = all ranks of a node")
-    checkpoint_every_n_steps: int = opt(0, "ModelCheckpoint saves every N optimizer steps; 0 = no checkpoints")
+    tensor_parallel_size: int = opt(
+        0, "model_parallel: ranks per tensor-parallel group; 0 = all ranks of a node", ge=0)
+    checkpoint_every_n_steps: int = opt(0, "ModelCheckpoint saves every N optimizer steps; 0 = no "
+                                           "checkpoints", ge=0)
     resume_from: str = opt("", "checkpoint to resume from (Trainer.fit ckpt_path): a .ckpt file or FSDP folder")
     logger: Literal["csv", "tensorboard", "none"] = opt("csv", "metrics logger, written under --output-dir")
     output_dir: str = opt("lightning_logs", "where logs and checkpoints go")
@@ -87,8 +93,6 @@ class LightningConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.accumulate_grad_batches < 1:
-            raise RecipeError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches}")
         if self.logger == "tensorboard" and not _tensorboard_available():
             raise RecipeError("logger 'tensorboard' needs the tensorboard package: pip install tensorboard, or --logger csv")
 

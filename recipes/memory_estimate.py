@@ -39,28 +39,20 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from recipes.core.config import RecipeError, exit_with, opt, parse_config
+from recipes.core.config import Config, RecipeError, exit_with, opt, parse_config
 
 __all__ = ["EstimateConfig", "LAYOUTS", "STAGES", "model_state_per_rank", "estimate", "format_table", "main"]
 
 
 @dataclass
-class EstimateConfig:
-    params: float = opt(7.5e9, "number of model parameters (Psi); 7.5e9 is the ZeRO paper's example")
-    world_size: int = opt(64, "data-parallel ranks (N) the model state is sharded over")
+class EstimateConfig(Config):
+    params: float = opt(
+        7.5e9, "number of model parameters (Psi); 7.5e9 is the ZeRO paper's example", gt=0)
+    world_size: int = opt(64, "data-parallel ranks (N) the model state is sharded over", ge=1)
     optimizer: Literal["both", "adam-mixed", "adam-fp32"] = opt(
         "both", "adam-mixed: 2+2+12 bytes/param (fp16 params and grads, fp32 master+m+v); adam-fp32: 4+4+8"
     )
     unit: Literal["GB", "GiB"] = opt("GB", "GB = 1e9 bytes (the paper's unit), GiB = 2**30 bytes")
-
-    def __post_init__(self) -> None:
-        for name, choices in (("optimizer", ("both", *LAYOUTS)), ("unit", tuple(UNITS))):
-            if getattr(self, name) not in choices:
-                raise RecipeError(f"unknown {name}={getattr(self, name)!r}; valid values: {', '.join(choices)}")
-        if self.params <= 0:
-            raise RecipeError(f"params must be > 0, got {self.params:g}")
-        if self.world_size < 1 or self.world_size != int(self.world_size):
-            raise RecipeError(f"world_size must be a whole number >= 1, got {self.world_size}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ does. The bare training loop below (one device, no wrapper) has one switch per h
 - ``--zero-grad``: ``set_to_none=True`` frees the gradients (the next backward writes them fresh);
   ``zeros`` keeps them and launches a memset per gradient: more kernels and more memory traffic.
 - ``--sdpa-backend``: which scaled-dot-product-attention kernel may run. The result names the one
-  that did, read from the profiler: flash, efficient (memory-efficient), cudnn or math.
+  that did, read from the aten op it dispatched: flash, efficient (memory-efficient), cudnn or math.
 - ``--pin-memory``: page-locked host batches, copied with ``non_blocking=True``: the copy overlaps
   with the step instead of stalling it (CUDA only: pinned memory needs an accelerator).
 
@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
@@ -58,7 +59,7 @@ SDPA_BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
-# The aten op each backend dispatches to: what the profiler sees when it runs.
+# The aten op each backend dispatches to: what a dispatch mode sees when it runs.
 SDPA_OPS = {
     "flash": "_scaled_dot_product_flash_attention",
     "efficient": "_efficient_attention",
@@ -70,7 +71,7 @@ SDPA_OPS = {
 @dataclass
 class PerformanceConfig(CompileOption, TrainConfig):
     steps: int = opt(
-        8, "optimizer steps to run (the first, with warm-up and compilation, is not timed)"
+        8, "optimizer steps to run (the first, with warm-up and compilation, is not timed)", ge=1
     )
     optimizer: Literal["fused", "foreach", "for_loop"] = opt(
         "fused",
@@ -105,86 +106,67 @@ def backend_flags() -> dict:
     }
 
 
-def attention_kernel_that_ran(
-    model: torch.nn.Module,
-    inputs: torch.Tensor,
-    allowed,
-    precision: str,
-    device: torch.device,
-    requested: str,
-) -> str:
-    """Run one forward under the profiler and name the SDPA backend whose op appears."""
+class OpsThatRan(TorchDispatchMode):
+    """Records the name of every aten op that runs inside it: the kernels torch actually chose."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def attention_kernel_that_ran(model: torch.nn.Module, inputs: torch.Tensor, allowed, precision: str,
+                              device: torch.device, requested: str) -> str:
+    """Run one forward and name the SDPA backend whose aten op was dispatched."""
     try:
-        with (
-            torch.no_grad(),
-            allowed(),
-            autocast(device, precision),
-            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile,
-        ):
+        with torch.no_grad(), allowed(), autocast(device, precision), OpsThatRan() as ops:
             model(inputs)
-    except (
-        RuntimeError
-    ) as exc:  # a forced kernel does not fall back: it refuses shapes it cannot run
+    except RuntimeError as exc:  # a forced kernel does not fall back: it refuses shapes it cannot run
         if "backend" not in str(exc) and "kernel" not in str(exc):
             raise
-        raise RecipeError(
-            f"--sdpa-backend {requested} cannot run this model's attention on "
-            f"{device.type} in {precision}; use --sdpa-backend auto (or math)"
-        ) from None
-    names = {event.name for event in profile.events()}
-    ran = [backend for backend, op in SDPA_OPS.items() if any(op in name for name in names)]
+        raise RecipeError(f"--sdpa-backend {requested} cannot run this model's attention on "
+                          f"{device.type} in {precision}; use --sdpa-backend auto (or math)") from None
+    ran = [backend for backend, op in SDPA_OPS.items() if any(op in name for name in ops.names)]
+    if not ran and any("_softmax" in name for name in ops.names):
+        return "math"  # the math path is composite: it reaches the dispatch mode as bmm + softmax
     return ran[0] if ran else "unknown"
 
 
 # --8<-- [start:train]
 def train(cfg: PerformanceConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        if world.world_size > 1:
-            raise RecipeError(
-                f"performance measures one device, got a world of {world.world_size}; run "
-                "`python -m recipes.performance`"
-            )
         device = world.device
+        if world.world_size > 1:
+            raise RecipeError(f"performance measures one device, got a world of "
+                              f"{world.world_size}; run `python -m recipes.performance`")
         if cfg.pin_memory and device.type != "cuda":
-            raise RecipeError(
-                "--pin-memory needs a GPU: pinned host memory only speeds up copies to one"
-            )
-        precision = setup_precision(
-            cfg.precision, device
-        )  # TF32 on for tf32, off for everything else
+            raise RecipeError("--pin-memory needs a GPU: pinned memory speeds up copies to one")
+        precision = setup_precision(cfg.precision, device)  # TF32 on for tf32 only
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        # Pitfall: sdpa_kernel is a context manager, not a global switch: the forward runs inside.
-        allowed = (
-            contextlib.nullcontext
-            if cfg.sdpa_backend == "auto"
-            else lambda: sdpa_kernel(SDPA_BACKENDS[cfg.sdpa_backend])
-        )
+        # Pitfall: sdpa_kernel is a context manager, not a switch: the forward runs inside it.
+        allowed = (contextlib.nullcontext if cfg.sdpa_backend == "auto"
+                   else lambda: sdpa_kernel(SDPA_BACKENDS[cfg.sdpa_backend]))
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        attention = attention_kernel_that_ran(
-            model, dataset[0][0][None].to(device), allowed, precision, device, cfg.sdpa_backend
-        )
-        if cfg.compile:  # after the probe: the profiler then still sees the eager aten op
+        sample = dataset[0][0][None].to(device)
+        attention = attention_kernel_that_ran(model, sample, allowed, precision, device,
+                                              cfg.sdpa_backend)
+        if cfg.compile:  # after the probe, which must see the eager attention op
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
-        implementation = {
-            "fused": {"fused": True},
-            "foreach": {"foreach": True},
-            "for_loop": {"foreach": False, "fused": False},
-        }[cfg.optimizer]
+        implementation = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                          "for_loop": {"foreach": False, "fused": False}}[cfg.optimizer]
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **implementation)
         scaler = make_grad_scaler(device, precision)
-        loader, sampler = distributed_loader(
-            dataset,
-            rank=0,
-            world_size=1,
-            seed=cfg.seed,
-            per_rank_batch_size=cfg.global_batch_size,
-            pin_memory=cfg.pin_memory,
-        )
+        loader, sampler = distributed_loader(dataset, rank=0, world_size=1, seed=cfg.seed,
+                                             per_rank_batch_size=cfg.global_batch_size,
+                                             pin_memory=cfg.pin_memory)
 
         losses, timer = [], StepTimer(device)
         for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
             with timer:
-                # non_blocking: from pinned memory the copy is asynchronous and overlaps the step.
+                # From pinned memory a non_blocking copy is asynchronous: it overlaps the step.
                 inputs = inputs.to(device, non_blocking=cfg.pin_memory)
                 targets = targets.to(device, non_blocking=cfg.pin_memory)
                 with allowed(), autocast(device, precision):
@@ -194,26 +176,16 @@ def train(cfg: PerformanceConfig) -> RecipeResult:
                 scaler.step(optimizer)
                 scaler.update()
             losses.append(float(loss.item()))
-            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
+            log.info("step %d loss %.4f time %.1f ms", step, losses[-1],
+                     timer.durations[-1] * 1e3)
 
         return make_result(
-            "performance",
-            world,
-            losses,
-            model.parameters(),
-            timer,
+            "performance", world, losses, model.parameters(), timer,
             keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            optimizer=cfg.optimizer,
-            compiled=cfg.compile,
-            zero_grad=cfg.zero_grad,
-            sdpa_backend_allowed=cfg.sdpa_backend,
-            sdpa_backend_ran=attention,
-            pin_memory=cfg.pin_memory,
-            backends=backend_flags(),
-        )
-
-
+            optimizer=cfg.optimizer, compiled=cfg.compile, zero_grad=cfg.zero_grad,
+            sdpa_backend_allowed=cfg.sdpa_backend, sdpa_backend_ran=attention,
+            pin_memory=cfg.pin_memory, backends=backend_flags())
 # --8<-- [end:train]
 
 

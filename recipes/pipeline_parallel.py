@@ -96,19 +96,16 @@ def check_schedule_runs_here(schedule: str, backend: str) -> None:
 class PPConfig(TrainConfig):
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"] = opt(
         "1f1b", "pipeline schedule: the order of the micro-batches' forwards and backwards on each rank")
-    microbatches: int = opt(4, "micro-batches per optimizer step: more of them shrink the bubble (p-1)/(m+p-1)")
-    stages_per_rank: int = opt(0, "pipeline stages per rank; 0 = what the schedule needs "
-                                  "(1 for gpipe/1f1b, 2 for the interleaved and zero-bubble schedules)")
-    n_layers: int = opt(0, "transformer blocks: the preset's dims with this many blocks (0 = the preset's own "
-                           "count; tiny has 2); every stage needs at least one")
+    microbatches: int = opt(4, "micro-batches per optimizer step: more of them shrink the bubble "
+                               "(p-1)/(m+p-1)", ge=1)
+    stages_per_rank: int = opt(
+        0, "pipeline stages per rank; 0 = what the schedule needs (1 for gpipe/1f1b, 2 for the "
+        "interleaved and zero-bubble schedules)", ge=0)
+    n_layers: int = opt(0, "transformer blocks: the preset's dims with this many blocks (0 = the "
+                           "preset's own count; tiny has 2); every stage needs at least one", ge=0)
     split: Literal["manual", "tracer"] = opt(
         "manual", "manual: each stage deletes the blocks it does not own; tracer: pipeline() traces the model "
                   "and cuts it at SplitPoint.BEGINNING of each stage's first block")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.microbatches < 1 or self.stages_per_rank < 0 or self.n_layers < 0:
-            raise RecipeError("microbatches must be >= 1, stages_per_rank and n_layers >= 0")
 
 
 def model_config(model: str, n_layers: int = 0) -> ModelConfig:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, opt
+from recipes.core.config import Config, RecipeError, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, peak_memory_bytes
 from recipes.core.world import join_world
@@ -44,17 +44,13 @@ log = get_logger(__name__)
 
 
 @dataclass
-class GroupsConfig:
-    tp: int = opt(0, "size of the inner mesh dimension (tp); 0 = 2 when the world size is even, else 1")
+class GroupsConfig(Config):
+    tp: int = opt(
+        0, "size of the inner mesh dimension (tp); 0 = 2 when the world size is even, else 1", ge=0)
     backend: Literal["auto", "gloo", "nccl"] = opt(
         "auto", "process-group backend; auto = nccl with one GPU per local rank, else gloo (env RECIPES_BACKEND)")
-    timeout_s: float = opt(120.0, "collective timeout in seconds: a stuck rank errors out instead of hanging")
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise RecipeError(f"unknown backend={self.backend!r}; valid values: auto, gloo, nccl")
-        if self.tp < 0:
-            raise RecipeError(f"tp must be >= 0, got {self.tp}")
+    timeout_s: float = opt(
+        120.0, "collective timeout in seconds: a stuck rank errors out instead of hanging", gt=0)
 
 
 def mesh_shape(world_size: int, tp: int = 0) -> tuple[int, int]:

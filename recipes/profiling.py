@@ -59,25 +59,18 @@ COLLECTIVE_MARKERS = ("c10d", "gloo", "nccl", "record_param_comms")
 
 @dataclass
 class ProfilingConfig(TrainConfig):
-    wait: int = opt(1, "steps before the profiler starts (step 0 allocates state: not typical)")
-    warmup: int = opt(1, "steps profiled and discarded: the profiler's start-up cost lands there")
-    active: int = opt(2, "steps recorded into the trace, the table and the figures")
+    wait: int = opt(
+        1, "steps before the profiler starts (step 0 allocates state: not typical)", ge=0)
+    warmup: int = opt(
+        1, "steps profiled and discarded: the profiler's start-up cost lands there", ge=0)
+    active: int = opt(2, "steps recorded into the trace, the table and the figures", ge=1)
     trace_dir: str = opt("", "where traces and snapshots go; empty = a fresh temporary directory")
-    top_ops: int = opt(10, "rows of the top-ops table")
-    memory_history_entries: int = opt(100_000, "CUDA: allocator events the memory snapshot keeps")
+    top_ops: int = opt(10, "rows of the top-ops table", ge=1)
+    memory_history_entries: int = opt(
+        100_000, "CUDA: allocator events the memory snapshot keeps", ge=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.active < 1:
-            raise RecipeError(f"--active must be >= 1 (the steps the profiler records), "
-                              f"got {self.active}")
-        for name in ("wait", "warmup"):
-            if getattr(self, name) < 0:
-                raise RecipeError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("top_ops", "memory_history_entries"):
-            if getattr(self, name) < 1:
-                flag = "--" + name.replace("_", "-")
-                raise RecipeError(f"{flag} must be >= 1, got {getattr(self, name)}")
         profiled = self.wait + self.warmup + self.active
         if profiled > self.steps:
             raise RecipeError(f"--wait {self.wait} + --warmup {self.warmup} + --active "

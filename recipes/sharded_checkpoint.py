@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
@@ -80,25 +81,19 @@ class CheckpointConfig(TrainConfig):
         "fsdp2", "ddp (replicated), fsdp (classic FullyShardedDataParallel) or fsdp2 (fully_shard); a checkpoint "
         "saved with one loads into any other")
     checkpoint_dir: str = opt("checkpoints/sharded_checkpoint", "where step_NNNNNNNN/ checkpoints and the 'latest' pointer live")
-    save_every: int = opt(3, "save every N steps and after the last one; 0 = never save")
+    save_every: int = opt(3, "save every N steps and after the last one; 0 = never save", ge=0)
     resume_from: str = opt("latest", "'latest' = the checkpoint 'latest' names in --checkpoint-dir (start fresh if "
                                      "there is none yet: the same command starts and resumes a job); a step_* "
                                      "directory; or '' = always start fresh")
     async_save: bool = opt(False, "write checkpoints in the background (dcp.async_save) while training goes on")
-    keep_last: int = opt(2, "published checkpoints to keep; older ones are deleted (0 = keep all)")
+    keep_last: int = opt(
+        2, "published checkpoints to keep; older ones are deleted (0 = keep all)", ge=0)
     export_to: str = opt("", "after training, rank 0 writes the full model state_dict to this file (for inference)")
     init_from: str = opt("", "when starting fresh, load the model from this full state_dict file (e.g. an --export-to "
                              "file): rank 0 reads it, every rank gets its part")
-    batches_per_epoch: int = opt(4, "global batches per epoch of the synthetic data; 4 makes 6 steps cross an epoch "
-                                    "boundary, so a resume must restore the epoch, not only the step")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("save_every", "keep_last"):
-            if getattr(self, name) < 0:
-                raise RecipeError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.batches_per_epoch < 1:
-            raise RecipeError(f"batches_per_epoch must be >= 1, got {self.batches_per_epoch}")
+    batches_per_epoch: int = opt(
+        4, "global batches per epoch of the synthetic data; 4 makes 6 steps cross an epoch "
+        "boundary, so a resume must restore the epoch, not only the step", ge=1)
 
 
 def parallelize(model: nn.Module, strategy: str, world: World, precision: str = "fp32") -> nn.Module:
@@ -407,6 +402,43 @@ def load_full_state_dict(model: nn.Module, path: str) -> None:
 # --8<-- [end:export]
 
 
+def path_problem(cfg: CheckpointConfig) -> str | None:
+    """What is wrong with a path that would otherwise fail only after training, or None: a file
+    named as --checkpoint-dir, one that cannot be created or written, an --export-to that cannot be
+    written, a missing --init-from. Writing is tried (a temporary file), not guessed from modes."""
+    ckpt_dir, export_to = cfg.checkpoint_dir, cfg.export_to
+    if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+        return f"--checkpoint-dir {ckpt_dir} is a file; name a directory"
+    if cfg.save_every and (why := _unwritable(ckpt_dir)):
+        return f"--checkpoint-dir {ckpt_dir}: {why}; name a directory you can write to"
+    if cfg.init_from and not os.path.isfile(cfg.init_from):
+        return (f"--init-from {cfg.init_from}: no such file; name a full state_dict file "
+                "(as --export-to writes one), or drop --init-from")
+    if export_to and os.path.isdir(export_to):
+        return f"--export-to {export_to} is a directory; name a file, e.g. {export_to}/model.pt"
+    if export_to and (why := _unwritable(os.path.dirname(os.path.abspath(export_to)))):
+        return f"--export-to {export_to}: {why}; name a file in a directory you can write to"
+    return None
+
+
+def _unwritable(directory: str) -> str | None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory):
+            return None
+    except OSError as exc:
+        return f"cannot write in {exc.filename or directory} ({exc.strerror or exc})"
+
+
+def _refuse_bad_paths(cfg: CheckpointConfig, world: World, group: dist.ProcessGroup) -> None:
+    """Rank 0 looks (only it reads --init-from and writes --export-to); every rank raises."""
+    problem = [path_problem(cfg) if world.rank == 0 else None]
+    if world.world_size > 1:
+        dist.broadcast_object_list(problem, src=0, group=group)
+    if problem[0]:
+        raise RecipeError(problem[0])
+
+
 # --8<-- [start:train]
 def train(cfg: CheckpointConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
@@ -426,6 +458,7 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist
     if precision == "fp16":
         raise RecipeError("sharded_checkpoint does not checkpoint a loss scaler; use --precision bf16 "
                           "(no scaler needed) or fp32")
+    _refuse_bad_paths(cfg, world, group)  # now, not after training: see path_problem
     model = parallelize(build_model(cfg.model, seed=cfg.seed, device=world.device), cfg.strategy, world,
                         precision)
     optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)

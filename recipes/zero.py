@@ -43,7 +43,8 @@ log = get_logger(__name__)
 class ZeroConfig(TrainConfig):
     optimizer: Literal["zero", "adamw"] = opt(
         "zero", "zero = ZeroRedundancyOptimizer(AdamW), 1/N of the state per rank; adamw = plain DDP baseline")
-    max_grad_norm: float = opt(0.0, "clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0 = off)")
+    max_grad_norm: float = opt(
+        0.0, "clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0 = off)", ge=0)
 
 
 # --8<-- [start:train]

@@ -99,7 +99,7 @@ def recipes_at_world_1(
         ("fsdp", fsdp.train, fsdp.FSDPConfig(**common)),
         ("fsdp2", fsdp2.train, fsdp2.FSDP2Config(**common)),
         (
-            "fsdp2 reshard_after_forward=false",
+            "fsdp2, no reshard",
             fsdp2.train,
             fsdp2.FSDP2Config(**common, reshard_after_forward="false"),
         ),
@@ -116,17 +116,17 @@ def recipes_at_world_1(
         ),
         ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**common)),
         (
-            "activation_checkpointing none",
+            "checkpointing: none",
             activation_checkpointing.train,
             activation_checkpointing.ACConfig(**common, mode="none"),
         ),
         (
-            "activation_checkpointing per_block",
+            "checkpointing: per_block",
             activation_checkpointing.train,
             activation_checkpointing.ACConfig(**common, mode="per_block"),
         ),
         (
-            "activation_checkpointing op_selective",
+            "checkpointing: op_selective",
             activation_checkpointing.train,
             activation_checkpointing.ACConfig(**common, mode="op_selective"),
         ),
@@ -174,33 +174,38 @@ def measure(label: str, train, cfg) -> dict:
     }
 
 
-def table(rows: list[dict], baseline_ms: float | None) -> str:
+def table(rows: list[dict], baseline_ms: float | None, *, compact: bool = False) -> str:
+    """Markdown rows. ``compact`` (the docs column): no batch column, one MFU (vs the bf16 peak)."""
+
     def pct(value):
         return f"{100 * value:.1f}%" if value is not None else "n/a"
 
-    lines = [
-        "| run | batch | ms/step | vs bare | tokens/s | MFU | MFU vs bf16 peak | peak GiB | note |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = ["run", "batch", "ms/step", "vs bare", "tokens/s", "MFU", "MFU vs bf16 peak",
+               "peak GiB", "note"]
+    if compact:
+        columns = ["run", "ms/step", "vs bare", "tokens/s", "MFU (bf16 peak)", "GiB", "note"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if "ms_per_step" not in row:
-            lines.append(
-                f"| {row['label']} | {row['batch']} | | | | | | | "
-                f"{row.get('skipped') or row.get('failed')} |"
-            )
+            cells = {"run": row["label"], "batch": row["batch"],
+                     "note": row.get("skipped") or row.get("failed")}
+            lines.append("| " + " | ".join(str(cells.get(c, "")) for c in columns) + " |")
             continue
-        versus = f"{row['ms_per_step'] / baseline_ms - 1:+.1%}" if baseline_ms else ""
         note = []
         if row.get("sdpa_backend_ran"):
             note.append(f"attention: {row['sdpa_backend_ran']}")
         if row.get("saved_bytes"):
             note.append(f"saved for backward {row['saved_bytes'] / 2**20:.0f} MiB")
-        lines.append(
-            f"| {row['label']} | {row['batch']} | {row['ms_per_step']:.1f} | {versus} | "
-            f"{row['tokens_per_second']:,.0f} | {pct(row['mfu'])} | "
-            f"{pct(row['mfu_vs_bf16_peak'])} | "
-            f"{row['peak_memory_gib']:.2f} | {'; '.join(note)} |"
-        )
+        cells = {
+            "run": row["label"], "batch": str(row["batch"]), "ms/step": f"{row['ms_per_step']:.1f}",
+            "vs bare": f"{row['ms_per_step'] / baseline_ms - 1:+.1%}" if baseline_ms else "",
+            "tokens/s": f"{row['tokens_per_second']:,.0f}", "MFU": pct(row["mfu"]),
+            "MFU vs bf16 peak": pct(row["mfu_vs_bf16_peak"]),
+            "MFU (bf16 peak)": pct(row["mfu_vs_bf16_peak"]),
+            "peak GiB": f"{row['peak_memory_gib']:.2f}", "GiB": f"{row['peak_memory_gib']:.1f}",
+            "note": "; ".join(note),
+        }
+        lines.append("| " + " | ".join(cells[c] for c in columns) + " |")
     return "\n".join(lines)
 
 

@@ -97,7 +97,7 @@ def test_bench_prints_its_tables_and_writes_json(tmp_path):
     fp32 = ladder["fp32 (TF32 off), foreach AdamW"]
     assert fp32["ms_per_step"] > 0 and fp32["tokens_per_second"] > 0 and fp32["mfu"] is None
     assert list(report["recipes"]) == ["8", "4"]
-    labels = ["bare loop (performance)", "fsdp2", "fsdp2 reshard_after_forward=false"]
+    labels = ["bare loop (performance)", "fsdp2", "fsdp2, no reshard"]
     for batch, rows in report["recipes"].items():
         assert [row["label"] for row in rows] == labels
         assert all(row["precision"] == "fp32" and row["batch"] == int(batch) for row in rows)

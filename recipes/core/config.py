@@ -1,50 +1,85 @@
 """Config dataclasses, their validation, and the command line that maps onto them field by field.
 
-Every recipe's config is a dataclass that subclasses ``TrainConfig``. ``Literal[...]`` annotations are
-the valid values: a wrong one fails in ``__post_init__`` (for callers in Python) and in argparse
-(for the command line) with a message that lists the valid ones.
+Every recipe's config is a dataclass that subclasses ``Config`` (training recipes through
+``TrainConfig``). ``Literal[...]`` annotations are the valid values, and a number declares its
+range next to its default and help: ``opt(1e-3, "learning rate", gt=0)``. ``Config.__post_init__``
+checks both for every field, for callers in Python and the command line alike, with one line that
+says what is valid ("lr must be a finite number > 0, got nan"). A float must be finite unless its
+field says ``finite=False``. ``--help`` and the docs' option tables show each range after the help.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import operator
 import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence, TypeVar
 
-__all__ = ["RecipeError", "TrainConfig", "CompileOption", "parse_config", "per_rank_batch_size", "opt"]
+__all__ = ["RecipeError", "Config", "TrainConfig", "CompileOption", "parse_config",
+           "per_rank_batch_size", "opt", "range_text"]
 
 
 class RecipeError(ValueError):
     """Bad input that the user can fix: the message is one line and names the fix."""
 
 
-def opt(default: Any, help: str) -> Any:
-    """A dataclass field with a help text for ``--help`` (and for the docs' option tables)."""
+# The bounds a number can declare, as opt's keywords, with how they read and how they are checked.
+_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt),
+           "le": ("<=", operator.le), "lt": ("<", operator.lt)}
+
+
+def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None, finite: bool = True) -> Any:
+    """A dataclass field with a help text for ``--help`` (and the docs' option tables) and, for a
+    number, its range: ``ge``/``gt``/``le``/``lt`` are bounds (>=, >, <=, <); a float must also be
+    finite (no nan or inf) unless ``finite=False``. ``Config.__post_init__`` checks every field."""
+    given = {"ge": ge, "gt": gt, "le": le, "lt": lt}
+    bounds = {name: value for name, value in given.items() if value is not None}
+    metadata = {"help": help, "bounds": bounds, "finite": finite}
     if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def range_text(f: dataclasses.Field, annotation: Any) -> str:
+    """A numeric field's range as ``--help`` and the docs show it (">= 1", "> 0, finite"), or ""."""
+    if annotation not in (int, float):
+        return ""
+    bounds = f.metadata.get("bounds", {})
+    parts = [f"{_BOUNDS[name][0]} {value:g}" for name, value in bounds.items()]
+    if annotation is float and f.metadata.get("finite", True):
+        parts.append("finite")
+    return ", ".join(parts)
+
+
+def _range_problem(f: dataclasses.Field, annotation: Any, value: Any) -> str | None:
+    """None if ``value`` lies in the field's declared range, else one line that says what does."""
+    if annotation not in (int, float):
+        return None
+    bounds = f.metadata.get("bounds", {})
+    limits = " and ".join(f"{_BOUNDS[name][0]} {bound:g}" for name, bound in bounds.items())
+    finite = annotation is float and f.metadata.get("finite", True)
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if not is_number or (annotation is int and not whole):
+        what = "a whole number" if annotation is int else "a number"
+        return f"{f.name} must be {what} {limits}".rstrip() + f", got {value!r}"
+    in_range = all(_BOUNDS[name][1](value, bound) for name, bound in bounds.items())
+    if in_range and not (finite and not math.isfinite(value)):
+        return None
+    what = ("a finite number " if finite else "") + limits
+    return f"{f.name} must be {what.strip()}, got {value!r}"
 
 
 @dataclass
-class TrainConfig:
-    """Fields every training recipe shares. Defaults are tiny so that every recipe runs in seconds on CPU."""
-
-    model: Literal["tiny", "small", "100m"] = opt("tiny", "model size preset (see recipes.core.workload.MODEL_PRESETS)")
-    steps: int = opt(6, "optimizer steps to run")
-    global_batch_size: int = opt(12, "sequences per optimizer step, summed over all ranks")
-    lr: float = opt(1e-3, "AdamW learning rate")
-    seed: int = opt(0, "seed for model init and data order; same seed -> same losses on any world size")
-    backend: Literal["auto", "gloo", "nccl"] = opt(
-        "auto", "process-group backend; auto = nccl with one GPU per local rank, else gloo (env RECIPES_BACKEND)"
-    )
-    timeout_s: float = opt(300.0, "collective timeout in seconds: a stuck rank errors out instead of hanging")
-    keep_final_state: bool = opt(False, "return the final full state dict in the result (tests compare it)")
-    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = opt(
-        "auto", "auto = bf16 on a GPU, fp32 on CPU; fp32 = true fp32 (TF32 off); tf32 = TF32 matmuls (CUDA); "
-        "bf16/fp16 = mixed precision (fp16 with a loss scaler); see recipes.core.speed")
+class Config:
+    """The base of every recipe's config: ``__post_init__`` checks each field's Literal choices and
+    declared range (see ``opt``). A subclass adds the checks that relate two fields after
+    ``super().__post_init__()``; what a field's range says is not checked twice."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -52,10 +87,32 @@ class TrainConfig:
             valid = _literal_choices(hints.get(f.name))
             value = getattr(self, f.name)
             if valid is not None and value not in valid:
-                raise RecipeError(f"unknown {f.name}={value!r}; valid values: {', '.join(map(str, valid))}")
-        for name in ("steps", "global_batch_size"):
-            if getattr(self, name) < 1:
-                raise RecipeError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise RecipeError(f"unknown {f.name}={value!r}; "
+                                  f"valid values: {', '.join(map(str, valid))}")
+            problem = _range_problem(f, hints.get(f.name), value)
+            if problem:
+                raise RecipeError(problem)
+
+
+@dataclass
+class TrainConfig(Config):
+    """Fields every training recipe shares. Defaults are tiny so that every recipe runs in seconds on CPU."""
+
+    model: Literal["tiny", "small", "100m"] = opt("tiny", "model size preset (see recipes.core.workload.MODEL_PRESETS)")
+    steps: int = opt(6, "optimizer steps to run", ge=1)
+    global_batch_size: int = opt(12, "sequences per optimizer step, summed over all ranks", ge=1)
+    lr: float = opt(1e-3, "AdamW learning rate", gt=0)
+    seed: int = opt(0, "seed for model init and data order; same seed -> same losses on any world "
+                       "size", ge=0)
+    backend: Literal["auto", "gloo", "nccl"] = opt(
+        "auto", "process-group backend; auto = nccl with one GPU per local rank, else gloo (env RECIPES_BACKEND)"
+    )
+    timeout_s: float = opt(300.0, "collective timeout in seconds: a stuck rank errors out instead "
+                                  "of hanging", gt=0)
+    keep_final_state: bool = opt(False, "return the final full state dict in the result (tests compare it)")
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = opt(
+        "auto", "auto = bf16 on a GPU, fp32 on CPU; fp32 = true fp32 (TF32 off); tf32 = TF32 matmuls (CUDA); "
+        "bf16/fp16 = mixed precision (fp16 with a loss scaler); see recipes.core.speed")
 
 
 @dataclass
@@ -102,7 +159,7 @@ def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, descrip
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", " "), "dest": f.name}
+        kwargs: dict[str, Any] = {"default": default, "help": _help(f, kind) or " ", "dest": f.name}
         choices = _literal_choices(kind)
         if choices is not None:
             kwargs.update(choices=choices, type=type(choices[0]))
@@ -125,7 +182,9 @@ def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, descrip
 
 
 def config_table(config_cls: type) -> list[tuple[str, str, str]]:
-    """(flag, default, help) for each field: the docs' option tables are generated from this."""
+    """(flag, default, help) for each field: the docs' option tables are generated from this.
+    The help ends with the field's range, as in ``--help``: "optimizer steps to run (>= 1)"."""
+    hints = typing.get_type_hints(config_cls)
     rows = []
     for f in dataclasses.fields(config_cls):
         if f.default is not dataclasses.MISSING:
@@ -134,8 +193,13 @@ def config_table(config_cls: type) -> list[tuple[str, str, str]]:
             default = repr(f.default_factory())  # type: ignore[misc]
         else:
             default = "(required)"
-        rows.append(("--" + f.name.replace("_", "-"), default, f.metadata.get("help", "")))
+        rows.append(("--" + f.name.replace("_", "-"), default, _help(f, hints.get(f.name))))
     return rows
+
+
+def _help(f: dataclasses.Field, annotation: Any) -> str:
+    help_text, limits = f.metadata.get("help", ""), range_text(f, annotation)
+    return f"{help_text} ({limits})" if limits else help_text
 
 
 def exit_with(message: str, code: int = 2) -> typing.NoReturn:
