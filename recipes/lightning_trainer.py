@@ -440,6 +440,9 @@ def train(cfg: LightningConfig) -> RecipeResult:
                               "--devices N, or use --strategy ddp under torchrun")
         backend = resolve_backend(cfg.backend, max(cfg.devices, 1))
         devices = cfg.devices or 1
+        # Checked here, in the parent: in the spawned processes a batch that does not divide fails N
+        # times over, as a 70-line ProcessRaisedException.
+        per_rank_batch_size(cfg.global_batch_size, devices, cfg.accumulate_grad_batches)
         world = World(0, devices, 0, devices, backend, torch.device("cuda" if backend == "nccl" else "cpu"), "spawn")
         return _fit(cfg, world, devices=devices, num_nodes=1)
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:

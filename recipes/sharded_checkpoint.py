@@ -405,7 +405,8 @@ def load_full_state_dict(model: nn.Module, path: str) -> None:
 def path_problem(cfg: CheckpointConfig) -> str | None:
     """What is wrong with a path that would otherwise fail only after training, or None: a file
     named as --checkpoint-dir, one that cannot be created or written, an --export-to that cannot be
-    written, a missing --init-from. Writing is tried (a temporary file), not guessed from modes."""
+    written, a missing --init-from. Writing is tried (a temporary file), not guessed from modes;
+    nothing is created: a directory that does not exist yet is tried in its nearest parent."""
     ckpt_dir, export_to = cfg.checkpoint_dir, cfg.export_to
     if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
         return f"--checkpoint-dir {ckpt_dir} is a file; name a directory"
@@ -422,12 +423,16 @@ def path_problem(cfg: CheckpointConfig) -> str | None:
 
 
 def _unwritable(directory: str) -> str | None:
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):  # what makedirs would create goes in here: try that
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
     try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory):
+        with tempfile.NamedTemporaryFile(dir=existing):
             return None
     except OSError as exc:
-        return f"cannot write in {exc.filename or directory} ({exc.strerror or exc})"
+        return f"cannot write in {existing} ({exc.strerror or exc})"
 
 
 def _refuse_bad_paths(cfg: CheckpointConfig, world: World, group: dist.ProcessGroup) -> None:

@@ -65,3 +65,12 @@ def test_a_busy_master_port_is_refused_before_spawning(monkeypatch):
         monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
         with pytest.raises(RecipeError, match="is already in use"):
             ddp_spawn.launch(ddp_spawn.DDPSpawnConfig(nprocs=2))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"nprocs": 0}, r"^nprocs must be >= 1, got 0$"),  # once: a ZeroDivisionError traceback
+    ({"bucket_cap_mb": 0.0}, r"^bucket_cap_mb must be a finite number > 0, got 0$"),
+])
+def test_bad_numbers_are_refused_by_the_config(changes, message):
+    with pytest.raises(RecipeError, match=message):
+        ddp_spawn.DDPSpawnConfig(**changes)

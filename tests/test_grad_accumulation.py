@@ -33,3 +33,9 @@ def test_micro_batches_that_do_not_divide_are_rejected():
     cfg = grad_accumulation.GradAccumulationConfig(global_batch_size=12, micro_batches=4)
     with pytest.raises(RecipeError, match=r"does not divide across 2 ranks x 4 micro-batches; use a multiple of 8"):
         spawn_world(grad_accumulation.train, 2, cfg, timeout_s=60)
+
+
+@pytest.mark.parametrize("micro_batches", [0, -1])  # once: ZeroDivisionError, RuntimeError
+def test_micro_batches_below_one_are_refused_before_any_world(micro_batches):
+    with pytest.raises(RecipeError, match=rf"^micro_batches must be >= 1, got {micro_batches}$"):
+        grad_accumulation.GradAccumulationConfig(micro_batches=micro_batches)

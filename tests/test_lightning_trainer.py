@@ -289,3 +289,26 @@ def test_help_names_both_command_lines(capsys):
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "--strategy {ddp,ddp_spawn,fsdp,model_parallel}" in printed and "LightningCLI" in printed
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"global_batch_size": 9},
+     r"global_batch_size=9 does not divide across 2 ranks; use a multiple of 2"),
+    ({"accumulate_grad_batches": 2, "global_batch_size": 6},
+     r"global_batch_size=6 does not divide across 2 ranks x 2 micro-batches; use a multiple of 4"),
+])
+def test_ddp_spawn_checks_the_batch_in_the_parent_before_spawning(tmp_path, changes, message):
+    # Once a 70-line ProcessRaisedException from every spawned process; now one line, no spawn.
+    cfg = lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2, **changes)
+    with mock.patch.object(lightning_trainer, "_fit", side_effect=AssertionError("spawned")):
+        with pytest.raises(RecipeError, match=message):
+            lightning_trainer.train(cfg)
+
+
+def test_a_bad_number_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        core_run_cli(lightning_trainer.train, lightning_trainer.LightningConfig,
+                     lightning_trainer.__doc__, ["--gradient-clip-val", "nan"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: gradient_clip_val must be a finite number >= 0, got nan"]

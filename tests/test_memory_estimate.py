@@ -67,10 +67,14 @@ def test_formulas_of_each_stage(layout_name, world_size):
 def test_ddp_has_no_offload_row_and_bad_input_is_refused():
     with pytest.raises(RecipeError, match="DDP has no CPU offload"):
         model_state_per_rank(1e9, 8, "ddp", LAYOUTS["adam-fp32"], offload=True)
-    with pytest.raises(RecipeError, match="world_size must be a whole number >= 1, got 0"):
+    with pytest.raises(RecipeError, match="world_size must be >= 1, got 0"):
         EstimateConfig(world_size=0)
-    with pytest.raises(RecipeError, match="params must be > 0"):
-        EstimateConfig(params=-1)
+    with pytest.raises(RecipeError, match="world_size must be a whole number >= 1, got 2.5"):
+        EstimateConfig(world_size=2.5)
+    for params in (-1.0, 0.0, float("nan"), float("inf")):  # nan, inf: once a table of nan
+        message = rf"^params must be a finite number > 0, got {params:g}$"
+        with pytest.raises(RecipeError, match=message):
+            EstimateConfig(params=params)
     with pytest.raises(RecipeError, match="unknown optimizer='sgd'; valid values: both, adam-mixed, adam-fp32"):
         EstimateConfig(optimizer="sgd")
     rows = estimate(EstimateConfig())["rows"]
@@ -88,9 +92,9 @@ def test_cli_prints_the_table_and_the_same_figures_as_json_last():
     assert any("FULL_SHARD" in line and "fully_shard" in line and "FSDPStrategy" in line for line in table)
     assert any("SHARD_GRAD_OP" in line for line in table) and any("ZeroRedundancyOptimizer" in line for line in table)
     assert any("CPUOffload(offload_params=True)" in line and "CPUOffloadPolicy" in line for line in table)
-    bad = run_cli([PYTHON, "-m", "recipes.memory_estimate", "--world-size", "0"], timeout_s=60)
-    assert bad.returncode == 2 and "error: world_size must be a whole number >= 1" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    bad = run_cli([PYTHON, "-m", "recipes.memory_estimate", "--params", "nan"], timeout_s=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == ["error: params must be a finite number > 0, got nan"]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -93,9 +93,9 @@ def test_a_profile_window_longer_than_the_run_fails_in_one_line():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"active": 0}, r"--active must be >= 1 \(the steps the profiler records\), got 0"),
-    ({"wait": -1}, r"--wait must be >= 0, got -1"),
-    ({"top_ops": 0}, r"--top-ops must be >= 1, got 0"),
+    ({"active": 0}, r"^active must be >= 1, got 0$"),
+    ({"wait": -1}, r"^wait must be >= 0, got -1$"),
+    ({"top_ops": 0}, r"^top_ops must be >= 1, got 0$"),
 ])
 def test_bad_values_are_refused_with_the_fix(changes, message):
     with pytest.raises(RecipeError, match=message):

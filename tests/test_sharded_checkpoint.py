@@ -5,6 +5,7 @@ damages the last good checkpoint; damaged files are refused by name."""
 import os
 import shutil
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -310,3 +311,36 @@ def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
     assert bad.returncode == 2
     assert "error: checkpoint file " in bad.stderr and "__0_0.distcp is truncated" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("paths, message", [
+    ({"checkpoint_dir": "a_file"}, r"^--checkpoint-dir .*/a_file is a file; name a directory$"),
+    ({"checkpoint_dir": "a_file/ckpt"},
+     r"^--checkpoint-dir .*/a_file/ckpt: .*/a_file is a file, not a directory; name a directory"),
+    ({"export_to": "a_file/model.pt"},
+     r"^--export-to .*/a_file/model.pt: .*/a_file is a file, not a directory; name a file in"),
+    ({"export_to": "."}, r"^--export-to .* is a directory; name a file, e.g. .*/model.pt$"),
+    ({"init_from": "missing.pt"},
+     r"^--init-from .*/missing.pt: no such file; name a full state_dict file"),
+])
+def test_bad_paths_are_refused_before_training(tmp_path, paths, message):
+    # Once all three trained first and then failed with a traceback.
+    (tmp_path / "a_file").write_text("")
+    paths = {"checkpoint_dir": "ckpt", **paths}
+    cfg = with_fields(BASE, save_every=3, **{name: str(tmp_path / p) for name, p in paths.items()})
+    trained = AssertionError("trained")
+    with mock.patch.object(sharded_checkpoint, "parallelize", side_effect=trained):
+        with pytest.raises(RecipeError, match=message):
+            run_alone(sharded_checkpoint.train, cfg)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the check created nothing
+
+
+def test_a_file_as_checkpoint_dir_is_one_line_from_the_command_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    proc = run_cli([PYTHON, "-m", "recipes.sharded_checkpoint", "--checkpoint-dir", str(a_file)],
+                   timeout_s=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --checkpoint-dir {a_file} is a file; name a directory"]
+    assert "Traceback" not in proc.stderr

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes.core.config import RecipeError
+from recipes.core.config import Config, RecipeError, TrainConfig, config_table, parse_config
 from recipes.core.world import RankError, WorldTimeoutError, join_world, resolve_backend, spawn_world
+from tests.helpers import PYTHON, run_cli
 
 
 # Module-level functions: spawned ranks import them by name.
@@ -128,3 +129,78 @@ def test_a_busy_master_port_is_a_one_line_error():
         port = busy.getsockname()[1]
         with pytest.raises(RecipeError, match=rf"MASTER_PORT {port} is already in use"):
             spawn_world(describe_world, 2, master_port=port, timeout_s=30)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config: every number declares its range next to its default (opt), one check enforces them all.
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"steps": 0}, r"^steps must be >= 1, got 0$"),
+    ({"global_batch_size": -4}, r"^global_batch_size must be >= 1, got -4$"),
+    ({"lr": -1.0}, r"^lr must be a finite number > 0, got -1$"),
+    ({"lr": float("nan")}, r"^lr must be a finite number > 0, got nan$"),
+    ({"lr": float("inf")}, r"^lr must be a finite number > 0, got inf$"),
+    ({"timeout_s": 0.0}, r"^timeout_s must be a finite number > 0, got 0$"),
+    ({"timeout_s": -5.0}, r"^timeout_s must be a finite number > 0, got -5$"),
+    ({"seed": -1}, r"^seed must be >= 0, got -1$"),
+    ({"steps": 2.5}, r"^steps must be a whole number >= 1, got 2.5$"),
+    ({"lr": "fast"}, r"^lr must be a number > 0, got 'fast'$"),
+])
+def test_shared_fields_refuse_values_outside_their_range(changes, message):
+    with pytest.raises(RecipeError, match=message):
+        TrainConfig(**changes)
+
+
+def _outside(bound_name: str, bound: float, kind: type) -> list:
+    """Values just outside one declared bound (and nan and inf for a finite float)."""
+    step = 1 if kind is int else 0.5
+    edge = {"ge": bound - step, "gt": bound, "le": bound + step, "lt": bound}[bound_name]
+    return [kind(edge)] + ([float("nan"), float("inf")] if kind is float else [])
+
+
+def test_every_numeric_option_of_every_recipe_declares_a_range_that_is_enforced():
+    import dataclasses
+    import importlib
+    import typing
+
+    from recipes.__main__ import recipe_modules
+
+    checked, missing = 0, []
+    for name in recipe_modules():
+        module = importlib.import_module(f"recipes.{name}")
+        configs = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, Config)
+                   and c.__module__ == module.__name__]
+        for cls in configs:
+            cls()  # the defaults lie in their own ranges
+            hints = typing.get_type_hints(cls)
+            for f in dataclasses.fields(cls):
+                if hints[f.name] not in (int, float):
+                    continue
+                if not f.metadata.get("bounds"):  # a field redefined in a subclass: redeclare it
+                    missing.append(f"{cls.__name__}.{f.name}")
+                for bound_name, bound in f.metadata.get("bounds", {}).items():
+                    for value in _outside(bound_name, bound, hints[f.name]):
+                        with pytest.raises(RecipeError, match=rf"^{f.name} must be .*, got "):
+                            cls(**{f.name: value})
+                        checked += 1
+    assert not missing, f"numeric options without a declared range: {', '.join(missing)}"
+    assert checked > 50
+
+
+def test_help_and_the_docs_option_tables_show_each_range(capsys):
+    rows = {flag: help_text for flag, _, help_text in config_table(TrainConfig)}
+    assert rows["--steps"] == "optimizer steps to run (>= 1)"
+    assert rows["--lr"] == "AdamW learning rate (> 0, finite)"
+    assert rows["--backend"].endswith("(env RECIPES_BACKEND)")  # not a number: no range
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--help"])
+    assert "AdamW learning rate (> 0, finite) (default: 0.001)" in capsys.readouterr().out
+
+
+def test_a_bad_number_on_the_command_line_is_one_line_and_exit_2():
+    # Once NaN losses and exit 0.
+    proc = run_cli([PYTHON, "-m", "recipes.ddp_torchrun", "--lr", "inf"], timeout_s=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == ["error: lr must be a finite number > 0, got inf"]
+    assert "Traceback" not in proc.stderr

@@ -65,14 +65,15 @@ def _range_problem(f: dataclasses.Field, annotation: Any, value: Any) -> str | N
     finite = annotation is float and f.metadata.get("finite", True)
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    shown = f"{value:g}" if isinstance(value, float) else repr(value)  # -1, nan: as typed
     if not is_number or (annotation is int and not whole):
         what = "a whole number" if annotation is int else "a number"
-        return f"{f.name} must be {what} {limits}".rstrip() + f", got {value!r}"
+        return f"{f.name} must be {what} {limits}".rstrip() + f", got {shown}"
     in_range = all(_BOUNDS[name][1](value, bound) for name, bound in bounds.items())
     if in_range and not (finite and not math.isfinite(value)):
         return None
     what = ("a finite number " if finite else "") + limits
-    return f"{f.name} must be {what.strip()}, got {value!r}"
+    return f"{f.name} must be {what.strip()}, got {shown}"
 
 
 @dataclass
