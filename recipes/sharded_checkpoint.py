@@ -18,6 +18,9 @@ are done, rank 0 writes a manifest (name, size, sha256 of every file), renames t
 ``step_N/`` (atomic on one filesystem) and then replaces the ``latest`` pointer file (atomic too). A load
 verifies the manifest first and refuses a missing, truncated or altered file with a one-line error that
 names it. The checkpoint directory must be on a filesystem every rank sees (as DCP itself requires).
+A run that died between the rename and the pointer left ``latest`` behind: ``--resume-from latest``
+takes the newest published ``step_N`` then. The manifest also records what a resume must repeat
+(``--model``, the global batch, the epoch size, the seed), compared before anything is loaded.
 
 ``--async-save`` overlaps writing with training (``dcp.async_save``: the state is copied to host memory,
 then written by a background thread); the next save first waits for the previous one and publishes it.
@@ -30,8 +33,10 @@ checkpoint (optimizer included) to one torch.save file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -44,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
@@ -207,6 +213,7 @@ class PendingSave:
     step: int
     group: dist.ProcessGroup | None
     keep_last: int
+    made_with: dict[str, Any] = field(default_factory=dict)  # see load_checkpoint
     future: Any = None  # dcp.async_save's future; None for a blocking save
     tmp_dir: str = field(init=False)
 
@@ -220,13 +227,15 @@ class PendingSave:
 
 
 def save_checkpoint(root: str, app: AppState, step: int, *, group: dist.ProcessGroup | None,
-                    async_save: bool = False, keep_last: int = 0) -> PendingSave:
-    """Write every rank's shard into ``root/.tmp-step_N``; call ``finish()`` on the result to publish it."""
+                    async_save: bool = False, keep_last: int = 0,
+                    made_with: dict[str, Any] | None = None) -> PendingSave:
+    """Write every rank's shard into ``root/.tmp-step_N``; ``finish()`` on the result publishes it.
+    ``made_with`` (what a resume must repeat) goes into the manifest: see load_checkpoint."""
     final_dir = os.path.join(root, step_dir_name(step))
     if os.path.exists(final_dir):  # every rank sees it (shared filesystem): all raise, none hangs
         raise RecipeError(f"{final_dir} already exists: a checkpoint is never written over; "
                           "resume from it or use another --checkpoint-dir")
-    pending = PendingSave(root, step, group, keep_last)
+    pending = PendingSave(root, step, group, keep_last, dict(made_with or {}))
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         for name in os.listdir(root):  # the remains of saves that died part-way: never published, never read
@@ -252,7 +261,8 @@ def publish(pending: PendingSave) -> str:
     entries = _gather_file_entries(pending.tmp_dir, files, group)  # hashing is split over the ranks
     final_dir = os.path.join(pending.root, step_dir_name(pending.step))
     if rank == 0:
-        manifest = {"step": pending.step, "world_size": dist.get_world_size(), "files": entries}
+        manifest = {"step": pending.step, "world_size": dist.get_world_size(),
+                    "made_with": pending.made_with, "files": entries}
         _write_durably(os.path.join(pending.tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
         os.rename(pending.tmp_dir, final_dir)  # atomic: the checkpoint appears whole or not at all
         _fsync_dir(pending.root)
@@ -319,16 +329,38 @@ def find_checkpoint(resume_from: str, checkpoint_dir: str) -> str | None:
         return None
     if resume_from == "latest":
         pointer = os.path.join(checkpoint_dir, LATEST)
-        if not os.path.exists(pointer):
+        pointed = _read_pointer(pointer) if os.path.exists(pointer) else None
+        newest = published_steps(checkpoint_dir)[-1:]
+        # publish() renames step_N into place before it replaces 'latest': a crash in between leaves
+        # a complete step_N that 'latest' does not name yet (or no 'latest' at all, on the first
+        # save). That step_N is the newest work; it is verified on load like any other.
+        if newest and (pointed is None or newest[0] > int(STEP_DIR.match(pointed).group(1))):
+            path = os.path.join(checkpoint_dir, step_dir_name(newest[0]))
+            log.info("resuming from %s, the newest published checkpoint: %s (a run that stopped "
+                     "between publishing it and updating %s)", path,
+                     f"{pointer} names {pointed}" if pointed else f"{pointer} does not exist",
+                     LATEST)
+            return path
+        if pointed is None:
             return None  # the first run of a job that always says --resume-from latest
-        with open(pointer) as f:
-            path = os.path.join(checkpoint_dir, f.read().strip())
+        path = os.path.join(checkpoint_dir, pointed)
         if not os.path.isdir(path):
             raise RecipeError(f"{pointer} names {path}, which does not exist; pass --resume-from <a step_* directory>")
         return path
     if not os.path.isdir(resume_from):
         raise RecipeError(f"--resume-from {resume_from}: no such checkpoint directory")
     return resume_from
+
+
+def _read_pointer(pointer: str) -> str:
+    """The step_* name that the 'latest' file holds; anything else: a RecipeError naming it."""
+    with open(pointer) as f:
+        name = f.read().strip()
+    if not STEP_DIR.match(name):  # publish() writes it whole (_write_durably): not written by us
+        what = "is empty" if not name else f"holds {name[:40]!r}, not a step_NNNNNNNN name"
+        raise RecipeError(f"{pointer} {what}; delete it to resume from the newest published "
+                          "checkpoint, or pass --resume-from <a step_* directory>")
+    return name
 
 
 def verify_checkpoint(path: str, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
@@ -374,12 +406,57 @@ def _file_problem(path: str, expected: dict[str, Any]) -> str | None:
     return None
 
 
-def load_checkpoint(path: str, app: AppState, *, group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """Verify, then read into the model and optimizer that already exist (DCP loads in place, resharding)."""
+def load_checkpoint(path: str, app: AppState, *, group: dist.ProcessGroup | None,
+                    made_with: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Verify, compare ``made_with`` with the manifest's, then read into the model and optimizer
+    that already exist (DCP loads in place, resharding)."""
     manifest = verify_checkpoint(path, group)
-    dcp.load({"app": app}, checkpoint_id=path, process_group=group)
+    # Before dcp.load, not after: another --model fails inside DCP with size-mismatch tracebacks (or
+    # aborts the process), and another batch size loads "fine" and then reads other data.
+    saved = manifest.get("made_with", {})  # absent from checkpoints written before it was recorded
+    for name, value in (made_with or {}).items():
+        if name in saved and saved[name] != value:
+            flag = "--" + name.replace("_", "-")
+            other = ("start the new model in another --checkpoint-dir" if name == "model"
+                     else "the resumed run reads other data")
+            raise RecipeError(f"{path} was trained with {name}={saved[name]}; resume with the same "
+                              f"{flag}, or {other}")
+    try:
+        with _quiet_dcp_fallback_warnings():
+            dcp.load({"app": app}, checkpoint_id=path, process_group=group)
+    except RecipeError:
+        raise
+    # CheckpointException is a BaseException: `except Exception` alone lets it through.
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        # The sizes and sha256 matched, so the files were altered together with the manifest, or
+        # not written by this recipe: DCP then fails anywhere (UnicodeDecodeError in torch.load,
+        # "metadata is None", a CheckpointException wrapping every rank's). One line, no traceback.
+        if isinstance(exc, CheckpointException) and exc.failures:
+            exc = min(exc.failures.items())[1][0]  # {rank: (exception, traceback)}: lowest rank's
+        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise RecipeError(f"{path} matches its {MANIFEST} but DCP cannot load it "
+                          f"({type(exc).__name__}: {first_line}); resume from another checkpoint"
+                          ) from None
     return manifest
 # --8<-- [end:load]
+
+
+@contextlib.contextmanager
+def _quiet_dcp_fallback_warnings() -> Iterator[None]:
+    """dcp.load logs a warning with a full traceback on the ROOT logger whenever .metadata cannot be
+    read (it then tries per-rank metadata). The failure, if it is one, is re-raised as one line;
+    those tracebacks would reach stderr all the same, so they are dropped while dcp.load runs."""
+    dcp_dir = os.path.dirname(dcp.__file__)
+
+    def not_from_dcp(record: logging.LogRecord) -> bool:
+        return not record.pathname.startswith(dcp_dir) or record.levelno >= logging.ERROR
+
+    root = logging.getLogger()
+    root.addFilter(not_from_dcp)
+    try:
+        yield
+    finally:
+        root.removeFilter(not_from_dcp)
 
 
 # --8<-- [start:export]
@@ -472,13 +549,26 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist
     app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size,
                    batches_per_epoch=cfg.batches_per_epoch, group=group)
 
+    # What a resume must repeat to continue the same run; saved in each manifest, compared on load
+    # before anything is read. The seed too: it decides the synthetic data and the shuffle order.
+    made_with = {"model": cfg.model, "global_batch_size": cfg.global_batch_size,
+                 "batches_per_epoch": cfg.batches_per_epoch, "seed": cfg.seed}
     resume_dir, saved_by = find_checkpoint(cfg.resume_from, cfg.checkpoint_dir), None
     if resume_dir is not None:
-        saved_by = load_checkpoint(resume_dir, app, group=group)["world_size"]
-        for name in ("global_batch_size", "batches_per_epoch"):  # the data position counts global batches
+        saved_by = load_checkpoint(resume_dir, app, group=group, made_with=made_with)["world_size"]
+        for name in ("global_batch_size", "batches_per_epoch"):  # checkpoints without made_with
             if app.progress[name] != getattr(cfg, name):
                 raise RecipeError(f"{resume_dir} was trained with {name}={app.progress[name]}; resume with the same "
                                   f"--{name.replace('_', '-')}, or the resumed run reads other data")
+        # --lr on resume: applied, not refused. The loaded optimizer state carries the saved lr and
+        # would silently win; lowering the lr of a running job (after a loss spike, or as decay by
+        # hand) is a common reason to restart it, and Adam's moments stay valid under another lr.
+        saved_lrs = sorted({param_group["lr"] for param_group in optimizer.param_groups})
+        if saved_lrs != [cfg.lr]:
+            log.info("--lr %g replaces the checkpoint's lr %s", cfg.lr,
+                     "/".join(map(str, saved_lrs)))
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = cfg.lr
         log.info("resumed from %s at step %d (saved by %d rank(s), loaded on %d)",
                  resume_dir, app.progress["step"], saved_by, world.world_size)
     elif cfg.init_from:
@@ -516,7 +606,8 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist
             if pending is not None:
                 pending.finish()  # one save in flight at a time: wait for the previous one and publish it
             pending = save_checkpoint(cfg.checkpoint_dir, app, progress["step"], group=group,
-                                      async_save=cfg.async_save, keep_last=cfg.keep_last)
+                                      async_save=cfg.async_save, keep_last=cfg.keep_last,
+                                      made_with=made_with)
             if not cfg.async_save:
                 pending.finish()
                 pending = None

@@ -2,7 +2,10 @@
 from 2 ranks to 1, 3 and 4; full state-dict export and import; async save; a save killed part-way never
 damages the last good checkpoint; damaged files are refused by name."""
 
+import json
 import os
+import pickle
+import re
 import shutil
 from types import SimpleNamespace
 from unittest import mock
@@ -344,3 +347,90 @@ def test_a_file_as_checkpoint_dir_is_one_line_from_the_command_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"error: --checkpoint-dir {a_file} is a file; name a directory"]
     assert "Traceback" not in proc.stderr
+
+
+def logged(info: mock.Mock) -> str:
+    return "\n".join(call.args[0] % call.args[1:] for call in info.call_args_list)
+
+
+def test_a_crash_between_publishing_and_latest_resumes_from_the_newest_published(saved, tmp_path):
+    # publish() renames step_N into place, then replaces 'latest': a crash in between left step 6
+    # published and 'latest' naming step 4 (or, on a first save, no 'latest' at all). The same
+    # command must resume from step 6, not refuse with "already holds checkpoints past step 4".
+    root = shutil.copytree(saved.root / "async", tmp_path / "async")
+    cfg = with_fields(BASE, strategy="fsdp2", save_every=3, resume_from="latest",
+                      checkpoint_dir=str(root))
+    for pointer in ["step_00000004", None]:
+        if pointer:
+            (root / "latest").write_text(pointer)
+        else:
+            os.remove(root / "latest")
+        with mock.patch.object(sharded_checkpoint.log, "info") as info:
+            result = run_alone(sharded_checkpoint.train, cfg)
+        assert (result.extras["start_step"], result.losses) == (6, [])
+        assert result.extras["resumed_from"] == str(root / "step_00000006")
+        expected = "names step_00000004" if pointer else "latest does not exist"
+        said = logged(info)
+        assert f"resuming from {root}/step_00000006, the newest published checkpoint" in said
+        assert expected in said
+
+
+def test_an_empty_or_foreign_latest_file_is_refused_naming_it(tmp_path):
+    # Once reported as "MANIFEST.json is missing" in the checkpoint directory itself.
+    for content, what in [("", "is empty"), ("../elsewhere", "holds '../elsewhere', not a step_")]:
+        (tmp_path / "latest").write_text(content)
+        with pytest.raises(RecipeError, match=rf"^{tmp_path}/latest {what}.*; delete it to resume "
+                                              r"from the newest published checkpoint, or pass "):
+            find_checkpoint("latest", str(tmp_path))
+
+
+def rewrite_with_manifest(directory, name: str, data: bytes) -> None:
+    """Replace a checkpoint file and its manifest entry: the damage the sha256 check cannot see."""
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+    manifest_path = os.path.join(directory, "MANIFEST.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["files"][name] = sharded_checkpoint._file_entry(os.path.join(directory, name))
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("metadata", [bytes(range(256)) * 4, pickle.dumps(None)],
+                         ids=["garbage", "pickled-none"])
+def test_files_altered_together_with_the_manifest_fail_in_one_line(checkpoint_copy, metadata):
+    # Once an 80-190-line traceback from inside DCP (UnicodeDecodeError, "metadata is None").
+    rewrite_with_manifest(checkpoint_copy, ".metadata", metadata)
+    cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy))
+    with pytest.raises(RecipeError) as raised:
+        run_alone(sharded_checkpoint.train, cfg)
+    assert re.fullmatch(rf"{checkpoint_copy} matches its MANIFEST.json but DCP cannot load it "
+                        r"\(\w+: .*\); resume from another checkpoint", str(raised.value))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": "small"}, r"was trained with model=tiny; resume with the same --model, or start "
+                         r"the new model in another --checkpoint-dir$"),
+    ({"seed": 1}, r"was trained with seed=0; resume with the same --seed, or the resumed run "
+                  r"reads other data$"),
+    ({"batches_per_epoch": 5}, r"was trained with batches_per_epoch=4; resume with the same "
+                               r"--batches-per-epoch"),
+], ids=["model", "seed", "batches-per-epoch"])
+def test_a_resume_with_other_settings_is_refused_before_loading(checkpoint_copy, change, message):
+    # --model small on a tiny checkpoint once died in DCP with size-mismatch tracebacks, or SIGABRT.
+    cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy), **change)
+    with mock.patch.object(sharded_checkpoint.dcp, "load", side_effect=AssertionError("loaded")):
+        with pytest.raises(RecipeError, match=rf"^{checkpoint_copy} {message}"):
+            run_alone(sharded_checkpoint.train, cfg)
+
+
+def test_lr_given_on_resume_replaces_the_checkpoints_and_says_so(saved):
+    # The loaded optimizer state carries lr=1e-3; --lr 0.5 once lost to it silently.
+    cfg = with_fields(BASE, strategy="ddp", steps=5, lr=0.5, resume_from="latest",
+                      checkpoint_dir=str(saved.root / "ddp"))
+    with mock.patch.object(sharded_checkpoint.log, "info") as info:
+        result = run_alone(sharded_checkpoint.train, cfg)
+    straight = saved.straight["ddp"].losses
+    assert_losses_close(result.losses[:1], straight[3:4], atol=SAME_WORLD_ATOL)  # before any step
+    assert abs(result.losses[1] - straight[4]) > 1e-2, "step 4 should have used lr=0.5"
+    assert "--lr 0.5 replaces the checkpoint's lr 0.001" in logged(info)
