@@ -1,5 +1,6 @@
 """The single-GPU habits every scaling guide starts with, each one a switch, each one measured.
 
+    python -m recipes.performance                                # the fast loop on this device
     python -m recipes.performance --model 100m --global-batch-size 32     # on a GPU: the fast loop
     python -m recipes.performance --model 100m --precision fp32 --optimizer foreach   # the slow one
     python -m recipes.performance --sdpa-backend math                   # force an attention kernel
