@@ -36,11 +36,25 @@ from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
-from recipes.core.speed import (apply_compile, autocast, check_autocast, low_precision_dtype, make_adamw,
-                                make_grad_scaler, setup_precision)
+from recipes.core.speed import (
+    apply_compile,
+    autocast,
+    check_autocast,
+    low_precision_dtype,
+    make_adamw,
+    make_grad_scaler,
+    setup_precision,
+)
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    Block,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -78,7 +92,8 @@ def train(cfg: AMPConfig) -> RecipeResult:
             raise RecipeError(f"amp trains on one device, got a world of {world.world_size}; run "
                               "`python -m recipes.amp` (AMP with DDP: see ddp_torchrun, add this loop's autocast)")
         device = pick_device(cfg.device)
-        precision = setup_precision(cfg.precision, device)  # also sets TF32 on or off for fp32 matmuls
+        # also sets TF32 on or off for fp32 matmuls
+        precision = setup_precision(cfg.precision, device)
         check_autocast(device, precision)  # an unsupported dtype would silently run fp32
         model = build_model(cfg.model, seed=cfg.seed, device=device)  # parameters stay fp32 ("master weights")
         if cfg.compile:
@@ -116,11 +131,19 @@ def train(cfg: AMPConfig) -> RecipeResult:
                      " (skipped: inf/nan gradient)" if skipped_steps[-1:] == [step] else "",
                      timer.durations[-1] * 1e3)
 
-        return make_result("amp", dataclasses.replace(world, device=device), losses, model.parameters(), timer,
-                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-                           skipped_steps=len(skipped_steps),
-                           skipped_step_indices=skipped_steps, final_scale=scaler.get_scale(), scales=scales)
+        return make_result(
+            "amp",
+            dataclasses.replace(world, device=device),
+            losses,
+            model.parameters(),
+            timer,
+            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+            skipped_steps=len(skipped_steps),
+            skipped_step_indices=skipped_steps,
+            final_scale=scaler.get_scale(),
+            scales=scales,
+        )
 # --8<-- [end:train]
 
 

@@ -31,8 +31,14 @@ from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, param_checksum, peak_memory_bytes
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
-                                   make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 
 log = get_logger(__name__)
 
@@ -64,7 +70,7 @@ def train(cfg: DataParallelConfig) -> RecipeResult:
     for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
         with timer:
             # Scattered along dim 0 to the GPUs; logits come back gathered on GPU 0.
-            # autocast reaches the replicas: DataParallel's threads re-enter the caller's autocast state.
+            # autocast reaches the replicas: DataParallel's threads re-enter the caller's state.
             with autocast(device, precision):
                 loss = lm_loss(dp_model(inputs.to(device)), targets.to(device))
             optimizer.zero_grad(set_to_none=True)

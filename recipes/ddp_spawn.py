@@ -41,8 +41,14 @@ from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result, mean_over_ranks, param_checksum
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
-                                   make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import RankError, check_port_free, free_port, join_world, resolve_backend
 
 log = get_logger(__name__)
@@ -92,9 +98,16 @@ def train(cfg: DDPSpawnConfig) -> RecipeResult:
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
         loaded = save_on_rank0_and_load_everywhere(ddp_model, optimizer, cfg.steps, cfg.checkpoint_path, world.device)
-        return make_result("ddp_spawn", world, losses, model.parameters(), timer,
-                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision), **loaded)
+        return make_result(
+            "ddp_spawn",
+            world,
+            losses,
+            model.parameters(),
+            timer,
+            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+            **loaded,
+        )
 # --8<-- [end:train]
 
 

@@ -17,9 +17,10 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for ever
 DDP averages the gradients, so with the same seed and global batch the losses are the same on any
 number of ranks (tests/test_ddp_torchrun.py asserts it for worlds of 1, 2 and 3).
 
-Fast by default: on a GPU ``--precision auto`` trains in bf16 autocast with fp32 master weights, AdamW
-is fused, and ``--compile`` compiles each block before DDP wraps the model (recipes/core/speed.py).
-The result reports global tokens/s and MFU. ``--precision fp32`` is the exact reference the tests pin.
+Fast by default: on a GPU ``--precision auto`` trains in bf16 autocast with fp32 master
+weights, AdamW is fused, and ``--compile`` compiles each block before DDP wraps the model
+(recipes/core/speed.py). The result reports global tokens/s and MFU. ``--precision fp32`` is the
+exact reference the tests pin.
 
 Pitfalls named where they bite below: ``sampler.set_epoch``, DDP's ``.module``, saving from rank 0 only.
 """
@@ -35,10 +36,23 @@ from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, TrainConfig, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result, mean_over_ranks
-from recipes.core.speed import apply_compile, autocast, make_adamw, make_grad_scaler, setup_precision
+from recipes.core.speed import (
+    apply_compile,
+    autocast,
+    make_adamw,
+    make_grad_scaler,
+    setup_precision,
+)
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    Block,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -56,10 +70,11 @@ def train(cfg: DDPConfig) -> RecipeResult:
         precision = setup_precision(cfg.precision, world.device)  # auto: bf16 on a GPU, fp32 on CPU
         # Same seed on every rank -> same initial weights; DDP also broadcasts rank 0's at construction.
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
-        if cfg.compile:  # before DDP: DDP then wraps compiled blocks, its hooks stay outside the graphs
+        # before DDP: DDP then wraps compiled blocks, its hooks stay outside the graphs
+        if cfg.compile:
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
         ddp_model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-        optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)  # fused on CUDA
+        optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)
         scaler = make_grad_scaler(world.device, precision)  # a pass-through unless fp16
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
@@ -72,9 +87,12 @@ def train(cfg: DDPConfig) -> RecipeResult:
             with timer:
                 inputs, targets = inputs.to(world.device), targets.to(world.device)
                 with autocast(world.device, precision):  # forward and loss only; backward follows
-                    loss = lm_loss(ddp_model(inputs), targets)  # the mean over this rank's sequences
+                    loss = lm_loss(
+                        ddp_model(inputs), targets
+                    )  # the mean over this rank's sequences
                 optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()  # DDP averages gradients here, overlapped with backward
+                # DDP averages gradients here, overlapped with backward
+                scaler.scale(loss).backward()
                 scaler.step(optimizer)  # every rank applies the same averaged gradient
                 scaler.update()
             losses.append(mean_over_ranks(loss))  # the global batch's loss, for logging only
@@ -82,9 +100,15 @@ def train(cfg: DDPConfig) -> RecipeResult:
 
         # Pitfall: the trained weights live in ddp_model.module; save that (from rank 0 only), so the
         # checkpoint loads into a plain model without "module." prefixes.
-        return make_result("ddp_torchrun", world, losses, model.parameters(), timer,
-                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision))
+        return make_result(
+            "ddp_torchrun",
+            world,
+            losses,
+            model.parameters(),
+            timer,
+            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+        )
 # --8<-- [end:train]
 
 

@@ -1,7 +1,8 @@
 """Classic FSDP (FullyShardedDataParallel): ZeRO-3, ZeRO-2, DDP-like and hybrid sharding, equal to DDP.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.fsdp
-    torchrun --standalone --nproc_per_node=2 -m recipes.fsdp --sharding-strategy shard_grad_op --precision bf16
+    torchrun --standalone --nproc_per_node=2 -m recipes.fsdp --sharding-strategy shard_grad_op \
+        --precision bf16
     torchrun --standalone --nproc_per_node=4 -m recipes.fsdp --sharding-strategy hybrid --ranks-per-node 2
 
 Each rank keeps 1/N of the parameters, gradients and AdamW state (``full``); FSDP all-gathers a wrapped
@@ -14,10 +15,11 @@ unsharded from forward to the end of backward, no re-all-gather in backward); ``
 (DDP-like, deprecated by torch in favour of DDP); ``hybrid`` = HYBRID_SHARD (shard inside a node,
 replicate across nodes: a 2-D mesh ("replicate", "shard") of nodes x ``--ranks-per-node``).
 
-Speed: ``--precision auto`` (bf16 on a GPU) is FSDP's own ``MixedPrecision`` (bf16 compute and buffers,
-fp32 reduction), AdamW is fused on CUDA. On one H200 (100m, torch 2.11, a world of 1, where FSDP
+Speed: ``--precision auto`` (bf16 on a GPU) is FSDP's own ``MixedPrecision`` (bf16 compute and
+buffers, fp32 reduction), AdamW is fused on CUDA. On one H200 (100m, torch 2.11, a world of 1, where FSDP
 switches itself to NO_SHARD) a step ran 62.9 ms at batch 64 against the bare bf16 loop's 67.4, and
-65.5 against 37.1 ms at batch 32, where issuing a step takes ~72 ms of CPU (scripts/bench.py).
+65.5 against 37.1 ms at batch 32 (scripts/bench.py), where issuing a step took ~72 ms of CPU in a
+profiled probe.
 
 New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing training code
 uses, so its options and pitfalls are shown here. Pitfalls named where they bite: fp16 needs
@@ -54,8 +56,15 @@ from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_
 from recipes.core.state import all_ranks, full_state_on_rank0
 from recipes.core.speed import low_precision_dtype, make_adamw, setup_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    Block,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -100,10 +109,12 @@ PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKW
 
 
 def fsdp_mixed_precision(precision: str) -> MixedPrecision | None:
-    """bf16/fp16: compute (and keep buffers) in that dtype, reduce gradients in fp32: a sum over many
-    ranks in bf16 loses bits. fp32/tf32: None, everything in the parameters' fp32."""
+    """bf16/fp16: compute (and keep buffers) in that dtype, reduce gradients in fp32: a sum over
+    many ranks in bf16 loses bits. fp32/tf32: None, everything in the parameters' fp32."""
     low = low_precision_dtype(precision)
-    return MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low) if low else None
+    if low is None:
+        return None
+    return MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
 
 
 # --8<-- [start:apply_fsdp]
@@ -255,10 +266,16 @@ def train(cfg: FSDPConfig) -> RecipeResult:
             extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
             extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
         full_state, checksum = full_state_on_rank0(model)  # every rank calls it: it all-gathers
-        result = make_result("fsdp", world, losses, full_state.values(), timer,
-                             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
-                             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-                             **extras)
+        result = make_result(
+            "fsdp",
+            world,
+            losses,
+            full_state.values(),
+            timer,
+            keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+            **extras,
+        )
         result.param_checksum = checksum
         return result
 # --8<-- [end:train]

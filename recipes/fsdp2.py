@@ -71,8 +71,15 @@ from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_
 from recipes.core.state import all_ranks, full_state_on_rank0
 from recipes.core.speed import apply_compile, low_precision_dtype, make_adamw, setup_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    Block,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -115,18 +122,25 @@ class FSDP2Config(CompileOption, TrainConfig):
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    """bf16/fp16: compute in that dtype, reduce gradients in fp32 (a sum over many ranks in bf16 loses
-    bits); fp32/tf32: the default policy (everything in the parameters' fp32)."""
+    """bf16/fp16: compute in that dtype, reduce gradients in fp32 (a sum over many ranks in bf16
+    loses bits); fp32/tf32: the default policy (everything in the parameters' fp32)."""
     low = low_precision_dtype(precision)
-    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    if low is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
 
 # --8<-- [start:apply_fully_shard]
-def apply_fully_shard(model: nn.Module, mesh: DeviceMesh, *, block_types: tuple[type[nn.Module], ...],
-                      reshard_after_forward: bool | int = True,
-                      mp_policy: MixedPrecisionPolicy | None = None,
-                      offload_policy: OffloadPolicy | None = None,
-                      explicit_prefetch: bool = False) -> nn.Module:
+def apply_fully_shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    block_types: tuple[type[nn.Module], ...],
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    explicit_prefetch: bool = False,
+) -> nn.Module:
     """Shard each block, then the root, over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
 
     ``block_types``: your model's repeated block classes (``(Block,)`` here, ``(GPT2Block,)`` for
@@ -137,8 +151,10 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh, *, block_types: tuple[
     blocks = [module for module in model.modules() if isinstance(module, block_types)]
     if not blocks:
         found = sorted({type(m).__name__ for m in model.modules()})
-        raise RecipeError(f"apply_fully_shard found no {', '.join(t.__name__ for t in block_types)} in "
-                          f"{type(model).__name__}; its module classes are: {', '.join(found)}")
+        raise RecipeError(
+            f"apply_fully_shard found no {', '.join(t.__name__ for t in block_types)} in "
+            f"{type(model).__name__}; its module classes are: {', '.join(found)}"
+        )
     # Order: bottom-up. Each call groups the parameters not yet claimed by an inner call, so the
     # Blocks go first and the root call collects the rest (embeddings, final norm, output).
     for block in blocks:
@@ -182,13 +198,22 @@ def train(cfg: FSDP2Config) -> RecipeResult:
         model = build_model(cfg.model, seed=cfg.seed, device="cpu")  # fully_shard moves each shard
         if cfg.compile:  # compile, then shard: the sharding hooks stay outside the compiled graphs
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
-        # Pinned memory needs an accelerator; on a CPU-only world the offload runs the code path only.
-        offload = CPUOffloadPolicy(pin_memory=world.device.type != "cpu") if cfg.cpu_offload else None
-        model = apply_fully_shard(model, mesh, block_types=(Block,), reshard_after_forward=reshard,
-                                  mp_policy=mixed_precision_policy(precision), offload_policy=offload,
-                                  explicit_prefetch=cfg.explicit_prefetch)
+        # Pinned memory needs an accelerator: on a CPU-only world the offload only runs the code.
+        offload = (
+            CPUOffloadPolicy(pin_memory=world.device.type != "cpu") if cfg.cpu_offload else None
+        )
+        model = apply_fully_shard(
+            model,
+            mesh,
+            block_types=(Block,),
+            reshard_after_forward=reshard,
+            mp_policy=mixed_precision_policy(precision),
+            offload_policy=offload,
+            explicit_prefetch=cfg.explicit_prefetch,
+        )
         # After sharding: AdamW's state is created like the parameters, as DTensor shards (1/N each).
-        # Fused on CUDA: foreach AdamW on DTensors pays DTensor dispatch for every op of every tensor.
+        # Fused on CUDA: foreach AdamW on DTensors pays DTensor dispatch for every op of every
+        # parameter.
         optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
         # Pitfall check: the plain amp GradScaler IS right here. DTensor reduces its found_inf over the mesh,
         # so an inf in one rank's shard makes every rank skip (tests/test_fsdp2.py injects one).
@@ -247,10 +272,16 @@ def train(cfg: FSDP2Config) -> RecipeResult:
             extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
             extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
         full_state, checksum = full_state_on_rank0(model)  # every rank calls it: it all-gathers
-        result = make_result("fsdp2", world, losses, full_state.values(), timer,
-                             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
-                             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-                             **extras)
+        result = make_result(
+            "fsdp2",
+            world,
+            losses,
+            full_state.values(),
+            timer,
+            keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+            **extras,
+        )
         result.param_checksum = checksum
         return result
 # --8<-- [end:train]

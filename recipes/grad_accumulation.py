@@ -32,8 +32,14 @@ from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result, mean_over_ranks
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
-                                   make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -103,11 +109,18 @@ def train(cfg: GradAccumulationConfig) -> RecipeResult:
             log.info("step %d loss %.4f all-reduce rounds %d time %.1f ms",
                      step, losses[-1], rounds, timer.durations[-1] * 1e3)
 
-        return make_result("grad_accumulation", world, losses, model.parameters(), timer,
-                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-                           allreduce_rounds_per_step=counter.rounds_per_step,
-                           bucket_allreduces=counter.buckets, micro_batch_size=micro_batch)
+        return make_result(
+            "grad_accumulation",
+            world,
+            losses,
+            model.parameters(),
+            timer,
+            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+            allreduce_rounds_per_step=counter.rounds_per_step,
+            bucket_allreduces=counter.buckets,
+            micro_batch_size=micro_batch,
+        )
 # --8<-- [end:train]
 
 

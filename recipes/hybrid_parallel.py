@@ -43,8 +43,15 @@ from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import make_adamw, setup_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps, lm_loss,
-                                   make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    Block,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
 from recipes.process_groups import rank_grid
@@ -83,8 +90,13 @@ def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel:
     apply_tp(module, mesh["tp"], sequence_parallel=sequence_parallel)
     # In a pipeline every micro-batch runs the stage's forward: resharding after each forward would
     # all-gather the parameters once per micro-batch. Keep them (ZeRO-2 style) until the backward.
-    return apply_fully_shard(module, mesh["dp"], block_types=(Block,), reshard_after_forward=not in_pipeline,
-                             mp_policy=mp_policy)
+    return apply_fully_shard(
+        module,
+        mesh["dp"],
+        block_types=(Block,),
+        reshard_after_forward=not in_pipeline,
+        mp_policy=mp_policy,
+    )
 # --8<-- [end:parallelize]
 
 
@@ -105,7 +117,9 @@ def train(cfg: HybridConfig) -> RecipeResult:
         if cfg.pp == 1:
             model = build_model(cfg.model, seed=cfg.seed, device=world.device)
             params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            apply_tp_and_fsdp(model, mesh, sequence_parallel=cfg.sequence_parallel, mp_policy=mp_policy)
+            apply_tp_and_fsdp(
+                model, mesh, sequence_parallel=cfg.sequence_parallel, mp_policy=mp_policy
+            )
             modules = [model]
         else:
             pp_cfg = pp_recipe.PPConfig(model=cfg.model, schedule=cfg.schedule, microbatches=cfg.microbatches,
@@ -122,7 +136,9 @@ def train(cfg: HybridConfig) -> RecipeResult:
                                                         in_pipeline=True, mp_policy=mp_policy))
             schedule = pp_recipe.build_schedule(cfg.schedule, stages, cfg.microbatches)
             modules = [stage.submod for stage in stages]
-        optimizer = make_adamw([p for m in modules for p in m.parameters()], lr=cfg.lr, device=world.device)
+        optimizer = make_adamw(
+            [p for m in modules for p in m.parameters()], lr=cfg.lr, device=world.device
+        )
 
         # Data: one share per dp coordinate. Ranks that differ only in tp (or pp) read the same samples.
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)

@@ -44,8 +44,14 @@ from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
 from recipes.core.speed import lightning_precision, make_adamw
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
-                                   make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 import lightning as L
@@ -55,6 +61,7 @@ log = get_logger(__name__)
 
 @dataclass
 class FabricConfig(TrainConfig):
+    # Lightning's own precision names (plus auto), not the cookbook's: Lightning users know these.
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed"] = opt(  # type: ignore[assignment]
         "auto", "Fabric precision; auto = bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA")
     accumulate_grad_batches: int = opt(
@@ -130,9 +137,16 @@ def train(cfg: FabricConfig) -> RecipeResult:
                 fabric.save(os.path.join(cfg.checkpoint_dir, f"step-{step + 1}.ckpt"),
                             {"model": ddp_model, "optimizer": optimizer, "step": step + 1})
 
-        result = make_result("lightning_fabric", world, losses, model.parameters(), timer, start_step=start_step,
-                             keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-                             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, core_precision))
+        result = make_result(
+            "lightning_fabric",
+            world,
+            losses,
+            model.parameters(),
+            timer,
+            start_step=start_step,
+            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, core_precision),
+        )
         # Pitfall: free the DDP wrapper while the process group is alive. Its reducer holds the group; if the
         # reducer goes last (after join_world destroyed the group), it destroys the gloo group from Python
         # garbage collection, and that can deadlock at exit (4 of 6 torchrun runs hung on torch 2.13).

@@ -49,7 +49,14 @@ from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result, peak_memory_bytes
 from recipes.core.speed import lightning_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import MODEL_PRESETS, Block, build_model, distributed_loader, lm_loss, make_dataset
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    Block,
+    build_model,
+    distributed_loader,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import World, join_world, resolve_backend
 
 import lightning as L
@@ -65,8 +72,11 @@ LIGHTNING_CLI_SUBCOMMANDS = ("fit", "validate")
 class LightningConfig(TrainConfig):
     strategy: Literal["ddp", "ddp_spawn", "fsdp", "model_parallel"] = opt(
         "ddp", "Lightning strategy; ddp_spawn starts --devices processes itself, the others join torchrun's world")
+    # Lightning's own precision names (plus auto), not the cookbook's: Lightning users know these.
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed"] = opt(  # type: ignore[assignment]
-        "auto", "Lightning precision; auto = bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA")
+        "auto",
+        "Lightning precision; auto = bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA",
+    )
     devices: int = opt(
         0, "processes per node; 0 = as the launcher says (LOCAL_WORLD_SIZE); ddp_spawn: how many "
         "to start", ge=0)
@@ -241,9 +251,9 @@ class StepLog(L.Callback):
     def __init__(self, timer: StepTimer, print_lines: bool):
         self.timer, self.print_lines = timer, print_lines
 
-    # The StepTimer synchronises CUDA on entry and exit, as in the raw recipes: unsynchronised, a step's
-    # time would be the time to queue its kernels (on an H200 at batch 64 it read 48.8 ms: faster than
-    # the bare loop's measured 67 ms).
+    # The StepTimer synchronises CUDA on entry and exit, as in the raw recipes: unsynchronised, a
+    # step's time would be the time to queue its kernels (on an H200 at batch 64 it read 48.8 ms:
+    # faster than the bare loop's measured 67 ms).
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self.timer.__enter__()
@@ -365,8 +375,15 @@ def full_state(trainer: L.Trainer, module: LMModule) -> dict[str, torch.Tensor]:
 
 
 # --8<-- [start:trainer]
-def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_nodes: int, timer: StepTimer,
-                 precision: str) -> L.Trainer:
+def make_trainer(
+    cfg: LightningConfig,
+    *,
+    accelerator: str,
+    devices: int,
+    num_nodes: int,
+    timer: StepTimer,
+    precision: str,
+) -> L.Trainer:
     callbacks: list[L.Callback] = [StepLog(timer, print_lines=not _progress_bar(cfg)), RecipeMetrics(timer)]
     if cfg.strategy == "ddp_spawn":  # Lightning owns that world; under torchrun join_world owns it
         callbacks.append(LeaveWorld())
@@ -476,9 +493,21 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
     timer = StepTimer(world.device)
     module = LMModule(cfg.model, lr=cfg.lr, seed=cfg.seed)
     data = LMDataModule(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    trainer = make_trainer(cfg, accelerator=accelerator, devices=devices, num_nodes=num_nodes, timer=timer,
-                           precision=precision)
-    log.info("Lightning %s on %d node(s) x %d device(s), precision %s", cfg.strategy, num_nodes, devices, precision)
+    trainer = make_trainer(
+        cfg,
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        timer=timer,
+        precision=precision,
+    )
+    log.info(
+        "Lightning %s on %d node(s) x %d device(s), precision %s",
+        cfg.strategy,
+        num_nodes,
+        devices,
+        precision,
+    )
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from or None)
     # _fit returns inside join_world: the Trainer and its DDP wrapper are freed while the process group is
     # alive (freed after it, a DDP reducer can deadlock the gloo teardown: see recipes/lightning_fabric.py).
@@ -487,13 +516,20 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
     state = full_state(trainer, module)  # every rank takes part in the gather; rank 0 keeps the result
     checkpoint = trainer.checkpoint_callback if cfg.checkpoint_every_n_steps else None
     extras = {
-        "strategy": cfg.strategy, "lightning_precision": precision, "global_step": trainer.global_step,
+        "strategy": cfg.strategy,
+        "lightning_precision": precision,
+        "global_step": trainer.global_step,
         # Rank 0 holds the gathered state (with cpu_offload the other ranks hold none: max(..., 1)).
         "param_fraction_per_rank": int(metrics["recipe/param_elements_per_rank"])
         / max(sum(t.numel() for t in state.values()), 1),
-        "metrics_file": os.path.join(trainer.logger.log_dir, "metrics.csv") if cfg.logger == "csv" else None,
-        "checkpoints": sorted(os.path.join(checkpoint.dirpath, name) for name in os.listdir(checkpoint.dirpath))
-        if checkpoint and os.path.isdir(checkpoint.dirpath) else [],
+        "metrics_file": os.path.join(trainer.logger.log_dir, "metrics.csv")
+        if cfg.logger == "csv"
+        else None,
+        "checkpoints": sorted(
+            os.path.join(checkpoint.dirpath, name) for name in os.listdir(checkpoint.dirpath)
+        )
+        if checkpoint and os.path.isdir(checkpoint.dirpath)
+        else [],
     }
     result = make_result("lightning_trainer", world, [float(x) for x in metrics["recipe/losses"]], state.values(),
                          timer, keep_final_state=state if cfg.keep_final_state else None, **extras)

@@ -125,11 +125,14 @@ def attention_kernel_that_ran(model: torch.nn.Module, inputs: torch.Tensor, allo
     try:
         with torch.no_grad(), allowed(), autocast(device, precision), OpsThatRan() as ops:
             model(inputs)
-    except RuntimeError as exc:  # a forced kernel does not fall back: it refuses shapes it cannot run
+    # a forced kernel does not fall back: it refuses shapes it cannot run
+    except RuntimeError as exc:
         if "backend" not in str(exc) and "kernel" not in str(exc):
             raise
-        raise RecipeError(f"--sdpa-backend {requested} cannot run this model's attention on "
-                          f"{device.type} in {precision}; use --sdpa-backend auto (or math)") from None
+        raise RecipeError(
+            f"--sdpa-backend {requested} cannot run this model's attention on "
+            f"{device.type} in {precision}; use --sdpa-backend auto (or math)"
+        ) from None
     ran = [backend for backend, op in SDPA_OPS.items() if any(op in name for name in ops.names)]
     if not ran and any("_softmax" in name for name in ops.names):
         return "math"  # the math path is composite: it reaches the dispatch mode as bmm + softmax

@@ -73,9 +73,9 @@ SCHEDULES = {
     "zbv_zero_bubble": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-# torch 2.11's stage set-up sends shape metadata between every pair of adjacent stages, also when one
-# rank holds both, as ZB-V's V puts stages 1 and 2 on rank 1: a send to itself, which gloo cannot make
-# ("Pair is not connected"). NCCL can; torch 2.13 does not send between stages of one rank.
+# torch 2.11's stage set-up sends shape metadata between every pair of adjacent stages, also when
+# one rank holds both, as ZB-V's V puts stages 1 and 2 on rank 1: a send to itself, which gloo
+# cannot make ("Pair is not connected"). NCCL can, and torch 2.13 runs it on gloo (tested).
 SELF_SEND_FREE_TORCH = (2, 13)
 
 
@@ -85,11 +85,17 @@ def torch_version() -> tuple[int, int]:
 
 
 def check_schedule_runs_here(schedule: str, backend: str) -> None:
-    """RecipeError naming the fix where the installed torch cannot run ``schedule`` on ``backend``."""
-    if schedule == "zbv_zero_bubble" and backend == "gloo" and torch_version() < SELF_SEND_FREE_TORCH:
-        raise RecipeError(f"zbv_zero_bubble on gloo needs torch >= 2.13 (torch {torch.__version__} sends "
-                          "from a rank to itself, which gloo cannot); use --backend nccl, or "
-                          "--schedule interleaved_zero_bubble")
+    """A RecipeError naming the fix where this torch cannot run ``schedule`` on ``backend``."""
+    if (
+        schedule == "zbv_zero_bubble"
+        and backend == "gloo"
+        and torch_version() < SELF_SEND_FREE_TORCH
+    ):
+        raise RecipeError(
+            f"zbv_zero_bubble on gloo needs torch >= 2.13 (torch {torch.__version__} sends "
+            "from a rank to itself, which gloo cannot); use --backend nccl, or "
+            "--schedule interleaved_zero_bubble"
+        )
 
 
 @dataclass
@@ -219,7 +225,7 @@ def pipeline_step(schedule, stages: list[PipelineStage], inputs: torch.Tensor, t
     """
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     # Pitfall: a stage checks each micro-batch's strides against the ones it expects (torch 2.11:
-    # PipeliningShapeError "stride mismatch"), so a non-contiguous batch such as tokens[:, :-1] fails.
+    # PipeliningShapeError "stride mismatch"): a non-contiguous batch, e.g. tokens[:, :-1], fails.
     inputs, targets = inputs.contiguous(), targets.contiguous()
     microbatch_losses: list[torch.Tensor] = []
     if has_first:
@@ -285,7 +291,8 @@ def train(cfg: PPConfig) -> RecipeResult:
         check_pipeline_fits(cfg, pp_size)
         check_schedule_runs_here(cfg.schedule, world.backend)
         precision = setup_precision(cfg.precision, world.device)
-        if precision == "fp16":  # the schedule runs backward inside step(): no place to scale the loss
+        # the schedule runs backward inside step(): no place to scale the loss
+        if precision == "fp16":
             raise RecipeError("pipeline_parallel has no loss scaler for fp16; use --precision bf16")
         model_cfg = model_config(cfg.model, cfg.n_layers)
         stage_ids, num_stages = stage_placement(cfg.schedule, pp_rank, pp_size, cfg.stages_per_rank)

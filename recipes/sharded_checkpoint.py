@@ -102,13 +102,18 @@ class CheckpointConfig(TrainConfig):
         "boundary, so a resume must restore the epoch, not only the step", ge=1)
 
 
-def parallelize(model: nn.Module, strategy: str, world: World, precision: str = "fp32") -> nn.Module:
-    """The model as each strategy wraps it (recipes.fsdp / recipes.fsdp2), in ``precision`` (the FSDPs'
-    own mixed-precision policies; DDP autocasts in the loop). The checkpoint code is the same for all."""
+def parallelize(
+    model: nn.Module, strategy: str, world: World, precision: str = "fp32"
+) -> nn.Module:
+    """The model as each strategy wraps it (recipes.fsdp / recipes.fsdp2), in ``precision``: the
+    FSDPs' own mixed-precision policies; DDP autocasts in the loop. The checkpoint code is the same
+    for all."""
     if strategy == "ddp":
         return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     if strategy == "fsdp":
-        return apply_fsdp(model, device=world.device, mixed_precision=fsdp_mixed_precision(precision))
+        return apply_fsdp(
+            model, device=world.device, mixed_precision=fsdp_mixed_precision(precision)
+        )
     return apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)),
                              block_types=(Block,), mp_policy=mixed_precision_policy(precision))
 
@@ -538,11 +543,14 @@ def train(cfg: CheckpointConfig) -> RecipeResult:
 def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int, group: dist.ProcessGroup) -> RecipeResult:
     precision = setup_precision(cfg.precision, world.device)
     if precision == "fp16":
-        raise RecipeError("sharded_checkpoint does not checkpoint a loss scaler; use --precision bf16 "
-                          "(no scaler needed) or fp32")
+        raise RecipeError(
+            "sharded_checkpoint does not checkpoint a loss scaler; use --precision bf16 "
+            "(no scaler needed) or fp32"
+        )
     _refuse_bad_paths(cfg, world, group)  # now, not after training: see path_problem
-    model = parallelize(build_model(cfg.model, seed=cfg.seed, device=world.device), cfg.strategy, world,
-                        precision)
+    model = parallelize(
+        build_model(cfg.model, seed=cfg.seed, device=world.device), cfg.strategy, world, precision
+    )
     optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
     # DDP computes in bf16 under autocast; the FSDPs' policies already do (autocast on top: none).
     compute_dtype = precision if cfg.strategy == "ddp" else "fp32"

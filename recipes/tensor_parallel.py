@@ -51,8 +51,16 @@ from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import (apply_compile, autocast, make_adamw, make_grad_scaler,
                                 setup_precision)
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, ModelConfig, build_model, distributed_loader,
-                                   iterate_steps, lm_loss, make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    Block,
+    ModelConfig,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -194,7 +202,8 @@ def train(cfg: TPConfig) -> RecipeResult:
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
         # TP alone has no mixed-precision policy of its own: bf16 is autocast (as torchtitan does).
         precision = setup_precision(cfg.precision, world.device)
-        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # sees the DTensors
+        # Built after apply_tp: it must see the DTensors.
+        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
         scaler = make_grad_scaler(world.device, precision)
         # Pitfall: a DistributedSampler over the TP ranks would give each rank different samples, and
         # each rank would compute its slice of a different batch. Every TP rank reads the whole batch.

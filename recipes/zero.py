@@ -32,8 +32,14 @@ from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make
 from recipes.core.state import all_ranks
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps, lm_loss,
-                                   make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -57,8 +63,12 @@ def train(cfg: ZeroConfig) -> RecipeResult:
         if cfg.optimizer == "zero":
             # Same arguments as AdamW, plus the class: each rank builds an AdamW over its own partition.
             # fused=: one kernel per partition on CUDA, like make_adamw (None = torch's default).
-            optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.AdamW,
-                                                lr=cfg.lr, fused=True if world.device.type == "cuda" else None)
+            optimizer = ZeroRedundancyOptimizer(
+                ddp_model.parameters(),
+                optimizer_class=torch.optim.AdamW,
+                lr=cfg.lr,
+                fused=True if world.device.type == "cuda" else None,
+            )
             owned = [p for group in optimizer.optim.param_groups for p in group["params"]]
         else:
             optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)
@@ -83,7 +93,8 @@ def train(cfg: ZeroConfig) -> RecipeResult:
                     # Gradients are replicated, so the local norm IS the global norm: no collective needed
                     # (unlike FSDP, where each rank holds a shard: see recipes/fsdp.py).
                     grad_norms.append(float(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), cfg.max_grad_norm)))
-                scaler.step(optimizer)  # ZeRO: update the owned partition, broadcast it to the others
+                # ZeRO: update the owned partition, broadcast it to the others
+                scaler.step(optimizer)
                 scaler.update()
             losses.append(mean_over_ranks(loss))
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
@@ -98,9 +109,16 @@ def train(cfg: ZeroConfig) -> RecipeResult:
             optimizer.consolidate_state_dict(to=0)
             if world.is_main:
                 extras["consolidated_optimizer_states"] = len(optimizer.state_dict()["state"])
-        return make_result("zero", world, losses, model.parameters(), timer,
-                           keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-                           workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision), **extras)
+        return make_result(
+            "zero",
+            world,
+            losses,
+            model.parameters(),
+            timer,
+            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+            **extras,
+        )
 # --8<-- [end:train]
 
 

@@ -53,9 +53,18 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
             get_logger("recipes").info(
                 "done: %d steps on %d rank(s) (%s, %s, %s): loss %.4f -> %.4f, %.1f ms/step, "
                 "%.0f tokens/s, MFU %s, peak memory %.0f MiB",
-                len(result.losses), result.world_size, result.backend, result.device, result.precision,
-                result.losses[0], result.losses[-1], result.seconds_per_step * 1e3,
-                result.tokens_per_second, mfu, result.peak_memory_bytes / 2**20)
+                len(result.losses),
+                result.world_size,
+                result.backend,
+                result.device,
+                result.precision,
+                result.losses[0],
+                result.losses[-1],
+                result.seconds_per_step * 1e3,
+                result.tokens_per_second,
+                mfu,
+                result.peak_memory_bytes / 2**20,
+            )
         print(result.to_json(), flush=True)
 
 

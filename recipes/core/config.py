@@ -112,18 +112,25 @@ class TrainConfig(Config):
                                   "of hanging", gt=0)
     keep_final_state: bool = opt(False, "return the final full state dict in the result (tests compare it)")
     precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = opt(
-        "auto", "auto = bf16 on a GPU, fp32 on CPU; fp32 = true fp32 (TF32 off); tf32 = TF32 matmuls (CUDA); "
-        "bf16/fp16 = mixed precision (fp16 with a loss scaler); see recipes.core.speed")
+        "auto",
+        "auto = bf16 on a GPU, fp32 on CPU; fp32 = true fp32 (TF32 off); "
+        "tf32 = TF32 matmuls (CUDA); "
+        "bf16/fp16 = mixed precision (fp16 with a loss scaler); see recipes.core.speed",
+    )
 
 
 @dataclass
 class CompileOption:
     """Mixed into the configs of the recipes that can ``torch.compile`` their blocks."""
 
-    compile: bool = opt(False, "torch.compile each transformer block (after checkpointing, before sharding)")
+    compile: bool = opt(
+        False, "torch.compile each transformer block (after checkpointing, before sharding)"
+    )
     compile_backend: Literal["inductor", "aot_eager", "eager"] = opt(
-        "inductor", "torch.compile backend: inductor generates kernels (the fast one); aot_eager traces "
-        "forward and backward without generating code (the tests use it: no C++ compiler needed)")
+        "inductor",
+        "torch.compile backend: inductor generates kernels (the fast one); aot_eager traces "
+        "forward and backward without generating code (the tests use it: no C++ compiler needed)",
+    )
 
 
 def _literal_choices(annotation: Any) -> tuple | None:

@@ -28,10 +28,13 @@ class RecipeResult:
     param_checksum: float  # sum of every final parameter, in float64: equal checksums, equal training
     seconds_per_step: float  # median over the steps after the first (which includes warm-up)
     peak_memory_bytes: int  # CUDA: max allocated on this device; CPU: the process's peak resident set
-    precision: str = "fp32"  # what the run computed in: fp32, tf32, bf16 or fp16 (``auto`` resolved)
+    # what the run computed in: fp32, tf32, bf16 or fp16 (``auto`` resolved)
+    precision: str = "fp32"
     tokens_per_second: float = 0.0  # global: every rank's tokens, per second of a steady step
-    model_tflops: float = 0.0  # the model's FLOPs at that rate (recipes.core.throughput.flops_per_token)
-    mfu: float | None = None  # model_tflops / (devices x the device's dense peak); None on CPU or unknown
+    # the model's FLOPs at that rate (recipes.core.throughput.flops_per_token)
+    model_tflops: float = 0.0
+    # model_tflops / (devices x the device's dense peak); None on CPU or an unknown device
+    mfu: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # recipe-specific figures, e.g. skipped_steps
     final_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # only with keep_final_state
 

@@ -164,8 +164,15 @@ def make_dataset(model: str | ModelConfig, global_batch_size: int, *, batches_pe
 
 
 # --8<-- [start:distributed_loader]
-def distributed_loader(dataset: Dataset, *, rank: int, world_size: int, per_rank_batch_size: int,
-                       seed: int = 0, pin_memory: bool = False) -> tuple[DataLoader, DistributedSampler]:
+def distributed_loader(
+    dataset: Dataset,
+    *,
+    rank: int,
+    world_size: int,
+    per_rank_batch_size: int,
+    seed: int = 0,
+    pin_memory: bool = False,
+) -> tuple[DataLoader, DistributedSampler]:
     """Each rank reads a disjoint 1/world_size of every epoch.
 
     With the same ``seed``, global step ``s`` covers the same samples on every world size: the sampler
