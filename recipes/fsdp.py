@@ -34,6 +34,7 @@ import contextlib
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
@@ -103,9 +104,22 @@ class FSDPConfig(TrainConfig):
     inject_inf_rank: int = opt(1, "the rank that injects the inf (see --inject-inf-step)", ge=0)
 
 
+# The command line's names for torch's enums; apply_fsdp itself takes the enums.
 STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
               "no_shard": ShardingStrategy.NO_SHARD, "hybrid": ShardingStrategy.HYBRID_SHARD}
-PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST,
+            "none": None}
+
+
+def wrap_policy_for(name: str, *, block_types: tuple[type[nn.Module], ...],
+                    min_num_params: int = 10_000):
+    """The command line's --wrap-policy as torch's policy object (None: one unit)."""
+    return {
+        "block": ModuleWrapPolicy(set(block_types)),
+        "size": functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params),
+        "module": ModuleWrapPolicy({*block_types, nn.Embedding}),
+        "none": None,  # one unit: the whole model is all-gathered at once, nothing to overlap
+    }[name]
 
 
 def fsdp_mixed_precision(precision: str) -> MixedPrecision | None:
@@ -118,25 +132,30 @@ def fsdp_mixed_precision(precision: str) -> MixedPrecision | None:
 
 
 # --8<-- [start:apply_fsdp]
-def apply_fsdp(model: nn.Module, *, sharding_strategy: str = "full", wrap_policy: str = "block",
-               min_num_params: int = 10_000, mixed_precision: MixedPrecision | None = None,
-               cpu_offload: bool = False,
-               backward_prefetch: str = "pre", forward_prefetch: bool = False, limit_all_gathers: bool = True,
-               sync_module_states: bool = True, activation_checkpointing: bool = False,
+def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callable | None,
+               sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+               mixed_precision: MixedPrecision | None = None, cpu_offload: CPUOffload | None = None,
+               backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+               forward_prefetch: bool = False, limit_all_gathers: bool = True,
+               sync_module_states: bool = True,
+               checkpoint_block_types: tuple[type[nn.Module], ...] = (),
                device: torch.device | None = None, mesh: DeviceMesh | None = None) -> FSDP:
-    """Wrap ``model`` in classic FSDP. ``mesh``: 2-D ("replicate", "shard") for hybrid, else optional 1-D."""
-    policies = {
-        "block": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-        "size": functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params),
-        "module": ModuleWrapPolicy({Block, nn.Embedding}),
-        "none": None,  # one unit: the whole model is all-gathered at once, nothing to overlap
-    }
-    if sharding_strategy == "hybrid" and (mesh is None or mesh.ndim != 2):
-        raise RecipeError("sharding_strategy='hybrid' needs a 2-D device mesh (replicate, shard)")
+    """Wrap ``model`` in classic FSDP, one unit per module that ``auto_wrap_policy`` picks.
+
+    ``auto_wrap_policy``: e.g. ``ModuleWrapPolicy({GPT2Block})``, your model's block classes; None
+    makes the whole model one unit. A policy that wraps nothing, or that puts the two users of a tied
+    weight (GPT-2's ``wte`` and ``lm_head``) in different units, is refused. ``mesh``: 2-D
+    ("replicate", "shard") for HYBRID_SHARD, else optional 1-D. ``checkpoint_block_types``: recompute
+    these blocks' activations in backward (activation checkpointing inside each unit).
+    """
+    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if hybrid and (mesh is None or mesh.ndim != 2):
+        raise RecipeError(f"{sharding_strategy.name} needs a 2-D device mesh (replicate, shard)")
     on_cpu = (device or next(model.parameters()).device).type == "cpu"
-    if cpu_offload and on_cpu:
-        raise RecipeError("cpu_offload needs a GPU: FSDP pins host memory for the copies to and from the device; "
-                          "on a CPU-only world the parameters already live in host memory: drop --cpu-offload")
+    if cpu_offload is not None and cpu_offload.offload_params and on_cpu:
+        raise RecipeError("cpu_offload needs a GPU: FSDP pins host memory for the copies to and from "
+                          "the device; on a CPU-only world the parameters already live in host "
+                          "memory: drop --cpu-offload")
     if sync_module_states and on_cpu:
         # FSDP's own sync_module_states refuses CPU tensors (it broadcasts on the accelerator): on a
         # CPU-only world, broadcast rank 0's parameters and buffers by hand, before sharding.
@@ -144,13 +163,14 @@ def apply_fsdp(model: nn.Module, *, sharding_strategy: str = "full", wrap_policy
             for tensor in itertools.chain(model.parameters(), model.buffers()):
                 dist.broadcast(tensor, src=0)
         sync_module_states = False
+    tied = tied_parameters(model)  # before wrapping: FSDP flattens them away
     fsdp_model = FSDP(
         model,
-        sharding_strategy=STRATEGIES[sharding_strategy],
-        auto_wrap_policy=policies[wrap_policy],
+        sharding_strategy=sharding_strategy,
+        auto_wrap_policy=auto_wrap_policy,
         mixed_precision=mixed_precision,  # e.g. fsdp_mixed_precision("bf16"); None = fp32
-        cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
-        backward_prefetch=PREFETCH[backward_prefetch],
+        cpu_offload=cpu_offload,
+        backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
         limit_all_gathers=limit_all_gathers,
         sync_module_states=sync_module_states,
@@ -161,14 +181,58 @@ def apply_fsdp(model: nn.Module, *, sharding_strategy: str = "full", wrap_policy
         device_id=device,
         device_mesh=mesh,
     )
-    if activation_checkpointing:
+    check_units(fsdp_model, auto_wrap_policy, tied)
+    if checkpoint_block_types:
         # Order: wrap with FSDP FIRST, then checkpoint, so each unit is FSDP(CheckpointWrapper(Block)):
         # the recomputation in backward runs inside the unit while its parameters are all-gathered.
         # Non-reentrant: the reentrant variant runs a nested backward that FSDP's hooks do not expect.
         apply_activation_checkpointing(
-            fsdp_model, check_fn=lambda module: isinstance(module, Block),
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+            fsdp_model, check_fn=lambda module: isinstance(module, checkpoint_block_types),
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
     return fsdp_model
+
+
+def tied_parameters(model: nn.Module) -> list[list[nn.Module]]:
+    """For each parameter that several modules share (a tied embedding and output layer), the
+    modules that hold it."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(module)
+    return [modules for modules in holders.values() if len(modules) > 1]
+
+
+def check_units(fsdp_model: FSDP, policy, tied: list[list[nn.Module]]) -> None:
+    """RecipeError if the policy wrapped nothing, or split a tied weight across units.
+
+    A tied weight in two units is two flat shards that no longer share storage: the forward fails
+    ("size mismatch ... vec (0)") or, worse, the two copies train apart.
+    """
+    unit_of: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, unit: nn.Module) -> None:
+        unit = module if isinstance(module, FSDP) else unit
+        unit_of[id(module)] = unit
+        for child in module.children():
+            visit(child, unit)
+
+    visit(fsdp_model, fsdp_model)
+    units = {id(unit) for unit in unit_of.values()}
+    inner = fsdp_model.module
+    if policy is not None and len(units) == 1:
+        found = sorted({type(m).__name__ for m in inner.modules()})
+        raise RecipeError(f"the FSDP wrap policy matched nothing in {type(inner).__name__}, so the "
+                          f"whole model is one unit; pass your block classes, e.g. "
+                          f"ModuleWrapPolicy({{Block}}); its module classes are: {', '.join(found)}")
+    names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
+    for holders in tied:
+        if len({id(unit_of[id(m)]) for m in holders}) > 1:
+            raise RecipeError(
+                "the FSDP wrap policy puts a tied weight's modules ("
+                + ", ".join(names.get(id(m), type(m).__name__) for m in holders)
+                + ") in different units; wrap only the blocks (ModuleWrapPolicy({Block})) so that "
+                  "they stay together in the root unit")
 # --8<-- [end:apply_fsdp]
 
 
@@ -201,12 +265,18 @@ def train(cfg: FSDPConfig) -> RecipeResult:
         precision = setup_precision(cfg.precision, world.device)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         model = apply_fsdp(
-            model, sharding_strategy=cfg.sharding_strategy, wrap_policy=cfg.wrap_policy,
-            min_num_params=cfg.min_num_params, mixed_precision=fsdp_mixed_precision(precision),
-            cpu_offload=cfg.cpu_offload,
-            backward_prefetch=cfg.backward_prefetch, forward_prefetch=cfg.forward_prefetch,
-            limit_all_gathers=cfg.limit_all_gathers, sync_module_states=cfg.sync_module_states,
-            activation_checkpointing=cfg.activation_checkpointing, device=world.device, mesh=mesh)
+            model,
+            auto_wrap_policy=wrap_policy_for(cfg.wrap_policy, block_types=(Block,),
+                                             min_num_params=cfg.min_num_params),
+            sharding_strategy=STRATEGIES[cfg.sharding_strategy],
+            mixed_precision=fsdp_mixed_precision(precision),
+            cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None,
+            backward_prefetch=PREFETCH[cfg.backward_prefetch],
+            forward_prefetch=cfg.forward_prefetch,
+            limit_all_gathers=cfg.limit_all_gathers,
+            sync_module_states=cfg.sync_module_states,
+            checkpoint_block_types=(Block,) if cfg.activation_checkpointing else (),
+            device=world.device, mesh=mesh)
         # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the originals.
         optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # fused on CUDA
         scaler = fsdp_grad_scaler(cfg, precision, world.device)

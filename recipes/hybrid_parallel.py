@@ -26,14 +26,15 @@ single-process training (tests/test_hybrid_parallel.py). Runs on gloo/CPU (check
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from recipes import pipeline_parallel as pp_recipe
 from recipes.core.cli import run_cli
@@ -55,7 +56,8 @@ from recipes.core.workload import (
 from recipes.core.world import join_world
 from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
 from recipes.process_groups import rank_grid
-from recipes.tensor_parallel import apply_tp, check_tp_fits, full_state_gathered
+from recipes.tensor_parallel import (apply_tp, check_tp_fits, full_state_gathered, matching_modules,
+                                     transformer_lm_plan)
 
 log = get_logger(__name__)
 
@@ -83,21 +85,27 @@ def build_mesh(world, *, pp: int, tp: int) -> DeviceMesh:
 
 
 # --8<-- [start:parallelize]
-def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False,
-                      in_pipeline: bool = False,
+def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, plan: Mapping[str, ParallelStyle],
+                      block_types: tuple[type[nn.Module], ...], in_pipeline: bool = False,
                       mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Tensor parallel over mesh["tp"], then fully_shard over mesh["dp"]: the 2-D part of every layout."""
-    apply_tp(module, mesh["tp"], sequence_parallel=sequence_parallel)
+    """Tensor parallel over mesh["tp"] as ``plan`` says, then fully_shard over mesh["dp"], one
+    group per ``block_types`` block: the 2-D part of every layout."""
+    apply_tp(module, mesh["tp"], plan=plan)
     # In a pipeline every micro-batch runs the stage's forward: resharding after each forward would
     # all-gather the parameters once per micro-batch. Keep them (ZeRO-2 style) until the backward.
     return apply_fully_shard(
         module,
         mesh["dp"],
-        block_types=(Block,),
+        block_types=block_types,
         reshard_after_forward=not in_pipeline,
         mp_policy=mp_policy,
     )
 # --8<-- [end:parallelize]
+
+
+def plan_for_stage(stage: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """A pipeline stage holds some of the model's modules: the plan entries for the ones it has."""
+    return {key: style for key, style in plan.items() if matching_modules(stage, key)}
 
 
 # --8<-- [start:train]
@@ -108,6 +116,7 @@ def train(cfg: HybridConfig) -> RecipeResult:
         # bf16/fp16: fully_shard's own policy (low-precision compute, fp32 reduction), no autocast.
         mp_policy = mixed_precision_policy(precision)
         check_tp_fits(MODEL_PRESETS[cfg.model], cfg.tp)
+        plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
         dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         microbatches = cfg.microbatches if cfg.pp > 1 else 1
         per_dp_rank_batch = per_rank_batch_size(cfg.global_batch_size, dp_size, microbatches) * microbatches
@@ -117,9 +126,7 @@ def train(cfg: HybridConfig) -> RecipeResult:
         if cfg.pp == 1:
             model = build_model(cfg.model, seed=cfg.seed, device=world.device)
             params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            apply_tp_and_fsdp(
-                model, mesh, sequence_parallel=cfg.sequence_parallel, mp_policy=mp_policy
-            )
+            apply_tp_and_fsdp(model, mesh, plan=plan, block_types=(Block,), mp_policy=mp_policy)
             modules = [model]
         else:
             pp_cfg = pp_recipe.PPConfig(model=cfg.model, schedule=cfg.schedule, microbatches=cfg.microbatches,
@@ -132,8 +139,9 @@ def train(cfg: HybridConfig) -> RecipeResult:
             # stages run on the pp group: the ranks with the same dp and tp coordinates.
             stages = pp_recipe.manual_stages(
                 model_cfg, stage_ids, num_stages, seed=cfg.seed, device=world.device, group=mesh["pp"].get_group(),
-                parallelize=lambda m: apply_tp_and_fsdp(m, mesh, sequence_parallel=cfg.sequence_parallel,
-                                                        in_pipeline=True, mp_policy=mp_policy))
+                parallelize=lambda m: apply_tp_and_fsdp(
+                    m, mesh, plan=plan_for_stage(m, plan), block_types=(Block,), in_pipeline=True,
+                    mp_policy=mp_policy))
             schedule = pp_recipe.build_schedule(cfg.schedule, stages, cfg.microbatches)
             modules = [stage.submod for stage in stages]
         optimizer = make_adamw(

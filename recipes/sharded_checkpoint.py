@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -111,9 +112,8 @@ def parallelize(
     if strategy == "ddp":
         return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     if strategy == "fsdp":
-        return apply_fsdp(
-            model, device=world.device, mixed_precision=fsdp_mixed_precision(precision)
-        )
+        return apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device=world.device,
+                          mixed_precision=fsdp_mixed_precision(precision))
     return apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)),
                              block_types=(Block,), mp_policy=mixed_precision_policy(precision))
 

@@ -33,7 +33,10 @@ cost: 55.6 ms, against 54.6 for the compiled bare loop (scripts/bench.py).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -107,63 +110,135 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=replicated_inputs, output_fn=local_output)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
-             loss_parallel: bool = False) -> nn.Module:
-    """Split ``model`` (a recipes TransformerLM) across the ranks of the 1-D ``tp_mesh``, in place.
+def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """The submodules whose dotted path matches ``pattern`` name by name, ``*`` matching any one
+    name: how ``parallelize_module`` resolves a plan key (``"layers.*.attn.wq"``)."""
+    atoms = pattern.split(".")
+    return [(name, module) for name, module in model.named_modules()
+            if name and len(name.split(".")) == len(atoms)
+            and all(fnmatch.fnmatchcase(part, atom) for part, atom in zip(name.split("."), atoms))]
 
-    Apply it before fully_shard and before building the optimizer (the optimizer must see the DTensor
-    parameters that replace the plain ones). Parameters keep their names; every one becomes a DTensor.
+
+def check_tp_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: int) -> None:
+    """RecipeError unless every plan key names modules of ``model`` that its style can split evenly.
+
+    ``parallelize_module`` itself only warns about a key that matches nothing and skips it: the model
+    would silently stay replicated where the plan says split.
     """
+    for pattern, style in plan.items():
+        found = matching_modules(model, pattern)
+        if not found:
+            paths = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", name) for name, _ in model.named_modules()})
+            raise RecipeError(
+                f"TP plan key {pattern!r} matches no module of {type(model).__name__}; its modules "
+                f"are: {', '.join(p for p in paths if p)}")
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        for name, module in found:
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
+                raise RecipeError(
+                    f"{type(style).__name__} splits nn.Linear and nn.Embedding only; {name} is a "
+                    f"{type(module).__name__}: leave it out of the plan (or replicate it)")
+            # The split dimension: Linear weights are [out, in], Embedding weights [rows, dim].
+            colwise = isinstance(style, ColwiseParallel)
+            size = module.weight.shape[0 if colwise == isinstance(module, nn.Linear) else 1]
+            if size % tp_size:
+                raise RecipeError(
+                    f"{type(style).__name__} on {name} splits a dimension of {size} over {tp_size} "
+                    f"ranks; use a tensor-parallel size that divides {size}")
+
+
+def check_heads_divide(tp_size: int, *, n_heads: int, n_kv_heads: int | None = None) -> None:
+    """RecipeError unless every rank gets whole attention heads: column-wise q/k/v split the heads."""
+    for what, count in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
+        if count is not None and count % tp_size:
+            fits = [n for n in range(1, count + 1) if count % n == 0]
+            raise RecipeError(f"{count} {what} do not split over {tp_size} tensor-parallel ranks; use "
+                              f"a tensor-parallel size of {', '.join(map(str, fits))}")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *,
+             plan: Mapping[str, ParallelStyle]) -> nn.Module:
+    """Split ``model`` across the ranks of the 1-D ``tp_mesh`` as ``plan`` says, in place.
+
+    ``plan``: module path (``*`` = any one name) -> torch ParallelStyle, as ``parallelize_module``
+    takes it; ``transformer_lm_plan`` and ``llama_plan`` below are ready-made ones. Every key must
+    match a module and every split must be even (checked first, naming the fix). Apply it before
+    fully_shard and before building the optimizer (the optimizer must see the DTensor parameters
+    that replace the plain ones). Parameters keep their names.
+    """
+    check_tp_plan(model, plan, tp_mesh.size())
+    return parallelize_module(model, tp_mesh, dict(plan))
+
+
+def transformer_lm_plan(*, sequence_parallel: bool = False,
+                        loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The Megatron-LM split of the cookbook's TransformerLM (recipes/core/workload.py)."""
     # Between blocks the residual stream is either replicated (every rank holds all of it) or, with
     # sequence parallel, split along the sequence dim: Shard(1) of [batch, seq, dim].
     residual = Shard(1) if sequence_parallel else Replicate()
-    top_plan = {
+    plan: dict[str, ParallelStyle] = {
         # Row-wise on an embedding splits the vocabulary rows; each rank looks up the ids it owns and
         # the partial results are summed (or reduce-scattered straight into the sequence shards).
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         # Position embeddings are [seq, dim]: their sequence dim is 0, so their shard is Shard(0);
         # added to tok_embeddings' [batch, seq/N, dim] shard it lines up position by position.
-        "pos_embeddings": RowwiseParallel(input_layouts=Replicate(),
-                                          output_layouts=Shard(0) if sequence_parallel else Replicate()),
+        "pos_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()),
+        # Column-wise q/k/v: rank r gets heads [r*H/N, (r+1)*H/N): attention needs no communication.
+        "layers.*.attn.wq": ColwiseParallel(),
+        "layers.*.attn.wk": ColwiseParallel(),
+        "layers.*.attn.wv": ColwiseParallel(),
+        # Row-wise wo: takes its input's head shard, sums partial outputs across ranks (all-reduce,
+        # or reduce-scatter into sequence shards with sequence parallel).
+        "layers.*.attn.wo": RowwiseParallel(output_layouts=residual),
+        "layers.*.mlp.w_in": ColwiseParallel(),
+        "layers.*.mlp.w_out": RowwiseParallel(output_layouts=residual),
         # Column-wise head: each rank computes logits for its slice of the vocabulary. Without loss
-        # parallel they are all-gathered (Replicate); with it they stay a DTensor sharded on the last dim
-        # (use_local_output=False: the loss needs to know they are shards).
+        # parallel they are all-gathered (Replicate); with it they stay a DTensor sharded on the
+        # last dim (use_local_output=False: the loss needs to know they are shards).
         "output": ColwiseParallel(input_layouts=residual,
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
     }
-    # The final norm: split along the sequence, or replicated (its parameters still become DTensors).
-    top_plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
-    # A pipeline stage has set the parts it does not own to None: split only what is there.
-    parallelize_module(model, tp_mesh, {name: style for name, style in top_plan.items()
-                                        if getattr(model, name) is not None})
+    if sequence_parallel:
+        plan.update({
+            # LayerNorm normalizes over dim, so it runs on sequence shards unchanged...
+            "layers.*.attn_norm": SequenceParallel(),
+            "layers.*.mlp_norm": SequenceParallel(),
+            "norm": SequenceParallel(),
+            # ...but attention and the MLP need whole sequences: all-gather them on the way in.
+            # Pitfall: without these, q/k/v see a sequence shard and attention is silently wrong.
+            "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                desired_input_layouts=(Replicate(),)),
+            "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+        })
+    else:  # replicated norms, whose parameters still become DTensors
+        plan.update({name: ReplicateParallel()
+                     for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")})
+    return plan
 
-    for block in model.layers.values():
-        block_plan = {
-            # Column-wise q/k/v: rank r gets heads [r*H/N, (r+1)*H/N): attention needs no communication.
-            "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
-            # Row-wise wo: takes its input's head shard, sums partial outputs across ranks (all-reduce,
-            # or reduce-scatter into sequence shards with sequence parallel).
-            "attn.wo": RowwiseParallel(output_layouts=residual),
-            "mlp.w_in": ColwiseParallel(),
-            "mlp.w_out": RowwiseParallel(output_layouts=residual),
-        }
-        if sequence_parallel:
-            block_plan.update({
-                # LayerNorm normalizes over dim, so it runs on sequence shards unchanged...
-                "attn_norm": SequenceParallel(),
-                "mlp_norm": SequenceParallel(),
-                # ...but attention and the MLP need whole sequences: all-gather them on the way in.
-                # Pitfall: without these, q/k/v see a sequence shard and attention is silently wrong.
-                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
-        else:  # replicated norms, whose parameters still become DTensors
-            block_plan.update({"attn_norm": ReplicateParallel(), "mlp_norm": ReplicateParallel()})
-        parallelize_module(block, tp_mesh, block_plan)
-    return model
+
+def llama_plan() -> dict[str, ParallelStyle]:
+    """The same split for a Llama-style model with Hugging Face's names (LlamaForCausalLM; Mistral and
+    Qwen2 share them). Its attention infers the local head count from q_proj's output, as ours does.
+    Check the heads first: ``check_heads_divide(tp, n_heads=..., n_kv_heads=...)``."""
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+        # SwiGLU: gate and up split alike, so each rank multiplies matching halves; down sums them.
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    plan.update({name: ReplicateParallel() for name in (
+        "model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm")})
+    return plan
 # --8<-- [end:apply_tp]
 
 
@@ -197,7 +272,9 @@ def train(cfg: TPConfig) -> RecipeResult:
         # that does not fit one device, build on the "meta" device and initialize after apply_tp.)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        apply_tp(model, tp_mesh, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
+        plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel,
+                                   loss_parallel=cfg.loss_parallel)
+        apply_tp(model, tp_mesh, plan=plan)
         if cfg.compile:  # after TP: the compiled blocks trace the DTensor ops and their collectives
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
         # TP alone has no mixed-precision policy of its own: bf16 is autocast (as torchtitan does).

@@ -1,11 +1,12 @@
 """fsdp: every classic-FSDP strategy and option trains like DDP; its pitfalls are real and guarded."""
 
 import pytest
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from recipes import ddp_torchrun, fsdp, zero
 from recipes.core.config import RecipeError
 from recipes.core.state import full_state_on_rank0
-from recipes.core.workload import build_model
+from recipes.core.workload import Block, build_model
 from recipes.core.world import join_world
 from tests.helpers import (BACKENDS, CUDA_DEVICES, PYTHON, assert_losses_close, assert_states_close, last_json,
                            run_alone, run_cli, run_world, with_fields)
@@ -44,7 +45,8 @@ FP32_EXACT = ["full", "shard_grad_op", "no_shard", "checkpointed", "wrap_size", 
 def sync_module_states_check(_cfg):
     """Each rank builds a DIFFERENT model (seed = rank): apply_fsdp must leave everyone with rank 0's."""
     with join_world("gloo") as world:
-        model = fsdp.apply_fsdp(build_model("tiny", seed=world.rank), device=world.device)
+        model = fsdp.apply_fsdp(build_model("tiny", seed=world.rank), device=world.device,
+                                auto_wrap_policy=ModuleWrapPolicy({Block}))
         state, _ = full_state_on_rank0(model)
         return state
 

@@ -7,9 +7,9 @@ import warnings
 import pytest
 from torch.distributed.tensor import DTensor
 
-from recipes import ddp_torchrun, hybrid_parallel, pipeline_parallel
+from recipes import ddp_torchrun, hybrid_parallel, pipeline_parallel, tensor_parallel
 from recipes.core.config import RecipeError
-from recipes.core.workload import build_model, lm_loss, make_dataset
+from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
 from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, require_world, run_alone,
                            run_cli, with_fields)
@@ -26,6 +26,7 @@ def reference():
 def gradient_difference(world, cfg) -> float:
     """One step of the hybrid layout on the whole batch; largest |full gradient - unsplit gradient|."""
     mesh = hybrid_parallel.build_mesh(world, pp=cfg.pp, tp=cfg.tp)
+    plan = tensor_parallel.transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     dataset = make_dataset("tiny", 12, seed=1)
     inputs, targets = dataset.tokens[:12, :-1], dataset.tokens[:12, 1:]
@@ -37,8 +38,8 @@ def gradient_difference(world, cfg) -> float:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         if cfg.pp == 1:
-            model = hybrid_parallel.apply_tp_and_fsdp(build_model("tiny", seed=2, device=world.device), mesh,
-                                                      sequence_parallel=cfg.sequence_parallel)
+            model = hybrid_parallel.apply_tp_and_fsdp(
+                build_model("tiny", seed=2, device=world.device), mesh, plan=plan, block_types=(Block,))
             lm_loss(model(inputs), targets).backward()
             modules = [model]
         else:
@@ -46,7 +47,8 @@ def gradient_difference(world, cfg) -> float:
             stages = pipeline_parallel.manual_stages(
                 build_model("tiny").cfg, ids, num_stages, seed=2, device=world.device, group=mesh["pp"].get_group(),
                 parallelize=lambda m: hybrid_parallel.apply_tp_and_fsdp(
-                    m, mesh, sequence_parallel=cfg.sequence_parallel, in_pipeline=True))
+                    m, mesh, plan=hybrid_parallel.plan_for_stage(m, plan), block_types=(Block,),
+                    in_pipeline=True))
             schedule = pipeline_parallel.build_schedule(cfg.schedule, stages, cfg.microbatches)
             pipeline_parallel.pipeline_step(schedule, stages, inputs, targets, loss_holders=dp_size * cfg.tp)
             modules = [stage.submod for stage in stages]

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -110,7 +111,7 @@ def _wrap(strategy, model, world):
         wrapped = DDP(model)
         return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     if strategy == "fsdp_full_shard":
-        wrapped = apply_fsdp(model, sharding_strategy="full", device=world.device)
+        wrapped = apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device=world.device)
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     if strategy == "fully_shard":
         wrapped = apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)),

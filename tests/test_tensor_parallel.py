@@ -32,7 +32,8 @@ def forward_backward_differences(world, options: list[dict]) -> list[dict[str, f
     lm_loss(reference_logits, targets).backward()
     differences = []
     for opts in options:
-        model = tensor_parallel.apply_tp(build_model("tiny", seed=3, device=device), mesh, **opts)
+        model = tensor_parallel.apply_tp(build_model("tiny", seed=3, device=device), mesh,
+                                         plan=tensor_parallel.transformer_lm_plan(**opts))
         logits = model(inputs)
         assert isinstance(logits, DTensor) == opts["loss_parallel"], "loss parallel keeps the logits sharded"
         with tensor_parallel.loss_parallel() if opts["loss_parallel"] else contextlib.nullcontext():
