@@ -1,0 +1,175 @@
+"""The functions a user copies work on a model that is not the cookbook's: Hugging Face GPT-2 and Llama.
+
+Each strategy trains the tiny model 3 steps on a gloo world of 2 and must equal single-process
+training of the same model on the whole batch (losses and final weights, fp32, atol 1e-5, as for the
+cookbook's own model). What each function needs is passed explicitly: the block classes, a TP plan.
+A policy that matches nothing or splits GPT-2's tied weight is refused in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from recipes.activation_checkpointing import apply_activation_checkpointing
+from recipes.core.config import RecipeError
+from recipes.core.memory import model_state_bytes
+from recipes.core.state import full_state_on_rank0
+from recipes.core.workload import Block, lm_loss
+from recipes.core.world import join_world, spawn_world
+from recipes.fsdp import apply_fsdp, wrap_policy_for
+from recipes.fsdp2 import apply_fully_shard
+from recipes.tensor_parallel import (apply_tp, check_heads_divide, check_tp_plan, llama_plan,
+                                     transformer_lm_plan)
+from tests import third_party
+from tests.helpers import assert_losses_close, assert_states_close
+
+STEPS, GLOBAL_BATCH, LR = 3, 4, 0.1
+# Strategies per model. GPT-2 has no TP entry: its fused q/k/v is a Conv1D, which torch's
+# Colwise/RowwiseParallel cannot split (test_gpt2_tp_plan_is_refused shows the refusal).
+STRATEGIES = {"gpt2": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard"],
+              "llama": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard", "tp"]}
+
+
+def train(model, *, rank: int, world_size: int, shard_batch: bool):
+    """The textbook loop on ``model`` (wrapped or not): per-step global losses."""
+    # SGD, not AdamW: AdamW divides by sqrt(v) + eps, so where a gradient element is nearly zero
+    # (rare tokens, these random init weights) a 1e-7 difference in summation order becomes an update
+    # difference of up to lr. SGD's update is linear in the gradient: the weights compare at 1e-5.
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        tokens = third_party.batch(step, GLOBAL_BATCH)
+        if shard_batch:  # data parallel: this rank's share; TP: every rank computes the whole batch
+            tokens = tokens.chunk(world_size)[rank]
+        loss = lm_loss(model(input_ids=tokens[:, :-1]).logits, tokens[:, 1:])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        global_loss = loss.detach().clone()
+        if shard_batch and world_size > 1:
+            dist.all_reduce(global_loss)
+            global_loss /= world_size
+        losses.append(float(global_loss))
+    return losses
+
+
+def parallelize(kind: str, strategy: str, world):
+    """The tiny model as ``strategy`` wraps it, told explicitly what it needs."""
+    model, blocks = third_party.build(kind), third_party.block_types(kind)
+    mesh = init_device_mesh("cpu", (world.world_size,))
+    if strategy == "ddp":
+        return DDP(model)
+    if strategy == "fsdp":
+        return apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy(set(blocks)), device=world.device)
+    if strategy == "checkpointed_fully_shard":  # torchtitan's order: checkpoint, then shard
+        apply_activation_checkpointing(model, block_types=blocks)
+    if strategy in ("fully_shard", "checkpointed_fully_shard"):
+        return apply_fully_shard(model, mesh, block_types=blocks)
+    config = model.config
+    check_heads_divide(world.world_size, n_heads=config.num_attention_heads,
+                       n_kv_heads=config.num_key_value_heads)
+    return apply_tp(model, mesh, plan=llama_plan())
+
+
+def gathered_while_a_block_runs(model, blocks) -> list[int]:
+    """Parameter bytes this rank holds beyond its shards, measured as each block's forward starts."""
+    shards = model_state_bytes(model)["param_bytes"]
+    held: list[int] = []
+    for block in (m for m in model.modules() if isinstance(m, blocks)):
+        # Registered after sharding, so it runs after FSDP's own pre-forward all-gather.
+        block.register_forward_pre_hook(
+            lambda *_: held.append(model_state_bytes(model)["param_bytes"] - shards))
+    return held
+
+
+def strategies_world(kind: str) -> dict:
+    """On every rank of a world of 2: each strategy's losses and final full state (rank 0's)."""
+    with join_world("gloo", timeout_s=120) as world:
+        results = {}
+        for strategy in STRATEGIES[kind]:
+            model = parallelize(kind, strategy, world)
+            held = (gathered_while_a_block_runs(model, third_party.block_types(kind))
+                    if "fully_shard" in strategy else [])
+            losses = train(model, rank=world.rank, world_size=world.world_size,
+                           shard_batch=strategy != "tp")
+            state, _ = full_state_on_rank0(model)
+            results[strategy] = {"losses": losses, "state": state, "held": held}
+        try:  # GPT-2's tied wte/lm_head: the "module" policy would put them in different units
+            apply_fsdp(third_party.build(kind), device=world.device,
+                       auto_wrap_policy=wrap_policy_for("module", block_types=(Block,)))
+            results["module_policy"] = "accepted"
+        except RecipeError as error:
+            results["module_policy"] = str(error)
+        return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", third_party.KINDS)
+def test_every_strategy_equals_one_process(kind):
+    """One spawned world per model (a spawn costs more than these tiny trainings) checks three things."""
+    results = spawn_world(strategies_world, 2, kind, timeout_s=240)
+    # 1. Every strategy trains exactly as one process on the whole batch does.
+    reference = third_party.build(kind)
+    expected_losses = train(reference, rank=0, world_size=1, shard_batch=False)
+    expected_state = {name: p.detach() for name, p in reference.state_dict().items()}
+    for strategy in STRATEGIES[kind]:
+        got = results[strategy]
+        assert_losses_close(got["losses"], expected_losses, atol=1e-5)
+        # Tied weights appear under both names in the gathered state, as in state_dict().
+        assert_states_close(got["state"], expected_state, atol=1e-5)
+
+    # 2. fully_shard gathers one block at a time. The issue's failure: without the block class the
+    # whole model was one unit, all of it gathered at once.
+    blocks = [m for m in reference.modules() if isinstance(m, third_party.block_types(kind))]
+    block_bytes = max(sum(p.numel() * 4 for p in b.parameters()) for b in blocks)
+    total = sum(p.numel() * 4 for p in reference.parameters())
+    root_bytes = total - sum(p.numel() * 4 for b in blocks for p in b.parameters())
+    for strategy in ("fully_shard", "checkpointed_fully_shard"):
+        held = results[strategy]["held"]
+        assert len(held) >= len(blocks), "the block hooks ran"
+        # The root unit (embeddings, final norm, head) stays gathered through the forward; besides
+        # it, one block at a time: far from the whole model.
+        assert max(held) <= root_bytes + block_bytes, (strategy, held, root_bytes, block_bytes)
+        assert max(held) < total
+
+    # 3. Tied weights stay in one unit: a policy that would split them is refused.
+    message = results["module_policy"]
+    if kind == "gpt2":
+        assert "tied weight" in message and "wte" in message and "lm_head" in message, message
+    else:  # Llama's embedding and head are separate weights: nothing to keep together
+        assert "matched nothing" in message or message == "accepted", message
+
+
+def test_a_block_class_that_matches_nothing_is_refused():
+    model = third_party.build("gpt2")
+    mesh = None  # refused before any sharding: no world needed
+    with pytest.raises(RecipeError, match=r"found no Block in GPT2LMHeadModel.*GPT2Block"):
+        apply_fully_shard(model, mesh, block_types=(Block,))
+    with pytest.raises(RecipeError, match=r"matched no block in GPT2LMHeadModel.*GPT2Block"):
+        apply_activation_checkpointing(model, block_types=(Block,))
+
+
+def test_gpt2_tp_plan_is_refused():
+    """GPT-2's Conv1D layers are not nn.Linear: Colwise/RowwiseParallel would not split them."""
+    model = third_party.build("gpt2")
+    plan = {"transformer.h.*.attn.c_attn": llama_plan()["model.layers.*.self_attn.q_proj"]}
+    with pytest.raises(RecipeError, match=r"transformer.h.0.attn.c_attn is a Conv1D"):
+        check_tp_plan(model, plan, 2)
+
+
+def test_tp_plan_naming_a_missing_module_is_refused():
+    """torch's parallelize_module only warns and skips such a key: the model would stay replicated."""
+    with pytest.raises(RecipeError, match=r"'tok_embeddings' matches no module of "
+                                          r"LlamaForCausalLM.*model.layers.\*.self_attn.q_proj"):
+        check_tp_plan(third_party.build("llama"), transformer_lm_plan(), 2)
+
+
+def test_heads_that_do_not_divide_are_refused():
+    with pytest.raises(RecipeError, match="2 key/value heads do not split over 4 tensor-parallel "
+                                          "ranks; use a tensor-parallel size of 1, 2"):
+        check_heads_divide(4, n_heads=4, n_kv_heads=2)

@@ -1,0 +1,53 @@
+"""Tiny Hugging Face models, built from a config (no download), that the apply_* functions must handle.
+
+GPT-2 ties its output layer to the token embedding and fuses q/k/v into one ``Conv1D``; Llama is
+close to what people train today (RMSNorm, rotary positions, SwiGLU, grouped key/value heads).
+``transformers`` is in the test extra; on a machine without it these tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers", reason="the third-party model tests need transformers")
+
+VOCAB, SEQ = 128, 16
+KINDS = ["gpt2", "llama"]
+
+
+def build(kind: str, *, seed: int = 0) -> nn.Module:
+    """The same weights for the same seed, in fp32, with dropout off (so that runs compare exactly)."""
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
+                                         n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    elif kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=32)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}; valid: {', '.join(KINDS)}")
+    # eager attention: the same kernel in every process, and the one DTensor runs under TP.
+    model.config._attn_implementation = "eager"
+    model.config.use_cache = False
+    return model.float().train()
+
+
+def block_types(kind: str) -> tuple[type[nn.Module], ...]:
+    """The repeated block class: what the user passes to apply_fully_shard, apply_fsdp, AC..."""
+    if kind == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        return (GPT2Block,)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    return (LlamaDecoderLayer,)
+
+
+def batch(step: int, global_batch_size: int = 4) -> torch.Tensor:
+    """Token ids [global_batch_size, SEQ + 1] for optimizer step ``step``; the same in every process."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (global_batch_size, SEQ + 1), generator=generator)
