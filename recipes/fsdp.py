@@ -1,31 +1,33 @@
-"""Classic FSDP (FullyShardedDataParallel): ZeRO-3, ZeRO-2, DDP-like and hybrid sharding, equal to DDP.
+"""Classic FSDP (FullyShardedDataParallel): ZeRO-3, ZeRO-2, DDP-like, hybrid sharding; equal to DDP.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.fsdp
     torchrun --standalone --nproc_per_node=2 -m recipes.fsdp --sharding-strategy shard_grad_op \
         --precision bf16
-    torchrun --standalone --nproc_per_node=4 -m recipes.fsdp --sharding-strategy hybrid --ranks-per-node 2
+    torchrun --standalone --nproc_per_node=4 -m recipes.fsdp --sharding-strategy hybrid \
+        --ranks-per-node 2
 
-Each rank keeps 1/N of the parameters, gradients and AdamW state (``full``); FSDP all-gathers a wrapped
-unit's parameters just before its forward and backward and reduce-scatters its gradients after. The
-numbers are asserted by tests/test_memory.py with ``recipes.core.memory.model_state_bytes``; the
-training equals DDP's (same losses and final parameters, fp32 atol 1e-5) on every strategy.
+Each rank keeps 1/N of the parameters, gradients and AdamW state (``full``); FSDP all-gathers a
+wrapped unit's parameters just before its forward and backward and reduce-scatters its gradients
+after. The numbers are asserted by tests/test_memory.py with
+``recipes.core.memory.model_state_bytes``; the training equals DDP's (same losses and final
+parameters, fp32 atol 1e-5) on every strategy.
 
-Strategies: ``full`` = FULL_SHARD (ZeRO-3); ``shard_grad_op`` = SHARD_GRAD_OP (ZeRO-2: parameters stay
-unsharded from forward to the end of backward, no re-all-gather in backward); ``no_shard`` = NO_SHARD
-(DDP-like, deprecated by torch in favour of DDP); ``hybrid`` = HYBRID_SHARD (shard inside a node,
-replicate across nodes: a 2-D mesh ("replicate", "shard") of nodes x ``--ranks-per-node``).
+Strategies: ``full`` = FULL_SHARD (ZeRO-3); ``shard_grad_op`` = SHARD_GRAD_OP (ZeRO-2: parameters
+stay unsharded from forward to the end of backward, no re-all-gather in backward); ``no_shard`` =
+NO_SHARD (DDP-like, deprecated by torch in favour of DDP); ``hybrid`` = HYBRID_SHARD (shard inside a
+node, replicate across nodes: a 2-D mesh ("replicate", "shard") of nodes x ``--ranks-per-node``).
 
 Speed: ``--precision auto`` (bf16 on a GPU) is FSDP's own ``MixedPrecision`` (bf16 compute and
-buffers, fp32 reduction), AdamW is fused on CUDA. On one H200 (100m, torch 2.11, a world of 1, where FSDP
-switches itself to NO_SHARD) a step ran 62.9 ms at batch 64 against the bare bf16 loop's 67.4, and
-65.5 against 37.1 ms at batch 32 (scripts/bench.py), where issuing a step took ~72 ms of CPU in a
-profiled probe.
+buffers, fp32 reduction), AdamW is fused on CUDA. On one H200 (100m, torch 2.11, a world of 1, where
+FSDP switches itself to NO_SHARD) a step ran 62.9 ms at batch 64 against the bare bf16 loop's 67.4,
+and 65.5 against 37.1 ms at batch 32 (scripts/bench.py), where issuing a step took ~72 ms of CPU in
+a profiled probe.
 
-New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing training code
-uses, so its options and pitfalls are shown here. Pitfalls named where they bite: fp16 needs
-ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds unsharded gradients; the optimizer
-is built after wrapping; activation checkpointing goes inside the FSDP unit; the full state dict is
-gathered on every rank's call but kept on rank 0 only.
+New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing
+training code uses, so its options and pitfalls are shown here. Pitfalls named where they bite: fp16
+needs ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds unsharded gradients;
+the optimizer is built after wrapping; activation checkpointing goes inside the FSDP unit; the full
+state dict is gathered on every rank's call but kept on rank 0 only.
 """
 
 from __future__ import annotations
@@ -79,25 +81,34 @@ class FSDPConfig(TrainConfig):
         0, "hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE", ge=0)
     wrap_policy: Literal["block", "size", "module", "none"] = opt(
         "block", "FSDP units: block = one per transformer Block, size = by --min-num-params, "
-        "module = Blocks and Embeddings, none = the whole model is one unit (no overlap, full-size all-gathers)")
+        "module = Blocks and Embeddings, none = the whole model is one unit (no overlap, "
+        "full-size all-gathers)")
     min_num_params: int = opt(
         10_000, "size policy: wrap a submodule once it has at least this many parameters", ge=1)
-    cpu_offload: bool = opt(False, "keep the sharded parameters and gradients in host memory; AdamW runs on CPU")
+    cpu_offload: bool = opt(
+        False, "keep the sharded parameters and gradients in host memory; AdamW runs on CPU")
     backward_prefetch: Literal["pre", "post", "none"] = opt(
-        "pre", "when to all-gather the next unit in backward: pre = before this unit's gradient (most overlap)")
-    forward_prefetch: bool = opt(False, "all-gather the next unit before this one's forward (CPU-bound models)")
-    limit_all_gathers: bool = opt(True, "rate-limit all-gathers so prefetching cannot grow GPU memory unbounded")
-    sync_module_states: bool = opt(True, "broadcast rank 0's parameters at wrap time (ranks need not init equally)")
-    activation_checkpointing: bool = opt(False, "recompute each Block's activations in backward (non-reentrant)")
+        "pre", "when to all-gather the next unit in backward: pre = before this unit's gradient "
+        "(most overlap)")
+    forward_prefetch: bool = opt(
+        False, "all-gather the next unit before this one's forward (CPU-bound models)")
+    limit_all_gathers: bool = opt(
+        True, "rate-limit all-gathers so prefetching cannot grow GPU memory unbounded")
+    sync_module_states: bool = opt(
+        True, "broadcast rank 0's parameters at wrap time (ranks need not init equally)")
+    activation_checkpointing: bool = opt(
+        False, "recompute each Block's activations in backward (non-reentrant)")
     micro_batches: int = opt(1, "gradient accumulation: micro-batches per optimizer step", ge=1)
     accumulation: Literal["sync", "no_sync"] = opt(
         "sync", "sync = reduce-scatter every micro-batch (gradients stay sharded); "
-        "no_sync = communicate on the last one only (every rank holds unsharded gradients: N x the memory)")
+        "no_sync = communicate on the last one only (every rank holds unsharded gradients: "
+        "N x the memory)")
     max_grad_norm: float = opt(
         0.0, "clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)", ge=0)
     grad_scaler: Literal["sharded", "amp"] = opt(
-        "sharded", "fp16 only: sharded = ShardedGradScaler (right); amp = torch.amp.GradScaler (wrong under "
-        "FSDP: an inf in one rank's shard is not seen by the others; kept to show the pitfall)")
+        "sharded", "fp16 only: sharded = ShardedGradScaler (right); amp = torch.amp.GradScaler "
+        "(wrong under FSDP: an inf in one rank's shard is not seen by the others; kept to show "
+        "the pitfall)")
     inject_inf_step: int = opt(
         -1, "pitfall demo (fp16): at this step one rank puts an inf into its gradient shard; "
         "-1 = never", ge=-1)
@@ -143,19 +154,20 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
     """Wrap ``model`` in classic FSDP, one unit per module that ``auto_wrap_policy`` picks.
 
     ``auto_wrap_policy``: e.g. ``ModuleWrapPolicy({GPT2Block})``, your model's block classes; None
-    makes the whole model one unit. A policy that wraps nothing, or that puts the two users of a tied
-    weight (GPT-2's ``wte`` and ``lm_head``) in different units, is refused. ``mesh``: 2-D
-    ("replicate", "shard") for HYBRID_SHARD, else optional 1-D. ``checkpoint_block_types``: recompute
-    these blocks' activations in backward (activation checkpointing inside each unit).
+    makes the whole model one unit. A policy that wraps nothing, or that puts the two users of a
+    tied weight (GPT-2's ``wte`` and ``lm_head``) in different units, is refused. ``mesh``: 2-D
+    ("replicate", "shard") for HYBRID_SHARD, else optional 1-D. ``checkpoint_block_types``:
+    recompute these blocks' activations in backward (activation checkpointing inside each unit).
     """
-    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD,
+                                   ShardingStrategy._HYBRID_SHARD_ZERO2)
     if hybrid and (mesh is None or mesh.ndim != 2):
         raise RecipeError(f"{sharding_strategy.name} needs a 2-D device mesh (replicate, shard)")
     on_cpu = (device or next(model.parameters()).device).type == "cpu"
     if cpu_offload is not None and cpu_offload.offload_params and on_cpu:
-        raise RecipeError("cpu_offload needs a GPU: FSDP pins host memory for the copies to and from "
-                          "the device; on a CPU-only world the parameters already live in host "
-                          "memory: drop --cpu-offload")
+        raise RecipeError("cpu_offload needs a GPU: FSDP pins host memory for the copies to and "
+                          "from the device; on a CPU-only world the parameters already live in "
+                          "host memory: drop --cpu-offload")
     if sync_module_states and on_cpu:
         # FSDP's own sync_module_states refuses CPU tensors (it broadcasts on the accelerator): on a
         # CPU-only world, broadcast rank 0's parameters and buffers by hand, before sharding.
@@ -175,7 +187,8 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
         limit_all_gathers=limit_all_gathers,
         sync_module_states=sync_module_states,
         # use_orig_params: parameters keep their names and shapes for the optimizer (per-parameter
-        # groups, weight-decay rules) and for torch.compile; gradients are views into the flat shard.
+        # groups, weight-decay rules) and for torch.compile; gradients are views into the flat
+        # shard.
         use_orig_params=True,
         # Pitfall: without device_id FSDP looks for an accelerator and refuses a CPU-only host.
         device_id=device,
@@ -183,9 +196,10 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
     )
     check_units(fsdp_model, auto_wrap_policy, tied)
     if checkpoint_block_types:
-        # Order: wrap with FSDP FIRST, then checkpoint, so each unit is FSDP(CheckpointWrapper(Block)):
-        # the recomputation in backward runs inside the unit while its parameters are all-gathered.
-        # Non-reentrant: the reentrant variant runs a nested backward that FSDP's hooks do not expect.
+        # Order: wrap with FSDP FIRST, then checkpoint, so each unit is
+        # FSDP(CheckpointWrapper(Block)): the recomputation in backward runs inside the unit while
+        # its parameters are all-gathered. Non-reentrant: the reentrant variant runs a nested
+        # backward that FSDP's hooks do not expect.
         apply_activation_checkpointing(
             fsdp_model, check_fn=lambda module: isinstance(module, checkpoint_block_types),
             checkpoint_wrapper_fn=functools.partial(
@@ -224,7 +238,8 @@ def check_units(fsdp_model: FSDP, policy, tied: list[list[nn.Module]]) -> None:
         found = sorted({type(m).__name__ for m in inner.modules()})
         raise RecipeError(f"the FSDP wrap policy matched nothing in {type(inner).__name__}, so the "
                           f"whole model is one unit; pass your block classes, e.g. "
-                          f"ModuleWrapPolicy({{Block}}); its module classes are: {', '.join(found)}")
+                          f"ModuleWrapPolicy({{Block}}); its module classes are: "
+                          f"{', '.join(found)}")
     names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
     for holders in tied:
         if len({id(unit_of[id(m)]) for m in holders}) > 1:
@@ -240,8 +255,9 @@ def hybrid_mesh(world, ranks_per_node: int) -> DeviceMesh:
     """nodes x ranks_per_node: FSDP shards over the inner dim and replicates over the outer one."""
     ranks_per_node = ranks_per_node or world.local_world_size
     if world.world_size % ranks_per_node:
-        raise RecipeError(f"hybrid: world size {world.world_size} is not a multiple of ranks_per_node="
-                          f"{ranks_per_node}; pick --ranks-per-node dividing {world.world_size}")
+        raise RecipeError(f"hybrid: world size {world.world_size} is not a multiple of "
+                          f"ranks_per_node={ranks_per_node}; pick --ranks-per-node dividing "
+                          f"{world.world_size}")
     return init_device_mesh(world.device.type, (world.world_size // ranks_per_node, ranks_per_node),
                             mesh_dim_names=("replicate", "shard"))
 
@@ -249,9 +265,10 @@ def hybrid_mesh(world, ranks_per_node: int) -> DeviceMesh:
 def fsdp_grad_scaler(cfg: FSDPConfig, precision: str, device: torch.device):
     if precision != "fp16":
         return None  # fp32 and bf16 share fp32's exponent range: nothing to scale
-    # Pitfall: torch.amp.GradScaler looks for inf/nan in THIS rank's gradients only. Under FSDP each rank
-    # holds a different shard, so one rank would skip the step and the others would not: the shards
-    # silently stop being one model. ShardedGradScaler all-reduces found_inf: every rank decides alike.
+    # Pitfall: torch.amp.GradScaler looks for inf/nan in THIS rank's gradients only. Under FSDP each
+    # rank holds a different shard, so one rank would skip the step and the others would not: the
+    # shards silently stop being one model. ShardedGradScaler all-reduces found_inf: every rank
+    # decides alike.
     if cfg.grad_scaler == "amp":
         return torch.amp.GradScaler(device.type)
     return ShardedGradScaler(device.type)
@@ -260,7 +277,8 @@ def fsdp_grad_scaler(cfg: FSDPConfig, precision: str, device: torch.device):
 # --8<-- [start:train]
 def train(cfg: FSDPConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size, cfg.micro_batches)
+        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size,
+                                             cfg.micro_batches)
         mesh = hybrid_mesh(world, cfg.ranks_per_node) if cfg.sharding_strategy == "hybrid" else None
         precision = setup_precision(cfg.precision, world.device)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
@@ -277,13 +295,16 @@ def train(cfg: FSDPConfig) -> RecipeResult:
             sync_module_states=cfg.sync_module_states,
             checkpoint_block_types=(Block,) if cfg.activation_checkpointing else (),
             device=world.device, mesh=mesh)
-        # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the originals.
+        # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the
+        # originals.
         optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # fused on CUDA
         scaler = fsdp_grad_scaler(cfg, precision, world.device)
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
-                                             per_rank_batch_size=per_rank_batch * cfg.micro_batches, seed=cfg.seed)
-        log.info("FSDP %s on %d rank(s), wrap=%s, precision=%s, %d x %d sequences per rank per step",
+                                             per_rank_batch_size=per_rank_batch * cfg.micro_batches,
+                                             seed=cfg.seed)
+        log.info("FSDP %s on %d rank(s), wrap=%s, precision=%s, "
+                 "%d x %d sequences per rank per step",
                  cfg.sharding_strategy, world.world_size, cfg.wrap_policy, precision,
                  cfg.micro_batches, per_rank_batch)
 
@@ -298,24 +319,30 @@ def train(cfg: FSDPConfig) -> RecipeResult:
                                  targets.to(world.device).chunk(cfg.micro_batches)))
                 for index, (x, y) in enumerate(micro):
                     syncing = cfg.accumulation == "sync" or index == len(micro) - 1
-                    # Pitfall: no_sync() skips the reduce-scatter, so every rank keeps UNSHARDED gradients
-                    # until the synced micro-batch: N x the gradient memory that sharding saved.
+                    # Pitfall: no_sync() skips the reduce-scatter, so every rank keeps UNSHARDED
+                    # gradients until the synced micro-batch: N x the gradient memory that sharding
+                    # saved.
                     with contextlib.nullcontext() if syncing else model.no_sync():
                         logits = model(x)
                         if last_step and index == len(micro) - 1:
-                            extras["param_bytes_after_forward"] = model_state_bytes(model)["param_bytes"]
+                            held = model_state_bytes(model)["param_bytes"]
+                            extras["param_bytes_after_forward"] = held
                         loss = lm_loss(logits, y) / cfg.micro_batches
                         (scaler.scale(loss) if scaler else loss).backward()
                     step_loss += loss.detach().float()
-                    if last_step and index == len(micro) - 2:  # the accumulated gradients, before the last sync
+                    # The accumulated gradients, before the last sync:
+                    if last_step and index == len(micro) - 2:
                         extras["grad_bytes_accumulated"] = model_state_bytes(model)["grad_bytes"]
                 if step == cfg.inject_inf_step and world.rank == cfg.inject_inf_rank:
-                    shard = next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel())
+                    shard = next(p.grad for p in model.parameters()
+                                 if p.grad is not None and p.grad.numel())
                     shard.view(-1)[0] = math.inf
                 if scaler:
-                    scaler.unscale_(optimizer)  # clip (and report) the true gradients, not the scaled ones
+                    # Clip (and report) the true gradients, not the scaled ones.
+                    scaler.unscale_(optimizer)
                 if cfg.max_grad_norm > 0:
-                    # Pitfall: torch.nn.utils.clip_grad_norm_ here would return the norm of this rank's shard.
+                    # Pitfall: torch.nn.utils.clip_grad_norm_ here would return the norm of this
+                    # rank's shard.
                     grad_norms.append(float(model.clip_grad_norm_(cfg.max_grad_norm)))
                 if scaler:
                     scale = scaler.get_scale()

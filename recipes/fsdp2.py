@@ -211,12 +211,13 @@ def train(cfg: FSDP2Config) -> RecipeResult:
             offload_policy=offload,
             explicit_prefetch=cfg.explicit_prefetch,
         )
-        # After sharding: AdamW's state is created like the parameters, as DTensor shards (1/N each).
-        # Fused on CUDA: foreach AdamW on DTensors pays DTensor dispatch for every op of every
-        # parameter.
+        # After sharding: AdamW's state is created like the parameters, as DTensor shards (1/N
+        # each). Fused on CUDA: foreach AdamW on DTensors pays DTensor dispatch for every op of
+        # every parameter.
         optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
-        # Pitfall check: the plain amp GradScaler IS right here. DTensor reduces its found_inf over the mesh,
-        # so an inf in one rank's shard makes every rank skip (tests/test_fsdp2.py injects one).
+        # Pitfall check: the plain amp GradScaler IS right here. DTensor reduces its found_inf over
+        # the mesh, so an inf in one rank's shard makes every rank skip (tests/test_fsdp2.py injects
+        # one).
         scaler = torch.amp.GradScaler(world.device.type) if precision == "fp16" else None
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
@@ -235,8 +236,8 @@ def train(cfg: FSDP2Config) -> RecipeResult:
                                  targets.to(world.device).chunk(cfg.micro_batches)))
                 for index, (x, y) in enumerate(micro):
                     syncing = cfg.accumulation == "sync" or index == len(micro) - 1
-                    # Pitfall: with sync off, each rank accumulates UNSHARDED gradients until the last
-                    # micro-batch: N x the gradient memory that sharding saved.
+                    # Pitfall: with sync off, each rank accumulates UNSHARDED gradients until the
+                    # last micro-batch: N x the gradient memory that sharding saved.
                     model.set_requires_gradient_sync(syncing)
                     loss = lm_loss(model(x), y) / cfg.micro_batches
                     (scaler.scale(loss) if scaler else loss).backward()
@@ -250,7 +251,8 @@ def train(cfg: FSDP2Config) -> RecipeResult:
                 if scaler:
                     scaler.unscale_(optimizer)  # clip (and report) the true gradients, not the scaled ones
                 if cfg.max_grad_norm > 0:
-                    # On DTensor gradients the norm is global: each rank's partial sum is all-reduced.
+                    # On DTensor gradients the norm is global: each rank's partial sum is
+                    # all-reduced.
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
                 if scaler:

@@ -8,19 +8,22 @@ The world is one mesh; each parallelism takes one named dimension of it, from th
 
 - ``pp`` (3-D only, outermost): pipeline stages (recipes.pipeline_parallel), point-to-point between
   stage neighbours: the least traffic, so it may cross the slowest links (between nodes);
-- ``dp``: ``fully_shard`` (recipes.fsdp2's ``apply_fully_shard``): each data-parallel rank reads its own
+- ``dp``: ``fully_shard`` (recipes.fsdp2's ``apply_fully_shard``): each data-parallel rank reads its
+own
   share of the batch, parameters are sharded across the dp ranks and all-gathered per block;
 - ``tp`` (innermost: consecutive ranks, i.e. one node's NVLink): tensor parallel
   (recipes.tensor_parallel's ``apply_tp``), collectives inside every layer.
 
-With 8 ranks as pp 2 x dp 2 x tp 2, rank 5 is stage 1, data shard 0, tensor slice 1. The rank layout is
-logged as a grid (recipes.process_groups explains how mesh dims map to process groups). The groups each
-piece uses are taken from the mesh: ``mesh["tp"]`` for TP, ``mesh["dp"]`` for fully_shard,
-``mesh["pp"].get_group()`` for the pipeline's send/recv, ``mesh["dp"].get_group()`` for the loss average.
+With 8 ranks as pp 2 x dp 2 x tp 2, rank 5 is stage 1, data shard 0, tensor slice 1. The rank layout
+is logged as a grid (recipes.process_groups explains how mesh dims map to process groups). The
+groups each piece uses are taken from the mesh: ``mesh["tp"]`` for TP, ``mesh["dp"]`` for
+fully_shard, ``mesh["pp"].get_group()`` for the pipeline's send/recv, ``mesh["dp"].get_group()`` for
+the loss average.
 
-Order matters: tensor parallel first, then fully_shard (it shards the TP DTensors again along dp, giving
-2-D DTensors), then the optimizer; a pipeline stage is cut before both. Losses and weights equal
-single-process training (tests/test_hybrid_parallel.py). Runs on gloo/CPU (checked with torch 2.13).
+Order matters: tensor parallel first, then fully_shard (it shards the TP DTensors again along dp,
+giving 2-D DTensors), then the optimizer; a pipeline stage is cut before both. Losses and weights
+equal single-process training (tests/test_hybrid_parallel.py). Runs on gloo/CPU (checked with torch
+2.13).
 """
 
 from __future__ import annotations
@@ -135,8 +138,8 @@ def train(cfg: HybridConfig) -> RecipeResult:
             model_cfg = MODEL_PRESETS[cfg.model]
             params_unsplit_bytes = sum(p.numel() * p.element_size() for p in build_model(model_cfg).parameters())
             stage_ids, num_stages = pp_recipe.stage_placement(cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
-            # Each pp rank cuts its stage, then splits it over its tp x dp sub-mesh; send/recv between
-            # stages run on the pp group: the ranks with the same dp and tp coordinates.
+            # Each pp rank cuts its stage, then splits it over its tp x dp sub-mesh; send/recv
+            # between stages run on the pp group: the ranks with the same dp and tp coordinates.
             stages = pp_recipe.manual_stages(
                 model_cfg, stage_ids, num_stages, seed=cfg.seed, device=world.device, group=mesh["pp"].get_group(),
                 parallelize=lambda m: apply_tp_and_fsdp(
@@ -148,7 +151,8 @@ def train(cfg: HybridConfig) -> RecipeResult:
             [p for m in modules for p in m.parameters()], lr=cfg.lr, device=world.device
         )
 
-        # Data: one share per dp coordinate. Ranks that differ only in tp (or pp) read the same samples.
+        # Data: one share per dp coordinate. Ranks that differ only in tp (or pp) read the same
+        # samples.
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=dp_rank, world_size=dp_size,
                                              per_rank_batch_size=per_dp_rank_batch, seed=cfg.seed)
@@ -169,7 +173,8 @@ def train(cfg: HybridConfig) -> RecipeResult:
                     dist.all_reduce(loss, group=dp_group)  # the global batch's loss: mean over dp
                     loss = float(loss.item()) / dp_size
                 else:
-                    # Every dp x tp rank of the last stage holds its dp share's loss: sum / (dp * tp).
+                    # Every dp x tp rank of the last stage holds its dp share's loss: sum / (dp *
+                    # tp).
                     loss = pp_recipe.pipeline_step(schedule, stages, inputs, targets,
                                                    loss_holders=dp_size * cfg.tp)
                 optimizer.step()

@@ -4,22 +4,28 @@
     torchrun --standalone --nproc_per_node=4 -m recipes.tensor_parallel --sequence-parallel --loss-parallel
     python -m recipes.tensor_parallel                   # a world of 1: tensor-parallel degree 1
 
-The whole world is one tensor-parallel group (a 1-D DeviceMesh named "tp"); for tensor parallel inside
-each of several data-parallel replicas see recipes.hybrid_parallel. ``apply_tp`` is the Megatron-LM
-split, written with ``torch.distributed.tensor.parallel`` as torchtitan's ``parallelize.py`` does:
+The whole world is one tensor-parallel group (a 1-D DeviceMesh named "tp"); for tensor parallel
+inside each of several data-parallel replicas see recipes.hybrid_parallel. ``apply_tp`` is the
+Megatron-LM split, written with ``torch.distributed.tensor.parallel`` as torchtitan's
+``parallelize.py`` does:
 
-- attention: ``wq``/``wk``/``wv`` column-wise (each rank computes n_heads / N whole heads; the model's
+- attention: ``wq``/``wk``/``wv`` column-wise (each rank computes n_heads / N whole heads; the
+model's
   attention infers its local head count from the projection's output size), ``wo`` row-wise (its
   all-reduce sums the heads' contributions);
-- MLP: ``w_in`` column-wise, ``w_out`` row-wise: one all-reduce per MLP, none between the two matmuls;
-- embeddings row-wise (vocabulary rows split), the output head column-wise (vocabulary columns split);
+- MLP: ``w_in`` column-wise, ``w_out`` row-wise: one all-reduce per MLP, none between the two
+matmuls;
+- embeddings row-wise (vocabulary rows split), the output head column-wise (vocabulary columns
+split);
 - ``--sequence-parallel``: the norms and residual stream are split along the sequence instead of
-  replicated (the all-reduces become reduce-scatter + all-gather; activations take 1/N of the memory);
-- ``--loss-parallel``: the logits stay split over the vocabulary and cross-entropy is computed on the
+  replicated (the all-reduces become reduce-scatter + all-gather; activations take 1/N of the
+  memory);
+- ``--loss-parallel``: the logits stay split over the vocabulary and cross-entropy is computed on
+the
   shards (``loss_parallel()``), so the full [batch, seq, vocab] logits never exist on one rank.
 
-Every tensor-parallel rank must see the SAME batch (it computes a part of every sample, not a part of
-the batch): the loader here is the single-process one on every rank. The losses and weights equal
+Every tensor-parallel rank must see the SAME batch (it computes a part of every sample, not a part
+of the batch): the loader here is the single-process one on every rank. The losses and weights equal
 single-process training (tests/test_tensor_parallel.py, worlds of 2 and 4); forward outputs and full
 gradients equal the unsplit model's. Runs on gloo/CPU (checked with torch 2.13) and NCCL.
 
@@ -95,8 +101,8 @@ class ReplicateParallel(ParallelStyle):
     NoParallel). For the norms without sequence parallel: every parameter is then a DTensor.
 
     Pitfall: a model with both DTensor and plain parameters trains on CPU, where AdamW loops over
-    tensors one by one, and fails on GPU, where it defaults to foreach kernels ("got mixed torch.Tensor
-    and DTensor"); clip_grad_norm_ fails the same way.
+    tensors one by one, and fails on GPU, where it defaults to foreach kernels ("got mixed
+    torch.Tensor and DTensor"); clip_grad_norm_ fails the same way.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -122,8 +128,8 @@ def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Modul
 def check_tp_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: int) -> None:
     """RecipeError unless every plan key names modules of ``model`` that its style can split evenly.
 
-    ``parallelize_module`` itself only warns about a key that matches nothing and skips it: the model
-    would silently stay replicated where the plan says split.
+    ``parallelize_module`` itself only warns about a key that matches nothing and skips it: the
+    model would silently stay replicated where the plan says split.
     """
     for pattern, style in plan.items():
         found = matching_modules(model, pattern)
@@ -178,8 +184,9 @@ def transformer_lm_plan(*, sequence_parallel: bool = False,
     # sequence parallel, split along the sequence dim: Shard(1) of [batch, seq, dim].
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
-        # Row-wise on an embedding splits the vocabulary rows; each rank looks up the ids it owns and
-        # the partial results are summed (or reduce-scattered straight into the sequence shards).
+        # Row-wise on an embedding splits the vocabulary rows; each rank looks up the ids it owns
+        # and the partial results are summed (or reduce-scattered straight into the sequence
+        # shards).
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         # Position embeddings are [seq, dim]: their sequence dim is 0, so their shard is Shard(0);
         # added to tok_embeddings' [batch, seq/N, dim] shard it lines up position by position.
@@ -268,8 +275,9 @@ def train(cfg: TPConfig) -> RecipeResult:
         model_cfg = MODEL_PRESETS[cfg.model]
         check_tp_fits(model_cfg, world.world_size)
         tp_mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("tp",))
-        # Same seed everywhere: each rank builds the full model, then keeps only its shards. (For a model
-        # that does not fit one device, build on the "meta" device and initialize after apply_tp.)
+        # Same seed everywhere: each rank builds the full model, then keeps only its shards. (For a
+        # model that does not fit one device, build on the "meta" device and initialize after
+        # apply_tp.)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel,
@@ -282,8 +290,9 @@ def train(cfg: TPConfig) -> RecipeResult:
         # Built after apply_tp: it must see the DTensors.
         optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
         scaler = make_grad_scaler(world.device, precision)
-        # Pitfall: a DistributedSampler over the TP ranks would give each rank different samples, and
-        # each rank would compute its slice of a different batch. Every TP rank reads the whole batch.
+        # Pitfall: a DistributedSampler over the TP ranks would give each rank different samples,
+        # and each rank would compute its slice of a different batch. Every TP rank reads the whole
+        # batch.
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=0, world_size=1,
                                              per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)

@@ -8,6 +8,8 @@ A policy that matches nothing or splits GPT-2's tied weight is refused in one li
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ from recipes.fsdp2 import apply_fully_shard
 from recipes.tensor_parallel import (apply_tp, check_heads_divide, check_tp_plan, llama_plan,
                                      transformer_lm_plan)
 from tests import third_party
-from tests.helpers import assert_losses_close, assert_states_close
+from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, run_cli
 
 STEPS, GLOBAL_BATCH, LR = 3, 4, 0.1
 # Strategies per model. GPT-2 has no TP entry: its fused q/k/v is a Conv1D, which torch's
@@ -38,8 +40,9 @@ STRATEGIES = {"gpt2": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard"]
 def train(model, *, rank: int, world_size: int, shard_batch: bool):
     """The textbook loop on ``model`` (wrapped or not): per-step global losses."""
     # SGD, not AdamW: AdamW divides by sqrt(v) + eps, so where a gradient element is nearly zero
-    # (rare tokens, these random init weights) a 1e-7 difference in summation order becomes an update
-    # difference of up to lr. SGD's update is linear in the gradient: the weights compare at 1e-5.
+    # (rare tokens, these random init weights) a 1e-7 difference in summation order becomes an
+    # update difference of up to lr. SGD's update is linear in the gradient: the weights compare at
+    # 1e-5.
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for step in range(STEPS):
@@ -173,3 +176,18 @@ def test_heads_that_do_not_divide_are_refused():
     with pytest.raises(RecipeError, match="2 key/value heads do not split over 4 tensor-parallel "
                                           "ranks; use a tensor-parallel size of 1, 2"):
         check_heads_divide(4, n_heads=4, n_kv_heads=2)
+
+
+@pytest.mark.timeout(240)
+def test_readme_usage_block_runs(tmp_path):
+    """The README's "own project" example, extracted verbatim and run under torchrun on 2 ranks."""
+    readme = Path(REPO_ROOT, "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Use the functions in your own project", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "my_train.py"
+    script.write_text(code, encoding="utf-8")
+    done = run_cli([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    str(script)], timeout_s=200, env={"PYTHONPATH": REPO_ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3, done.stdout  # printed once per step: by rank 0 only
