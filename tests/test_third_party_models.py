@@ -61,6 +61,7 @@ def train(model, *, rank: int, world_size: int, shard_batch: bool):
     return losses
 
 
+# --8<-- [start:parallelize]
 def parallelize(kind: str, strategy: str, world):
     """The tiny model as ``strategy`` wraps it, told explicitly what it needs."""
     model, blocks = third_party.build(kind), third_party.block_types(kind)
@@ -77,6 +78,7 @@ def parallelize(kind: str, strategy: str, world):
     check_heads_divide(world.world_size, n_heads=config.num_attention_heads,
                        n_kv_heads=config.num_key_value_heads)
     return apply_tp(model, mesh, plan=llama_plan())
+# --8<-- [end:parallelize]
 
 
 def gathered_while_a_block_runs(model, blocks) -> list[int]:
