@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 -m recipes.fsdp2
     torchrun --standalone --nproc_per_node=2 -m recipes.fsdp2 --precision bf16 --explicit-prefetch
-    torchrun --standalone --nproc_per_node=4 -m recipes.fsdp2 --hsdp-replicas 2   # HSDP: 2 replicas x 2 shards
+    torchrun --standalone --nproc_per_node=4 -m recipes.fsdp2 --hsdp-replicas 2   # HSDP: 2 x 2
 
 Every parameter becomes a DTensor sharded on dim 0 over the mesh's "shard" dim; each Block is one
 communication group (one all-gather before its forward and backward, one reduce-scatter after its
@@ -33,22 +33,22 @@ device and keeps a 1/N shard of it. A model too big for one host's memory is bui
 ``torch.device("meta")`` instead, sharded, then materialised with ``model.to_empty(device=...)`` and
 initialised or loaded from a sharded checkpoint (recipes/sharded_checkpoint.py).
 
-| fully_shard (this recipe)                            | classic FSDP (recipes/fsdp.py)                  |
-|------------------------------------------------------|-------------------------------------------------|
-| ``reshard_after_forward=True``                       | ``ShardingStrategy.FULL_SHARD`` (ZeRO-3)        |
-| ``reshard_after_forward=False``                      | ``ShardingStrategy.SHARD_GRAD_OP`` (ZeRO-2)     |
-| ``reshard_after_forward=2``: re-gather within pairs  | no counterpart                                  |
-| 2-D mesh ("replicate", "shard")                      | ``HYBRID_SHARD`` with a 2-D ``device_mesh``     |
-| ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``  | ``MixedPrecision(param_, reduce_, buffer_dtype)`` |
-| ``CPUOffloadPolicy()``                               | ``CPUOffload(offload_params=True)``             |
-| ``set_modules_to_forward_prefetch``                  | ``forward_prefetch=True``                       |
-| ``set_modules_to_backward_prefetch``                 | ``backward_prefetch=BackwardPrefetch...``       |
-| one ``fully_shard`` per Block, then the root         | ``auto_wrap_policy=transformer_auto_wrap_policy`` |
-| ``set_requires_gradient_sync(False)``                | ``no_sync()``                                   |
-| ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware)   | ``FSDP.clip_grad_norm_``                        |
-| ``torch.amp.GradScaler`` (DTensor reduces found_inf) | ``ShardedGradScaler``                           |
-| DTensor parameters, names unchanged                  | ``use_orig_params=True``                        |
-| same init on every rank, or a checkpoint load        | ``sync_module_states=True``                     |
+| fully_shard (this recipe)                         | classic FSDP (recipes/fsdp.py)            |
+|---------------------------------------------------|-------------------------------------------|
+| ``reshard_after_forward=True``                    | ``FULL_SHARD`` (ZeRO-3)                   |
+| ``reshard_after_forward=False``                   | ``SHARD_GRAD_OP`` (ZeRO-2)                |
+| ``reshard_after_forward=2``: re-gather in pairs   | no counterpart                            |
+| 2-D mesh ("replicate", "shard")                   | ``HYBRID_SHARD`` with a 2-D mesh          |
+| ``MixedPrecisionPolicy(param_, reduce_dtype)``    | ``MixedPrecision(param_, reduce_, ...)``  |
+| ``CPUOffloadPolicy()``                            | ``CPUOffload(offload_params=True)``       |
+| ``set_modules_to_forward_prefetch``               | ``forward_prefetch=True``                 |
+| ``set_modules_to_backward_prefetch``              | ``backward_prefetch=BackwardPrefetch...`` |
+| one ``fully_shard`` per block, then the root      | ``ModuleWrapPolicy({Block})``             |
+| ``set_requires_gradient_sync(False)``             | ``no_sync()``                             |
+| ``torch.nn.utils.clip_grad_norm_`` (DTensor)      | ``FSDP.clip_grad_norm_``                  |
+| ``torch.amp.GradScaler`` (reduces found_inf)      | ``ShardedGradScaler``                     |
+| DTensor parameters, names unchanged               | ``use_orig_params=True``                  |
+| same init on every rank, or a checkpoint load     | ``sync_module_states=True``               |
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ from typing import Literal
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 from torch.distributed.tensor import DTensor
 
 from recipes.core.cli import run_cli
@@ -92,23 +93,27 @@ def parse_reshard_after_forward(value: str) -> bool | int:
         return text == "true"
     if text.isdigit() and int(text) >= 1:
         return int(text)
-    raise RecipeError(f"reshard_after_forward={value!r}: use true, false, or a group size that divides "
-                      "the shard dim, e.g. 2")
+    raise RecipeError(f"reshard_after_forward={value!r}: use true, false, or a group size that "
+                      "divides the shard dim, e.g. 2")
 
 
 @dataclass
 class FSDP2Config(CompileOption, TrainConfig):
     reshard_after_forward: str = opt(
-        "true", "true = free the unsharded Block parameters after forward, re-gather in backward (ZeRO-3); "
-        "false = keep them until backward (ZeRO-2); k = keep a copy sharded over groups of k ranks")
+        "true", "true = free the unsharded Block parameters after forward, re-gather in backward "
+        "(ZeRO-3); false = keep them until backward (ZeRO-2); k = keep a copy sharded over "
+        "groups of k ranks")
     hsdp_replicas: int = opt(1, "HSDP: replicate over this many groups, shard inside each (mesh "
                                 "replicate x shard)", ge=1)
-    cpu_offload: bool = opt(False, "keep sharded parameters, gradients and AdamW state in host memory")
-    explicit_prefetch: bool = opt(False, "issue each Block's all-gather one Block ahead, in forward and backward")
+    cpu_offload: bool = opt(
+        False, "keep sharded parameters, gradients and AdamW state in host memory")
+    explicit_prefetch: bool = opt(
+        False, "issue each Block's all-gather one Block ahead, in forward and backward")
     micro_batches: int = opt(1, "gradient accumulation: micro-batches per optimizer step", ge=1)
     accumulation: Literal["sync", "no_sync"] = opt(
         "sync", "sync = reduce-scatter every micro-batch (gradients stay sharded); "
-        "no_sync = set_requires_gradient_sync(False) until the last one (unsharded gradients: N x the memory)")
+        "no_sync = set_requires_gradient_sync(False) until the last one (unsharded gradients: "
+        "N x the memory)")
     max_grad_norm: float = opt(
         0.0, "clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0 = off)", ge=0)
     inject_inf_step: int = opt(
@@ -176,8 +181,8 @@ def apply_fully_shard(
 
 def data_parallel_mesh(world, hsdp_replicas: int) -> DeviceMesh:
     if world.world_size % hsdp_replicas:
-        raise RecipeError(f"hsdp_replicas={hsdp_replicas} does not divide world size {world.world_size}; "
-                          f"pick a divisor of {world.world_size}")
+        raise RecipeError(f"hsdp_replicas={hsdp_replicas} does not divide world size "
+                          f"{world.world_size}; pick a divisor of {world.world_size}")
     if hsdp_replicas == 1:
         return init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(world.device.type, (hsdp_replicas, world.world_size // hsdp_replicas),
@@ -187,13 +192,14 @@ def data_parallel_mesh(world, hsdp_replicas: int) -> DeviceMesh:
 # --8<-- [start:train]
 def train(cfg: FSDP2Config) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size, cfg.micro_batches)
+        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size,
+                                             cfg.micro_batches)
         mesh = data_parallel_mesh(world, cfg.hsdp_replicas)
         shard_size = mesh.size(mesh.ndim - 1)
         reshard = parse_reshard_after_forward(cfg.reshard_after_forward)
         if not isinstance(reshard, bool) and shard_size % reshard:
-            raise RecipeError(f"reshard_after_forward={reshard} does not divide the shard group size {shard_size}; "
-                              f"use true, false or a divisor of {shard_size}")
+            raise RecipeError(f"reshard_after_forward={reshard} does not divide the shard group "
+                              f"size {shard_size}; use true, false or a divisor of {shard_size}")
         precision = setup_precision(cfg.precision, world.device)
         model = build_model(cfg.model, seed=cfg.seed, device="cpu")  # fully_shard moves each shard
         if cfg.compile:  # compile, then shard: the sharding hooks stay outside the compiled graphs
@@ -221,7 +227,8 @@ def train(cfg: FSDP2Config) -> RecipeResult:
         scaler = torch.amp.GradScaler(world.device.type) if precision == "fp16" else None
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
-                                             per_rank_batch_size=per_rank_batch * cfg.micro_batches, seed=cfg.seed)
+                                             per_rank_batch_size=per_rank_batch * cfg.micro_batches,
+                                             seed=cfg.seed)
         log.info("fully_shard on mesh %s, reshard_after_forward=%s, %s, %d x %d sequences per rank",
                  tuple(mesh.shape), reshard, precision, cfg.micro_batches, per_rank_batch)
 
@@ -242,19 +249,22 @@ def train(cfg: FSDP2Config) -> RecipeResult:
                     loss = lm_loss(model(x), y) / cfg.micro_batches
                     (scaler.scale(loss) if scaler else loss).backward()
                     step_loss += loss.detach().float()
-                    if last_step and index == len(micro) - 2:  # the accumulated gradients, before the last sync
+                    # The accumulated gradients, before the last sync:
+                    if last_step and index == len(micro) - 2:
                         extras["grad_bytes_accumulated"] = model_state_bytes(model)["grad_bytes"]
                 if step == cfg.inject_inf_step and world.rank == cfg.inject_inf_rank:
                     shard = next(p.grad.to_local() for p in model.parameters()
                                  if p.grad is not None and p.grad.to_local().numel())
                     shard.view(-1)[0] = math.inf
                 if scaler:
-                    scaler.unscale_(optimizer)  # clip (and report) the true gradients, not the scaled ones
+                    # Clip (and report) the true gradients, not the scaled ones.
+                    scaler.unscale_(optimizer)
                 if cfg.max_grad_norm > 0:
                     # On DTensor gradients the norm is global: each rank's partial sum is
                     # all-reduced.
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+                    grad_norms.append(
+                        float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
                 if scaler:
                     scale = scaler.get_scale()
                     scaler.step(optimizer)

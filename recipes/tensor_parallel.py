@@ -1,7 +1,8 @@
-"""Tensor parallelism with DTensor: every layer's weights split across ranks, the same model computed.
+"""Tensor parallelism with DTensor: every layer's weights split across ranks, the same model.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.tensor_parallel
-    torchrun --standalone --nproc_per_node=4 -m recipes.tensor_parallel --sequence-parallel --loss-parallel
+    torchrun --standalone --nproc_per_node=4 -m recipes.tensor_parallel --sequence-parallel \
+        --loss-parallel
     python -m recipes.tensor_parallel                   # a world of 1: tensor-parallel degree 1
 
 The whole world is one tensor-parallel group (a 1-D DeviceMesh named "tp"); for tensor parallel
@@ -49,8 +50,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
 
 from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
@@ -77,28 +79,33 @@ log = get_logger(__name__)
 
 @dataclass
 class TPConfig(CompileOption, TrainConfig):
-    sequence_parallel: bool = opt(False, "split norms and the residual stream along the sequence (Shard(1)) "
-                                         "instead of replicating them")
-    loss_parallel: bool = opt(False, "keep the logits split over the vocabulary and compute cross-entropy on "
-                                     "the shards (loss_parallel())")
+    sequence_parallel: bool = opt(
+        False, "split norms and the residual stream along the sequence (Shard(1)) instead of "
+        "replicating them")
+    loss_parallel: bool = opt(
+        False, "keep the logits split over the vocabulary and compute cross-entropy on the shards "
+        "(loss_parallel())")
 
 
 def check_tp_fits(model_cfg: ModelConfig, tp_size: int) -> None:
-    """RecipeError unless every split dimension divides by ``tp_size``: heads, MLP width, vocabulary and
-    sequence (the position embedding's rows). DTensor could shard unevenly; equal shards keep it simple."""
+    """RecipeError unless every split dimension divides by ``tp_size``: heads, MLP width,
+    vocabulary and sequence (the position embedding's rows). DTensor could shard unevenly; equal
+    shards keep it simple."""
     sizes = {"n_heads": model_cfg.n_heads, "mlp width": model_cfg.mlp_ratio * model_cfg.dim,
              "vocab_size": model_cfg.vocab_size, "seq_len": model_cfg.seq_len}
     bad = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
     if bad:
-        fits = [n for n in range(1, model_cfg.n_heads + 1) if all(size % n == 0 for size in sizes.values())]
+        fits = [n for n in range(1, model_cfg.n_heads + 1)
+                if all(size % n == 0 for size in sizes.values())]
         raise RecipeError(f"tensor parallel over {tp_size} ranks cannot split {', '.join(bad)}; "
                           f"use a tensor-parallel size of {', '.join(map(str, fits))}")
 
 
 # --8<-- [start:apply_tp]
 class ReplicateParallel(ParallelStyle):
-    """Parameters become Replicate DTensors; the module takes and returns plain tensors (torchtitan's
-    NoParallel). For the norms without sequence parallel: every parameter is then a DTensor.
+    """Parameters become Replicate DTensors; the module takes and returns plain tensors
+    (torchtitan's NoParallel). For the norms without sequence parallel: every parameter is then a
+    DTensor.
 
     Pitfall: a model with both DTensor and plain parameters trains on CPU, where AdamW loops over
     tensors one by one, and fails on GPU, where it defaults to foreach kernels ("got mixed
@@ -108,12 +115,14 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicated_inputs(_module, inputs, mesh):
             return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+                         for t in inputs)
 
         def local_output(_module, output, _mesh):
             return output.to_local() if isinstance(output, DTensor) else output
 
-        return distribute_module(module, device_mesh, input_fn=replicated_inputs, output_fn=local_output)
+        return distribute_module(module, device_mesh, input_fn=replicated_inputs,
+                                 output_fn=local_output)
 
 
 def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
@@ -134,7 +143,8 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: 
     for pattern, style in plan.items():
         found = matching_modules(model, pattern)
         if not found:
-            paths = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", name) for name, _ in model.named_modules()})
+            paths = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", name)
+                            for name, _ in model.named_modules()})
             raise RecipeError(
                 f"TP plan key {pattern!r} matches no module of {type(model).__name__}; its modules "
                 f"are: {', '.join(p for p in paths if p)}")
@@ -155,12 +165,12 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: 
 
 
 def check_heads_divide(tp_size: int, *, n_heads: int, n_kv_heads: int | None = None) -> None:
-    """RecipeError unless every rank gets whole attention heads: column-wise q/k/v split the heads."""
+    """RecipeError unless every rank gets whole attention heads (column-wise q/k/v split them)."""
     for what, count in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
         if count is not None and count % tp_size:
             fits = [n for n in range(1, count + 1) if count % n == 0]
-            raise RecipeError(f"{count} {what} do not split over {tp_size} tensor-parallel ranks; use "
-                              f"a tensor-parallel size of {', '.join(map(str, fits))}")
+            raise RecipeError(f"{count} {what} do not split over {tp_size} tensor-parallel ranks; "
+                              f"use a tensor-parallel size of {', '.join(map(str, fits))}")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *,
@@ -191,7 +201,8 @@ def transformer_lm_plan(*, sequence_parallel: bool = False,
         # Position embeddings are [seq, dim]: their sequence dim is 0, so their shard is Shard(0);
         # added to tok_embeddings' [batch, seq/N, dim] shard it lines up position by position.
         "pos_embeddings": RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()),
+            input_layouts=Replicate(),
+            output_layouts=Shard(0) if sequence_parallel else Replicate()),
         # Column-wise q/k/v: rank r gets heads [r*H/N, (r+1)*H/N): attention needs no communication.
         "layers.*.attn.wq": ColwiseParallel(),
         "layers.*.attn.wk": ColwiseParallel(),
@@ -228,8 +239,9 @@ def transformer_lm_plan(*, sequence_parallel: bool = False,
 
 
 def llama_plan() -> dict[str, ParallelStyle]:
-    """The same split for a Llama-style model with Hugging Face's names (LlamaForCausalLM; Mistral and
-    Qwen2 share them). Its attention infers the local head count from q_proj's output, as ours does.
+    """The same split for a Llama-style model with Hugging Face's names (LlamaForCausalLM;
+    Mistral and Qwen2 share them). Its attention infers the local head count from q_proj's output,
+    as ours does.
     Check the heads first: ``check_heads_divide(tp, n_heads=..., n_kv_heads=...)``."""
     plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
@@ -250,7 +262,8 @@ def llama_plan() -> dict[str, ParallelStyle]:
 
 
 def full_state_gathered(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Plain CPU copies of every parameter, DTensors all-gathered: a collective, every rank must call it."""
+    """Plain CPU copies of every parameter, DTensors all-gathered: a collective, every rank must
+    call it."""
     # fully_shard over TP shards gives (_StridedShard, Shard) placements, whose full_tensor() logs a
     # "2 sequential all_gather operations" performance warning on every rank, for every parameter: a
     # one-off gather for the result does not care, so that logger is quieted for its duration.
@@ -295,10 +308,12 @@ def train(cfg: TPConfig) -> RecipeResult:
         # batch.
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         loader, sampler = distributed_loader(dataset, rank=0, world_size=1,
-                                             per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
+                                             per_rank_batch_size=cfg.global_batch_size,
+                                             seed=cfg.seed)
         # The loss and its backward must both run inside loss_parallel() when the logits are shards.
         loss_context = loss_parallel if cfg.loss_parallel else contextlib.nullcontext
-        log.info("tensor parallel over %d rank(s), backend %s, sequence_parallel=%s, loss_parallel=%s",
+        log.info("tensor parallel over %d rank(s), backend %s, sequence_parallel=%s, "
+                 "loss_parallel=%s",
                  world.world_size, world.backend, cfg.sequence_parallel, cfg.loss_parallel)
 
         losses, timer = [], StepTimer(world.device)
@@ -315,7 +330,8 @@ def train(cfg: TPConfig) -> RecipeResult:
                 scaler.update()
                 if step == 0:
                     state_bytes = model_state_bytes(model, optimizer)  # gradients still present
-            losses.append(as_float(loss))  # the same on every rank: they all computed the whole batch
+            # The same on every rank: they all computed the whole batch.
+            losses.append(as_float(loss))
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
         full_state = full_state_gathered(model)  # every rank joins the all-gathers
@@ -323,8 +339,10 @@ def train(cfg: TPConfig) -> RecipeResult:
             "tensor_parallel", world, losses, full_state.values(), timer,
             keep_final_state=full_state if cfg.keep_final_state else None,
             workload=Workload(model_cfg, cfg.global_batch_size, precision),
-            tp_size=world.world_size, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel,
-            param_bytes_per_rank=state_bytes["param_bytes"], param_bytes_unsplit=params_unsplit_bytes,
+            tp_size=world.world_size, sequence_parallel=cfg.sequence_parallel,
+            loss_parallel=cfg.loss_parallel,
+            param_bytes_per_rank=state_bytes["param_bytes"],
+            param_bytes_unsplit=params_unsplit_bytes,
             param_fraction_per_rank=state_bytes["param_bytes"] / params_unsplit_bytes,
             optimizer_bytes_per_rank=state_bytes["optimizer_bytes"],
         )
