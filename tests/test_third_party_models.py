@@ -1,4 +1,4 @@
-"""The functions a user copies work on a model that is not the cookbook's: Hugging Face GPT-2 and Llama.
+"""The functions a user copies work on a model that is not the cookbook's: HF GPT-2 and Llama.
 
 Each strategy trains the tiny model 3 steps on a gloo world of 2 and must equal single-process
 training of the same model on the whole batch (losses and final weights, fp32, atol 1e-5, as for the
@@ -69,7 +69,8 @@ def parallelize(kind: str, strategy: str, world):
     if strategy == "ddp":
         return DDP(model)
     if strategy == "fsdp":
-        return apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy(set(blocks)), device=world.device)
+        return apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy(set(blocks)),
+                          device=world.device)
     if strategy == "checkpointed_fully_shard":  # torchtitan's order: checkpoint, then shard
         apply_activation_checkpointing(model, block_types=blocks)
     if strategy in ("fully_shard", "checkpointed_fully_shard"):
@@ -82,7 +83,8 @@ def parallelize(kind: str, strategy: str, world):
 
 
 def gathered_while_a_block_runs(model, blocks) -> list[int]:
-    """Parameter bytes this rank holds beyond its shards, measured as each block's forward starts."""
+    """Parameter bytes this rank holds beyond its shards, measured as each block's forward starts.
+    """
     shards = model_state_bytes(model)["param_bytes"]
     held: list[int] = []
     for block in (m for m in model.modules() if isinstance(m, blocks)):
@@ -116,7 +118,7 @@ def strategies_world(kind: str) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", third_party.KINDS)
 def test_every_strategy_equals_one_process(kind):
-    """One spawned world per model (a spawn costs more than these tiny trainings) checks three things."""
+    """One spawned world per model (a spawn costs more than these tiny trainings), three checks."""
     results = spawn_world(strategies_world, 2, kind, timeout_s=240)
     # 1. Every strategy trains exactly as one process on the whole batch does.
     reference = third_party.build(kind)
@@ -168,7 +170,7 @@ def test_gpt2_tp_plan_is_refused():
 
 
 def test_tp_plan_naming_a_missing_module_is_refused():
-    """torch's parallelize_module only warns and skips such a key: the model would stay replicated."""
+    """torch's parallelize_module only warns and skips such a key: the model stays replicated."""
     with pytest.raises(RecipeError, match=r"'tok_embeddings' matches no module of "
                                           r"LlamaForCausalLM.*model.layers.\*.self_attn.q_proj"):
         check_tp_plan(third_party.build("llama"), transformer_lm_plan(), 2)

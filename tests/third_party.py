@@ -1,4 +1,4 @@
-"""Tiny Hugging Face models, built from a config (no download), that the apply_* functions must handle.
+"""Tiny Hugging Face models, built from a config (no download), that the apply_* functions take.
 
 GPT-2 ties its output layer to the token embedding and fuses q/k/v into one ``Conv1D``; Llama is
 close to what people train today (RMSNorm, rotary positions, SwiGLU, grouped key/value heads).
@@ -11,14 +11,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-transformers = pytest.importorskip("transformers", reason="the third-party model tests need transformers")
+transformers = pytest.importorskip("transformers",
+                                   reason="the third-party model tests need transformers")
 
 VOCAB, SEQ = 128, 16
 KINDS = ["gpt2", "llama"]
 
 
 def build(kind: str, *, seed: int = 0) -> nn.Module:
-    """The same weights for the same seed, in fp32, with dropout off (so that runs compare exactly)."""
+    """The same weights for the same seed, in fp32, dropout off (so that runs compare exactly)."""
     torch.manual_seed(seed)
     if kind == "gpt2":
         config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
@@ -48,6 +49,6 @@ def block_types(kind: str) -> tuple[type[nn.Module], ...]:
 
 
 def batch(step: int, global_batch_size: int = 4) -> torch.Tensor:
-    """Token ids [global_batch_size, SEQ + 1] for optimizer step ``step``; the same in every process."""
+    """Token ids [global_batch_size, SEQ + 1] for optimizer step ``step``, alike in every process."""
     generator = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, VOCAB, (global_batch_size, SEQ + 1), generator=generator)
