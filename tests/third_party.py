@@ -49,6 +49,6 @@ def block_types(kind: str) -> tuple[type[nn.Module], ...]:
 
 
 def batch(step: int, global_batch_size: int = 4) -> torch.Tensor:
-    """Token ids [global_batch_size, SEQ + 1] for optimizer step ``step``, alike in every process."""
+    """Token ids [global_batch_size, SEQ + 1] for step ``step``, the same in every process."""
     generator = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, VOCAB, (global_batch_size, SEQ + 1), generator=generator)
