@@ -106,3 +106,36 @@ def plain_training_loop(model, *, steps: int, global_batch_size: int, lr: float,
         optimizer.step()
         losses.append(loss.item())
     return losses, full_state_on_cpu(lm)
+
+
+# Why "about": FSDP pads each flat parameter (classic) or each parameter's dim 0 (fully_shard) to a
+# multiple of N, and AdamW keeps a 4-byte scalar `step` per parameter tensor on every rank that holds a
+# piece of it; fully_shard's optimizer state follows the unpadded shard, so a last rank can hold a row
+# less. On the tiny model these stay far inside 10% + 4 KiB; a real bug (a full copy kept, a shard not
+# freed) is off by a factor of N.
+SLACK_BYTES = 4096
+
+
+def assert_about_fraction(actual: int, ddp: int, n: int, what: str) -> None:
+    """``actual`` is about 1/n of DDP's ``ddp`` bytes (within 10%, plus padding)."""
+    expected = ddp / n
+    assert expected * 0.9 <= actual <= expected * 1.1 + SLACK_BYTES, (
+        f"{what}: {actual} bytes, expected about 1/{n} of DDP's {ddp} = {expected:.0f}")
+
+
+def run_pair(pair):
+    """Lets one spawned world run several recipes: in_one_world calls this with each (train, config)."""
+    train, cfg = pair
+    return train(cfg)
+
+
+def expected_tp_param_fraction(tp_size: int) -> float:
+    """The cookbook's tiny model under transformer_lm_plan: norms and row-wise biases are replicated on
+    every rank; every other parameter is split tp_size ways."""
+    from recipes.core.workload import build_model
+
+    model = build_model("tiny")
+    replicated = sum(p.numel() for n, p in model.named_parameters()
+                     if "norm" in n or n.endswith("w_out.bias"))
+    total = sum(p.numel() for p in model.parameters())
+    return (replicated + (total - replicated) / tp_size) / total

@@ -9,8 +9,8 @@ from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import Block, build_model
 from recipes.core.world import join_world
 from tests.helpers import (BACKENDS, CUDA_DEVICES, PYTHON, assert_losses_close, assert_states_close, last_json,
-                           run_alone, run_cli, run_world, with_fields)
-from tests.test_memory import assert_about_fraction, run_pair
+                           assert_about_fraction, run_alone, run_cli, run_pair, run_world,
+                           with_fields)
 
 STEPS = 4
 CFG = fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)

@@ -5,8 +5,7 @@ import pytest
 from recipes import ddp_torchrun, fsdp2, zero
 from recipes.core.config import RecipeError
 from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
-                           run_cli, run_world, with_fields)
-from tests.test_memory import assert_about_fraction, run_pair
+                           assert_about_fraction, run_cli, run_pair, run_world, with_fields)
 
 STEPS = 4
 CFG = fsdp2.FSDP2Config(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)

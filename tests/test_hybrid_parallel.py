@@ -12,8 +12,7 @@ from recipes.core.config import RecipeError
 from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
 from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, require_world, run_alone,
-                           run_cli, with_fields)
-from tests.test_tensor_parallel import expected_param_fraction
+                           expected_tp_param_fraction, run_cli, with_fields)
 
 STEPS = 3
 CFG = hybrid_parallel.HybridConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=180)
@@ -88,7 +87,7 @@ def test_fully_shard_x_tensor_parallel_on_a_2d_mesh_and_a_4_rank_pipeline(backen
     assert extras["rank_grid"] == [[0, 1], [2, 3]]
     assert extras["groups_of_this_rank"] == {"dp": [0, 2], "tp": [0, 1]}  # rank 0's column and row
     # TP splits the weights 2 ways (norms and row-wise biases stay whole), fully_shard splits everything 2 ways.
-    assert extras["param_fraction_per_rank"] == pytest.approx(expected_param_fraction(2) / 2)
+    assert extras["param_fraction_per_rank"] == pytest.approx(expected_tp_param_fraction(2) / 2)
     extras = results[2].extras
     assert (extras["mesh_dim_names"], extras["mesh_shape"]) == (["pp", "dp", "tp"], [2, 1, 2])
     assert extras["groups_of_this_rank"] == {"pp": [0, 2], "dp": [0], "tp": [0, 1]}

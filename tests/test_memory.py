@@ -13,26 +13,9 @@ from recipes import ddp_torchrun, fsdp, fsdp2, zero
 from recipes.core.memory import model_state_bytes, tensor_storage_bytes
 from recipes.core.state import all_ranks
 from recipes.core.workload import build_model, lm_loss
-from tests.helpers import assert_losses_close, assert_states_close, run_alone, run_world
+from tests.helpers import (SLACK_BYTES, assert_about_fraction, assert_losses_close, assert_states_close,
+                           run_alone, run_pair, run_world)
 
-# Why "about": FSDP pads each flat parameter (classic) or each parameter's dim 0 (fully_shard) to a
-# multiple of N, and AdamW keeps a 4-byte scalar `step` per parameter tensor on every rank that holds a
-# piece of it; fully_shard's optimizer state follows the unpadded shard, so a last rank can hold a row
-# less. On the tiny model these stay far inside 10% + 4 KiB; a real bug (a full copy kept, a shard not
-# freed) is off by a factor of N.
-SLACK_BYTES = 4096
-
-
-def assert_about_fraction(actual: int, ddp: int, n: int, what: str) -> None:
-    expected = ddp / n
-    assert expected * 0.9 <= actual <= expected * 1.1 + SLACK_BYTES, (
-        f"{what}: {actual} bytes, expected about 1/{n} of DDP's {ddp} = {expected:.0f}")
-
-
-def run_pair(pair):
-    """Lets one spawned world run several recipes: in_one_world calls this with each (train, config)."""
-    train, cfg = pair
-    return train(cfg)
 
 
 def classic_fsdp_flat_parameters(cfg):

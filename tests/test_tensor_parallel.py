@@ -13,7 +13,7 @@ from recipes.core.config import RecipeError
 from recipes.core.workload import MODEL_PRESETS, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
 from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, require_world, run_alone,
-                           run_cli, with_fields)
+                           expected_tp_param_fraction, run_cli, with_fields)
 
 STEPS = 3
 CFG = tensor_parallel.TPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
@@ -57,14 +57,6 @@ def tp_world(configs, backend):
         return forward_backward_differences(world, OPTIONS), [tensor_parallel.train(cfg) for cfg in configs]
 
 
-def expected_param_fraction(tp_size: int) -> float:
-    """Norms and row-wise biases are replicated on every rank; every other parameter is split N ways."""
-    model = build_model("tiny")
-    replicated = sum(p.numel() for n, p in model.named_parameters() if "norm" in n or n.endswith("w_out.bias"))
-    total = sum(p.numel() for p in model.parameters())
-    return (replicated + (total - replicated) / tp_size) / total
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tp_equals_unsplit_model(world_size, backend):
@@ -86,7 +78,7 @@ def test_tp_equals_unsplit_model(world_size, backend):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)
         # 3. Each rank holds 1/N of the split weights plus the replicated norms and biases.
-        assert result.extras["param_fraction_per_rank"] == pytest.approx(expected_param_fraction(world_size))
+        assert result.extras["param_fraction_per_rank"] == pytest.approx(expected_tp_param_fraction(world_size))
         # AdamW keeps two moments per parameter, shaped like its shard: the optimizer state is split too.
         assert result.extras["optimizer_bytes_per_rank"] == pytest.approx(2 * result.extras["param_bytes_per_rank"], rel=0.01)
 
