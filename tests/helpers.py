@@ -40,6 +40,20 @@ def run_world(train_fn, world_size: int, configs, *, backend: str = "gloo", time
     return spawn_world(in_one_world, world_size, train_fn, list(configs), backend, timeout_s=timeout_s)
 
 
+@functools.cache
+def single_process_reference(*, steps: int | None = None, keep_final_state: bool = True):
+    """The DDP recipe on one process, fp32, computed once per test process (each xdist worker).
+
+    It is what every parity test compares with; callers must not modify the result. ``steps=None``
+    keeps the recipe's default (what a CLI run without --steps does).
+    """
+    from recipes import ddp_torchrun
+
+    fields = {"steps": steps} if steps is not None else {}
+    return run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(
+        keep_final_state=keep_final_state, precision="fp32", **fields))
+
+
 def run_alone(train_fn, cfg):
     """The single-process reference: a world of 1 in this very process."""
     return train_fn(cfg)

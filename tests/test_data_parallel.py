@@ -3,12 +3,19 @@
 import pytest
 import torch
 
-from recipes import data_parallel, ddp_torchrun
-from tests.helpers import PYTHON, assert_losses_close, assert_states_close, last_json, run_alone, run_cli
+from recipes import data_parallel
+from tests.helpers import (
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    run_cli,
+    single_process_reference,
+)
 
 
 def test_data_parallel_equals_single_device_training():
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=4, keep_final_state=True, precision="fp32"))
+    reference = single_process_reference(steps=4)
     result = data_parallel.train(data_parallel.DataParallelConfig(steps=4, keep_final_state=True, precision="fp32"))
     # On GPUs the batch is split and gradients summed in another order: equal within fp32 rounding.
     atol = 1e-5 if torch.cuda.device_count() > 1 else 0.0

@@ -8,15 +8,23 @@ import torch
 from recipes import ddp_spawn, ddp_torchrun
 from recipes.core.config import RecipeError
 from recipes.core.world import RankError
-from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
-                           run_cli, run_world)
+from tests.helpers import (
+    BACKENDS,
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    run_cli,
+    run_world,
+    single_process_reference,
+)
 
 REFERENCE = ddp_torchrun.DDPConfig(steps=4, keep_final_state=True, precision="fp32")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_ddp_option_trains_like_one_process_and_checkpoint_loads_everywhere(backend, tmp_path):
-    reference = run_alone(ddp_torchrun.train, REFERENCE)
+    reference = single_process_reference(steps=REFERENCE.steps)
     options = [
         dict(),
         dict(find_unused_parameters=True, gradient_as_bucket_view=False),

@@ -5,8 +5,16 @@ import pytest
 from recipes import ddp_torchrun
 from recipes.core.config import RecipeError
 from recipes.core.world import spawn_world
-from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
-                           run_cli, run_world)
+from tests.helpers import (
+    BACKENDS,
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    run_cli,
+    run_world,
+    single_process_reference,
+)
 
 CFG = ddp_torchrun.DDPConfig(steps=4, keep_final_state=True, precision="fp32", timeout_s=60)
 
@@ -14,7 +22,7 @@ CFG = ddp_torchrun.DDPConfig(steps=4, keep_final_state=True, precision="fp32", t
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ddp_equals_single_process(world_size, backend):
-    reference = run_alone(ddp_torchrun.train, CFG)
+    reference = single_process_reference(steps=CFG.steps)
     (result,) = run_world(ddp_torchrun.train, world_size, [CFG], backend=backend)
     assert result.world_size == world_size and result.backend == backend
     assert_losses_close(result.losses, reference.losses, atol=1e-5)

@@ -3,14 +3,26 @@
 import pytest
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from recipes import ddp_torchrun, fsdp, zero
+from recipes import fsdp, zero
 from recipes.core.config import RecipeError
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import Block, build_model
 from recipes.core.world import join_world
-from tests.helpers import (BACKENDS, CUDA_DEVICES, PYTHON, assert_losses_close, assert_states_close, last_json,
-                           assert_about_fraction, run_alone, run_cli, run_pair, run_world,
-                           with_fields)
+from tests.helpers import (
+    BACKENDS,
+    CUDA_DEVICES,
+    PYTHON,
+    assert_about_fraction,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    run_alone,
+    run_cli,
+    run_pair,
+    run_world,
+    single_process_reference,
+    with_fields,
+)
 
 STEPS = 4
 CFG = fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
@@ -62,7 +74,7 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
               (sync_module_states_check, None)]
     *outputs, ddp, synced = run_world(run_pair, 2, pairs, backend=backend, timeout_s=300)
     results = dict(zip(runs, outputs))
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
+    reference = single_process_reference(steps=STEPS)
 
     # Parity: every fp32 strategy, wrap policy, prefetch setting and accumulation mode is DDP's training.
     for name in exact:
@@ -118,7 +130,7 @@ def test_torchrun_launch_equals_single_process():
                         "--sharding-strategy", "shard_grad_op"])
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(precision="fp32"))  # the same defaults, one process
+    reference = single_process_reference()  # the same defaults, one process
     assert result["world_size"] == 2 and result["recipe"] == "fsdp"
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
     assert result["param_checksum"] == pytest.approx(reference.param_checksum, abs=1e-3)
@@ -144,7 +156,7 @@ def test_cpu_offload_on_a_cpu_only_world_says_why_it_cannot_run():
 @pytest.mark.slow
 def test_three_ranks_uneven_shards_equal_ddp():
     """3 ranks: flat parameters do not divide by 3, so shards are padded; the training is still DDP's."""
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
+    reference = single_process_reference(steps=STEPS)
     configs = [CFG, with_fields(CFG, sharding_strategy="shard_grad_op"),
                with_fields(CFG, activation_checkpointing=True)]
     for result in run_world(fsdp.train, 3, configs, timeout_s=300):

@@ -2,10 +2,22 @@
 
 import pytest
 
-from recipes import ddp_torchrun, fsdp2, zero
+from recipes import fsdp2, zero
 from recipes.core.config import RecipeError
-from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
-                           assert_about_fraction, run_cli, run_pair, run_world, with_fields)
+from tests.helpers import (
+    BACKENDS,
+    PYTHON,
+    assert_about_fraction,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    run_alone,
+    run_cli,
+    run_pair,
+    run_world,
+    single_process_reference,
+    with_fields,
+)
 
 STEPS = 4
 CFG = fsdp2.FSDP2Config(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
@@ -33,7 +45,7 @@ def test_fully_shard_equals_ddp_with_every_option(backend):
     pairs.append((zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
     *outputs, ddp = run_world(run_pair, 2, pairs, backend=backend, timeout_s=300)
     results = dict(zip(RUNS, outputs))
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
+    reference = single_process_reference(steps=STEPS)
 
     for name in FP32_EXACT:
         assert_losses_close(results[name].losses, reference.losses, atol=1e-5)
@@ -74,7 +86,7 @@ def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.fsdp2", "--explicit-prefetch"])
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(precision="fp32"))  # the same defaults, one process
+    reference = single_process_reference()  # the same defaults, one process
     assert result["world_size"] == 2 and result["recipe"] == "fsdp2"
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
     assert result["param_checksum"] == pytest.approx(reference.param_checksum, abs=1e-3)
@@ -95,7 +107,7 @@ def test_bad_options_fail_in_one_line():
 @pytest.mark.slow
 def test_three_ranks_uneven_shards_equal_ddp():
     """3 ranks: dim 0 of most parameters does not divide by 3, so shards are padded; still DDP's training."""
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
+    reference = single_process_reference(steps=STEPS)
     for result in run_world(fsdp2.train, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], timeout_s=300):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)

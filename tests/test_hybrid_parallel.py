@@ -7,19 +7,28 @@ import warnings
 import pytest
 from torch.distributed.tensor import DTensor
 
-from recipes import ddp_torchrun, hybrid_parallel, pipeline_parallel, tensor_parallel
+from recipes import hybrid_parallel, pipeline_parallel, tensor_parallel
 from recipes.core.config import RecipeError
 from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
-from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, require_world, run_alone,
-                           expected_tp_param_fraction, run_cli, with_fields)
+from tests.helpers import (
+    BACKENDS,
+    assert_losses_close,
+    assert_states_close,
+    expected_tp_param_fraction,
+    last_json,
+    require_world,
+    run_cli,
+    single_process_reference,
+    with_fields,
+)
 
 STEPS = 3
 CFG = hybrid_parallel.HybridConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=180)
 
 
 def reference():
-    return run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
+    return single_process_reference(steps=STEPS)
 
 
 def gradient_difference(world, cfg) -> float:

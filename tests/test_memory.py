@@ -9,13 +9,19 @@ import pytest
 import torch
 import torch.nn as nn
 
-from recipes import ddp_torchrun, fsdp, fsdp2, zero
+from recipes import fsdp, fsdp2, zero
 from recipes.core.memory import model_state_bytes, tensor_storage_bytes
 from recipes.core.state import all_ranks
 from recipes.core.workload import build_model, lm_loss
-from tests.helpers import (SLACK_BYTES, assert_about_fraction, assert_losses_close, assert_states_close,
-                           run_alone, run_pair, run_world)
-
+from tests.helpers import (
+    SLACK_BYTES,
+    assert_about_fraction,
+    assert_losses_close,
+    assert_states_close,
+    run_pair,
+    run_world,
+    single_process_reference,
+)
 
 
 def classic_fsdp_flat_parameters(cfg):
@@ -78,7 +84,7 @@ FOUR_RANK_RUNS = {
 
 def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
     n = 4
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=3, keep_final_state=True, precision="fp32"))
+    reference = single_process_reference(steps=3)
     results = dict(zip(FOUR_RANK_RUNS, run_world(run_pair, n, FOUR_RANK_RUNS.values(), timeout_s=480)))
     flat_params = results.pop("flat_params")
     for name, result in results.items():

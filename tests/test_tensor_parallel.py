@@ -8,12 +8,21 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from recipes import ddp_torchrun, tensor_parallel
+from recipes import tensor_parallel
 from recipes.core.config import RecipeError
 from recipes.core.workload import MODEL_PRESETS, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
-from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json, require_world, run_alone,
-                           expected_tp_param_fraction, run_cli, with_fields)
+from tests.helpers import (
+    BACKENDS,
+    assert_losses_close,
+    assert_states_close,
+    expected_tp_param_fraction,
+    last_json,
+    require_world,
+    run_cli,
+    single_process_reference,
+    with_fields,
+)
 
 STEPS = 3
 CFG = tensor_parallel.TPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
@@ -71,7 +80,7 @@ def test_tp_equals_unsplit_model(world_size, backend):
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < 1e-5, f"{opts}: {worst} differs by {diffs[worst]:.2e}"
     # 2. Training: the losses and final weights of single-process training (the DDP recipe on 1 process).
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
+    reference = single_process_reference(steps=STEPS)
     for opts, result in zip(trained, results):
         assert result.extras["tp_size"] == world_size and result.backend == backend
         assert (result.extras["sequence_parallel"], result.extras["loss_parallel"]) == tuple(opts.values())
@@ -95,6 +104,6 @@ def test_torchrun_launch_equals_single_process():
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and result["extras"]["sequence_parallel"] is True
     # fp32: on a GPU host the reference runs on cuda, where auto would mean bf16.
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32"))
+    reference = single_process_reference(steps=STEPS)
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
     assert launched.stdout.count("] step ") == STEPS and "[rank1]" not in launched.stdout

@@ -2,9 +2,19 @@
 
 import pytest
 
-from recipes import ddp_torchrun, zero
-from tests.helpers import (BACKENDS, PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
-                           run_cli, run_world, with_fields)
+from recipes import zero
+from tests.helpers import (
+    BACKENDS,
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    run_alone,
+    run_cli,
+    run_world,
+    single_process_reference,
+    with_fields,
+)
 
 CFG = zero.ZeroConfig(steps=4, keep_final_state=True, precision="fp32", timeout_s=120)
 CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping really happens
@@ -12,7 +22,7 @@ CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping r
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero1_equals_ddp_with_half_the_optimizer_state(backend):
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=4, keep_final_state=True, precision="fp32"))
+    reference = single_process_reference(steps=4)
     clipped_reference = run_alone(zero.train, with_fields(CFG, optimizer="adamw", max_grad_norm=CLIP))
     configs = [with_fields(CFG, optimizer="adamw"), CFG, with_fields(CFG, max_grad_norm=CLIP)]
     ddp, zero1, clipped = run_world(zero.train, 2, configs, backend=backend)
@@ -48,7 +58,7 @@ def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.zero"])
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
-    reference = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(precision="fp32"))  # the same defaults, one process
+    reference = single_process_reference()  # the same defaults, one process
     assert result["world_size"] == 2 and result["recipe"] == "zero"
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
     assert launched.stdout.count("] step ") == len(result["losses"]) and "[rank1]" not in launched.stdout
