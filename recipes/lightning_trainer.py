@@ -274,8 +274,10 @@ def build_strategy(cfg: LightningConfig, accelerator: str, world_size: int, num_
     if cfg.strategy == "fsdp":
         # Pitfall: Lightning's FSDPStrategy assumes CUDA, yet torch's FSDP runs on CPU with gloo: see below.
         strategy_cls = FSDPStrategy if accelerator == "cuda" else FSDPOnCPUStrategy
+        sharding, mesh = hybrid_shard_layout(cfg.sharding_strategy, accelerator, world_size, num_nodes)
         return strategy_cls(
-            sharding_strategy=cfg.sharding_strategy,
+            sharding_strategy=sharding,
+            device_mesh=mesh,
             auto_wrap_policy={Block},  # one FSDP unit per Block: its params are gathered only while it runs
             activation_checkpointing_policy={Block} if cfg.activation_checkpointing else None,
             cpu_offload=cfg.cpu_offload,
@@ -288,6 +290,31 @@ def build_strategy(cfg: LightningConfig, accelerator: str, world_size: int, num_
                               f"use a divisor of {world_size}")
         return ModelParallelStrategy(data_parallel_size=world_size // tp, tensor_parallel_size=tp)
     return cfg.strategy  # "ddp" / "ddp_spawn": Lightning's defaults match DistributedDataParallel's
+
+
+# --8<-- [start:hybrid]
+def hybrid_shard_layout(sharding_strategy: str, accelerator: str, world_size: int, num_nodes: int):
+    """FSDP1's sharding strategy and device mesh: HYBRID_SHARD gets an explicit (nodes, ranks) mesh.
+
+    Pitfall (torch's FSDP1, seen on 2.13): HYBRID_SHARD shards over a node's ranks and all-reduces
+    across nodes. With one rank per node the shard group has one rank, FSDP clamps the strategy to
+    NO_SHARD over that group, and the cross-node all-reduce never runs: each rank trains on its own
+    half of the batch, its gradient divided by the world size (tests/test_lightning_trainer.py
+    keeps the reproduction). Without a mesh it is worse on CPU: FSDP counts ranks per node with
+    ``torch.cpu.device_count()``, which is 1, so every rank is a "node". With one rank per node,
+    HYBRID_SHARD means replication, which is NO_SHARD over the whole world: that is what runs.
+    """
+    if sharding_strategy != "HYBRID_SHARD" or not dist.is_initialized():
+        return sharding_strategy, None  # ddp_spawn has no world yet; it never runs FSDP
+    from torch.distributed.device_mesh import init_device_mesh
+
+    per_node = world_size // num_nodes
+    if per_node == 1:
+        log.info("HYBRID_SHARD with one rank per node is replication: NO_SHARD over the world")
+        return "NO_SHARD", None
+    return sharding_strategy, init_device_mesh(accelerator, (num_nodes, per_node),
+                                               mesh_dim_names=("replicate", "shard"))
+# --8<-- [end:hybrid]
 
 
 class FSDPOnCPUStrategy(FSDPStrategy):
@@ -484,9 +511,6 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
         if cfg.cpu_offload:
             raise RecipeError("cpu_offload moves FSDP shards from GPU to CPU memory; on a CPU world they are "
                               "there already (and torch pins memory, which needs an accelerator): drop --cpu-offload")
-        if cfg.sharding_strategy == "HYBRID_SHARD":
-            raise RecipeError("HYBRID_SHARD groups ranks by GPUs per node; on CPU every rank counts as a node of "
-                              "its own and training drifts from DDP (measured on torch 2.13): use FULL_SHARD on CPU")
         if cfg.state_dict_type == "full":
             raise RecipeError("state_dict_type 'full' crashes torch's FSDP on CPU (a segfault offloading the "
                               "gathered state to CPU); use --state-dict-type sharded on CPU, full on GPUs")
