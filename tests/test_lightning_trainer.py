@@ -387,6 +387,41 @@ def test_ddp_spawn_checks_the_batch_in_the_parent_before_spawning(tmp_path, chan
             lightning_trainer.train(cfg)
 
 
+@needs_jsonargparse
+@pytest.mark.parametrize("old, new, message", [
+    ("model:\n  model: tiny", "model:\n  model: huge",
+     "error: unknown model.model='huge'; valid values: tiny, small, 100m"),
+    ("global_batch_size: 12", "global_batch_size: 9",
+     "error: data.global_batch_size=9 does not divide across 2 ranks; use a multiple of 2"),
+])
+def test_bad_yaml_values_are_one_line_and_exit_2(tmp_path, capsys, old, new, message):
+    """Once a KeyError traceback, and the right message 108 lines deep: now one line, exit 2,
+    before Lightning starts any process."""
+    with open(os.path.join(REPO_ROOT, "configs", "lightning", "ddp.yaml")) as f:
+        text = f.read()
+    assert old in text
+    config = tmp_path / "bad.yaml"
+    config.write_text(text.replace(old, new, 1))
+    with pytest.raises(SystemExit) as exit_info, mock.patch.object(sys, "argv", ["x.py"]):
+        lightning_trainer.lightning_cli(["fit", "--config", str(config),
+                                         "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(message), err
+
+
+def test_ddp_spawn_batch_from_the_command_line_is_one_line_and_exit_2(capsys):
+    argv = ["--strategy", "ddp_spawn", "--devices", "2", "--global-batch-size", "9"]
+    with mock.patch.object(lightning_trainer, "_fit", side_effect=AssertionError("spawned")):
+        with pytest.raises(SystemExit) as exit_info:
+            core_run_cli(lightning_trainer.train, lightning_trainer.LightningConfig,
+                         lightning_trainer.__doc__, argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: global_batch_size=9 does not divide across 2 ranks; use a multiple of 2, "
+        "e.g. 8 or 10"]
+
+
 def test_a_bad_number_is_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         core_run_cli(lightning_trainer.train, lightning_trainer.LightningConfig,
