@@ -25,7 +25,7 @@ from tests.helpers import (CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close,
                            last_json, run_alone, run_cli)
 
 STEPS = 6
-TENSORBOARD = lightning_trainer._tensorboard_available()
+TENSORBOARD = lightning_trainer.tensorboard_available()
 # LightningCLI needs jsonargparse, which lightning's base install does not bring.
 needs_jsonargparse = pytest.mark.skipif(
     importlib.util.find_spec("jsonargparse") is None,
