@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]")
 from torch.utils.data import DataLoader
 
-from recipes import ddp_torchrun, lightning_fabric, lightning_trainer
+from recipes import ddp_torchrun, fsdp, lightning_fabric, lightning_trainer
 from recipes.core.cli import run_cli as core_run_cli
 from recipes.core.config import RecipeError
 from recipes.core.workload import build_model
@@ -25,7 +25,7 @@ from tests.helpers import (CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close,
                            last_json, run_alone, run_cli)
 
 STEPS = 6
-TENSORBOARD = lightning_trainer._tensorboard_available()
+TENSORBOARD = lightning_trainer.tensorboard_available()
 # LightningCLI needs jsonargparse, which lightning's base install does not bring.
 needs_jsonargparse = pytest.mark.skipif(
     importlib.util.find_spec("jsonargparse") is None,
@@ -45,8 +45,45 @@ def _train_with_plain_loader(cfg):
         return lightning_trainer.train(cfg)
 
 
+def as_nodes(ranks_per_node: int) -> None:
+    """Make this spawned world look like nodes of ``ranks_per_node`` ranks (the torchrun variables
+    a multi-node launch sets), for the recipe and for Lightning's cluster environment alike."""
+    rank = int(os.environ["RANK"])
+    node = str(rank // ranks_per_node)
+    os.environ.update(LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
+                      GROUP_RANK=node, NODE_RANK=node)
+
+
+def torch_hybrid_shard_grads(_cfg):
+    """The upstream reproduction, torch alone: FSDP1 HYBRID_SHARD on a (ranks, 1) mesh, one
+    Linear, a different input per rank. Returns every rank's gradient (equal if it were reduced)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(4, 1)), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        device_mesh=init_device_mesh("cpu", (world_size, 1)), device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), use_orig_params=True)
+    model(torch.full((1, 4), float(rank + 1))).sum().backward()
+    grad = next(model.parameters()).grad.clone()
+    grads = [torch.zeros_like(grad) for _ in range(world_size)]
+    dist.all_gather(grads, grad)
+    return {"strategy": model.sharding_strategy.name, "grads": grads}
+
+
 def _run_phase(phase):
     name, cfg = phase
+    if name.endswith("one_rank_per_node"):
+        with mock.patch.dict(os.environ):  # Lightning's teardown even deletes WORLD_SIZE
+            as_nodes(1)
+            return torch_hybrid_shard_grads(cfg) if name.startswith("torch") else _run_phase(
+                (name.removesuffix("_one_rank_per_node"), cfg))
+    if name == "classic_fsdp":
+        return fsdp.train(cfg)
     if name == "raw_ddp":
         return ddp_torchrun.train(cfg)
     if name == "fabric_clip":
@@ -79,6 +116,10 @@ def world(tmp_path_factory):
         ("fsdp_resumed", lightning_cfg(f"{out}/fsdp_resumed", strategy="fsdp", resume_from=fsdp_ckpt,
                                        checkpoint_every_n_steps=3)),
         ("model_parallel", lightning_cfg(f"{out}/tp", strategy="model_parallel")),
+        # Two "nodes" of one rank each: HYBRID_SHARD is replication there, and must equal DDP.
+        ("fsdp_hybrid_one_rank_per_node", lightning_cfg(f"{out}/hybrid1", strategy="fsdp",
+                                                        sharding_strategy="HYBRID_SHARD")),
+        ("torch_hybrid_one_rank_per_node", None),
         ("bf16", lightning_cfg(f"{out}/bf16", precision="bf16-mixed")),
     ]
     results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, timeout_s=400)
@@ -145,6 +186,48 @@ def test_fsdp_trains_like_ddp_and_shards_the_weights(world):
     assert_losses_close(fsdp.losses, world["raw_ddp"].losses, atol=1e-5)
     assert_states_close(fsdp.final_state, world["raw_ddp"].final_state, atol=1e-5)
     assert fsdp.extras["param_fraction_per_rank"] == pytest.approx(0.5, abs=0.01)  # FULL_SHARD over 2 ranks
+
+
+def test_hybrid_shard_with_one_rank_per_node_equals_ddp(world):
+    """Once refused on CPU ("drifts from DDP by 7e-3"): FSDP1 dropped the cross-node all-reduce."""
+    hybrid = world["fsdp_hybrid_one_rank_per_node"]
+    assert_losses_close(hybrid.losses, world["raw_ddp"].losses, atol=1e-5)
+    assert_states_close(hybrid.final_state, world["raw_ddp"].final_state, atol=1e-5)
+    assert hybrid.extras["param_fraction_per_rank"] == 1.0  # replicated: every rank holds it all
+
+
+def test_torch_fsdp1_hybrid_shard_with_one_rank_per_node_does_not_reduce_across_nodes(world):
+    """The upstream bug the recipe works around (torch 2.13). If this fails, torch fixed it:
+    drop the NO_SHARD switch in lightning_trainer.hybrid_shard_layout."""
+    repro = world["torch_hybrid_one_rank_per_node"]
+    assert repro["strategy"] == "NO_SHARD"  # clamped: the shard group has one rank
+    rank0, rank1 = (g.flatten().tolist() for g in repro["grads"])
+    # Each rank keeps its own gradient, divided by the world size (inputs 1 and 2: 1/2 and 2/2);
+    # reduced, both would be the mean, 0.75.
+    assert (rank0, rank1) == ([0.5] * 4, [1.0] * 4)
+
+
+@pytest.mark.slow  # 4 ranks that each import Lightning: about a minute on 2 cores
+@pytest.mark.timeout(600)
+def test_hybrid_shard_on_two_nodes_of_two_equals_ddp(tmp_path):
+    """2 nodes x 2 ranks (torchrun's variables set per rank): Lightning's HYBRID_SHARD and the
+    classic fsdp recipe's hybrid mode both equal DDP, and shard each weight over a node's 2 ranks."""
+    phases = [("raw_ddp", REFERENCE),
+              ("fsdp", lightning_cfg(str(tmp_path), strategy="fsdp",
+                                     sharding_strategy="HYBRID_SHARD")),
+              ("classic_fsdp", fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, timeout_s=120,
+                                               precision="fp32", sharding_strategy="hybrid"))]
+    raw, lightning_hybrid, classic = spawn_world(
+        _as_two_nodes_of_two, 4, phases, timeout_s=500)
+    for result in (lightning_hybrid, classic):
+        assert_losses_close(result.losses, raw.losses, atol=1e-5)
+        assert_states_close(result.final_state, raw.final_state, atol=1e-5)
+    assert lightning_hybrid.extras["param_fraction_per_rank"] == pytest.approx(0.5, abs=0.01)
+
+
+def _as_two_nodes_of_two(phases):
+    as_nodes(2)
+    return in_one_world(_run_phase, phases, "gloo", 120)
 
 
 def test_fsdp_sharded_checkpoint_is_a_folder_of_shards_and_reloads(world):
@@ -268,7 +351,6 @@ def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run(tmp_path):
     # FSDP features that torch 2.13 only gets right on GPUs (each found by running it on CPU): refused up front.
     ({"strategy": "fsdp", "cpu_offload": True}, "on a CPU world they are there already"),
     ({"strategy": "fsdp", "state_dict_type": "full"}, "use --state-dict-type sharded on CPU"),
-    ({"strategy": "fsdp", "sharding_strategy": "HYBRID_SHARD"}, "use FULL_SHARD on CPU"),
 ])
 def test_settings_that_do_not_fit_the_world_are_rejected(tmp_path, changes, message):
     if "strategy" in changes and changes["strategy"] == "fsdp" and CUDA_DEVICES:
@@ -303,6 +385,41 @@ def test_ddp_spawn_checks_the_batch_in_the_parent_before_spawning(tmp_path, chan
     with mock.patch.object(lightning_trainer, "_fit", side_effect=AssertionError("spawned")):
         with pytest.raises(RecipeError, match=message):
             lightning_trainer.train(cfg)
+
+
+@needs_jsonargparse
+@pytest.mark.parametrize("old, new, message", [
+    ("model:\n  model: tiny", "model:\n  model: huge",
+     "error: unknown model.model='huge'; valid values: tiny, small, 100m"),
+    ("global_batch_size: 12", "global_batch_size: 9",
+     "error: data.global_batch_size=9 does not divide across 2 ranks; use a multiple of 2"),
+])
+def test_bad_yaml_values_are_one_line_and_exit_2(tmp_path, capsys, old, new, message):
+    """Once a KeyError traceback, and the right message 108 lines deep: now one line, exit 2,
+    before Lightning starts any process."""
+    with open(os.path.join(REPO_ROOT, "configs", "lightning", "ddp.yaml")) as f:
+        text = f.read()
+    assert old in text
+    config = tmp_path / "bad.yaml"
+    config.write_text(text.replace(old, new, 1))
+    with pytest.raises(SystemExit) as exit_info, mock.patch.object(sys, "argv", ["x.py"]):
+        lightning_trainer.lightning_cli(["fit", "--config", str(config),
+                                         "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(message), err
+
+
+def test_ddp_spawn_batch_from_the_command_line_is_one_line_and_exit_2(capsys):
+    argv = ["--strategy", "ddp_spawn", "--devices", "2", "--global-batch-size", "9"]
+    with mock.patch.object(lightning_trainer, "_fit", side_effect=AssertionError("spawned")):
+        with pytest.raises(SystemExit) as exit_info:
+            core_run_cli(lightning_trainer.train, lightning_trainer.LightningConfig,
+                         lightning_trainer.__doc__, argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: global_batch_size=9 does not divide across 2 ranks; use a multiple of 2, "
+        "e.g. 8 or 10"]
 
 
 def test_a_bad_number_is_one_line_and_exit_2(capsys):

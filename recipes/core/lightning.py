@@ -1,0 +1,150 @@
+"""What the Lightning recipes need that neither Lightning nor torch gives: each piece says why.
+
+Kept apart from ``recipes/lightning_trainer.py`` so that the recipe reads as the Lightning code a
+user writes; these are the workarounds around it (a CPU FSDP strategy, teardown of a gloo group,
+the full weights of a sharded model, warnings that do not apply).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import warnings
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import FSDPStrategy
+
+__all__ = [
+    "FSDPOnCPUStrategy",
+    "LeaveWorld",
+    "filter_known_warnings",
+    "full_state",
+    "tensorboard_available",
+]
+
+
+class FSDPOnCPUStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy on a CPU (gloo) world: the same FSDP, two CUDA assumptions removed.
+
+    1. Trainer refuses FSDPStrategy unless the accelerator is CUDA; its check compares the exact
+    type, so a
+       subclass passes. 2. torch's FSDP refuses CPU modules unless ``device_id`` says "cpu", and
+       Lightning
+       passes ``root_device.index`` (None on CPU). On GPUs the recipe uses FSDPStrategy itself.
+    """
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+        _setup_activation_checkpointing(
+            model, self._activation_checkpointing_kwargs
+        )  # after wrapping
+        return model
+
+
+class LeaveWorld(L.Callback):
+    """Destroy the process group Lightning created (ddp_spawn, LightningCLI) before exiting.
+
+    Pitfall: Lightning registers a teardown for NCCL groups only; a process that exits with a gloo
+    group
+    alive aborts now and then ("terminate called without an active exception": 1 ddp_spawn run in 10
+    here).
+    Hooks run after Strategy.teardown unwrapped DDP, so its reducer is gone before the group (see
+    recipes/lightning_fabric.py for what happens the other way round).
+    """
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if dist.is_initialized():
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def full_state(trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """The unsharded weights on rank 0, whatever wraps them (DDP, FSDP units, DTensor TP shards).
+
+    Pitfall: ``module.state_dict()`` of a sharded model returns this rank's shards (or DTensors),
+    not
+    the weights; ``get_model_state_dict(full_state_dict=True)`` gathers them (a collective: every
+    rank).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+
+    if not dist.is_initialized():  # ddp_spawn: the main process got rank 0's weights back
+        return {name: p.detach().cpu().clone() for name, p in module.model.state_dict().items()}
+    # cpu_offload: gather on rank 0 only, in CPU memory. Not on a CPU world: there it gains nothing,
+    # and with
+    # FSDP1 it crashes torch 2.13 (segfault); every rank then gets the full state, and uses no more
+    # memory.
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=trainer.strategy.root_device.type == "cuda"
+    )
+    # TP + FSDP2 weights reach rank 0 in two all-gathers per tensor; torch logs that as "suboptimal"
+    # on every
+    # rank. True, and irrelevant for a one-off gather at the end: quiet that logger for this call
+    # only.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        state = get_model_state_dict(trainer.strategy.model, options=options)
+    finally:
+        redistribute_log.setLevel(level)
+    return {name.removeprefix("model."): t.detach().cpu().clone() for name, t in state.items()}
+
+
+def filter_known_warnings() -> None:
+    """Silence Lightning's warnings that do not apply here, each for a stated reason."""
+    # The synthetic data is an in-memory tensor: worker processes would only add start-up time.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # Lightning 2.6 builds a torch.utils._pytree.LeafSpec, which torch 2.13 deprecates: nothing for
+    # a user to do.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+    )
+    # FSDP1's state dicts and checkpoints run through torch's own deprecated internals
+    # (ShardedTensor,
+    # _get_pg_default_device, dcp.load_state_dict); torch warns itself, on every rank, at every
+    # save.
+    for message in (
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        r"`_get_pg_default_device` will be deprecated",
+        r"Multiple backends are registered with this ProcessGroup",  # and it picks cpu: right here
+        r"`load_state_dict` is deprecated and will be removed in future versions",
+    ):
+        warnings.filterwarnings("ignore", message=message)
+    # Lightning's advertisements for its cloud products ("Tip: try installing litlogger") say
+    # nothing about the run.
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)
+
+
+def tensorboard_available() -> bool:
+    import importlib.util
+
+    return (
+        importlib.util.find_spec("tensorboard") is not None
+        or importlib.util.find_spec("tensorboardX") is not None
+    )
