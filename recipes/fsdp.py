@@ -163,6 +163,11 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
                                    ShardingStrategy._HYBRID_SHARD_ZERO2)
     if hybrid and (mesh is None or mesh.ndim != 2):
         raise RecipeError(f"{sharding_strategy.name} needs a 2-D device mesh (replicate, shard)")
+    if hybrid and mesh.size(1) == 1:
+        # Pitfall (torch's FSDP, seen on 2.13): with one rank per shard group FSDP clamps the group
+        # to NO_SHARD and never all-reduces across the replicas: each rank trains on its own
+        # gradient. One rank per node means replication, which is NO_SHARD over the whole world.
+        sharding_strategy, mesh = ShardingStrategy.NO_SHARD, None
     on_cpu = (device or next(model.parameters()).device).type == "cpu"
     if cpu_offload is not None and cpu_offload.offload_params and on_cpu:
         raise RecipeError("cpu_offload needs a GPU: FSDP pins host memory for the copies to and "

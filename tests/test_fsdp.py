@@ -37,6 +37,8 @@ RUNS = {
     "full": CFG,
     "shard_grad_op": with_fields(CFG, sharding_strategy="shard_grad_op"),
     "no_shard": with_fields(CFG, sharding_strategy="no_shard"),
+    # One rank per "node": torch's HYBRID_SHARD alone would never all-reduce across the nodes.
+    "hybrid_one_rank_per_node": with_fields(CFG, sharding_strategy="hybrid", ranks_per_node=1),
     "checkpointed": with_fields(CFG, activation_checkpointing=True),
     "wrap_size": with_fields(CFG, wrap_policy="size"),
     "wrap_module": with_fields(CFG, wrap_policy="module"),
@@ -50,8 +52,9 @@ RUNS = {
     "fp16": with_fields(CFG, precision="fp16", inject_inf_step=INJECT_STEP),
     "fp16_amp_scaler": with_fields(CFG, precision="fp16", inject_inf_step=INJECT_STEP, grad_scaler="amp"),
 }
-FP32_EXACT = ["full", "shard_grad_op", "no_shard", "checkpointed", "wrap_size", "wrap_module", "wrap_none",
-              "prefetch", "prefetch_none", "accumulate_sync", "accumulate_no_sync"]
+FP32_EXACT = ["full", "shard_grad_op", "no_shard", "hybrid_one_rank_per_node", "checkpointed",
+              "wrap_size", "wrap_module", "wrap_none", "prefetch", "prefetch_none", "accumulate_sync",
+              "accumulate_no_sync"]
 
 
 def sync_module_states_check(_cfg):
