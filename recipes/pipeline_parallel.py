@@ -1,11 +1,10 @@
 """Pipeline parallelism with torch.distributed.pipelining: consecutive blocks on consecutive ranks.
 
+    torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --compare --n-layers 4
     torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel   # 1F1B, 2 stages
     torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --schedule gpipe
     torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel \\
         --schedule dualpipev --n-layers 4           # or interleaved_1f1b, zbv_zero_bubble, ...
-    torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel \\
-        --compare-schedules --n-layers 4 --microbatches 8   # every schedule: idle, timeline
     torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --split tracer
     python -m recipes.pipeline_parallel               # a world of 1: one stage, no bubble
 
@@ -17,7 +16,8 @@ neighbours by send/recv. A schedule orders the micro-batches' forwards (F) and b
 work, W filling idle slots; the last two place stages in a V: rank r holds r and 2p-1-r). With p
 ranks, m micro-batches, v stages per rank, GPipe and 1F1B idle (p-1)/(v*m+p-1) of a step (the
 bubble). The result reports it beside each rank's measured idle fraction (1 - time in F/B/I/W /
-step time) and a per-action timeline; ``--compare-schedules``: every schedule in one table.
+step time) and a per-action timeline; ``--compare``: every schedule in one table
+(the first command: 1F1B's result, plus each schedule's row in ``extras.schedule_table``).
 
 Cutting YOUR model (recipes/core/pipeline.py: the second idea, in its own file, with the timeline):
 ``--split manual`` keeps each stage's modules, named by split points (``["layers.2"]``) and wired
@@ -100,7 +100,7 @@ class PPConfig(TrainConfig):
     split: Literal["manual", "tracer"] = opt(
         "manual", "manual: each stage keeps its modules of the built model; tracer: pipeline() "
                   "traces the model and cuts it at SplitPoint.BEGINNING of the same modules")
-    compare_schedules: bool = opt(
+    compare: bool = opt(
         False, "also run every other schedule this torch has (same model, data, micro-batches) "
                "and report each one's idle fraction and timeline in extras.schedule_table")
 
@@ -212,10 +212,10 @@ def pipeline_step(schedule, stages: list[PipelineStage], inputs: torch.Tensor,
 def train(cfg: PPConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         result = train_in_world(cfg, world)
-        if cfg.compare_schedules:
+        if cfg.compare:
             table = []
             for schedule in SCHEDULES:
-                other = dataclasses.replace(cfg, schedule=schedule, compare_schedules=False)
+                other = dataclasses.replace(cfg, schedule=schedule, compare=False)
                 try:
                     check_schedule_runs_here(schedule, world.backend)
                     check_pipeline_fits(other, world.world_size)

@@ -102,6 +102,9 @@ def check_timeline(extras: dict, label: str) -> None:
     assert ("W" in kinds) == split_backward, f"{label}: zero-bubble schedules split the backward"
 
 
+# The spawned world's own deadline (300 s) comes first: the suite-wide 180 s is short for 6
+# schedules on a 2-core machine under load.
+@pytest.mark.timeout(330)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_schedule_equals_the_unsplit_model(backend):
     require_world(backend, 2)
@@ -167,16 +170,27 @@ def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):
         pp.check_schedule_runs_here("dualpipev", "gloo")
 
 
-def test_torchrun_launch_equals_single_process():
+@pytest.mark.timeout(270)  # after run_cli's own 240 s
+def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.pipeline_parallel", "--schedule", "interleaved_1f1b",
-                        "--n-layers", "4", "--steps", "2"], timeout_s=180)
+                        "recipes.pipeline_parallel", "--compare", "--n-layers", "4", "--steps", "2"],
+                       timeout_s=240)
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
-    assert result["world_size"] == 2 and result["extras"]["num_stages"] == 4
+    assert result["world_size"] == 2 and result["extras"]["schedule"] == "1f1b"
     expected = unsplit_reference(with_fields(CFG, steps=2))[0]
     assert_losses_close(result["losses"], expected, atol=1e-5)
-    assert launched.stdout.count("] step ") == 2 and "[rank1]" not in launched.stdout
+    # One row per schedule: measured, or refused with the reason where this torch cannot run it.
+    table = {row["schedule"]: row for row in result["extras"]["schedule_table"]}
+    assert list(table) == list(pp.SCHEDULES)
+    for schedule, row in table.items():
+        assert ("refused" in row) == (not runs_here(with_fields(CFG, schedule=schedule), "gloo"))
+        if "refused" not in row:
+            assert len(row["idle_fraction_measured_per_rank"]) == 2, schedule
+            assert len(row["timeline_per_rank"]) == 2 and all(row["timeline_per_rank"]), schedule
+    assert table["interleaved_1f1b"]["stages_per_rank"] == 2
+    runs = sum("refused" not in row for row in table.values())
+    assert launched.stdout.count("] step ") == 2 * runs and "[rank1]" not in launched.stdout
 
 
 @pytest.mark.skipif(pp.torch_version() >= pp.SELF_SEND_FREE_TORCH,
@@ -229,7 +243,9 @@ def hf_pipeline_world(names):
     with join_world("gloo", timeout_s=120) as world:
         for name in names:
             model, wiring = hf_model(name)
-            split = even_split(model, wiring, 2)
+            # --8<-- [start:your_model]
+            # model: e.g. LlamaForCausalLM(config); wiring: LLAMA (GPT2 for GPT-2)
+            split = even_split(model, wiring, 2)  # ["model.layers.1"]: stage 1 starts there
             stages = pp.manual_stages(model, split, [world.rank], 2, wiring=wiring,
                                       device=world.device)
             schedule = pp.build_schedule("1f1b", stages, HF_MICROBATCHES)
@@ -240,6 +256,7 @@ def hf_pipeline_world(names):
                 losses.append(pp.pipeline_step(schedule, stages, inputs, targets))
                 grads = grads or {n: p.grad.clone() for n, p in stages[0].submod.named_parameters()}
                 optimizer.step()
+            # --8<-- [end:your_model]
             grads = {n: g for piece in all_ranks(grads) for n, g in piece.items()}
             out[name] = dict(split=split, tied=stages[0].submod.tied, losses=losses, grads=grads,
                              state=full_state_of_stages([stages[0].submod], [world.rank]))
@@ -267,6 +284,7 @@ def hf_reference(name: str):
     return losses, grads, state
 
 
+@pytest.mark.timeout(270)  # after the world's own 240 s; each rank imports transformers
 def test_gpt2_and_llama_in_a_two_stage_pipeline_equal_one_process():
     runs = spawn_world(hf_pipeline_world, 2, ["gpt2", "llama"], timeout_s=240)
     assert runs["gpt2"]["split"] == ["transformer.h.1"]

@@ -1,26 +1,20 @@
-"""Cutting a user's model into pipeline stages by module names, and what a cut must take care of.
+"""Cutting YOUR model into pipeline stages by module names, placing them, timing what they do.
 
-A split is given in the model's own module names, nothing looked up behind the user's back:
-
-- split points, ``["layers.2"]``: a new stage begins at each named module (stage 0 owns everything
-  before ``layers.2``, stage 1 the rest), or
-- per-stage lists, ``[["embed", "layers.0"], ["layers.1", "norm", "head"]]``, in execution order.
-
-A stage's module runs its own modules in order, each on the previous one's output. That is all most
-modules need; the ``StageWiring`` names what a plain chain cannot express: position embeddings added
-to the first module's output (GPT-2, the cookbook's model), a rotary embedding that every block of a
-stage receives (Llama and its Hugging Face relatives), and the container of the blocks. Ready-made
-wirings: ``TRANSFORMER_LM``, ``LLAMA`` (HF ``LlamaForCausalLM`` and look-alikes), ``GPT2``.
-
-The stage keeps its modules under their names in the model (``layers.3.attn.wq.weight`` stays
-``layers.3.attn.wq.weight``), so checkpoints move between layouts. Weights tied across stages
-(GPT-2's ``lm_head`` and ``wte``) are handled as Megatron does: each end stage keeps its own copy
-and, every step, the copies' gradients are summed across the pipeline (``sync_tied_grads``), so
-they stay equal. ``ActionTimeline`` records when each rank computes: the idle time is the rest.
+A split is in the model's own module names, nothing looked up behind the user's back: split points
+(``["layers.2"]``: a stage begins at each), or per-stage lists in execution order
+(``[["embed", "layers.0"], ["layers.1", "norm", "head"]]``). A stage runs its modules in order,
+each on the previous one's output; a ``StageWiring`` names what a plain chain cannot express:
+position embeddings added to the first module's output, a rotary embedding every block receives
+(Hugging Face's Llama and relatives), the blocks' container. Ready-made: ``TRANSFORMER_LM``,
+``LLAMA``, ``GPT2``. The stage keeps its modules under their names in the model, so checkpoints move
+between layouts. Weights tied across stages (GPT-2's ``lm_head`` and ``wte``) are handled as
+Megatron does: each end stage keeps its own copy and, every step, the copies' gradients are summed
+across the pipeline (``sync_tied_grads``). ``ActionTimeline`` records when each rank computes.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -145,7 +139,7 @@ class StageModule(nn.Module):
     """One stage: its modules under their names in the model, run in order on the previous output.
 
     Modules are taken, not copied: a rank builds the model, keeps its stages' modules, drops the
-    rest. A parameter tied to another stage's (found by identity) gets its own copy here.
+    rest. A module holding a weight tied to an earlier stage's (found by identity) is copied.
     """
 
     def __init__(self, model: nn.Module, stages: list[list[str]], stage_index: int,
@@ -158,37 +152,35 @@ class StageModule(nn.Module):
                               "'eager' is then not causal; use 'sdpa' (causal without a mask)")
         self.stage_units, self.wiring = stages[stage_index], wiring
         self.is_first_stage = stage_index == 0
-        own = self.stage_units + ([wiring.rotary] if wiring.rotary else [])
-        for name in own:
+        # Weights tied across stages (lm_head.weight is transformer.wte.weight), found by identity
+        # in the untouched model: every rank finds the same ties, in the same order.
+        holders: dict[int, list[tuple[int, str, str, nn.Parameter]]] = {}
+        for index, names in enumerate(stages):
+            for unit in names:
+                for name, p in _module(model, unit).named_parameters(prefix=unit,
+                                                                     remove_duplicate=False):
+                    holders.setdefault(id(p), []).append((index, unit, name, p))
+        crossing = [h for h in holders.values() if len({index for index, *_ in h}) > 1]
+        self.tied = [([name for _, _, name, _ in h], torch.empty_like(h[0][3], device="meta"))
+                     for h in crossing]  # (the copies' names, shape and dtype)
+        # A later stage's unit that holds a tie is copied: its own copy of the weight, the user's
+        # model untouched; sync_tied_grads sums the copies' gradients.
+        copied = {unit for h in crossing for index, unit, *_ in h
+                  if index == stage_index != h[0][0]}
+        for name in self.stage_units + ([wiring.rotary] if wiring.rotary else []):
             *path, leaf = name.split(".")
             parent = self
             for part in path:  # containers on the way: the names stay the model's
                 if part not in parent._modules:
                     parent.add_module(part, nn.ModuleDict())
                 parent = parent._modules[part]
-            parent.add_module(leaf, _module(model, name))
+            module = _module(model, name)
+            parent.add_module(leaf, copy.deepcopy(module) if name in copied else module)
         for name, _ in model.named_children():  # what other stages own reads as None here, as a
             if name not in self._modules:  # model whose stage set its parts to None would
                 setattr(self, name, None)
-        # Weights tied across stages (e.g. lm_head.weight is transformer.wte.weight): one copy per
-        # stage; sync_tied_grads sums their gradients. Every rank finds the same ties, in one order.
-        names_of: dict[int, list[tuple[int, str, nn.Module, str]]] = {}
-        for index, names in enumerate(stages):
-            for name in names:
-                for module_name, module in _module(model, name).named_modules(prefix=name):
-                    for leaf, p in module.named_parameters(recurse=False):
-                        names_of.setdefault(id(p), []).append((index, module_name, module, leaf))
-        self.tied: list[tuple[list[str], torch.Tensor]] = []  # (the copies' names, meta tensor)
-        for holders in names_of.values():
-            if len({index for index, *_ in holders}) > 1:
-                first = holders[0]
-                like = torch.empty_like(getattr(first[2], first[3]), device="meta")
-                self.tied.append(([f"{m}.{leaf}" for _, m, _, leaf in holders], like))
-                for index, _, module, leaf in holders:
-                    if index == stage_index and holders[0][0] != stage_index:
-                        copy = nn.Parameter(getattr(module, leaf).detach().clone())
-                        setattr(module, leaf, copy)
 
+    # --8<-- [start:stage_forward]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(x.shape[1], device=x.device)
         rotary = None
@@ -206,16 +198,15 @@ class StageModule(nn.Module):
                 for embedding in self.wiring.position_embeddings:
                     x = x + self.get_submodule(embedding)(positions)
         return x
+    # --8<-- [end:stage_forward]
 
 
+# --8<-- [start:tied]
 def sync_tied_grads(submods: Sequence[nn.Module], group: dist.ProcessGroup | None = None) -> None:
-    """Sum the gradients of tied copies over the pipeline group (after backward, before the step).
-
-    Both copies start equal and get the same summed gradient: they stay equal. Megatron all-reduces
-    in a group of the first and last stage only; here the whole pipeline group takes part (the
-    others add zeros): a group of two would need every rank of the world to create it. Plain
-    (unsharded) parameters only: a TP/FSDP-sharded tie is not handled.
-    """
+    """Sum tied copies' gradients over the pipeline group (after backward, before the step): equal
+    at the start, equal updates. Megatron uses a group of the first and last stage; the whole group
+    adds zeros here (a group of two needs every rank of the world to create it). Plain (unsharded)
+    parameters only: a TP/FSDP-sharded tie is not handled."""
     ties = getattr(submods[0], "tied", []) if submods else []
     device = next(p.device for m in submods for p in m.parameters())
     for names, like in ties:
@@ -227,6 +218,7 @@ def sync_tied_grads(submods: Sequence[nn.Module], group: dist.ProcessGroup | Non
         dist.all_reduce(total, group=group)
         for p in local:
             p.grad = total.clone()
+# --8<-- [end:tied]
 
 
 def full_state_of_stages(submods: Sequence[nn.Module],
