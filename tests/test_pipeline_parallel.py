@@ -174,8 +174,8 @@ def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):
 @pytest.mark.timeout(270)  # after run_cli's own 240 s
 def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.pipeline_parallel", "--compare", "--n-layers", "4", "--steps", "2"],
-                       timeout_s=240)
+                        "recipes.pipeline_parallel", "--compare", "--n-layers", "4",
+                        "--steps", "2"], timeout_s=240)
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and result["extras"]["schedule"] == "1f1b"
@@ -330,6 +330,8 @@ def test_per_stage_lists_equal_split_points():
     assert by_points == [["tok_embeddings", "pos_embeddings", "layers.0", "layers.1"],
                          ["layers.2", "layers.3", "norm", "output"]]
     assert stage_modules(model, by_points, TRANSFORMER_LM) == by_points
+    # No split point: one stage of every module, the blocks opened (a ModuleDict has no forward).
+    assert stage_modules(model, [], TRANSFORMER_LM) == [by_points[0] + by_points[1]]
     # A stage's forward is the model's: stage 0 then stage 1 computes the model's logits.
     tokens = torch.randint(0, 64, (2, 16))
     first, last = (StageModule(model, by_points, s, TRANSFORMER_LM) for s in (0, 1))

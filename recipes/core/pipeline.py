@@ -88,14 +88,15 @@ def even_split(model: nn.Module, wiring: StageWiring, num_stages: int) -> list[s
 
 
 def _units(model: nn.Module, points: Sequence[str], wiring: StageWiring) -> list[str]:
-    """The model's modules in registration order, opened down to each split point's depth."""
+    """The model's modules in registration order, opened down to each split point and block."""
     def walk(module: nn.Module, prefix: str) -> list[str]:
         names = []
         for child_name, child in module.named_children():
             name = prefix + child_name
             if name == wiring.rotary:
                 continue  # shared by every stage, not owned by one
-            inside = any(p.startswith(name + ".") for p in points)
+            # opened: a split point is inside, or it holds the blocks (a ModuleList, no forward)
+            inside = any(p.startswith(name + ".") for p in [*points, wiring.blocks + "."])
             names += walk(child, name + ".") if inside else [name]
         return names
     return walk(model, "")
@@ -104,12 +105,12 @@ def _units(model: nn.Module, points: Sequence[str], wiring: StageWiring) -> list
 def stage_modules(model: nn.Module, split: Sequence, wiring: StageWiring) -> list[list[str]]:
     """Per stage, the module names it owns in execution order; checks the split against the model.
     """
-    if split and all(isinstance(s, str) for s in split):  # split points
+    if all(isinstance(s, str) for s in split):  # split points; none: one stage
         for name in split:
             _module(model, name)
         units = _units(model, split, wiring)
         cuts = [units.index(name) for name in split]
-        if cuts != sorted(set(cuts)) or cuts[0] == 0:
+        if cuts != sorted(set(cuts)) or 0 in cuts:
             raise RecipeError(f"split points {list(split)} must be distinct, in the model's order, "
                               f"and after its first module {units[0]!r}")
         stages = [units[a:b] for a, b in zip([0, *cuts], [*cuts, len(units)])]
