@@ -44,6 +44,7 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
+from recipes.core.pipeline import TRANSFORMER_LM, even_split, full_state_of_stages
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import make_adamw, setup_precision
 from recipes.core.throughput import Workload
@@ -140,8 +141,10 @@ def train(cfg: HybridConfig) -> RecipeResult:
             stage_ids, num_stages = pp_recipe.stage_placement(cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
             # Each pp rank cuts its stage, then splits it over its tp x dp sub-mesh; send/recv
             # between stages run on the pp group: the ranks with the same dp and tp coordinates.
+            model = build_model(model_cfg, seed=cfg.seed)
             stages = pp_recipe.manual_stages(
-                model_cfg, stage_ids, num_stages, seed=cfg.seed, device=world.device, group=mesh["pp"].get_group(),
+                model, even_split(model, TRANSFORMER_LM, num_stages), stage_ids, num_stages,
+                wiring=TRANSFORMER_LM, device=world.device, group=mesh["pp"].get_group(),
                 parallelize=lambda m: apply_tp_and_fsdp(
                     m, mesh, plan=plan_for_stage(m, plan), block_types=(Block,), in_pipeline=True,
                     mp_policy=mp_policy))
@@ -186,7 +189,7 @@ def train(cfg: HybridConfig) -> RecipeResult:
         if cfg.pp == 1:
             state = full_state_gathered(model)  # all-gathers over dp and tp
         else:
-            state = pp_recipe.sorted_by_model_order(pp_recipe.gathered_state(stages), MODEL_PRESETS[cfg.model])
+            state = full_state_of_stages([s.submod for s in stages], stage_ids)
         return make_result(
             "hybrid_parallel", world, losses, state.values(), timer,
             keep_final_state=state if cfg.keep_final_state else None,

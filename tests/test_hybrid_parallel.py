@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from recipes import hybrid_parallel, pipeline_parallel, tensor_parallel
 from recipes.core.config import RecipeError
+from recipes.core.pipeline import TRANSFORMER_LM, even_split
 from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world, spawn_world
 from tests.helpers import (
@@ -52,8 +53,10 @@ def gradient_difference(world, cfg) -> float:
             modules = [model]
         else:
             ids, num_stages = pipeline_parallel.stage_placement(cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
+            model = build_model("tiny", seed=2)
             stages = pipeline_parallel.manual_stages(
-                build_model("tiny").cfg, ids, num_stages, seed=2, device=world.device, group=mesh["pp"].get_group(),
+                model, even_split(model, TRANSFORMER_LM, num_stages), ids, num_stages,
+                wiring=TRANSFORMER_LM, device=world.device, group=mesh["pp"].get_group(),
                 parallelize=lambda m: hybrid_parallel.apply_tp_and_fsdp(
                     m, mesh, plan=hybrid_parallel.plan_for_stage(m, plan), block_types=(Block,),
                     in_pipeline=True))
