@@ -212,20 +212,11 @@ HF_STEPS, HF_BATCH, HF_MICROBATCHES, HF_LR = 3, 8, 2, 0.1
 
 
 def hf_model(name: str):
-    """Tiny GPT-2 (lm_head tied to wte) or Llama, same weights from the same seed; no dropout
-    (its random masks differ between a pipeline and one process); sdpa: causal without a mask."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """Tiny GPT-2 (lm_head tied to wte) or Llama (tests/third_party.py) and its stage wiring; sdpa:
+    causal without a mask, which a stage does not pass."""
+    from tests import third_party
 
-    torch.manual_seed(0)
-    if name == "gpt2":
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                            eos_token_id=0, attn_implementation="sdpa")
-        return GPT2LMHeadModel(config), GPT2
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         attn_implementation="sdpa")
-    return LlamaForCausalLM(config), LLAMA
+    return third_party.build(name, attn_implementation="sdpa"), {"gpt2": GPT2, "llama": LLAMA}[name]
 
 
 def hf_batches():

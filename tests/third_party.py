@@ -18,23 +18,27 @@ VOCAB, SEQ = 128, 16
 KINDS = ["gpt2", "llama"]
 
 
-def build(kind: str, *, seed: int = 0) -> nn.Module:
-    """The same weights for the same seed, in fp32, dropout off (so that runs compare exactly)."""
+def build(kind: str, *, seed: int = 0, attn_implementation: str = "eager") -> nn.Module:
+    """The same weights for the same seed, in fp32, dropout off (so that runs compare exactly).
+
+    eager attention: the same kernel in every process, and the one DTensor runs under TP. A
+    pipeline stage passes no attention mask, and eager attention is causal only with one: "sdpa".
+    """
     torch.manual_seed(seed)
     if kind == "gpt2":
         config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
                                          n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
-                                         attn_pdrop=0.0)
+                                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                         attn_implementation=attn_implementation)
         model = transformers.GPT2LMHeadModel(config)
     elif kind == "llama":
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                           num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, max_position_embeddings=32)
+                                          num_key_value_heads=2, max_position_embeddings=32,
+                                          attn_implementation=attn_implementation)
         model = transformers.LlamaForCausalLM(config)
     else:
         raise ValueError(f"unknown model kind {kind!r}; valid: {', '.join(KINDS)}")
-    # eager attention: the same kernel in every process, and the one DTensor runs under TP.
-    model.config._attn_implementation = "eager"
     model.config.use_cache = False
     return model.float().train()
 
