@@ -48,12 +48,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
-from recipes.core.result import (RecipeResult, StepTimer, full_state_on_cpu, make_result,
-                                 mean_over_ranks)
+from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
@@ -94,11 +99,9 @@ def shard_positions(seq_len: int, cp_rank: int, cp_size: int, *, load_balance: b
                       torch.arange(tail * size, (tail + 1) * size)])
 
 
-def score_entries(layout: torch.Tensor, cp_rank: int, causal: bool = True) -> int:
-    """How many query-key scores ``cp_rank`` computes per head: its causal work."""
-    q_pos = layout[cp_rank]
-    return sum(int((q_pos[:, None] >= k_pos[None, :]).sum()) if causal else q_pos.numel() ** 2
-               for k_pos in layout)
+def score_entries(layout: torch.Tensor, cp_rank: int) -> int:
+    """How many query-key scores ``cp_rank`` computes per head under a causal mask: its work."""
+    return sum(int((layout[cp_rank][:, None] >= k_pos[None, :]).sum()) for k_pos in layout)
 # --8<-- [end:layout]
 
 
@@ -188,9 +191,8 @@ class RingAttention(torch.autograd.Function):
 
 @contextlib.contextmanager
 def ring_attention(group: dist.ProcessGroup, layout: torch.Tensor):
-    """Within the block, ``F.scaled_dot_product_attention`` is ring attention over ``group``: any
-    model that calls it runs on sequence shards unchanged (torch's context_parallel patches it
-    too)."""
+    """Inside, ``F.scaled_dot_product_attention`` is ring attention over ``group``: a model that
+    calls it runs on sequence shards unchanged (torch's context_parallel patches it too)."""
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -281,7 +283,7 @@ def train(cfg: CPConfig) -> RecipeResult:
             losses.append(mean_over_ranks(loss))  # the CP group is the world here
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
-        state = full_state_on_cpu(model)
+        state = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
         return make_result(
             "context_parallel", world, losses, state.values(), timer,
             keep_final_state=state if cfg.keep_final_state else None,

@@ -11,8 +11,16 @@ import torch.nn.functional as F
 from recipes import context_parallel, ddp_torchrun
 from recipes.core.config import RecipeError
 from recipes.core.world import join_world, spawn_world
-from tests.helpers import (CUDA_DEVICES, PYTHON, assert_losses_close, assert_states_close,
-                           last_json, run_alone, run_cli, with_fields)
+from tests.helpers import (
+    CUDA_DEVICES,
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    run_alone,
+    run_cli,
+    with_fields,
+)
 
 STEPS = 3
 CFG = context_parallel.CPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
@@ -112,9 +120,9 @@ def test_cp_size_that_does_not_split_the_sequence_is_rejected():
 def test_torch_impl_without_cuda_fails_in_one_line():
     proc = run_cli([PYTHON, "-m", "recipes.context_parallel", "--impl", "torch"], timeout_s=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+    assert proc.stderr.strip().splitlines() == [(
         "error: --impl torch needs CUDA: torch's context_parallel has no CPU sharding rule for "
-        "SDPA; use --impl ring (any backend, gloo included)"]
+        "SDPA; use --impl ring (any backend, gloo included)")]
 
 
 @pytest.mark.skipif(CUDA_DEVICES == 0, reason="torch's context_parallel has no CPU sharding rule "
