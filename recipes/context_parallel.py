@@ -197,8 +197,11 @@ def ring_attention(group: dist.ProcessGroup, layout: torch.Tensor):
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
-        if attn_mask is not None or dropout_p or enable_gqa:
-            raise NotImplementedError("ring attention here supports is_causal and scale only")
+        if attn_mask is not None or dropout_p:
+            raise NotImplementedError("ring attention here supports is_causal, scale, enable_gqa")
+        if enable_gqa:  # grouped-query attention: each K/V head serves H / H_kv query heads
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         return RingAttention.apply(query, key, value, layout.to(query.device), group, is_causal,
                                    scale)

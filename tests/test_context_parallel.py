@@ -50,10 +50,41 @@ def attention_differences(world, causal: bool, load_balance: bool) -> list[float
     return differences.tolist()
 
 
-def cp_world(configs):
+def llama_differences(world) -> list[float]:
+    """A model the cookbook did not write (tiny HF Llama: RoPE from position_ids, grouped-query
+    attention through SDPA) on sequence shards: largest |CP - whole| of logits and gradients."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    whole = model(input_ids=ids).logits
+    whole.square().mean().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    layout = torch.stack([context_parallel.shard_positions(16, r, world.world_size)
+                          for r in range(world.world_size)])
+    mine = layout[world.rank]
+    with context_parallel.ring_attention(dist.group.WORLD, layout):
+        logits = model(input_ids=ids[:, mine], position_ids=mine.expand(2, -1)).logits
+    (logits.square().sum() / whole.numel()).backward()  # this rank's share of the mean
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    differences = torch.tensor([(logits - whole[:, mine]).abs().max()] + [
+        (p.grad - expected[name]).abs().max() for name, p in model.named_parameters()])
+    dist.all_reduce(differences, op=dist.ReduceOp.MAX)
+    return [differences[0].item(), differences[1:].max().item()]
+
+
+def cp_world(configs, with_llama=False):
     with join_world("gloo", timeout_s=120) as world:
         attention = {case: attention_differences(world, *case) for case in ATTENTION_CASES}
-        return attention, [context_parallel.train(cfg) for cfg in configs]
+        llama = llama_differences(world) if with_llama else None
+        return attention, llama, [context_parallel.train(cfg) for cfg in configs]
 
 
 def check_attention(attention):
@@ -71,8 +102,9 @@ def reference(backend="gloo"):
 
 def test_ring_attention_and_training_equal_one_process_on_2_ranks():
     configs = [CFG, with_fields(CFG, load_balance=False)]
-    attention, results = spawn_world(cp_world, 2, configs, timeout_s=240)
+    attention, llama, results = spawn_world(cp_world, 2, configs, True, timeout_s=240)
     check_attention(attention)
+    assert max(llama) < 1e-5, f"HF Llama on sequence shards: logits, gradients differ by {llama}"
     expected = reference()
     for cfg, result in zip(configs, results):
         assert result.extras["cp_size"] == 2 and result.extras["positions_per_rank"] == 8
@@ -83,7 +115,7 @@ def test_ring_attention_and_training_equal_one_process_on_2_ranks():
 
 @pytest.mark.slow  # 4 ranks on a 2-core machine: ~4x the 2-rank world's time for the same claim
 def test_ring_attention_and_training_equal_one_process_on_4_ranks():
-    attention, (result,) = spawn_world(cp_world, 4, [CFG], timeout_s=400)
+    attention, _, (result,) = spawn_world(cp_world, 4, [CFG], timeout_s=400)
     check_attention(attention)
     expected = reference()
     assert_losses_close(result.losses, expected.losses, atol=1e-5)
