@@ -3,21 +3,19 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.context_parallel
     python -m recipes.context_parallel --impl torch     # torch's context_parallel API: needs CUDA
 
-Long sequences run out of memory in the activations, which grow with the sequence. Context
-parallelism (CP) splits every sequence across the ranks of a group: embeddings, norms, the MLP and
-the loss are per-token and need nothing more, but attention needs every key and value of the
-sequence.
-Ring attention passes the K/V blocks around the ring of ranks (send to the next, receive from the
-previous, N-1 times) and merges each block's partial result with the online softmax: the running
-log-sum-exp rescales what came before. Nothing of size seq x seq ever exists on one rank.
+Long sequences run out of memory in the activations. Context parallelism (CP) splits every
+sequence across the ranks of a group: embeddings, norms, the MLP and the loss are per-token and
+need nothing more, but attention needs every key and value of the sequence. Ring attention
+passes the K/V blocks around the ring of ranks (send to the next, receive from the previous, N-1
+times) and merges each block's partial result with the online softmax: the running log-sum-exp
+rescales what came before. Nothing of size seq x seq ever exists on one rank.
 
 Two implementations, one config field (``--impl``):
 
 - ``ring``: this module's ``RingAttention``, an ``autograd.Function`` over ``batch_isend_irecv``
   whose backward is a second ring (the K/V gradients travel with their blocks and come home after N
   passes). It runs on any backend, gloo included, and is installed as
-  ``F.scaled_dot_product_attention`` for the forward (as torch's own API does), so the model is
-  unchanged.
+  ``F.scaled_dot_product_attention`` (as torch's own API does): the model is unchanged.
 - ``torch``: ``torch.distributed.tensor.experimental.context_parallel``, which shards the buffers
   and dispatches SDPA to its ring kernels. It has sharding rules only for the flash, efficient and
   cuDNN kernels, which are CUDA's: on CPU it stops with that reason (tests skip it there).
@@ -26,12 +24,12 @@ Load balancing (``--load-balance``, the default): with causal masking the query 
 reads keys 0..p, so a contiguous split gives the last rank nearly 2N-1 times the first one's work.
 Rank i holds chunks i and 2N-1-i of the 2N chunks instead, and every rank computes as many scores
 (``score_entries_per_rank`` in the result). CP ranks hold the same weights and compute parts of one
-gradient: they are summed after backward (torchtitan folds the CP dimension into FSDP's for this).
+gradient: they are averaged after backward (torchtitan folds the CP dimension into FSDP's).
 
 Proven by tests/test_context_parallel.py: outputs and q/k/v gradients equal
 ``F.scaled_dot_product_attention`` on the whole sequence (causal or not, balanced or not, 2 and 4
-ranks) and training equals single-process training (gloo/CPU, torch 2.13). The ``torch`` path is
-written for torch 2.11 and 2.13 on CUDA and was not run on CPU (it cannot be).
+ranks), a tiny HF Llama on sequence shards equals it whole, and training equals single-process
+training (gloo/CPU, torch 2.13). The ``torch`` path needs CUDA: it was not run on CPU.
 """
 
 from __future__ import annotations

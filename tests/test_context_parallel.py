@@ -9,11 +9,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from recipes import context_parallel, ddp_torchrun
+from recipes.core import cli
 from recipes.core.config import RecipeError
 from recipes.core.world import join_world, spawn_world
 from tests.helpers import (
     CUDA_DEVICES,
-    PYTHON,
     assert_losses_close,
     assert_states_close,
     last_json,
@@ -149,10 +149,13 @@ def test_cp_size_that_does_not_split_the_sequence_is_rejected():
 
 
 @pytest.mark.skipif(CUDA_DEVICES > 0, reason="checks the message given where there is no CUDA")
-def test_torch_impl_without_cuda_fails_in_one_line():
-    proc = run_cli([PYTHON, "-m", "recipes.context_parallel", "--impl", "torch"], timeout_s=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [(
+def test_torch_impl_without_cuda_fails_in_one_line(capsys):
+    # In this process (a world of 1), through the CLI's own entry point: one line, exit code 2.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_cli(context_parallel.train, context_parallel.CPConfig, None,
+                    ["--impl", "torch", "--backend", "gloo"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [(
         "error: --impl torch needs CUDA: torch's context_parallel has no CPU sharding rule for "
         "SDPA; use --impl ring (any backend, gloo included)")]
 
