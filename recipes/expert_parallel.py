@@ -34,6 +34,7 @@ gradients and the token counts equal the one-process MoE; training equals one pr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import autocast, make_adamw, setup_precision
+from recipes.core.throughput import Workload
 from recipes.core.workload import (
     MODEL_PRESETS,
     build_model,
@@ -266,9 +268,13 @@ def train(cfg: EPConfig) -> RecipeResult:
                      timer.durations[-1] * 1e3)
 
         state = full_state(model, moes)
+        # Active FLOPs: a token runs top_k expert MLPs the size of the dense one (router left out).
+        active = dataclasses.replace(MODEL_PRESETS[cfg.model],
+                                     mlp_ratio=MODEL_PRESETS[cfg.model].mlp_ratio * cfg.top_k)
         return make_result(
             "expert_parallel", world, losses, state.values(), timer,
             keep_final_state=state if cfg.keep_final_state else None,
+            workload=Workload(active, cfg.global_batch_size, precision),
             ep_size=ep_size, experts_per_rank=cfg.num_experts // ep_size, top_k=cfg.top_k,
             capacity_factor=cfg.capacity_factor, aux_losses=aux_losses,
             tokens_per_expert=[moe.tokens_per_expert for moe in moes],
