@@ -213,18 +213,18 @@ def ring_attention(group: dist.ProcessGroup, layout: torch.Tensor):
 
 
 # --8<-- [start:torch_cp]
+@contextlib.contextmanager
 def torch_context_parallel(mesh, buffers: list[torch.Tensor], seq_dims: list[int]):
     """torch's CP: shards ``buffers`` in place (head-tail load balanced) and makes SDPA a ring.
     Only the flash, efficient and cuDNN kernels have CP rules: the math kernel, CPU's, has none."""
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                     SDPBackend.CUDNN_ATTENTION]))
-    stack.enter_context(context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims,
-                                         no_restore_buffers=set(buffers)))
-    return stack
+    kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(kernels), context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims,
+                                                no_restore_buffers=set(buffers)):
+        yield
 # --8<-- [end:torch_cp]
 
 
@@ -265,7 +265,7 @@ def train(cfg: CPConfig) -> RecipeResult:
                     inputs, targets = inputs[:, mine], targets[:, mine]
                     positions = positions[:, mine]
                     sharding = ring_attention(group, layout)
-                else:  # shards inputs, targets and positions in place, in its own order
+                else:  # on entry: shards inputs, targets, positions in place, in its own order
                     sharding = torch_context_parallel(mesh, [inputs, targets, positions], [1, 1, 1])
                 optimizer.zero_grad(set_to_none=True)
                 with sharding:
