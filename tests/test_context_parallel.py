@@ -171,6 +171,9 @@ def test_torch_context_parallel_equals_no_cp():
     assert_states_close(result.final_state, expected.final_state, atol=1e-4)
 
 
+# Three interpreter starts (torchrun and 2 workers, ~12 s of CPU): over this file's budget in the
+# default run. The parity it checks is proven in-process above; this adds the launcher path.
+@pytest.mark.slow
 def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
                         "recipes.context_parallel", "--steps", str(STEPS), "--precision", "fp32",
