@@ -104,13 +104,18 @@ class TransformerLM(nn.Module):
         self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.dim)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids [batch, seq] -> logits [batch, seq, vocab]; a pipeline stage passes hidden states through."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]; a pipeline stage passes hidden
+        states through. ``positions``: the tokens' places in the whole sequence (default 0..seq-1);
+        context parallelism passes those of this rank's shard, which are not 0..seq/N-1.
+        """
         x = tokens
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                x = x + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+                if positions is None:
+                    positions = torch.arange(tokens.shape[1], device=tokens.device)
+                x = x + self.pos_embeddings(positions)
         for block in self.layers.values():
             x = block(x)
         if self.norm is not None:
