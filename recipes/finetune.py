@@ -253,15 +253,20 @@ def lora_patterns(cfg: FinetuneConfig) -> tuple[str, ...]:
 
 
 # --8<-- [start:prepare]
-def prepare(cfg: FinetuneConfig, world, mesh, precision: str, mode: str):
-    """Build, adapt, freeze, wrap, optimizer: in this order."""
-    model, targets = build_arch(cfg.arch, cfg.model, seed=cfg.seed), ready_made_targets(cfg.arch)
+def adapt(cfg: FinetuneConfig, mode: str) -> tuple[nn.Module, tuple[int, int]]:
+    """Build the model, add adapters, freeze: all before any wrapper sees the model."""
+    model = build_arch(cfg.arch, cfg.model, seed=cfg.seed)
+    targets = ready_made_targets(cfg.arch)
     if mode == "lora":
         add_lora(model, targets=lora_patterns(cfg), rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                  seed=cfg.seed)
     counts = freeze_for(model, mode, head=targets.head, block_types=targets.block_types,
                         last_k=cfg.last_k)
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    return model, counts
+
+
+def wrap(cfg: FinetuneConfig, model: nn.Module, world, mesh, precision: str):
+    """Wrap the adapted, frozen model; then the optimizer, over the trainable parameters only."""
     counter = None
     if cfg.strategy == "ddp":
         # Pitfall: DDP buckets the parameters that require grad WHEN IT IS BUILT. Frozen first, they
@@ -272,12 +277,13 @@ def prepare(cfg: FinetuneConfig, world, mesh, precision: str, mode: str):
         wrapped = DDP(model, device_ids=device_ids)
         counter = count_reduced_bytes(wrapped)
     else:  # frozen and trainable parameters may share a unit: fully_shard reduces only the grads
-        wrapped = apply_fully_shard(model, mesh, block_types=targets.block_types,
+        blocks = ready_made_targets(cfg.arch).block_types
+        wrapped = apply_fully_shard(model, mesh, block_types=blocks,
                                     mp_policy=mixed_precision_policy(precision))
     # Only trainable parameters: AdamW allocates no state for the others.
     optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                            device=world.device)
-    return model, wrapped, optimizer, counter, trainable, counts
+    return wrapped, optimizer, counter
 # --8<-- [end:prepare]
 
 
@@ -305,19 +311,20 @@ def train(cfg: FinetuneConfig) -> RecipeResult:
             make_dataset(data, cfg.global_batch_size, seed=cfg.seed), rank=world.rank,
             world_size=world.world_size, per_rank_batch_size=per_rank_batch, seed=cfg.seed)
         scaler = make_grad_scaler(world.device, precision)
+        model, (n_trainable, n_total) = adapt(cfg, cfg.mode)  # bad input stops here, at once
+        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         full_bytes = None
         if cfg.mode != "full":  # the baseline: full fine-tuning's bytes after one step, then freed
-            full = prepare(cfg, world, mesh, precision, "full")
-            _step(cfg, full[1], full[2], make_grad_scaler(world.device, precision),
+            full_model, _ = adapt(cfg, "full")
+            full_wrapped, full_optimizer, _ = wrap(cfg, full_model, world, mesh, precision)
+            _step(cfg, full_wrapped, full_optimizer, make_grad_scaler(world.device, precision),
                   next(iter(loader)), world, precision)
-            full_bytes = model_state_bytes(full[0], full[2])
-            del full
+            full_bytes = model_state_bytes(full_model, full_optimizer)
+            del full_model, full_wrapped, full_optimizer
             gc.collect()
             if world.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(world.device)
-
-        model, wrapped, optimizer, counter, trainable, (n_trainable, n_total) = prepare(
-            cfg, world, mesh, precision, cfg.mode)
+        wrapped, optimizer, counter = wrap(cfg, model, world, mesh, precision)
         log.info("%s fine-tuning with %s on %d rank(s): %d of %d parameters train (%.2f%%)",
                  cfg.mode, cfg.strategy, world.world_size, n_trainable, n_total,
                  100 * n_trainable / n_total)
