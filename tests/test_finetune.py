@@ -1,0 +1,250 @@
+"""finetune: every mode under DDP and fully_shard equals single-process fine-tuning; frozen
+parameters get no gradient, no optimizer state and no all-reduce; the checkpoints reload; the
+pitfalls (DDP frozen after wrapping, classic FSDP without use_orig_params) are shown."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from recipes import finetune
+from recipes.core.config import RecipeError
+from recipes.core.workload import Block, build_model, distributed_loader, iterate_steps, lm_loss
+from recipes.core.workload import make_dataset
+from recipes.core.world import join_world
+from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json, run_cli,
+                           run_world, with_fields)
+
+STEPS = 3
+CFG = finetune.FinetuneConfig(steps=STEPS, precision="fp32", keep_final_state=True, timeout_s=120)
+BF16_ATOL = 2e-2  # as in tests/test_fsdp2.py: bf16's 8-bit mantissa over a few AdamW steps
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="the Hugging Face models need: pip install transformers")
+
+
+def reference(cfg: finetune.FinetuneConfig):
+    """Single-process fine-tuning, textbook loop: (losses, initial and final parameters, trainable
+    names). It uses the recipe's add_lora / freeze_for, as a user's one-GPU script would."""
+    model = finetune.build_arch(cfg.arch, cfg.model, seed=cfg.seed)
+    targets = finetune.ready_made_targets(cfg.arch)
+    if cfg.mode == "lora":
+        finetune.add_lora(model, targets=targets.lora_targets, rank=cfg.lora_rank,
+                          alpha=cfg.lora_alpha, seed=cfg.seed)
+    finetune.freeze_for(model, cfg.mode, head=targets.head, block_types=targets.block_types,
+                        last_k=cfg.last_k)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    data = finetune.HF_DATA if cfg.arch != "cookbook" else cfg.model
+    loader, sampler = distributed_loader(make_dataset(data, cfg.global_batch_size, seed=cfg.seed),
+                                         rank=0, world_size=1,
+                                         per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
+    losses = []
+    for _, (inputs, targets_) in iterate_steps(loader, sampler, cfg.steps):
+        loss = lm_loss(finetune.logits_of(model(inputs)), targets_)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    final = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, initial, final, [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def assert_fine_tuned_like_one_process(result, cfg, *, atol=1e-5):
+    losses, initial, final, trainable = reference(cfg)
+    extras = result.extras
+    assert extras["trainable_names"] == trainable
+    assert_losses_close(result.losses, losses, atol=atol)
+    assert_states_close(result.final_state, final, atol=atol)
+    frozen = [name for name in initial if name not in trainable]
+    assert (cfg.mode == "full") == (not frozen)
+    for name in frozen:  # bit for bit: a frozen weight is never touched, under any precision
+        assert torch.equal(result.final_state[name], initial[name]), name
+    assert all(extras["frozen_grads_none_per_rank"])
+    # Only trainable parameters are in the optimizer, and only they have AdamW state.
+    assert extras["optimizer_tensors"] == extras["optimizer_state_tensors"] == len(trainable)
+    trainable_bytes = 4 * extras["trainable_params"]  # fp32 master weights and gradients
+    if cfg.strategy == "ddp":  # DDP all-reduces the trainable gradients and nothing else
+        assert extras["reduced_bytes_per_step"] == trainable_bytes
+        memory = extras["memory_per_rank"][0]
+        assert memory["grad_bytes"] == trainable_bytes
+        assert memory["optimizer_bytes"] == 2 * trainable_bytes + 4 * len(trainable)  # + step
+    saved = extras["bytes_saved_per_rank"]
+    if cfg.mode == "full":
+        assert saved == [0, 0]
+    else:
+        full = [sum(m.values()) for m in extras["full_finetune_memory_per_rank"]]
+        own = [sum(m.values()) for m in extras["memory_per_rank"]]
+        assert saved == [f - o for f, o in zip(full, own)] and min(saved) > 0
+
+
+def assert_checkpoint_reloads(result, cfg):
+    """trainable.pt alone on the base model gives the trained logits; merged.pt loads into the
+    plain model class (strict) and gives the same logits as the unmerged, adapted model."""
+    targets = finetune.ready_made_targets(cfg.arch).lora_targets
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    trained = finetune.build_arch(cfg.arch, seed=cfg.seed)
+    finetune.add_lora(trained, targets=targets, rank=cfg.lora_rank, alpha=cfg.lora_alpha)
+    finetune.load_trainable(trained, result.final_state)
+    expected = finetune.logits_of(trained(tokens))
+
+    adapters = torch.load(os.path.join(cfg.checkpoint_dir, "trainable.pt"))
+    assert adapters and all(".lora_" in name for name in adapters)
+    base = finetune.build_arch(cfg.arch, seed=cfg.seed)  # the "pretrained" model you started from
+    finetune.add_lora(base, targets=targets, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=123)
+    finetune.load_trainable(base, adapters)
+    torch.testing.assert_close(finetune.logits_of(base(tokens)), expected, atol=0, rtol=0)
+
+    plain = finetune.build_arch(cfg.arch, seed=cfg.seed + 99)  # other weights: all must load
+    plain.load_state_dict(torch.load(os.path.join(cfg.checkpoint_dir, "merged.pt")), strict=True)
+    assert not any(isinstance(m, finetune.LoRA) for m in plain.modules())
+    torch.testing.assert_close(finetune.logits_of(plain(tokens)), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(300)  # about 10 s on an idle 2-core machine; room for a loaded one
+def test_cookbook_model_every_mode_and_strategy_equals_one_process(tmp_path):
+    configs = [with_fields(CFG, mode=mode, strategy=strategy, last_k=1,
+                           checkpoint_dir=str(tmp_path / f"{strategy}-{mode}"))
+               for strategy in ("ddp", "fully_shard") for mode in finetune.MODES]
+    # Pitfall check: fully_shard with frozen parameters and MixedPrecisionPolicy(param_dtype=bf16).
+    bf16 = with_fields(CFG, mode="lora", strategy="fully_shard", precision="bf16")
+    *results, bf16_result = run_world(finetune.train, 2, configs + [bf16], timeout_s=280)
+    for cfg, result in zip(configs, results):
+        assert_fine_tuned_like_one_process(result, cfg)
+    assert_fine_tuned_like_one_process(bf16_result, bf16, atol=BF16_ATOL)
+    for cfg, result in zip(configs, results):
+        if cfg.mode == "lora":
+            assert_checkpoint_reloads(result, cfg)
+    by_name = {(c.strategy, c.mode): r.extras for c, r in zip(configs, results)}
+    # fully_shard holds about half of DDP's gradient bytes per rank, for the same trained subset.
+    for mode in ("head", "partial", "lora"):
+        ddp_grads = by_name["ddp", mode]["memory_per_rank"][0]["grad_bytes"]
+        assert by_name["fully_shard", mode]["memory_per_rank"][0]["grad_bytes"] < 0.75 * ddp_grads
+
+
+# Default run: GPT-2's fused, tied model under DDP, Llama under fully_shard; the rest is slow.
+HF_DEFAULT = [("gpt2", "ddp", "lora"), ("llama", "fully_shard", "lora")]
+HF_ALL = [(arch, strategy, mode) for arch in ("gpt2", "llama")
+          for strategy in ("ddp", "fully_shard") for mode in finetune.MODES]
+
+
+def hf_parity(tmp_path, combos):
+    configs = [with_fields(CFG, arch=arch, strategy=strategy, mode=mode,
+                           checkpoint_dir=str(tmp_path / f"{arch}-{strategy}-{mode}"))
+               for arch, strategy, mode in combos]
+    for cfg, result in zip(configs, run_world(finetune.train, 2, configs, timeout_s=580)):
+        assert_fine_tuned_like_one_process(result, cfg)
+        if cfg.mode == "lora":
+            assert_checkpoint_reloads(result, cfg)
+
+
+@needs_transformers
+@pytest.mark.timeout(600)
+def test_gpt2_and_llama_equal_one_process(tmp_path):
+    """GPT-2: LoRA on the fused qkv Conv1D, under DDP; Llama: on q/k/v/o_proj, under fully_shard."""
+    hf_parity(tmp_path, HF_DEFAULT)
+
+
+@needs_transformers
+@pytest.mark.slow  # the other 14 mode x strategy pairs of both models: over a minute on 2 cores
+@pytest.mark.timeout(600)
+def test_gpt2_and_llama_every_mode_and_strategy(tmp_path):
+    hf_parity(tmp_path, [combo for combo in HF_ALL if combo not in HF_DEFAULT])
+
+
+def test_ddp_frozen_after_wrapping_fails_frozen_before_needs_no_find_unused():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    tokens = torch.randint(0, 64, (2, 16))
+    with join_world("gloo"):
+        late = DDP(build_model("tiny"))
+        finetune.freeze_for(late.module, "head", head=("output",))  # too late: buckets are built
+        lm_loss(late(tokens), tokens).backward()
+        with pytest.raises(RuntimeError, match="find_unused_parameters=True"):
+            lm_loss(late(tokens), tokens).backward()
+        model = build_model("tiny")
+        finetune.freeze_for(model, "head", head=("output",))
+        early = DDP(model)  # find_unused_parameters=False, the default
+        for _ in range(2):
+            lm_loss(early(tokens), tokens).backward()
+        assert all((p.grad is None) != p.requires_grad for p in model.parameters())
+
+
+def test_classic_fsdp_mixed_requires_grad_in_one_unit_needs_use_orig_params():
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def adapted():
+        model = build_model("tiny")
+        finetune.add_lora(model, targets=("*.attn.w[qkvo]",), rank=2, alpha=4.0)
+        finetune.freeze_for(model, "lora")  # each Block unit: frozen base + trainable adapters
+        return model
+
+    wrap = {"auto_wrap_policy": ModuleWrapPolicy({Block}), "device_id": torch.device("cpu")}
+    with join_world("gloo"):
+        with pytest.raises(ValueError, match="has both parameters with requires_grad=True and "
+                                             "False.*use_orig_params=False"):
+            FSDP(adapted(), use_orig_params=False, **wrap)
+        with pytest.warns(UserWarning):  # torch says it keeps more gradient memory this way
+            model = FSDP(adapted(), use_orig_params=True, **wrap)
+        tokens = torch.randint(0, 64, (2, 16))
+        lm_loss(model(tokens), tokens).backward()
+        assert all((p.grad is None) != p.requires_grad for p in model.parameters())
+
+
+def test_bad_input_in_the_functions_says_the_fix():
+    model = build_model("tiny")
+    with pytest.raises(RecipeError, match=r"LoRA rank must be >= 1, got 0"):
+        finetune.add_lora(model, targets=("*.attn.wq",), rank=0, alpha=1.0)
+    with pytest.raises(RecipeError, match=r"match no module of TransformerLM; its linear layers "
+                                          r"are called output, w_in, w_out, wk, wo, wq, wv"):
+        finetune.add_lora(model, targets=("*.q_proj",), rank=2, alpha=1.0)
+    with pytest.raises(RecipeError, match=r"layers.0.attn, which is not a Linear or Conv1D"):
+        finetune.add_lora(model, targets=("*.attn",), rank=2, alpha=1.0)
+    with pytest.raises(RecipeError, match=r"last_k=3, but TransformerLM has 2 blocks \(Block\); "
+                                          r"use 1 to 2"):
+        finetune.freeze_for(model, "partial", head=("output",), block_types=(Block,), last_k=3)
+    with pytest.raises(RecipeError, match="found no LoRA adapter; call add_lora"):
+        finetune.freeze_for(model, "lora")
+    with pytest.raises(RecipeError, match=r"missing \['lm_head'\]"):
+        finetune.freeze_for(model, "head", head=("lm_head",))
+    with pytest.raises(RecipeError, match="keys not in the model: layers.0.attn.wq.lora_a"):
+        finetune.load_trainable(model, {"layers.0.attn.wq.lora_a": torch.zeros(2, 32)})
+
+
+def test_bad_config_is_refused_before_any_work():
+    with pytest.raises(RecipeError, match="lora_rank must be >= 1, got 0"):
+        finetune.FinetuneConfig(lora_rank=0)
+    with pytest.raises(RecipeError, match="last_k must be >= 1, got 0"):
+        finetune.FinetuneConfig(last_k=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lora-targets", "*.nope"], "error: LoRA targets ('*.nope',) match no module of "
+                                   "TransformerLM; its linear layers are called output"),
+    # The same path (RecipeError -> one line, exit 2), already shown for the functions above.
+    pytest.param(["--lora-rank", "0"], "error: lora_rank must be >= 1, got 0",
+                 marks=pytest.mark.slow),
+    pytest.param(["--mode", "partial", "--last-k", "3"],
+                 "error: last_k=3, but TransformerLM has 2 blocks", marks=pytest.mark.slow),
+])
+def test_bad_command_line_fails_in_one_line(args, message):
+    proc = run_cli([PYTHON, "-m", "recipes.finetune", "--steps", "1", *args], timeout_s=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_torchrun_launch_equals_single_process(tmp_path):
+    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.finetune",
+                        "--strategy", "fully_shard", "--precision", "fp32", "--steps", "2",
+                        "--checkpoint-dir", str(tmp_path)], timeout_s=170)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    result = last_json(launched.stdout)
+    losses, *_ = reference(with_fields(CFG, steps=2))
+    assert result["world_size"] == 2 and result["extras"]["mode"] == "lora"
+    assert_losses_close(result["losses"], losses, atol=1e-5)
+    assert result["tokens_per_second"] > 0 and result["mfu"] is None
+    assert sorted(os.listdir(tmp_path)) == ["merged.pt", "trainable.pt"]
+    assert launched.stdout.count("] step ") == 2 and "[rank1]" not in launched.stdout
