@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out of a fully_shard run, each rank reading only its own shards.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.hf_checkpoint
-    torchrun --standalone --nproc_per_node=2 -m recipes.hf_checkpoint --model llama --max-file-bytes 40000
+    python -m recipes.hf_checkpoint --model llama --max-file-bytes 100000   # a world of 1
     torchrun --standalone --nproc_per_node=2 -m recipes.hf_checkpoint --hf-dir my_model/  # yours
 
 In: a directory that ``save_pretrained`` wrote (``config.json``, ``model.safetensors`` or several
@@ -37,8 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from recipes.core.cli import run_cli
@@ -46,7 +49,12 @@ from recipes.core.config import Config, RecipeError, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
 from recipes.core.state import all_ranks
-from recipes.core.workload import SyntheticTokens, distributed_loader, iterate_steps, lm_loss
+from recipes.core.workload import (
+    SyntheticTokens,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+)
 from recipes.core.world import join_world
 from recipes.meta_init import build_sharded_on_meta, local_slices
 
@@ -57,7 +65,8 @@ SEQ_LEN = 16
 
 @dataclass
 class HFCheckpointConfig(Config):
-    model: Literal["gpt2", "llama"] = opt("gpt2", "tiny model built from config when --hf-dir is ''")
+    model: Literal["gpt2", "llama"] = opt(
+        "gpt2", "tiny model built from config when --hf-dir is ''")
     hf_dir: str = opt("", "a save_pretrained directory to start from; '' = write a tiny one first")
     out_dir: str = opt("checkpoints/hf_checkpoint", "dcp/ (the run's checkpoint) and hf/ go here")
     steps: int = opt(3, "fully_shard training steps between the load and the export", ge=0)
@@ -120,7 +129,7 @@ def safetensors_files(hf_dir: str) -> dict[str, str]:
         raise RecipeError(f"no model.safetensors or {INDEX} in {hf_dir!r}; pass a directory "
                           "that save_pretrained wrote")
     with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+        return dict.fromkeys(f.keys(), single)
 
 
 def check_keys(model: nn.Module, names: set[str], where: str) -> None:
@@ -176,8 +185,9 @@ def export_hf(model: nn.Module, out_dir: str, *, max_file_bytes: int = 0,
     rank = dist.get_rank()
     if reader != "safetensors" and torch_hf_storage():
         # Every rank writes its shards under out_dir/sharded; rank 0 then joins them into files.
-        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(
-            out_dir, fqn_to_index_mapping=file_of, save_distributed=True, enable_consolidation=True))
+        writer = dcp.HuggingFaceStorageWriter(out_dir, fqn_to_index_mapping=file_of,
+                                              save_distributed=True, enable_consolidation=True)
+        dcp.save(state, storage_writer=writer)
     else:  # rank 0 gathers the full state into host memory, then writes it
         from safetensors.torch import save_file
 

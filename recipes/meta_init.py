@@ -1,9 +1,8 @@
 """Meta-device initialisation: build on meta, shard, then materialise and initialise each shard.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.meta_init
-    python -m recipes.meta_init --create-seed-checkpoint --seed-checkpoint-dir seed_ckpt  # once
-    torchrun --standalone --nproc_per_node=2 -m recipes.meta_init --method seed_checkpoint \
-        --seed-checkpoint-dir seed_ckpt
+    python -m recipes.meta_init --create-seed-checkpoint   # once: the full build, in one process
+    torchrun --standalone --nproc_per_node=2 -m recipes.meta_init --method seed_checkpoint
 
 A model too big for one rank cannot be built on CPU first and sharded after (recipes/fsdp2.py does
 that: every rank holds the whole model for a moment). Here it is built under
@@ -42,7 +41,10 @@ from typing import Callable, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -52,7 +54,14 @@ from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
 from recipes.core.state import all_ranks, full_state_on_rank0
-from recipes.core.workload import MODEL_PRESETS, Block, TransformerLM, build_model, lm_loss, make_dataset
+from recipes.core.workload import (
+    MODEL_PRESETS,
+    Block,
+    TransformerLM,
+    build_model,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
 from recipes.fsdp2 import apply_fully_shard
 
@@ -69,7 +78,7 @@ class MetaInitConfig(Config):
     seed_checkpoint_dir: str = opt("checkpoints/seed_checkpoint", "where the seed checkpoint lives")
     create_seed_checkpoint: bool = opt(
         False, "build the model once in this process, save it to --seed-checkpoint-dir, and exit")
-    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "process-group backend (as every recipe)")
+    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "process-group backend")
     timeout_s: float = opt(300.0, "collective timeout in seconds", gt=0)
     keep_final_state: bool = opt(False, "return the full initial state in the result (tests)")
 
@@ -130,8 +139,8 @@ def write_seed_checkpoint(model: nn.Module, path: str) -> None:
 def load_seed_checkpoint(model: nn.Module, path: str) -> None:
     """Load a seed checkpoint into a sharded model: each rank reads the rows of its shards."""
     if not os.path.exists(os.path.join(path, ".metadata")):
-        raise RecipeError(f"no seed checkpoint in {path}; create it once with python -m "
-                          f"recipes.meta_init --create-seed-checkpoint --seed-checkpoint-dir {path}")
+        raise RecipeError(f"no seed checkpoint in {path}; create it once with python -m recipes."
+                          f"meta_init --create-seed-checkpoint --seed-checkpoint-dir {path}")
     state = get_model_state_dict(model)  # DTensors: DCP reads into each rank's shard
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state)
