@@ -59,8 +59,7 @@ from recipes.core.world import join_world
 from recipes.meta_init import build_sharded_on_meta, local_slices
 
 log = get_logger(__name__)
-INDEX = "model.safetensors.index.json"
-SEQ_LEN = 16
+INDEX, SEQ_LEN = "model.safetensors.index.json", 16
 
 
 @dataclass
@@ -105,7 +104,7 @@ def block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
 def aliases(model: nn.Module) -> dict[str, str]:
     """{second name: first name} for every parameter reachable under two names (tied weights)."""
     first: dict[int, str] = {}
-    out = {}
+    out: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in first:
             out[name] = first[id(param)]
@@ -130,6 +129,12 @@ def safetensors_files(hf_dir: str) -> dict[str, str]:
                           "that save_pretrained wrote")
     with safe_open(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
+
+
+def check_hf_dir(hf_dir: str) -> None:
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        raise RecipeError(f"no config.json in {hf_dir!r}; pass a save_pretrained directory")
+    safetensors_files(hf_dir)
 
 
 def check_keys(model: nn.Module, names: set[str], where: str) -> None:
@@ -219,7 +224,6 @@ def build_hf_sharded(hf_config, mesh, device: torch.device) -> nn.Module:
 
     def make() -> nn.Module:
         return AutoModelForCausalLM.from_config(hf_config)
-
     with torch.device("meta"):
         blocks = block_types(make())
     model = build_sharded_on_meta(make, mesh, block_types=blocks, device=device)
@@ -231,6 +235,8 @@ def build_hf_sharded(hf_config, mesh, device: torch.device) -> nn.Module:
 
 # --8<-- [start:run]
 def run(cfg: HFCheckpointConfig) -> RecipeResult:
+    if cfg.hf_dir:  # bad input fails here, before a world or transformers is started
+        check_hf_dir(cfg.hf_dir)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
@@ -240,8 +246,6 @@ def run(cfg: HFCheckpointConfig) -> RecipeResult:
             torch.manual_seed(cfg.seed)
             AutoModelForCausalLM.from_config(tiny_config(cfg.model)).save_pretrained(hf_dir)
         dist.barrier()
-        if not os.path.exists(os.path.join(hf_dir, "config.json")):
-            raise RecipeError(f"no config.json in {hf_dir!r}; pass a save_pretrained directory")
         hf_config = AutoConfig.from_pretrained(hf_dir)
         mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
         model = build_hf_sharded(hf_config, mesh, world.device)
@@ -266,8 +270,7 @@ def run(cfg: HFCheckpointConfig) -> RecipeResult:
         dcp_dir, out = os.path.join(cfg.out_dir, "dcp"), os.path.join(cfg.out_dir, "hf")
         dcp.save(get_model_state_dict(model), checkpoint_id=dcp_dir)
         exported = build_hf_sharded(hf_config, mesh, world.device)
-        state = get_model_state_dict(exported)
-        dcp.load(state, checkpoint_id=dcp_dir)
+        dcp.load(state := get_model_state_dict(exported), checkpoint_id=dcp_dir)
         set_model_state_dict(exported, state)
         files = export_hf(exported, out, max_file_bytes=cfg.max_file_bytes, reader=cfg.reader)
 
@@ -280,7 +283,7 @@ def run(cfg: HFCheckpointConfig) -> RecipeResult:
         model.eval()  # as from_pretrained returns it: dropout off
         with torch.no_grad():
             trained = model(probe).logits.float().cpu()
-        difference = float("nan")
+        difference = float("nan")  # rank 0 measures it
         if world.is_main:  # the check a user would do: from_pretrained gives the same logits
             reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
             with torch.no_grad():
