@@ -64,8 +64,7 @@ INDEX, SEQ_LEN = "model.safetensors.index.json", 16
 
 @dataclass
 class HFCheckpointConfig(Config):
-    model: Literal["gpt2", "llama"] = opt(
-        "gpt2", "tiny model built from config when --hf-dir is ''")
+    model: Literal["gpt2", "llama"] = opt("gpt2", "tiny model built when --hf-dir is ''")
     hf_dir: str = opt("", "a save_pretrained directory to start from; '' = write a tiny one first")
     out_dir: str = opt("checkpoints/hf_checkpoint", "dcp/ (the run's checkpoint) and hf/ go here")
     steps: int = opt(3, "fully_shard training steps between the load and the export", ge=0)
@@ -88,8 +87,7 @@ def tiny_config(name: str):
     if name == "gpt2":
         # No dropout: the tests compare the sharded run with one process, step by step.
         return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
-                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                          attn_implementation="eager")
+                          resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, attn_implementation="eager")
     return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                        attn_implementation="eager")
@@ -104,13 +102,10 @@ def block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
 def aliases(model: nn.Module) -> dict[str, str]:
     """{second name: first name} for every parameter reachable under two names (tied weights)."""
     first: dict[int, str] = {}
-    out: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            out[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return out
+        first.setdefault(id(param), name)
+    return {name: first[id(param)] for name, param in model.named_parameters(
+        remove_duplicate=False) if first[id(param)] != name}
 
 
 # --8<-- [start:files]
@@ -150,9 +145,13 @@ def check_keys(model: nn.Module, names: set[str], where: str) -> None:
 
 
 def torch_hf_storage() -> bool:
-    """torch's HF reader/writer, in the version that reads slices (older ones read whole files)."""
+    """torch's HF reader/writer, in the versions that read slices and consolidate shards (the
+    first ones read whole files on every rank and took other arguments)."""
+    import inspect
     reader = getattr(dcp, "HuggingFaceStorageReader", None)
-    return reader is not None and hasattr(reader, "_process_read_request")
+    writer = getattr(dcp, "HuggingFaceStorageWriter", None)
+    return (reader is not None and hasattr(reader, "_process_read_request") and writer is not None
+            and "enable_consolidation" in inspect.signature(writer).parameters)
 
 
 # --8<-- [start:load]
@@ -181,8 +180,8 @@ def export_hf(model: nn.Module, out_dir: str, *, max_file_bytes: int = 0,
               reader: str = "auto") -> list[str]:
     """Write a sharded model as ``from_pretrained`` reads it; returns the files written."""
     state = {k: v for k, v in get_model_state_dict(model).items() if k not in aliases(model)}
-    index, size, file_of = 1, 0, {}
-    for name, tensor in state.items():  # greedy split, in the model's order
+    index, size, file_of = 1, 0, {}  # greedy split into files, in the model's order
+    for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
         if max_file_bytes and size and size + nbytes > max_file_bytes:
             index, size = index + 1, 0

@@ -178,7 +178,7 @@ def init_model(cfg: MetaInitConfig) -> RecipeResult:
         return None  # type: ignore[return-value]
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
-        timer = StepTimer(world.device)
+        timer = StepTimer(world.device)  # its one "step": build, shard and initialise
         with timer:
             model = build_sharded_on_meta(lambda: TransformerLM(model_cfg), mesh,
                                           block_types=(Block,), device=world.device)
@@ -187,14 +187,18 @@ def init_model(cfg: MetaInitConfig) -> RecipeResult:
             else:
                 largest_module_bytes = 0
                 load_seed_checkpoint(model, cfg.seed_checkpoint_dir)
+        # Before any forward: fully_shard's root keeps its parameters unsharded after one.
         shard_bytes = model_state_bytes(model)["param_bytes"]
+        local_sum = sum(p.to_local().double().sum().item() for p in model.parameters())
+        checksum = torch.tensor([local_sum], dtype=torch.float64, device=world.device)
+        torch.distributed.all_reduce(checksum)
         log.info("%s: %d of %d parameter bytes on this rank, + %d for one module in full",
                  cfg.method, shard_bytes, full_model_bytes(model), largest_module_bytes)
         # One forward of the initial model: its loss equals the normal build's (tested).
         tokens = make_dataset(cfg.model, 2, seed=cfg.seed).tokens[:2]
         inputs, targets = tokens[:, :-1].to(world.device), tokens[:, 1:].to(world.device)
         loss = mean_over_ranks(lm_loss(model(inputs), targets))
-        state, checksum = full_state_on_rank0(model) if cfg.keep_final_state else ({}, 0.0)
+        state = full_state_on_rank0(model)[0] if cfg.keep_final_state else {}
         result = make_result(
             "meta_init", world, [loss], [], timer,
             keep_final_state=state if world.is_main and cfg.keep_final_state else None,
@@ -202,7 +206,7 @@ def init_model(cfg: MetaInitConfig) -> RecipeResult:
             param_bytes_per_rank=all_ranks(shard_bytes),
             largest_module_bytes_per_rank=all_ranks(largest_module_bytes),
         )
-        result.param_checksum = checksum
+        result.param_checksum = float(checksum.item())  # equals build_model's (tested)
         return result
 # --8<-- [end:run]
 

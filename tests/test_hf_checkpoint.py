@@ -18,7 +18,7 @@ from recipes.core.workload import (
     iterate_steps,
     lm_loss,
 )
-from tests.helpers import PYTHON, run_cli, run_world
+from tests.helpers import PYTHON, last_json, run_cli, run_world
 
 MODELS = ["gpt2", "llama"]
 READERS = ["torch", "safetensors"]  # torch's HuggingFaceStorageReader, or get_slice by hand
@@ -207,3 +207,17 @@ def test_bad_checkpoints_fail_in_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: no config.json in {str(tmp_path / 'none')!r}; pass a save_pretrained directory")
+
+
+# Slow: a torchrun launch of 2 fresh interpreters that import transformers; the same run() is
+# tested in the world above.
+@pytest.mark.slow
+def test_torchrun_launch_exports_what_from_pretrained_loads(tmp_path):
+    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "recipes.hf_checkpoint", "--backend", "gloo", "--steps", "1",
+               "--out-dir", str(tmp_path)]
+    proc = run_cli(command, timeout_s=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    extras = last_json(proc.stdout)["extras"]
+    assert extras["export_logits_max_abs_diff"] <= 1e-6
+    assert extras["files"] == ["config.json", "model.safetensors"]

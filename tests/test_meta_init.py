@@ -10,7 +10,7 @@ import torch
 from recipes import meta_init
 from recipes.core.config import RecipeError
 from recipes.core.workload import build_model, lm_loss, make_dataset
-from tests.helpers import PYTHON, run_cli, run_world
+from tests.helpers import PYTHON, last_json, run_cli, run_world
 
 SEED = 3
 CFG = meta_init.MetaInitConfig(seed=SEED, keep_final_state=True, backend="gloo", timeout_s=60)
@@ -91,6 +91,8 @@ def test_meta_init_equals_a_normal_build_and_no_rank_holds_the_model(tmp_path):
     for result in (replay, seeded):
         assert_equal_states(result.final_state, expected)  # bit for bit
         assert result.losses == pytest.approx([expected_loss], abs=1e-6)
+        checksum = sum(t.double().sum().item() for t in expected.values())
+        assert result.param_checksum == pytest.approx(checksum, abs=1e-6)
         full = result.extras["full_model_bytes"]
         # Each rank holds half of the parameters, and at most one module more in full (replay).
         assert result.extras["param_bytes_per_rank"] == [full // 2, full // 2]
@@ -119,3 +121,18 @@ def test_missing_seed_checkpoint_is_one_line_and_exit_2(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"error: no seed checkpoint in {missing}; create it once with python -m recipes.meta_init "
         f"--create-seed-checkpoint --seed-checkpoint-dir {missing}"]
+
+
+# Slow: a torchrun launch of 2 fresh interpreters; the same code runs in the world above.
+@pytest.mark.slow
+def test_torchrun_launch_equals_a_normal_build(tmp_path):
+    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "recipes.meta_init", "--backend", "gloo"]
+    proc = run_cli(command, timeout_s=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    reference = build_model("tiny", seed=0).state_dict()
+    expected = sum(t.double().sum().item() for t in reference.values())
+    assert result["param_checksum"] == pytest.approx(expected, abs=1e-6)
+    extras = result["extras"]
+    assert extras["param_bytes_per_rank"] == [extras["full_model_bytes"] // 2] * 2
