@@ -148,8 +148,7 @@ def torch_hf_storage() -> bool:
     """torch's HF reader/writer, in the versions that read slices and consolidate shards (the
     first ones read whole files on every rank and took other arguments)."""
     import inspect
-    reader = getattr(dcp, "HuggingFaceStorageReader", None)
-    writer = getattr(dcp, "HuggingFaceStorageWriter", None)
+    reader, writer = (getattr(dcp, f"HuggingFaceStorage{k}", None) for k in ("Reader", "Writer"))
     return (reader is not None and hasattr(reader, "_process_read_request") and writer is not None
             and "enable_consolidation" in inspect.signature(writer).parameters)
 
@@ -178,7 +177,8 @@ def load_hf_sharded(model: nn.Module, hf_dir: str, *, reader: str = "auto") -> N
 # --8<-- [start:export]
 def export_hf(model: nn.Module, out_dir: str, *, max_file_bytes: int = 0,
               reader: str = "auto") -> list[str]:
-    """Write a sharded model as ``from_pretrained`` reads it; returns the files written."""
+    """Write a sharded model as ``from_pretrained`` reads it, into an empty ``out_dir``; returns
+    the files written (files left there by an earlier export would mix with them)."""
     state = {k: v for k, v in get_model_state_dict(model).items() if k not in aliases(model)}
     index, size, file_of = 1, 0, {}  # greedy split into files, in the model's order
     for name, tensor in state.items():
@@ -263,16 +263,16 @@ def run(cfg: HFCheckpointConfig) -> RecipeResult:
                 optimizer.step()
             losses.append(mean_over_ranks(loss))
             log.info("step %d loss %.4f", step, losses[-1])
-
         # The run's own checkpoint (every rank writes its shards), then a fresh sharded model
         # loads it and exports it: the path from any fully_shard checkpoint to Hugging Face.
         dcp_dir, out = os.path.join(cfg.out_dir, "dcp"), os.path.join(cfg.out_dir, "hf")
+        if world.is_main:  # this recipe's own export directory: a rerun starts it afresh
+            shutil.rmtree(out, ignore_errors=True)
         dcp.save(get_model_state_dict(model), checkpoint_id=dcp_dir)
         exported = build_hf_sharded(hf_config, mesh, world.device)
         dcp.load(state := get_model_state_dict(exported), checkpoint_id=dcp_dir)
         set_model_state_dict(exported, state)
         files = export_hf(exported, out, max_file_bytes=cfg.max_file_bytes, reader=cfg.reader)
-
         # Before the probe's forward: the root keeps its parameters unsharded after one.
         local = sum(p.to_local().double().sum().item() for p in model.parameters())
         checksum = torch.tensor([local], dtype=torch.float64, device=world.device)

@@ -4,6 +4,8 @@ checkpoint), and no rank ever holds the whole model."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -123,16 +125,22 @@ def test_missing_seed_checkpoint_is_one_line_and_exit_2(tmp_path):
         f"--create-seed-checkpoint --seed-checkpoint-dir {missing}"]
 
 
-# Slow: a torchrun launch of 2 fresh interpreters; the same code runs in the world above.
+# Slow: torchrun launches of 2 fresh interpreters; the same code runs in the world above.
 @pytest.mark.slow
-def test_torchrun_launch_equals_a_normal_build(tmp_path):
-    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "recipes.meta_init", "--backend", "gloo"]
-    proc = run_cli(command, timeout_s=170)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = last_json(proc.stdout)
+def test_torchrun_launches_equal_a_normal_build(tmp_path):
+    seed_dir = str(tmp_path / "seed")
+    proc = run_cli([PYTHON, "-m", "recipes.meta_init", "--create-seed-checkpoint",
+                    "--seed-checkpoint-dir", seed_dir], timeout_s=120)
+    assert proc.returncode == 0 and os.path.exists(os.path.join(seed_dir, ".metadata")), proc.stderr
     reference = build_model("tiny", seed=0).state_dict()
     expected = sum(t.double().sum().item() for t in reference.values())
-    assert result["param_checksum"] == pytest.approx(expected, abs=1e-6)
-    extras = result["extras"]
-    assert extras["param_bytes_per_rank"] == [extras["full_model_bytes"] // 2] * 2
+    for method in ("replay", "seed_checkpoint"):
+        command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "-m", "recipes.meta_init", "--backend", "gloo", "--method", method,
+                   "--seed-checkpoint-dir", seed_dir]
+        proc = run_cli(command, timeout_s=170)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = last_json(proc.stdout)
+        assert result["param_checksum"] == pytest.approx(expected, abs=1e-6), method
+        extras = result["extras"]
+        assert extras["param_bytes_per_rank"] == [extras["full_model_bytes"] // 2] * 2
