@@ -16,7 +16,8 @@ all-gather. Three tools, each shown here, find out why:
    on. On NCCL the watchdog dumps by itself on a timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and
    ``TORCH_FR_DUMP_TEMP_FILE``, set here too); gloo has no watchdog, so the rank that catches the
    timeout dumps. torch 2.13 records gloo collectives; ``dump_flight_recorder`` says so when the
-   installed torch does not (an empty ring).
+   installed torch does not (an empty ring). torch 2.11's ``fr_trace`` reads NCCL/XCCL dumps only
+   (it asserts the backend on a gloo dump); ``find_mismatch`` reads both.
 2. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``--mode detail``): before every collective the ranks
    compare fingerprints (op, sequence number, shapes), and a mismatch raises at once on every rank,
    naming both calls, instead of waiting for the timeout. It costs an extra check per collective.
