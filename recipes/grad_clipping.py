@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.grad_clipping --layout fsdp
     torchrun --standalone --nproc_per_node=2 -m recipes.grad_clipping --layout pp
     torchrun --standalone --nproc_per_node=4 -m recipes.grad_clipping --layout fsdp_tp --mesh 2 2
-    torchrun --standalone --nproc_per_node=2 -m recipes.grad_clipping --layout pp --clip torch  # pitfall
+    torchrun --standalone --nproc_per_node=2 -m recipes.grad_clipping --layout pp --clip torch
 
 Clipping scales every gradient by ``max_norm / total_norm``, where the total is the norm of ALL the
 model's gradients. Once the gradients are split over ranks, no rank sees them all:
@@ -52,7 +52,13 @@ from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import all_ranks
 from recipes.core.workload import (
-    MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset,
+    MODEL_PRESETS,
+    Block,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
 )
 from recipes.core.world import join_world
 
@@ -61,7 +67,8 @@ log = get_logger(__name__)
 # layout -> its mesh dims, outermost first ("single": one process, no mesh: the reference)
 LAYOUTS: dict[str, tuple[str, ...]] = {
     "single": (), "ddp": ("dp",), "fsdp": ("dp",), "hsdp": ("replicate", "dp"), "tp": ("tp",),
-    "pp": ("pp",), "fsdp_tp": ("dp", "tp"), "pp_fsdp": ("pp", "dp"), "pp_fsdp_tp": ("pp", "dp", "tp"),
+    "pp": ("pp",), "fsdp_tp": ("dp", "tp"), "pp_fsdp": ("pp", "dp"),
+    "pp_fsdp_tp": ("pp", "dp", "tp"),
 }
 
 
@@ -127,7 +134,8 @@ def checked_mesh(world, sizes: list[int], names: tuple[str, ...]) -> DeviceMesh:
     if any(size < 1 for size in sizes) or math.prod(sizes) != world.world_size:
         shown = "x".join(map(str, sizes))
         raise RecipeError(f"mesh {shown} has {math.prod(sizes)} ranks but the world has "
-                          f"{world.world_size}; pass sizes >= 1 whose product is {world.world_size}")
+                          f"{world.world_size}; pass sizes >= 1 whose product is "
+                          f"{world.world_size}")
     return init_device_mesh(world.device.type, tuple(sizes), mesh_dim_names=names)
 
 
@@ -168,7 +176,8 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
 
 # --8<-- [start:pipeline]
 def pipeline_forward_backward(stage_model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
-                              group: dist.ProcessGroup, hidden_shape: tuple[int, ...]) -> torch.Tensor:
+                              group: dist.ProcessGroup,
+                              hidden_shape: tuple[int, ...]) -> torch.Tensor:
     """One batch through the stages and back, by hand: activations go forward with send/recv,
     their gradients come back the same way. Returns the loss (on the last stage, else 0)."""
     stage, stages = dist.get_rank(group), dist.get_world_size(group)
@@ -234,7 +243,8 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
         dp_dims = tuple(name for name in ("replicate", "dp") if name in size)
         dp_size, dp_rank = 1, 0  # the data-parallel coordinate: which share of the batch
         for name in dp_dims:
-            dp_size, dp_rank = dp_size * size[name], dp_rank * size[name] + mesh.get_local_rank(name)
+            dp_rank = dp_rank * size[name] + mesh.get_local_rank(name)
+            dp_size *= size[name]
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         pp_group = mesh["pp"].get_group() if "pp" in size else None
         if pp_group is not None:
@@ -263,7 +273,8 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
                 optimizer.zero_grad(set_to_none=True)
                 if pp_group is not None:
                     hidden = (*x.shape, MODEL_PRESETS[cfg.model].dim)
-                    loss = pipeline_forward_backward(model, x, y, group=pp_group, hidden_shape=hidden)
+                    loss = pipeline_forward_backward(model, x, y, group=pp_group,
+                                                     hidden_shape=hidden)
                 else:
                     loss = lm_loss(model(x), y)
                     loss.backward()
@@ -296,7 +307,8 @@ def _global_loss(loss: torch.Tensor, pp_group, dp_size: int) -> float:
     value = loss.detach().float().reshape(1).clone()
     if dist.get_world_size() > 1:
         dist.all_reduce(value)  # stages other than the last contribute 0; tp ranks repeat it
-    tp_copies = dist.get_world_size() // dp_size // (dist.get_world_size(pp_group) if pp_group else 1)
+    stages = dist.get_world_size(pp_group) if pp_group else 1
+    tp_copies = dist.get_world_size() // dp_size // stages
     return float(value.item()) / dp_size / tp_copies
 
 

@@ -1,7 +1,8 @@
 """Gradient accumulation under fully_shard, three ways, each with its communication counted.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.sharded_accumulation --mode sync_last
-    torchrun --standalone --nproc_per_node=2 -m recipes.sharded_accumulation --mode reduce_scatter_every
+    torchrun --standalone --nproc_per_node=2 -m recipes.sharded_accumulation \
+        --mode reduce_scatter_every
     torchrun --standalone --nproc_per_node=4 -m recipes.sharded_accumulation \
         --mode hsdp_all_reduce_last --mesh 2 2 --global-batch-size 8
     torchrun --standalone --nproc_per_node=2 -m recipes.sharded_accumulation --pad-fraction 0.5 \
@@ -18,7 +19,8 @@ k micro-batches per optimizer step; what each mode sends per step (G = fully_sha
   all-reduces once (G);
 - ``ddp_no_sync_helper``: the pitfall (NVIDIA/cosmos-framework#161). A helper written for DDP,
   ``model.no_sync() if hasattr(model, "no_sync") else nullcontext()``, is silently a no-op under
-  fully_shard (which has no ``no_sync``): the traffic of ``reduce_scatter_every``, not of ``sync_last``.
+  fully_shard (which has no ``no_sync``): the traffic of ``reduce_scatter_every``, not of
+  ``sync_last``.
 
 A ``TorchDispatchMode`` sees every c10d collective the step runs (``CollectiveCounter``): the counts
 and bytes are measured, and tests/test_sharded_accumulation.py asserts them exactly.
@@ -37,7 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -55,7 +57,13 @@ from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_
 from recipes.core.speed import make_adamw
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import (
-    MODEL_PRESETS, Block, build_model, distributed_loader, iterate_steps, lm_loss, make_dataset,
+    MODEL_PRESETS,
+    Block,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
 )
 from recipes.core.world import join_world
 from recipes.fsdp2 import apply_fully_shard
@@ -73,8 +81,8 @@ class ShardedAccumulationConfig(TrainConfig):
     mode: Literal[MODES] = opt("sync_last", "how the micro-batches communicate (see the docstring)")
     mesh: list[int] = opt([], "data-parallel mesh: [shard] or [replicate, shard] (HSDP); product = "
                               "world size; empty = [world size]")
-    pad_fraction: float = opt(0.0, "ragged samples: right-pad up to this fraction of each sequence "
-                                   "(targets = ignore_index)", ge=0, lt=1)
+    pad_fraction: float = opt(0.25, "ragged samples: right-pad up to this fraction of each "
+                                    "sequence (targets = ignore_index)", ge=0, lt=1)
     loss_normalisation: Literal["tokens", "batches"] = opt(
         "tokens", "tokens = the global per-token mean (one process's loss); batches = the mean of "
                   "micro-batch means (the pitfall)")
@@ -98,9 +106,10 @@ class CollectiveCounter(TorchDispatchMode):
     full buffer each rank contributes: a reduce-scatter's input, an all-gather's output.
     """
 
-    KINDS = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
-             "reduce_scatter_": "reduce_scatter", "_allgather_base_": "all_gather",
-             "allgather_": "all_gather"}
+    KINDS: ClassVar[dict[str, str]] = {
+        "allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_": "reduce_scatter", "_allgather_base_": "all_gather",
+        "allgather_": "all_gather"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,7 +119,10 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = self.KINDS.get(func._opname) if func.namespace == "c10d" else None
         if kind is not None:
-            tensors = args[0] if isinstance(args[0], list) else [args[0 if kind == "all_gather" else 1]]
+            if isinstance(args[0], list):  # allreduce_, allgather_: lists of tensors
+                tensors = args[0]
+            else:  # the base ops: (output, input); count an all-gather's output, else the input
+                tensors = [args[0 if kind == "all_gather" else 1]]
             tensors = [t for item in tensors for t in (item if isinstance(item, list) else [item])]
             groups = [a for a in args if type(a).__name__ == "ScriptObject"]
             unbox = getattr(dist.ProcessGroup, "unbox", None)  # the ScriptObject -> ProcessGroup
@@ -182,7 +194,7 @@ def accumulate_gradients(
         # all-reduce of one number, before the first backward, since each loss needs the total.
         tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).float()
         dist.all_reduce(tokens, group=dp_group)
-    step_loss = torch.zeros(())
+    step_loss = torch.zeros((), device=micro_batches[0][0].device)
     for index, (x, y) in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         if mode == "sync_last":  # no reduce-scatter: each rank keeps UNSHARDED gradients meanwhile
@@ -204,7 +216,7 @@ def accumulate_gradients(
             loss.backward()
         if after_backward is not None:
             after_backward(index)
-        step_loss += loss.detach().cpu() / dp_size
+        step_loss += loss.detach() / dp_size
     return step_loss
 # --8<-- [end:accumulate]
 

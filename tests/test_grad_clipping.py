@@ -10,7 +10,7 @@ Config = grad_clipping.GradClippingConfig
 
 
 def reference():
-    """One process, the whole batch, torch.nn.utils.clip_grad_norm_: what every layout must equal."""
+    """One process, the whole batch, torch's clip_grad_norm_: what every layout must equal."""
     return run_alone(grad_clipping.train, Config(layout="single", keep_final_state=True))
 
 
@@ -28,13 +28,17 @@ def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
     ref = reference()
     layouts = ["ddp", "fsdp", "tp", "pp"]
     configs = [Config(layout=layout, keep_final_state=True) for layout in layouts] + [
+        Config(layout="ddp", clip="torch", keep_final_state=True),
         Config(layout="pp", clip="torch", keep_final_state=True),
         Config(layout="fsdp", clip="local_shards", keep_final_state=True),
     ]
-    *results, pp_torch, fsdp_local = run_world(grad_clipping.train, 2, configs, timeout_s=300)
+    *results, ddp_torch, pp_torch, fsdp_local = run_world(grad_clipping.train, 2, configs,
+                                                          timeout_s=300)
     for layout, result in zip(layouts, results):
         assert result.extras["layout"] == layout
         assert_equals_one_process(result, ref)
+    # DDP: every rank holds every all-reduced gradient, so torch's clip_grad_norm_ is right as is.
+    assert_equals_one_process(ddp_torch, ref)
     # Pitfall (torchtitan#596): torch's clip_grad_norm_ on a stage sees only that stage's gradients.
     for step, stage_norms in enumerate(pp_torch.extras["grad_norms_per_rank"]):
         assert all(norm < ref.extras["grad_norms"][step] - 1e-3 for norm in stage_norms)
@@ -79,5 +83,6 @@ def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
     with pytest.raises(RecipeError, match=r"^mesh 2x2 has 4 ranks but the world has 1; "
                                           r"pass sizes >= 1 whose product is 1$"):
         run_alone(grad_clipping.train, Config(layout="fsdp_tp", mesh=[2, 2]))
-    with pytest.raises(RecipeError, match=r"^mesh \[2\] has 1 dims but this layout has 2 \(dp, tp\)"):
+    with pytest.raises(RecipeError,
+                       match=r"^mesh \[2\] has 1 dims but this layout has 2 \(dp, tp\)"):
         run_alone(grad_clipping.train, Config(layout="fsdp_tp", mesh=[2]))
