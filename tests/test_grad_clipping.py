@@ -1,10 +1,14 @@
 """grad_clipping: one total norm over the mesh, equal to one process on every layout."""
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from recipes import grad_clipping
 from recipes.core.config import RecipeError
-from tests.helpers import assert_states_close, run_alone, run_world
+from tests.helpers import PYTHON, assert_states_close, last_json, run_alone, run_world
+from tests.helpers import run_cli as cli
 
 Config = grad_clipping.GradClippingConfig
 
@@ -24,6 +28,44 @@ def assert_equals_one_process(result, ref):
     assert_states_close(result.final_state, ref.final_state, atol=1e-6)
 
 
+def gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                        attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)  # no dropout: the ranks must compute what one process does
+    return GPT2LMHeadModel(config)
+
+
+def gpt2_clip(max_norm: float = 0.05):
+    """Hugging Face GPT-2 (tied embeddings, fused qkv): one backward on this rank's share of a
+    fixed batch, fully_shard-ed when in a world, then clip_grad_norm_across. Returns the norm and
+    the clipped gradients, unsharded."""
+    from torch.distributed.tensor import DTensor
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from recipes.fsdp2 import apply_fully_shard
+
+    model = gpt2()
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    world = dist.get_world_size()
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,))
+        model = apply_fully_shard(model, mesh, block_types=(GPT2Block,))
+        tokens = tokens.chunk(world)[dist.get_rank()]
+    model(tokens, labels=tokens).loss.backward()
+    norm = grad_clipping.clip_grad_norm_across(model.parameters(), max_norm)
+    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for name, p in model.named_parameters()}
+    return float(norm), grads
+
+
+def clip_layouts_and_gpt2(cfg):
+    """One spawned world for both: the recipe's configs, and "gpt2"."""
+    return gpt2_clip() if cfg == "gpt2" else grad_clipping.train(cfg)
+
+
 def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
     ref = reference()
     layouts = ["ddp", "fsdp", "tp", "pp"]
@@ -32,8 +74,8 @@ def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
         Config(layout="pp", clip="torch", keep_final_state=True),
         Config(layout="fsdp", clip="local_shards", keep_final_state=True),
     ]
-    *results, ddp_torch, pp_torch, fsdp_local = run_world(grad_clipping.train, 2, configs,
-                                                          timeout_s=300)
+    *results, ddp_torch, pp_torch, fsdp_local, (gpt2_norm, gpt2_grads) = run_world(
+        clip_layouts_and_gpt2, 2, [*configs, "gpt2"], timeout_s=300)
     for layout, result in zip(layouts, results):
         assert result.extras["layout"] == layout
         assert_equals_one_process(result, ref)
@@ -49,11 +91,26 @@ def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
     for wrong in (pp_torch, fsdp_local):  # ... and so the weights differ from one process
         with pytest.raises(AssertionError):
             assert_states_close(wrong.final_state, ref.final_state, atol=1e-4)
+    # A model the cookbook did not write: Hugging Face GPT-2 under fully_shard, against one
+    # process clipping with torch's clip_grad_norm_.
+    model = gpt2()
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    model(tokens, labels=tokens).loss.backward()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    assert ref_norm > 5 * 0.05 and gpt2_norm == pytest.approx(ref_norm, rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(gpt2_grads[name], p.grad, atol=1e-7, rtol=1e-5)
 
 
-def test_four_rank_layouts_equal_one_process():
+@pytest.mark.parametrize("layouts", [
+    ["hsdp", "fsdp_tp"],
+    # slow: a third 4-rank config; its two pieces (fully_shard's DTensor norm, the pp sum) are
+    # each covered by the 2-rank layouts.
+    pytest.param(["pp_fsdp"], marks=pytest.mark.slow),
+])
+def test_four_rank_layouts_equal_one_process(layouts):
+    # fsdp_tp: TP'd weights are 2-D DTensors (dp x tp), the rest 1-D on dp: two meshes to combine.
     ref = reference()
-    layouts = ["hsdp", "fsdp_tp", "pp_fsdp"]
     results = run_world(grad_clipping.train, 4,
                         [Config(layout=layout, keep_final_state=True) for layout in layouts],
                         timeout_s=300)
@@ -86,3 +143,13 @@ def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
     with pytest.raises(RecipeError,
                        match=r"^mesh \[2\] has 1 dims but this layout has 2 \(dp, tp\)"):
         run_alone(grad_clipping.train, Config(layout="fsdp_tp", mesh=[2]))
+
+
+@pytest.mark.slow  # a torchrun launch: 3 interpreters; the same code runs in-process above
+def test_torchrun_launch_prints_the_result():
+    proc = cli([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                "recipes.grad_clipping", "--layout", "pp", "--steps", "1"], timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["world_size"] == 2 and result["extras"]["layout"] == "pp"
+    assert result["extras"]["grad_norms"] == pytest.approx([0.6157], abs=1e-4)  # = one process

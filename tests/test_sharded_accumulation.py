@@ -9,7 +9,14 @@ import pytest
 from recipes import sharded_accumulation as acc
 from recipes.core.config import RecipeError
 from recipes.grad_clipping import checked_mesh
-from tests.helpers import assert_states_close, plain_training_loop, run_world
+from tests.helpers import (
+    PYTHON,
+    assert_states_close,
+    last_json,
+    plain_training_loop,
+    run_world,
+)
+from tests.helpers import run_cli as cli
 
 STEPS, MICRO, BATCH, PAD = 2, 2, 8, 0.5
 
@@ -93,3 +100,15 @@ def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
         acc.data_parallel_mesh(world, [3])
     with pytest.raises(RecipeError, match=r"^mesh 2x2 has 4 ranks but the world has 2"):
         checked_mesh(world, [2, 2], ("replicate", "shard"))
+
+
+@pytest.mark.slow  # a torchrun launch of 2 ranks (3 interpreters); the same code runs spawned above
+def test_torchrun_launch_prints_the_counted_collectives():
+    proc = cli([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                "recipes.sharded_accumulation", "--mode", "sync_last", "--steps", "1"],
+               timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    extras = last_json(proc.stdout)["extras"]
+    groups, full = extras["fsdp_groups"], extras["grad_bytes_unsharded"]
+    (step,) = extras["collectives_per_step"]
+    assert step["reduce_scatter over 2"] == {"calls": groups, "bytes": full}
