@@ -50,7 +50,9 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.speed import setup_precision
 from recipes.core.state import all_ranks
+from recipes.core.throughput import Workload
 from recipes.core.workload import (
     MODEL_PRESETS,
     Block,
@@ -245,6 +247,12 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
         for name in dp_dims:
             dp_rank = dp_rank * size[name] + mesh.get_local_rank(name)
             dp_size *= size[name]
+        # Exact fp32 (auto = fp32 here, on a GPU too): the norms are compared with one process.
+        precision = setup_precision("fp32" if cfg.precision == "auto" else cfg.precision,
+                                    world.device)
+        if precision not in ("fp32", "tf32"):
+            raise RecipeError(f"--precision {precision}: this recipe compares norms exactly; "
+                              "use fp32 or tf32")
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)
         pp_group = mesh["pp"].get_group() if "pp" in size else None
         if pp_group is not None:
@@ -252,6 +260,11 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
         # Order (torchtitan): pipeline cut, then tensor parallel, then fully_shard, then optimizer.
         if "tp" in size:
             from torch.distributed.tensor.parallel import parallelize_module
+
+            heads = MODEL_PRESETS[cfg.model].n_heads
+            if heads % size["tp"]:
+                raise RecipeError(f"tp={size['tp']} does not split the {heads} attention heads; "
+                                  f"use a divisor of {heads}")
 
             parallelize_module(model, mesh["tp"], tp_plan())
         if cfg.layout == "ddp":
@@ -296,6 +309,7 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
         return make_result(
             "grad_clipping", world, losses, state.values(), timer,
             keep_final_state=state if cfg.keep_final_state and world.is_main else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
             grad_norms=norms, grad_norms_per_rank=torch_local_norms, layout=cfg.layout,
             mesh=list(mesh.shape) if mesh else [],
         )

@@ -54,8 +54,9 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
-from recipes.core.speed import make_adamw
+from recipes.core.speed import make_adamw, setup_precision
 from recipes.core.state import full_state_on_rank0
+from recipes.core.throughput import Workload
 from recipes.core.workload import (
     MODEL_PRESETS,
     Block,
@@ -66,7 +67,7 @@ from recipes.core.workload import (
     make_dataset,
 )
 from recipes.core.world import join_world
-from recipes.fsdp2 import apply_fully_shard
+from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
 from recipes.grad_clipping import checked_mesh
 
 log = get_logger(__name__)
@@ -234,7 +235,13 @@ def train(cfg: ShardedAccumulationConfig) -> RecipeResult:
         micro = per_rank_batch_size(cfg.global_batch_size, world.world_size, cfg.micro_batches)
         model = build_model(cfg.model, seed=cfg.seed, device="cpu")  # fully_shard moves shards
         full_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        model = apply_fully_shard(model, mesh, block_types=(Block,))
+        precision = setup_precision(cfg.precision, world.device)  # bf16 on a GPU by default
+        if precision == "fp16":  # fp16 gradients need a loss scaler, which is not this lesson
+            raise RecipeError("--precision fp16 needs a GradScaler (see recipes/fsdp2.py); "
+                              "use bf16 or fp32")
+        # bf16: fully_shard computes in bf16 and reduces gradients in fp32
+        model = apply_fully_shard(model, mesh, block_types=(Block,),
+                                  mp_policy=mixed_precision_policy(precision))
         optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
         dataset = make_ragged_dataset(cfg.model, cfg.global_batch_size,
                                       pad_fraction=cfg.pad_fraction, seed=cfg.seed)
@@ -267,6 +274,7 @@ def train(cfg: ShardedAccumulationConfig) -> RecipeResult:
         result = make_result(
             "sharded_accumulation", world, losses, full_state.values(), timer,
             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
+            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
             collectives_per_step=per_step, fsdp_groups=sum(1 for _ in _fsdp_modules(model)),
             grad_bytes_between_micro_batches=max(held, default=0),
             grad_bytes_unsharded=full_grad_bytes, mesh=list(mesh.shape),

@@ -153,3 +153,9 @@ def test_torchrun_launch_prints_the_result():
     result = last_json(proc.stdout)
     assert result["world_size"] == 2 and result["extras"]["layout"] == "pp"
     assert result["extras"]["grad_norms"] == pytest.approx([0.6157], abs=1e-4)  # = one process
+
+
+def test_a_precision_that_cannot_compare_exactly_is_one_line():
+    with pytest.raises(RecipeError, match=r"^--precision bf16: this recipe compares norms exactly; "
+                                          r"use fp32 or tf32$"):
+        run_alone(grad_clipping.train, Config(layout="single", precision="bf16"))

@@ -14,6 +14,7 @@ from tests.helpers import (
     assert_states_close,
     last_json,
     plain_training_loop,
+    run_alone,
     run_world,
 )
 from tests.helpers import run_cli as cli
@@ -112,3 +113,8 @@ def test_torchrun_launch_prints_the_counted_collectives():
     groups, full = extras["fsdp_groups"], extras["grad_bytes_unsharded"]
     (step,) = extras["collectives_per_step"]
     assert step["reduce_scatter over 2"] == {"calls": groups, "bytes": full}
+
+
+def test_fp16_without_a_loss_scaler_is_one_line():
+    with pytest.raises(RecipeError, match=r"^--precision fp16 needs a GradScaler"):
+        run_alone(acc.train, acc.ShardedAccumulationConfig(precision="fp16"))
