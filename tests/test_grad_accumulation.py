@@ -1,4 +1,7 @@
-"""grad_accumulation: one all-reduce round per optimizer step, and the same update as the whole batch at once."""
+"""grad_accumulation: one all-reduce round per optimizer step, and the same update as the whole
+batch at once."""
+
+import functools
 
 import pytest
 
@@ -12,17 +15,21 @@ STEPS = 4
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size, micro_batches", [(2, 3), (3, 2)])
-def test_no_sync_communicates_once_per_step_and_matches_the_whole_batch(world_size, micro_batches, backend):
-    whole_batch = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32"))
-    with_no_sync, without = run_world(grad_accumulation.train, world_size, [
-        grad_accumulation.GradAccumulationConfig(steps=STEPS, micro_batches=micro_batches, keep_final_state=True, precision="fp32"),
-        grad_accumulation.GradAccumulationConfig(steps=STEPS, micro_batches=micro_batches, keep_final_state=True, precision="fp32",
-                                                 use_no_sync=False),
-    ], backend=backend)
-    # Communication: exactly one all-reduce round per optimizer step with no_sync, one per micro-batch without.
+def test_no_sync_communicates_once_per_step_and_matches_the_whole_batch(world_size, micro_batches,
+                                                                        backend):
+    whole_batch = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(
+        steps=STEPS, keep_final_state=True, precision="fp32"))
+    config = functools.partial(grad_accumulation.GradAccumulationConfig, steps=STEPS,
+                               micro_batches=micro_batches, keep_final_state=True,
+                               precision="fp32")
+    with_no_sync, without = run_world(grad_accumulation.train, world_size,
+                                      [config(), config(use_no_sync=False)], backend=backend)
+    # Communication: exactly one all-reduce round per optimizer step with no_sync, one per
+    # micro-batch without.
     assert with_no_sync.extras["allreduce_rounds_per_step"] == [1] * STEPS
     assert without.extras["allreduce_rounds_per_step"] == [micro_batches] * STEPS
-    assert without.extras["bucket_allreduces"] == micro_batches * with_no_sync.extras["bucket_allreduces"]
+    assert (without.extras["bucket_allreduces"]
+            == micro_batches * with_no_sync.extras["bucket_allreduces"])
     # Equivalence: k micro-batches on N ranks == one step on the global batch in one process.
     for result in (with_no_sync, without):
         assert_losses_close(result.losses, whole_batch.losses, atol=1e-5)
@@ -31,7 +38,8 @@ def test_no_sync_communicates_once_per_step_and_matches_the_whole_batch(world_si
 
 def test_micro_batches_that_do_not_divide_are_rejected():
     cfg = grad_accumulation.GradAccumulationConfig(global_batch_size=12, micro_batches=4)
-    with pytest.raises(RecipeError, match=r"does not divide across 2 ranks x 4 micro-batches; use a multiple of 8"):
+    with pytest.raises(RecipeError, match=r"does not divide across 2 ranks x 4 micro-batches; "
+                                          r"use a multiple of 8"):
         spawn_world(grad_accumulation.train, 2, cfg, timeout_s=60)
 
 

@@ -20,7 +20,8 @@ What is counted, exactly:
 - ``grad_bytes``: every ``.grad`` that is not None (None counts 0); for classic FSDP also the flat
   parameter's saved gradient shard and its CPU-offloaded gradient; for ``fully_shard`` also the
   unsharded gradients it accumulates while gradient sync is off (``set_requires_gradient_sync(False)``),
-  which live on internal unsharded parameters that ``model.parameters()`` does not show.
+  which live on internal unsharded parameters that ``model.parameters()`` does not show, and the
+  sharded gradients HSDP holds back while its all-reduce is off (``set_requires_all_reduce(False)``).
 - ``optimizer_bytes``: every tensor in ``optimizer.state`` (including AdamW's scalar ``step``); for
   ``ZeroRedundancyOptimizer`` its local optimizer's state (``optimizer.optim.state``), which holds only
   this rank's partition (the wrapper's own ``.state`` stays empty until a ``load_state_dict``).
@@ -90,6 +91,9 @@ def _fsdp_internals(model: nn.Module) -> tuple[list[torch.Tensor | None], list[t
             if groups is None:  # older torch: a single optional group
                 groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
             for group in groups:
+                # HSDP with set_requires_all_reduce(False): the reduce-scattered (sharded)
+                # gradients wait here for the all-reduce, not in .grad
+                grads.append(getattr(group, "_partial_reduce_output", None))
                 for fsdp_param in group.fsdp_params:
                     unsharded = getattr(fsdp_param, "_unsharded_param", None)  # exists after the 1st all-gather
                     params.append(unsharded)
