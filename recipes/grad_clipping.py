@@ -306,13 +306,17 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
             log.info("step %d loss %.4f grad norm %.4f", step, losses[-1], norms[-1])
 
         state = full_state_merged(model)
-        return make_result(
+        result = make_result(
             "grad_clipping", world, losses, state.values(), timer,
             keep_final_state=state if cfg.keep_final_state and world.is_main else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
             grad_norms=norms, grad_norms_per_rank=torch_local_norms, layout=cfg.layout,
             mesh=list(mesh.shape) if mesh else [],
         )
+        # Pitfall: free a DDP wrapper while the process group is alive; its reducer collected
+        # after the teardown can deadlock gloo at exit (recipes/lightning_fabric.py).
+        del model, optimizer
+        return result
 # --8<-- [end:train]
 
 
