@@ -5,20 +5,24 @@ A page asks for generated content with a marker on a line of its own (outside co
 - ``<!-- options: recipes.X.ConfigClass -->``: the recipe's command-line options, from its config
   dataclass (``recipes.core.config.config_table``, the same fields ``--help`` is built from).
 - ``<!-- results: X -->``: the figures measured for recipe X, from ``results/X.json`` (written by
-  ``scripts/collect_results.py``). A recipe not measured yet gets a note that says how to measure it.
+  ``scripts/collect_results.py``). A recipe not measured yet gets a note that says how to measure
+  it.
 - ``<!-- api: module -->``: a module's API reference from its docstrings and signatures;
-  ``<!-- api: package.* -->`` does it for every public module of the package (``recipes.*``: the recipes).
-- ``<!-- recipe-index -->``: every recipe, grouped as in the navigation, with what it shows and its command.
+  ``<!-- api: package.* -->`` does it for every public module of the package (``recipes.*``: the
+  recipes).
+- ``<!-- recipe-index -->``: every recipe, grouped as in the navigation, with what it shows and its
+  command.
 
-And inline, anywhere outside code: ``[fsdp2][]`` (a recipe's name as an empty reference link) becomes a
-link to docs/recipes/fsdp2.md once that page exists, and the name in code font until then, so that
-prose can name recipes whose pages are still being written without breaking the strict build.
+And inline, anywhere outside code: ``[fsdp2][]`` (a recipe's name as an empty reference link)
+becomes a link to docs/recipes/fsdp2.md once that page exists, and the name in code font until then,
+so that prose can name recipes whose pages are still being written without breaking the strict
+build.
 
-A marker that names something missing is logged as a warning, so ``mkdocs build --strict`` fails on it
-(the page also shows a red box saying what is missing, for a non-strict ``mkdocs serve``).
+A marker that names something missing is logged as a warning, so ``mkdocs build --strict`` fails on
+it (the page also shows a red box saying what is missing, for a non-strict ``mkdocs serve``).
 
-Registered in mkdocs.yml under ``hooks:``. The recipes are imported (the option tables and the API need
-the real classes), so building the docs needs torch installed, like running the recipes does.
+Registered in mkdocs.yml under ``hooks:``. The recipes are imported (the option tables and the API
+need the real classes), so building the docs needs torch installed, like running the recipes does.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class MarkerError(Exception):
     """A marker names something that does not exist, or its data is unusable."""
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # mkdocs events
 
 
@@ -64,8 +68,9 @@ def on_config(config: Any) -> Any:
 
 
 def on_pre_build(config: Any) -> None:
-    # `mkdocs serve` rebuilds in the same process: forget the recipe modules so that an edited config
-    # dataclass or docstring shows up (torch and lightning stay imported, so this costs little).
+    # `mkdocs serve` rebuilds in the same process: forget the recipe modules so that an edited
+    # config dataclass or docstring shows up (torch and lightning stay imported, so this costs
+    # little).
     for name in [n for n in sys.modules if n == "recipes" or n.startswith("recipes.")]:
         del sys.modules[name]
 
@@ -76,7 +81,11 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
         opening = FENCE.match(line)
         if fence is None and opening:
             fence = opening.group(1)
-        elif fence is not None and line.strip().startswith(fence[0] * len(fence)) and not line.strip().strip(fence[0]):
+        elif (
+            fence is not None
+            and line.strip().startswith(fence[0] * len(fence))
+            and not line.strip().strip(fence[0])
+        ):
             fence = None
         match = MARKER.match(line) if fence is None else None
         if match is None:
@@ -98,7 +107,9 @@ def _link_recipes(line: str, page: Any, config: Any) -> str:
         if (Path(config["docs_dir"]) / target).exists():
             return f"[{name}]({os.path.relpath(target, os.path.dirname(page.file.src_uri))})"
         if not (REPO_ROOT / "recipes" / f"{name}.py").exists():
-            log.warning("%s: [%s][] names no recipe (no recipes/%s.py)", page.file.src_uri, name, name)
+            log.warning(
+                "%s: [%s][] names no recipe (no recipes/%s.py)", page.file.src_uri, name, name
+            )
         return f"`{name}`"
 
     if "][]" not in line:
@@ -107,7 +118,7 @@ def _link_recipes(line: str, page: Any, config: Any) -> str:
     return "".join(span if span.startswith("`") else RECIPE_LINK.sub(link, span) for span in spans)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # <!-- options: recipes.X.ConfigClass -->
 
 
@@ -121,8 +132,11 @@ def render_options(target: str, **_: Any) -> str:
     try:
         hints = typing.get_type_hints(cls)
         table = config_table(cls)
-    except Exception as exc:  # noqa: BLE001 - a config the table cannot describe must fail the build clearly
-        raise MarkerError(f"options: cannot tabulate {target}: {type(exc).__name__}: {exc}") from None
+    # A config the table cannot describe must fail the build clearly.
+    except Exception as exc:  # noqa: BLE001
+        raise MarkerError(
+            f"options: cannot tabulate {target}: {type(exc).__name__}: {exc}"
+        ) from None
     shared_defaults = {flag: default for flag, default, _ in config_table(TrainConfig)}
     own, shared = [], []
     for f, (flag, default, help_text) in zip(dataclasses.fields(cls), table):
@@ -134,13 +148,17 @@ def render_options(target: str, **_: Any) -> str:
     module_cmd = f"python -m {module_name} --help"
     head = "| Option | Default | What it does |\n|---|---|---|\n"
     if not own:
-        return (f"No options of its own: the fields every training recipe shares (`TrainConfig`). "
-                f"`{module_cmd}` prints the same list.\n\n" + head + "\n".join(shared) + "\n")
+        return (
+            f"No options of its own: the fields every training recipe shares (`TrainConfig`). "
+            f"`{module_cmd}` prints the same list.\n\n" + head + "\n".join(shared) + "\n"
+        )
     text = f"Every option is a field of `{class_name}`; `{module_cmd}` prints the same list.\n\n"
     text += head + "\n".join(own) + "\n"
     if shared:
         indented = "\n".join("    " + line for line in (head + "\n".join(shared)).splitlines())
-        text += f'\n??? info "The options every training recipe shares (`TrainConfig`)"\n\n{indented}\n'
+        text += (
+            f'\n??? info "The options every training recipe shares (`TrainConfig`)"\n\n{indented}\n'
+        )
     return text
 
 
@@ -149,12 +167,14 @@ def _option_row(flag: str, default: str, help_text: str, annotation: Any) -> str
         flag = f"{flag} / --no-{flag[2:]}"
     help_text = _escape(help_text)
     if typing.get_origin(annotation) is typing.Literal:
-        help_text += ". One of: " + ", ".join(f"`{choice}`" for choice in typing.get_args(annotation))
+        help_text += ". One of: " + ", ".join(
+            f"`{choice}`" for choice in typing.get_args(annotation)
+        )
     cells = [f"`{flag}`", f"`{default}`", help_text]
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # <!-- results: X -->
 
 
@@ -163,37 +183,83 @@ def render_results(name: str, **_: Any) -> str:
         raise MarkerError(f"results: expected a recipe name, got {name!r}")
     path = RESULTS_DIR / f"{name}.json"
     if not path.exists():
-        return (f'!!! note "Not measured yet"\n    Run `python scripts/collect_results.py {name}` to measure it '
-                f"and commit `results/{name}.json`; the figures then appear here.\n")
+        return (
+            f'!!! note "Not measured yet"\n    Run `python scripts/collect_results.py {name}` '
+            "to measure it "
+            f"and commit `results/{name}.json`; the figures then appear here.\n"
+        )
     try:
         return results_markdown(json.loads(path.read_text()), name)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise MarkerError(f"results: results/{name}.json is not a results file ({type(exc).__name__}: {exc}); "
-                          f"rerun python scripts/collect_results.py {name}") from None
+        raise MarkerError(
+            f"results: results/{name}.json is not a results file ({type(exc).__name__}: {exc}); "
+            f"rerun python scripts/collect_results.py {name}"
+        ) from None
 
 
-# The fields of RecipeResult that get a row of their own; any other field of the result gets a plain row.
-_SHOWN = {"recipe", "world_size", "backend", "device", "seconds_per_step", "peak_memory_bytes", "losses",
-          "param_checksum", "extras"}
+# The fields of RecipeResult that get a row of their own; any other field of the result gets a plain
+# row.
+_SHOWN = {
+    "recipe",
+    "world_size",
+    "backend",
+    "device",
+    "seconds_per_step",
+    "peak_memory_bytes",
+    "losses",
+    "param_checksum",
+    "extras",
+}
 
 
 def results_markdown(data: dict, name: str) -> str:
     """The "Measured" table for one results file (see scripts/collect_results.py for its fields)."""
     result, machine = data["result"], data["machine"]
-    rows = [("Machine", f"{machine['description']}; load average {machine['load_average_1m']:.1f} when the run started")]
+    rows = [
+        (
+            "Machine",
+            f"{machine['description']}; load average {machine['load_average_1m']:.1f} when the run "
+            "started",
+        )
+    ]
     if {"world_size", "backend", "device"} <= result.keys():
-        rows.append(("World", f"{result['world_size']} rank(s), backend `{result['backend']}`, device `{result['device']}`"))
+        rows.append(
+            (
+                "World",
+                f"{result['world_size']} rank(s), backend `{result['backend']}`, device "
+                f"`{result['device']}`",
+            )
+        )
     elif "world_size" in result:
         rows.append(("World size", str(result["world_size"])))
     if "seconds_per_step" in result:
-        rows.append(("Time per step", f"{_milliseconds(result['seconds_per_step'])} "
-                                      "(rank 0, median over the steps after the first)"))
+        rows.append(
+            (
+                "Time per step",
+                f"{_milliseconds(result['seconds_per_step'])} "
+                "(rank 0, median over the steps after the first)",
+            )
+        )
     if "peak_memory_bytes" in result:
-        rows.append(("Peak memory per rank", _memory(result["peak_memory_bytes"], str(result.get("device", "")))))
+        rows.append(
+            (
+                "Peak memory per rank",
+                _memory(result["peak_memory_bytes"], str(result.get("device", ""))),
+            )
+        )
     losses = result.get("losses") or []
     if losses:
-        rows.append(("Loss", f"{_number(losses[0])} at the first step, {_number(losses[-1])} after {len(losses)} steps"))
-    extras = {**{k: v for k, v in result.items() if k not in _SHOWN}, **(result.get("extras") or {})}
+        rows.append(
+            (
+                "Loss",
+                f"{_number(losses[0])} at the first step, {_number(losses[-1])} after "
+                f"{len(losses)} steps",
+            )
+        )
+    extras = {
+        **{k: v for k, v in result.items() if k not in _SHOWN},
+        **(result.get("extras") or {}),
+    }
     nested = False
     for key, value in extras.items():
         text = _number(value)
@@ -203,17 +269,29 @@ def results_markdown(data: dict, name: str) -> str:
     date = datetime.datetime.fromisoformat(data["date"]).strftime("%Y-%m-%d")
     rows += [
         ("Command", f"`{data['command']}`"),
-        ("Measured", f"{date}, torch {data['torch']}, Python {data['python']}, "
-                     f"{data['wall_seconds']:.0f} s for the whole command"),
+        (
+            "Measured",
+            f"{date}, torch {data['torch']}, Python {data['python']}, "
+            f"{data['wall_seconds']:.0f} s for the whole command",
+        ),
     ]
-    table = "| Figure | Value |\n|---|---|\n" + "\n".join(f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows)
+    table = "| Figure | Value |\n|---|---|\n" + "\n".join(
+        f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows
+    )
     if nested:
         lines = json.dumps(result, indent=2).splitlines()
         lines = lines[:80] + (["..."] if len(lines) > 80 else [])
-        table += '\n\n??? note "The whole result (JSON)"\n\n    ```json\n' + "\n".join(f"    {line}" for line in lines) + "\n    ```"
+        table += (
+            '\n\n??? note "The whole result (JSON)"\n\n    ```json\n'
+            + "\n".join(f"    {line}" for line in lines)
+            + "\n    ```"
+        )
     if "seconds_per_step" in result and not machine.get("gpus"):
-        table += ("\n\nTimes on a shared CPU are noisy and say little about a GPU cluster: these figures show "
-                  "that the recipe runs and what it costs here.")
+        table += (
+            "\n\nTimes on a shared CPU are noisy and say little about a GPU cluster: these figures "
+            "show "
+            "that the recipe runs and what it costs here."
+        )
     return table + f"\n\nReproduce them with `python scripts/collect_results.py {name}`.\n"
 
 
@@ -225,7 +303,10 @@ def _memory(num_bytes: int, device: str) -> str:
     text = f"{num_bytes / 2**20:,.0f} MiB"
     if device.startswith("cuda"):
         return text + " (rank 0: `torch.cuda.max_memory_allocated`)"
-    return text + " (rank 0; on CPU this is the process's peak resident set, Python and torch included)"
+    return (
+        text
+        + " (rank 0; on CPU this is the process's peak resident set, Python and torch included)"
+    )
 
 
 def _number(value: Any, top: bool = True) -> str:
@@ -239,7 +320,7 @@ def _number(value: Any, top: bool = True) -> str:
     return str(value)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # <!-- recipe-index -->
 
 
@@ -261,13 +342,19 @@ def render_recipe_index(_: str, *, page: Any, config: Any) -> str:
         rows = []
         for name, path in entries:
             module = Path(path).stem
-            link = f"[{module}]({os.path.relpath(path, here)})" if (docs_dir / path).exists() else f"{module} (no page yet)"
+            link = (
+                f"[{module}]({os.path.relpath(path, here)})"
+                if (docs_dir / path).exists()
+                else f"{module} (no page yet)"
+            )
             if module in modules:
                 summary, command = describe(module)
                 rows.append(f"| {link} | {_escape(summary)} | `{command}` |")
             else:
                 rows.append(f"| {link} | (no module recipes/{module}.py yet) | |")
-        parts.append(f"### {group}\n\n| Recipe | What it shows | Run it |\n|---|---|---|\n" + "\n".join(rows))
+        parts.append(
+            f"### {group}\n\n| Recipe | What it shows | Run it |\n|---|---|---|\n" + "\n".join(rows)
+        )
     return "\n\n".join(parts) + "\n"
 
 
@@ -294,15 +381,19 @@ def _nav_page(entry: Any) -> tuple[str, str]:
     return title, path
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # <!-- api: module -->
 
 
 def render_api(target: str, **_: Any) -> str:
-    if target.endswith(".*"):  # every public module of a package: new modules appear without a docs edit
+    # every public module of a package: new modules appear without a docs edit
+    if target.endswith(".*"):
         package = _import_module(target[:-2])
-        names = sorted(m.name for m in pkgutil.iter_modules(package.__path__)
-                       if not m.ispkg and not m.name.startswith("_"))
+        names = sorted(
+            m.name
+            for m in pkgutil.iter_modules(package.__path__)
+            if not m.ispkg and not m.name.startswith("_")
+        )
         return "\n\n".join(_module_api(f"{package.__name__}.{name}") for name in names)
     return _module_api(target)
 
@@ -328,7 +419,9 @@ def _module_api(module_name: str) -> str:
                 parts.append(f"#### `{name}.{member_name}` {{ #{anchor}.{member_name} }}\n")
                 if isinstance(member, property):
                     returns = _signature(member.fget).rpartition(" -> ")[2] if member.fget else ""
-                    parts.append(f"```python\n{member_name}: {returns or 'property'}  # property\n```\n")
+                    parts.append(
+                        f"```python\n{member_name}: {returns or 'property'}  # property\n```\n"
+                    )
                 else:
                     parts.append(f"```python\ndef {member_name}{_signature(member)}\n```\n")
                 parts.append(_docstring(_own_doc(member)))
@@ -338,9 +431,13 @@ def _module_api(module_name: str) -> str:
 def _public_names(module: Any) -> list[str]:
     names = getattr(module, "__all__", None)
     if names is None:  # a recipe module: the classes and functions it defines itself
-        names = [name for name, obj in vars(module).items()
-                 if not name.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))
-                 and getattr(obj, "__module__", None) == module.__name__]
+        names = [
+            name
+            for name, obj in vars(module).items()
+            if not name.startswith("_")
+            and (inspect.isclass(obj) or inspect.isfunction(obj))
+            and getattr(obj, "__module__", None) == module.__name__
+        ]
     return [name for name in names if hasattr(module, name)]
 
 
@@ -357,7 +454,8 @@ def _public_members(cls: type) -> list[tuple[str, Any]]:
 
 
 class _Annotation:
-    """An annotation kept as the source text (``from __future__ import annotations``), shown unquoted."""
+    """An annotation kept as the source text (``from __future__ import annotations``), shown
+    unquoted."""
 
     def __init__(self, text: str):
         self.text = text
@@ -407,13 +505,15 @@ def _value(obj: Any, max_lines: int = 30) -> str:
 
 
 def _class_declaration(cls: type) -> str:
-    """A dataclass as its fields (with their help as comments); another class as its bases and __init__."""
+    """A dataclass as its fields (with their help as comments); another class as its bases and
+    __init__."""
     bases = [b.__name__ for b in cls.__bases__ if b is not object]
     head = f"class {cls.__name__}({', '.join(bases)}):" if bases else f"class {cls.__name__}:"
     if dataclasses.is_dataclass(cls):
         hints = vars(cls).get("__annotations__", {})
         lines = [f"@dataclass\n{head}"]
-        own = [f for f in dataclasses.fields(cls) if f.name in hints]  # inherited fields: see the base
+        # inherited fields: see the base
+        own = [f for f in dataclasses.fields(cls) if f.name in hints]
         for f in own:
             annotation = f.type if isinstance(f.type, str) else inspect.formatannotation(f.type)
             if f.default is not dataclasses.MISSING:
@@ -423,7 +523,9 @@ def _class_declaration(cls: type) -> str:
             else:
                 default = ""
             help_text = f.metadata.get("help", "")
-            lines.append(f"    {f.name}: {annotation}{default}" + (f"  # {help_text}" if help_text else ""))
+            lines.append(
+                f"    {f.name}: {annotation}{default}" + (f"  # {help_text}" if help_text else "")
+            )
         if not own:
             lines.append("    ...  # no fields of its own" if bases else "    ...")
         return "\n".join(lines)
@@ -459,14 +561,15 @@ def _docstring(doc: str | None) -> str:
     return "\n".join(out) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers
 
 
 def _import_module(name: str) -> Any:
     try:
         return importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - a module that fails to import fails the build with its error
+    # A module that fails to import fails the build with its error.
+    except Exception as exc:  # noqa: BLE001
         raise MarkerError(f"cannot import {name}: {type(exc).__name__}: {exc}") from None
 
 
@@ -482,8 +585,9 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-# ----------------------------------------------------------------------------------------------------
-# <!-- bench -->: every results/bench/*.json that scripts/bench.py wrote on a GPU, as its own tables.
+# --------------------------------------------------------------------------------------------------
+# <!-- bench -->: every results/bench/*.json that scripts/bench.py wrote on a GPU, as its own
+# tables.
 
 
 def render_bench(_: str | None = None, **__: Any) -> str:
@@ -494,25 +598,35 @@ def render_bench(_: str | None = None, **__: Any) -> str:
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
     files = sorted((RESULTS_DIR / "bench").glob("*.json"))
     if not files:
-        return ('!!! note "Not measured on a GPU yet"\n    Run `python scripts/bench.py` on a GPU and commit '
-                "the `results/bench/<device>.json` it writes; the tables then appear here.\n")
+        return (
+            '!!! note "Not measured on a GPU yet"\n    Run `python scripts/bench.py` on a GPU '
+            "and commit "
+            "the `results/bench/<device>.json` it writes; the tables then appear here.\n"
+        )
     parts = []
     for path in files:
         data = json.loads(path.read_text())
-        parts.append(f"### {data['device']}, torch {data['torch']}, model `{data['model']}`\n\n"
-                     f"Measured {data['date'][:10]} by `python scripts/bench.py` "
-                     f"({data['steps']} steps a row, the median after the first). "
-                     f"{_escape(data.get('notes', ''))}\n")
+        parts.append(
+            f"### {data['device']}, torch {data['torch']}, model `{data['model']}`\n\n"
+            f"Measured {data['date'][:10]} by `python scripts/bench.py` "
+            f"({data['steps']} steps a row, the median after the first). "
+            f"{_escape(data.get('notes', ''))}\n"
+        )
         if data.get("ladder"):
-            parts.append(f"**The ladder** (one device, `recipes.performance`, global batch "
-                         f"{data['ladder'][0]['batch']} unless the row says otherwise); *vs bare* is against the first row. MFU is against the "
-                         "dense bf16 peak for every row, so the ladder reads on one scale (the JSON also "
-                         "has it against each precision's own peak):\n\n"
-                         + bench.table(data["ladder"], data["ladder"][0].get("ms_per_step"), compact=True))
+            parts.append(
+                f"**The ladder** (one device, `recipes.performance`, global batch "
+                f"{data['ladder'][0]['batch']} unless the row says otherwise); *vs bare* is "
+                "against the first row. MFU is against the "
+                "dense bf16 peak for every row, so the ladder reads on one scale (the JSON also "
+                "has it against each precision's own peak):\n\n"
+                + bench.table(data["ladder"], data["ladder"][0].get("ms_per_step"), compact=True)
+            )
         for batch, rows in data.get("recipes", {}).items():
-            parts.append(f"**Every recipe at world 1, global batch {batch}**; *vs bare* is against the "
-                         "bare loop with the same precision, fused AdamW and batch:\n\n"
-                         + bench.table(rows, rows[0].get("ms_per_step"), compact=True))
+            parts.append(
+                f"**Every recipe at world 1, global batch {batch}**; *vs bare* is against the "
+                "bare loop with the same precision, fused AdamW and batch:\n\n"
+                + bench.table(rows, rows[0].get("ms_per_step"), compact=True)
+            )
     return "\n\n".join(parts) + "\n"
 
 
