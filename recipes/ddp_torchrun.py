@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, TrainConfig, per_rank_batch_size
 from recipes.core.log import get_logger
+from recipes.core.memory import model_state_bytes
 from recipes.core.result import (
     RecipeResult,
     StepTimer,
@@ -51,6 +52,7 @@ from recipes.core.speed import (
     make_grad_scaler,
     setup_precision,
 )
+from recipes.core.state import all_ranks
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
     MODEL_PRESETS,
@@ -108,9 +110,8 @@ def train(cfg: DDPConfig) -> RecipeResult:
             with timer:
                 inputs, targets = inputs.to(world.device), targets.to(world.device)
                 with autocast(world.device, precision):  # forward and loss only; backward follows
-                    loss = lm_loss(
-                        ddp_model(inputs), targets
-                    )  # the mean over this rank's sequences
+                    # the mean over this rank's sequences
+                    loss = lm_loss(ddp_model(inputs), targets)
                 optimizer.zero_grad(set_to_none=True)
                 # DDP averages gradients here, overlapped with backward
                 scaler.scale(loss).backward()
@@ -129,6 +130,8 @@ def train(cfg: DDPConfig) -> RecipeResult:
             timer,
             keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
+            # the baseline of the sharding recipes' "1/N": every rank holds all of it
+            memory_per_rank=all_ranks(model_state_bytes(ddp_model, optimizer)),
         )
 # --8<-- [end:train]
 

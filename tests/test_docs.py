@@ -176,7 +176,14 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
         assert flag in text and help_text in text, f"option {flag} missing from the generated table"
     results = json.loads((ROOT / "results" / "ddp_torchrun.json").read_text())
     assert results["command"] in text and "Time per step" in text and "Not measured yet" not in text
-    assert f"{results['result']['peak_memory_bytes'] / 2**20:,.0f} MiB" in text
+    # Model-state bytes with units, not the CPU process's resident memory (mostly Python and torch).
+    state = results["result"]["extras"]["memory_per_rank"][0]
+    assert "Model state per rank" in text
+    assert f"{sum(state.values()) / 1024:,.1f} KiB on rank 0" in text
+    # The page opens with the command that runs the recipe, and links each test it names to the
+    # test's assertions, included from tests/ at build time.
+    assert "Run it: torchrun --standalone --nproc_per_node=2 -m recipes.ddp_torchrun" in text
+    assert "Proven by" in text and "assert_losses_close(result.losses, reference.losses" in text
 
 
 def test_the_api_reference_documents_every_module_with_stable_anchors(site):
@@ -518,13 +525,11 @@ def wait_for_diagrams(browser: Chromium, session: str, expected: int, timeout_s:
     blocks."""
     deadline, rendered = time.monotonic() + timeout_s, 0
     while time.monotonic() < deadline:
-        rendered = (
-            browser.evaluate(
-                session,
-                "document.readyState === 'complete' && "
-                "document.querySelectorAll('div.mermaid').length",
-            )
-            or 0
+        # -1 until the page has loaded: a page without diagrams must not count as done before then
+        rendered = browser.evaluate(
+            session,
+            "document.readyState === 'complete' ? "
+            "document.querySelectorAll('div.mermaid').length : -1",
         )
         # a diagram that fails to parse never renders
         if rendered == expected or script_errors(browser):
@@ -583,7 +588,8 @@ def test_a_browser_shows_navigation_code_and_diagrams_offline(
             "[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link')]"
             ".map(a => a.textContent.trim())",
         )
-        assert {"Home", "ddp_torchrun", "Troubleshooting", "recipes.core"} <= set(nav), nav
+        assert {"Home", "From one GPU to many", "DDP under torchrun (ddp_torchrun)",
+                "Troubleshooting", "Contributing", "recipes.core"} <= set(nav), nav
         code = browser.evaluate(
             session, "[...document.querySelectorAll('.highlight code')].map(c => c.textContent)"
         )
@@ -634,31 +640,109 @@ def test_a_browser_shows_navigation_code_and_diagrams_offline(
         browser.close()
 
 
-def test_every_mermaid_diagram_on_the_site_renders(served_site, site, chromium_binary, tmp_path):
-    """A diagram with a syntax error builds fine and shows an error box: only a browser sees it."""
-    pages = sorted(
-        str(path.parent.relative_to(site)) + "/"
-        for path in site.rglob("index.html")
-        if '<pre class="mermaid">' in path.read_text()
-    )
-    assert len(pages) >= 3, pages
+CODE_OVERFLOW_JS = """[...document.querySelectorAll('.highlight pre > code')]
+  .filter(c => c.scrollWidth > c.clientWidth + 1)
+  .map(c => c.textContent.split('\\n').reduce((a, l) => l.length > a.length ? l : a, ''))"""
+FIGURES_JS = """[...document.querySelectorAll('figure.recipe-chart')].map(f => {
+  const svg = f.querySelector('svg'); const box = svg ? svg.getBoundingClientRect() : null;
+  return [f.dataset.chart, !!box && box.width > 100 && box.height > 20,
+          !!f.querySelector('figcaption') && f.querySelector('figcaption').textContent.length > 40];
+})"""
+
+
+def built_pages(site: Path) -> list[str]:
+    return sorted("" if path.parent == site else str(path.parent.relative_to(site)) + "/"
+                  for path in site.rglob("index.html"))
+
+
+def test_every_page_in_a_browser_at_1280_px(served_site, site, chromium_binary, tmp_path):
+    """Every page of the built site at 1280 px: no code block scrolls sideways, every mermaid
+    diagram renders (a syntax error builds fine and shows an error box: only a browser sees it),
+    every chart drawn from results/ is there with its caption, and no script fails."""
+    pages = built_pages(site)
+    assert len(pages) >= 20, pages
     browser = Chromium(chromium_binary, tmp_path / "profile")
-    failures = []
+    failures: dict[str, list[str]] = {"code": [], "mermaid": [], "figures": [], "scripts": []}
     try:
         for page in pages:
-            page = "" if page == "./" else page
             browser.events.clear()
             session = browser.open(served_site + page)
             expected = mermaid_blocks(site, page)
             rendered = wait_for_diagrams(browser, session, expected, timeout_s=60)
-            if rendered != expected or script_errors(browser):
-                failures.append(
-                    f"{page or 'home'}: {rendered} of {expected} rendered; {script_errors(browser)}"
-                )
+            name = page or "home"
+            if rendered != expected:
+                failures["mermaid"].append(f"{name}: {rendered} of {expected} rendered")
+            if expected:
+                root = browser.send("DOM.getDocument", {"depth": -1, "pierce": True},
+                                    session=session)["root"]
+                errors = [svg for svg in shadow_svgs(root) if ("aria-roledescription", "error")
+                          in zip(*[iter(svg.get("attributes", []))] * 2)]
+                if errors:
+                    failures["mermaid"].append(f"{name}: {len(errors)} syntax-error diagram(s)")
+            wide = browser.evaluate(session, CODE_OVERFLOW_JS) or []
+            failures["code"] += [f"{name}: {line.strip()[:60]!r}... ({len(line)} chars)"
+                                 for line in wide]
+            html = (site / page / "index.html").read_text()
+            charts = browser.evaluate(session, FIGURES_JS) or []
+            if len(charts) != html.count('class="recipe-chart"') or not all(
+                    drawn and caption for _, drawn, caption in charts):
+                failures["figures"].append(f"{name}: {charts}")
+            if script_errors(browser):
+                failures["scripts"].append(f"{name}: {script_errors(browser)}")
             browser.close_page(session)
     finally:
         browser.close()
-    assert not failures, (
-        "mermaid diagrams that do not render (in a label, ';' ends the statement and '#' starts "
-        "an entity code: reword or quote the label):\n" + "\n".join(failures)
-    )
+    report = {kind: found for kind, found in failures.items() if found}
+    assert not report, (
+        "pages that fail in a browser at 1280 px. code: a line too wide for the column (keep "
+        "source and docs lines within 100 characters); mermaid: in a label ';' ends the statement "
+        "and '#' starts an entity code (reword or quote it); figures: a chart marker whose SVG or "
+        "caption is missing:\n" + "\n".join(f"{k}: {v}" for k, v in report.items()))
+
+
+def test_every_chart_kind_is_on_a_page_and_draws_from_results():
+    """Each chart hooks.py can draw appears on some page, and renders from the committed data."""
+    kinds = ["memory", "loss", "ladder", "pipeline", "fsdp-units", "tp-split"]
+    pages = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
+    for kind in kinds:
+        assert f"<!-- chart: {kind} -->" in pages, f"no page shows the {kind} chart"
+        out = hooks().render_chart(kind)
+        assert out.count('<figure class="recipe-chart"') >= 1 and "<svg" in out, kind
+    with pytest.raises(hooks().MarkerError, match="unknown kind"):
+        hooks().render_chart("no-such-chart")
+
+
+def test_the_memory_chart_compares_every_measured_strategy_with_ddp_and_its_estimate():
+    rows = {row["recipe"]: row for row in hooks().model_state_rows()}
+    assert {"ddp_torchrun", "zero", "fsdp", "fsdp2"} <= rows.keys(), rows.keys()
+    parts = hooks().PART_LABELS
+    ddp = sum(rows["ddp_torchrun"]["measured"][k] for k in parts)
+    for name, ratio in {"zero": 0.75, "fsdp": 0.5, "fsdp2": 0.5}.items():
+        measured = sum(rows[name]["measured"][k] for k in parts)
+        estimated = sum(rows[name]["estimated"][k] for k in parts)
+        # fp32 AdamW on 2 ranks: ZeRO-1 shards 8 of 16 bytes/param, ZeRO-3 all 16; the measured
+        # bytes exceed the estimate only by AdamW's step counters and FSDP's padding.
+        assert measured / ddp == pytest.approx(ratio, abs=0.01), name
+        assert measured == pytest.approx(estimated, rel=0.01), name
+
+
+def test_the_pipeline_chart_simulates_the_bubble_of_gpipe_and_1f1b():
+    for schedule in ("gpipe", "1f1b"):
+        timeline = hooks().simulated_schedule(schedule, 4, 8)
+        end = max(action[4] for actions in timeline for action in actions)
+        busy = sum(action[4] - action[3] for actions in timeline for action in actions)
+        # (p - 1) / (m + p - 1) with F = 1, B = 2: the textbook bubble of both schedules.
+        assert 1 - busy / (end * 4) == pytest.approx(3 / 11), schedule
+        assert all(len(actions) == 16 for actions in timeline)
+
+
+def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_timings():
+    data = json.loads((ROOT / "results" / "ddp_torchrun.json").read_text())
+    data["machine"] = {**data["machine"], "load_average_1m": 9.0, "cpu_cores": 2, "gpus": []}
+    data["result"] = {**data["result"], "extras": {
+        **data["result"]["extras"], "trace_dir": "/tmp/x", "resumed_from": "", "saved": None,
+        "op_ms": {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}}}
+    text = hooks().results_markdown(data, "ddp_torchrun")
+    assert "/tmp" not in text and "None" not in text and "resumed_from" not in text
+    assert "not shown: the load average was 9.0 on 2 cores" in text and "op_ms" in text
+    assert "Model state per rank" in text and "KiB" in text and "MiB (rank 0;" not in text

@@ -198,13 +198,14 @@ def distributed_loader(
     sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
     )
+    # pinned host memory: asynchronous copies to the GPU
     loader = DataLoader(
         dataset,
         batch_size=per_rank_batch_size,
         sampler=sampler,
         drop_last=True,
         pin_memory=pin_memory,
-    )  # pinned host memory: asynchronous copies to the GPU
+    )
     return loader, sampler
 
 
