@@ -50,7 +50,8 @@ log = logging.getLogger("mkdocs.hooks.recipes")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "results"
 MARKER = re.compile(
-    r"^<!--\s*(options|results|api|recipe-index|bench|chart|source)\s*(?::\s*(\S+?))?\s*-->\s*$"
+    r"^(\s*)<!--\s*(options|results|api|recipe-index|bench|chart|source)"
+    r"\s*(?::\s*(\S+?))?\s*-->\s*$"
 )
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 RECIPE_LINK = re.compile(r"\[([a-z][a-z0-9_]*)\]\[\]")
@@ -102,10 +103,11 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
                 line = _link_api(_link_recipes(line, page, config), linked)
             out.append(line)
             continue
-        kind, argument = match.group(1), match.group(2) or ""
+        # an indented marker (inside a content tab or an admonition) renders indented alike
+        indent, kind, argument = match.group(1), match.group(2), match.group(3) or ""
         try:
             rendered = RENDERERS[kind](argument, page=page, config=config)
-            out.append("\n".join(_link_recipes(part, page, config)
+            out.append("\n".join(indent + _link_recipes(part, page, config) if part else part
                                  for part in rendered.split("\n")))
         except MarkerError as exc:
             log.warning("%s: %s", page.file.src_uri, exc)
@@ -265,13 +267,16 @@ def render_options(target: str, **_: Any) -> str:
 
 def _option_row(flag: str, default: str, help_text: str, annotation: Any) -> str:
     if annotation is bool:
-        flag = f"{flag} / --no-{flag[2:]}"
+        # the negation on a line of its own: the flag column stays narrow, the description wide
+        flag_cell = f"`{flag}`<br>`--no-{flag[2:]}`"
+    else:
+        flag_cell = f"`{flag}`"
     help_text = _escape(help_text)
     if typing.get_origin(annotation) is typing.Literal:
         help_text += ". One of: " + ", ".join(
             f"`{choice}`" for choice in typing.get_args(annotation)
         )
-    cells = [f"`{flag}`", f"`{default}`", help_text]
+    cells = [flag_cell, f"`{default}`", help_text]
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
@@ -646,7 +651,7 @@ def _module_api(module_name: str) -> str:
         elif callable(obj):
             declaration = f"def {name}{_signature(obj)}"
         else:  # a constant: its value (an instance's __doc__ would be its type's, so none is shown)
-            declaration = f"{name} = {_value(obj)}"
+            declaration = f"{name} = {_value(obj, width=96 - len(name) - 3)}"
         parts.append(f"```python\n{declaration}\n```\n")
         if inspect.isclass(obj) or callable(obj):
             parts.append(_docstring(_own_doc(obj)))
@@ -735,12 +740,12 @@ def _signature(obj: Callable, *, indent: str = "") -> str:
     return "(\n" + "".join(f"{indent}    {part},\n" for part in parts) + f"{indent}){returns}"
 
 
-def _value(obj: Any, max_lines: int = 30) -> str:
-    lines = pprint.pformat(obj, width=96, sort_dicts=False).splitlines()
+def _value(obj: Any, max_lines: int = 30, width: int = 96) -> str:
+    lines = pprint.pformat(obj, width=width, sort_dicts=False).splitlines()
     # pprint cannot break a dataclass repr: wrap what is still too wide for the code column.
     lines = [part for line in lines for part in (
-        textwrap.wrap(line, 96, subsequent_indent=" " * (len(line) - len(line.lstrip()) + 4),
-                      break_long_words=False) if len(line) > 96 else [line])]
+        textwrap.wrap(line, width, subsequent_indent=" " * (len(line) - len(line.lstrip()) + 4),
+                      break_long_words=False) if len(line) > width else [line])]
     return "\n".join(lines[:max_lines] + (["..."] if len(lines) > max_lines else []))
 
 

@@ -332,7 +332,7 @@ def test_option_tables_separate_a_recipes_own_options_from_the_shared_ones():
         "an overridden shared default belongs with the recipe's own options"
     )
     assert "`--global-batch-size`" in shared and "`--global-batch-size`" not in own
-    assert "`--keep-final-state / --no-keep-final-state`" in shared
+    assert "`--keep-final-state`<br>`--no-keep-final-state`" in shared
 
 
 def test_a_malformed_results_file_fails_with_the_command_that_remakes_it(tmp_path, monkeypatch):
