@@ -1,4 +1,5 @@
-"""``python -m recipes``: every recipe, with one line of what it shows and the command that runs it."""
+"""``python -m recipes``: every recipe, with one line of what it shows and the command that runs
+it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import recipes
 
 
 def recipe_modules() -> list[str]:
-    """Recipe module names: every module of the package except the shared ``core`` and private ones."""
+    """Recipe module names: every module of the package except the shared ``core`` and private
+    ones."""
     return sorted(m.name for m in pkgutil.iter_modules(recipes.__path__)
                   if not m.ispkg and not m.name.startswith("_"))
 
@@ -18,14 +20,26 @@ def recipe_modules() -> list[str]:
 def describe(name: str) -> tuple[str, str]:
     """(what it shows, how to run it), both taken from the module's docstring.
 
-    The docstring is read from the source, not imported: listing needs neither torch nor the optional
-    extras (lightning) that some recipes import.
+    The docstring is read from the source, not imported: listing needs neither torch nor the
+    optional extras (lightning) that some recipes import.
     """
     source = Path(recipes.__path__[0], f"{name}.py").read_text(encoding="utf-8")
     doc = (ast.get_docstring(ast.parse(source)) or "").strip()
     lines = [line.strip() for line in doc.splitlines()]
-    summary = lines[0] if lines else ""
-    command = next((line for line in lines if line.startswith(("torchrun ", "python "))), f"python -m recipes.{name}")
+    # The summary is the first sentence, which may wrap onto the next lines (sources stay within 100
+    # characters): it ends at the first line ending in "." or at the first blank line.
+    summary_lines: list[str] = []
+    for line in lines:
+        if not line:
+            break
+        summary_lines.append(line)
+        if line.endswith("."):
+            break
+    summary = " ".join(summary_lines)
+    command = next(
+        (line for line in lines if line.startswith(("torchrun ", "python "))),
+        f"python -m recipes.{name}",
+    )
     command = command.split("  #")[0].strip()
     return summary, command
 

@@ -1,7 +1,7 @@
 """Collectives: every torch.distributed communication call, each checked against its expected value.
 
     torchrun --standalone --nproc_per_node=4 -m recipes.collectives
-    torchrun --standalone --nproc_per_node=3 -m recipes.collectives --portable-only   # the fallbacks
+    torchrun --standalone --nproc_per_node=3 -m recipes.collectives --portable-only  # fallbacks
     python -m recipes.collectives                          # a world of 1: point-to-point is skipped
 
 Every rank contributes a tensor that any rank can compute from the contributor's rank number
@@ -39,29 +39,44 @@ log = get_logger(__name__)
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names still
 # work, with a FutureWarning); torch 2.11 has only the old names. Use the new name where it exists.
 dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-dist_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+dist_reduce_scatter_single = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 @dataclass
 class CollectivesConfig(Config):
     seed: int = opt(
-        0, "seed of the values each rank contributes (any rank can recompute any other's)", ge=0)
+        0, "seed of the values each rank contributes (any rank can recompute any other's)", ge=0
+    )
     numel: int = opt(4, "elements in each rank's tensor", ge=1)
     backend: Literal["auto", "gloo", "nccl"] = opt(
-        "auto", "process-group backend; auto = nccl with one GPU per local rank, else gloo (env RECIPES_BACKEND)")
+        "auto",
+        "process-group backend; auto = nccl with one GPU per local rank, else gloo (env "
+        "RECIPES_BACKEND)",
+    )
     timeout_s: float = opt(
-        60.0, "collective timeout in seconds: a rank left waiting errors out instead of hanging",
-        gt=0)
+        60.0,
+        "collective timeout in seconds: a rank left waiting errors out instead of hanging",
+        gt=0,
+    )
     portable_only: bool = opt(False, "use the portable fallbacks even where the backend has the op")
-    break_check: str = opt("", "an op whose expected value is made wrong on purpose, to see that a check can fail")
+    break_check: str = opt(
+        "", "an op whose expected value is made wrong on purpose, to see that a check can fail"
+    )
     skip_on_rank: int = opt(
-        -1, "this rank does not call the first all_reduce, to watch the others time out in it "
-        "(after --timeout-s) instead of hanging; -1 = none", ge=-1)
+        -1,
+        "this rank does not call the first all_reduce, to watch the others time out in it "
+        "(after --timeout-s) instead of hanging; -1 = none",
+        ge=-1,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()  # backend's choices, the ranges
         if self.break_check and self.break_check not in OPS:
-            raise RecipeError(f"unknown break_check={self.break_check!r}; valid values: {', '.join(OPS)}")
+            raise RecipeError(
+                f"unknown break_check={self.break_check!r}; valid values: {', '.join(OPS)}"
+            )
 
 
 class CollectiveMismatch(RuntimeError):
@@ -72,37 +87,61 @@ class Unsupported(Exception):
     """Raised by an op to take its portable fallback."""
 
 
-_UNSUPPORTED_WORDS = ("not supported", "unsupported", "does not support", "cannot use", "not implemented")
+_UNSUPPORTED_WORDS = (
+    "not supported",
+    "unsupported",
+    "does not support",
+    "cannot use",
+    "not implemented",
+)
 
 
 class Ctx:
-    """What each op needs: who we are, the contributions, and the check that raises on a mismatch."""
+    """What each op needs: who we are, the contributions, and the check that raises on a
+    mismatch."""
 
     def __init__(self, world: World, cfg: CollectivesConfig, pass_id: int):
-        self.rank, self.world_size, self.device, self.backend = world.rank, world.world_size, world.device, world.backend
+        self.rank, self.world_size, self.device, self.backend = (
+            world.rank,
+            world.world_size,
+            world.device,
+            world.backend,
+        )
         self.cfg = cfg
         self.pass_id = pass_id
-        self.outputs: list[torch.Tensor] = []  # everything this rank received, for the result's checksum
+        # everything this rank received, for the result's checksum
+        self.outputs: list[torch.Tensor] = []
         self.op = ""
 
     def contribution(self, rank: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.cfg.seed * 100_003 + rank)
-        return torch.randint(-50, 50, (self.cfg.numel,), generator=generator).float().to(self.device)
+        return (
+            torch.randint(-50, 50, (self.cfg.numel,), generator=generator).float().to(self.device)
+        )
 
     def check(self, actual: Any, expected: Any) -> None:
         if self.op == self.cfg.break_check:  # deliberately wrong: proves the check can fail
-            expected = [expected, "deliberately wrong"] if not isinstance(expected, torch.Tensor) else expected + 1
+            expected = (
+                [expected, "deliberately wrong"]
+                if not isinstance(expected, torch.Tensor)
+                else expected + 1
+            )
         if isinstance(expected, torch.Tensor):
             self.outputs.append(actual)
-            same = actual.shape == expected.shape and torch.allclose(actual, expected, rtol=1e-6, atol=1e-5)
+            same = actual.shape == expected.shape and torch.allclose(
+                actual, expected, rtol=1e-6, atol=1e-5
+            )
         else:
             same = actual == expected
         if not same:
-            raise CollectiveMismatch(f"{self.op} on rank {self.rank} of {self.world_size}: expected {_show(expected)}, "
-                                     f"got {_show(actual)}")
+            raise CollectiveMismatch(
+                f"{self.op} on rank {self.rank} of {self.world_size}: expected {_show(expected)}, "
+                f"got {_show(actual)}"
+            )
 
     def try_op(self, primary: Callable[[], None]) -> None:
-        """Run the backend's op, or raise Unsupported if the backend lacks it (every rank hits the same case)."""
+        """Run the backend's op, or raise Unsupported if the backend lacks it (every rank hits the
+        same case)."""
         if self.cfg.portable_only:
             raise Unsupported("portable_only requested")
         try:
@@ -127,17 +166,21 @@ def all_reduce_sum(ctx: Ctx) -> str:
     tensor = ctx.contribution(ctx.rank)
     if ctx.rank == ctx.cfg.skip_on_rank:
         # Demonstration: this rank "forgets" the collective. The others wait in all_reduce until the
-        # process group's timeout and then raise, naming the op; nothing hangs forever. (A rank that went
-        # on to its next collective instead would be matched with the wrong call: sleep, like a stuck rank.)
+        # process group's timeout and then raise, naming the op; nothing hangs forever. (A rank that
+        # went on to its next collective instead would be matched with the wrong call: sleep, like a
+        # stuck rank.)
         time.sleep(2 * ctx.cfg.timeout_s + 5)
-        raise RuntimeError(f"rank {ctx.rank} skipped all_reduce on purpose, and the other ranks did not time out")
+        raise RuntimeError(
+            f"rank {ctx.rank} skipped all_reduce on purpose, and the other ranks did not time out"
+        )
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # in place
     ctx.check(tensor, sum(ctx.contribution(r) for r in range(ctx.world_size)))
     return "ok"
 
 
 def all_reduce_avg(ctx: Ctx) -> str:
-    """all_reduce(AVG): the mean.  all: (a+b+c)/3.  Older gloo lacks AVG: SUM, then divide locally."""
+    """all_reduce(AVG): the mean.  all: (a+b+c)/3.  Older gloo lacks AVG: SUM, then divide
+    locally."""
     tensor, note = ctx.contribution(ctx.rank), "ok"
     try:
         ctx.try_op(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.AVG))
@@ -158,17 +201,21 @@ def all_reduce_max(ctx: Ctx) -> str:
 
 
 def reduce_scatter_single(ctx: Ctx) -> str:
-    """reduce_scatter: each rank's input has world_size chunks; rank j gets the sum of everyone's chunk j.
+    """reduce_scatter: each rank's input has world_size chunks; rank j gets the sum of everyone's
+    chunk j.
 
     r0:[a0 a1 a2] r1:[b0 b1 b2] r2:[c0 c1 c2] -> r0:a0+b0+c0 r1:a1+b1+c1 r2:a2+b2+c2.
     (reduce_scatter_tensor before torch 2.13.) Fallback: all_reduce the whole input, keep own chunk.
     """
+
     def chunks_of(rank: int) -> torch.Tensor:  # chunk j of rank r: contribution(r) + 1000 j
         return torch.cat([ctx.contribution(rank) + 1000 * j for j in range(ctx.world_size)])
 
     output, note = torch.empty(ctx.cfg.numel, device=ctx.device), "ok"
     try:
-        ctx.try_op(lambda: dist_reduce_scatter_single(output, chunks_of(ctx.rank), op=dist.ReduceOp.SUM))
+        ctx.try_op(
+            lambda: dist_reduce_scatter_single(output, chunks_of(ctx.rank), op=dist.ReduceOp.SUM)
+        )
     except Unsupported as why:
         full = chunks_of(ctx.rank)
         dist.all_reduce(full, op=dist.ReduceOp.SUM)  # world_size x the traffic: fine for a fallback
@@ -181,7 +228,8 @@ def reduce_scatter_single(ctx: Ctx) -> str:
 
 # --8<-- [start:one_to_all]
 def broadcast(ctx: Ctx) -> str:
-    """broadcast(src): the src rank's tensor overwrites everyone's.  src=r2: all: c  (src is a global rank)"""
+    """broadcast(src): the src rank's tensor overwrites everyone's.  src=r2: all: c  (src is a
+    global rank)"""
     src = ctx.world_size - 1
     tensor = ctx.contribution(ctx.rank)
     dist.broadcast(tensor, src=src)
@@ -190,22 +238,33 @@ def broadcast(ctx: Ctx) -> str:
 
 
 def scatter(ctx: Ctx) -> str:
-    """scatter(src=0): rank 0 holds one tensor per rank; rank j receives the j-th.  r0:[x0 x1 x2] -> rj: xj"""
+    """scatter(src=0): rank 0 holds one tensor per rank; rank j receives the j-th.  r0:[x0 x1 x2] ->
+    rj: xj"""
+
     def piece(j: int) -> torch.Tensor:
         return -ctx.contribution(j)
 
     output = torch.empty(ctx.cfg.numel, device=ctx.device)
-    dist.scatter(output, [piece(j) for j in range(ctx.world_size)] if ctx.rank == 0 else None, src=0)
+    dist.scatter(
+        output, [piece(j) for j in range(ctx.world_size)] if ctx.rank == 0 else None, src=0
+    )
     ctx.check(output, piece(ctx.rank))
     return "ok"
 
 
 def gather(ctx: Ctx) -> str:
-    """gather(dst=0): rank 0 receives every rank's tensor, the others receive nothing.  r0: [a b c]"""
-    gathered = [torch.empty(ctx.cfg.numel, device=ctx.device) for _ in range(ctx.world_size)] if ctx.rank == 0 else None
+    """gather(dst=0): rank 0 receives every rank's tensor, the others receive nothing.  r0: [a b
+    c]"""
+    gathered = (
+        [torch.empty(ctx.cfg.numel, device=ctx.device) for _ in range(ctx.world_size)]
+        if ctx.rank == 0
+        else None
+    )
     dist.gather(ctx.contribution(ctx.rank), gathered, dst=0)
     if ctx.rank == 0:
-        ctx.check(torch.stack(gathered), torch.stack([ctx.contribution(r) for r in range(ctx.world_size)]))
+        ctx.check(
+            torch.stack(gathered), torch.stack([ctx.contribution(r) for r in range(ctx.world_size)])
+        )
     return "ok"
 # --8<-- [end:one_to_all]
 
@@ -215,12 +274,15 @@ def all_gather(ctx: Ctx) -> str:
     """all_gather: everyone receives everyone's tensor, as a list.  all: [a, b, c]"""
     gathered = [torch.empty(ctx.cfg.numel, device=ctx.device) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, ctx.contribution(ctx.rank))
-    ctx.check(torch.stack(gathered), torch.stack([ctx.contribution(r) for r in range(ctx.world_size)]))
+    ctx.check(
+        torch.stack(gathered), torch.stack([ctx.contribution(r) for r in range(ctx.world_size)])
+    )
     return "ok"
 
 
 def all_gather_single(ctx: Ctx) -> str:
-    """all_gather into one tensor (all_gather_into_tensor before torch 2.13): all: [a b c] concatenated.
+    """all_gather into one tensor (all_gather_into_tensor before torch 2.13): all: [a b c]
+    concatenated.
 
     One flat buffer instead of a list: what FSDP uses to rebuild a sharded parameter.
     """
@@ -231,23 +293,31 @@ def all_gather_single(ctx: Ctx) -> str:
 
 
 def all_to_all_single(ctx: Ctx) -> str:
-    """all_to_all: rank i sends its chunk j to rank j; rank j's output is everyone's chunk j, by source.
+    """all_to_all: rank i sends its chunk j to rank j; rank j's output is everyone's chunk j, by
+    source.
 
-    r0:[a0 a1 a2] r1:[b0 b1 b2] r2:[c0 c1 c2] -> r0:[a0 b0 c0] r1:[a1 b1 c1] r2:[a2 b2 c2]  (a transpose)
-    Fallback: all_gather every input and pick out the chunks addressed to this rank.
+    r0:[a0 a1 a2] r1:[b0 b1 b2] r2:[c0 c1 c2] -> r0:[a0 b0 c0] r1:[a1 b1 c1] r2:[a2 b2 c2]  (a
+    transpose) Fallback: all_gather every input and pick out the chunks addressed to this rank.
     """
-    def chunks_of(rank: int) -> torch.Tensor:  # the chunk rank r sends to rank j: contribution(r) + 1000 j
+
+    # the chunk rank r sends to rank j: contribution(r) + 1000 j
+    def chunks_of(rank: int) -> torch.Tensor:
         return torch.cat([ctx.contribution(rank) + 1000 * j for j in range(ctx.world_size)])
 
     output, note = torch.empty(ctx.world_size * ctx.cfg.numel, device=ctx.device), "ok"
     try:
         ctx.try_op(lambda: dist.all_to_all_single(output, chunks_of(ctx.rank)))
     except Unsupported as why:
-        inputs = [torch.empty(ctx.world_size * ctx.cfg.numel, device=ctx.device) for _ in range(ctx.world_size)]
+        inputs = [
+            torch.empty(ctx.world_size * ctx.cfg.numel, device=ctx.device)
+            for _ in range(ctx.world_size)
+        ]
         dist.all_gather(inputs, chunks_of(ctx.rank))
         output = torch.cat([sent.chunk(ctx.world_size)[ctx.rank] for sent in inputs])
         note = f"fallback: {why}; all_gather + select"
-    ctx.check(output, torch.cat([ctx.contribution(r) + 1000 * ctx.rank for r in range(ctx.world_size)]))
+    ctx.check(
+        output, torch.cat([ctx.contribution(r) + 1000 * ctx.rank for r in range(ctx.world_size)])
+    )
     return note
 # --8<-- [end:all_to_all]
 
@@ -259,7 +329,8 @@ def barrier(ctx: Ctx) -> str:
     The check: each rank counts itself in the process group's key-value store before the barrier;
     after it, every rank must see all world_size arrivals.
     """
-    store = dist.distributed_c10d._get_default_store()  # private, but present from torch 1.x to 2.13
+    # private, but present from torch 1.x to 2.13
+    store = dist.distributed_c10d._get_default_store()
     key = f"recipes.collectives/barrier/{ctx.pass_id}"
     store.add(key, 1)
     dist.barrier()
@@ -291,14 +362,19 @@ def isend_irecv_ring(ctx: Ctx) -> str:
     """isend/irecv: the same ring without blocking - post both, then wait for both.
 
     ``batch_isend_irecv`` issues the isend and irecv as one group: with NCCL, separately posted
-    point-to-point calls around a ring can deadlock while the ranks set up their pairwise connections.
+    point-to-point calls around a ring can deadlock while the ranks set up their pairwise
+    connections.
     """
     if ctx.world_size == 1:
         return "skipped: a world of 1 has no peer"
     right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
     received = torch.empty(ctx.cfg.numel, device=ctx.device)
-    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, ctx.contribution(ctx.rank), right),
-                                       dist.P2POp(dist.irecv, received, left)])
+    requests = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, ctx.contribution(ctx.rank), right),
+            dist.P2POp(dist.irecv, received, left),
+        ]
+    )
     for request in requests:
         request.wait()
     ctx.check(received, ctx.contribution(left))
@@ -327,14 +403,16 @@ def new_group(ctx: Ctx) -> str:
 def all_gather_object(ctx: Ctx) -> str:
     """all_gather_object: any picklable object from every rank, to every rank (pickled, so slow)."""
     gathered: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, {"rank": ctx.rank, "square": ctx.rank ** 2})
-    ctx.check(gathered, [{"rank": r, "square": r ** 2} for r in range(ctx.world_size)])
+    dist.all_gather_object(gathered, {"rank": ctx.rank, "square": ctx.rank**2})
+    ctx.check(gathered, [{"rank": r, "square": r**2} for r in range(ctx.world_size)])
     return "ok"
 
 
 def broadcast_object_list(ctx: Ctx) -> str:
     """broadcast_object_list(src=0): rank 0's list of objects replaces everyone's list, in place."""
-    objects = [{"lr": 3e-4, "note": "from rank 0"}, "vocab", 42] if ctx.rank == 0 else [None, None, None]
+    objects = (
+        [{"lr": 3e-4, "note": "from rank 0"}, "vocab", 42] if ctx.rank == 0 else [None, None, None]
+    )
     dist.broadcast_object_list(objects, src=0)
     ctx.check(objects, [{"lr": 3e-4, "note": "from rank 0"}, "vocab", 42])
     return "ok"
@@ -343,33 +421,62 @@ def broadcast_object_list(ctx: Ctx) -> str:
 def scatter_object_list(ctx: Ctx) -> str:
     """scatter_object_list(src=0): rank j receives the j-th object of rank 0's list."""
     received: list[Any] = [None]
-    dist.scatter_object_list(received, [f"work item {j}" for j in range(ctx.world_size)] if ctx.rank == 0 else None,
-                             src=0)
+    dist.scatter_object_list(
+        received,
+        [f"work item {j}" for j in range(ctx.world_size)] if ctx.rank == 0 else None,
+        src=0,
+    )
     ctx.check(received[0], f"work item {ctx.rank}")
     return "ok"
 # --8<-- [end:objects]
 
 
-
 # The order every rank runs them in. Each returns "ok", "fallback: <why>" or "skipped: <why>".
-OPS: dict[str, Callable[[Ctx], str]] = {op.__name__: op for op in (
-    all_reduce_sum, all_reduce_avg, all_reduce_max, broadcast, all_gather, all_gather_single,
-    reduce_scatter_single, gather, scatter, all_to_all_single, barrier, send_recv_ring, isend_irecv_ring,
-    new_group, all_gather_object, broadcast_object_list, scatter_object_list,
-)}
+OPS: dict[str, Callable[[Ctx], str]] = {
+    op.__name__: op
+    for op in (
+        all_reduce_sum,
+        all_reduce_avg,
+        all_reduce_max,
+        broadcast,
+        all_gather,
+        all_gather_single,
+        reduce_scatter_single,
+        gather,
+        scatter,
+        all_to_all_single,
+        barrier,
+        send_recv_ring,
+        isend_irecv_ring,
+        new_group,
+        all_gather_object,
+        broadcast_object_list,
+        scatter_object_list,
+    )
+}
 _passes = itertools.count()  # every rank runs the same passes, so the counters agree across ranks
 
 
 # --8<-- [start:run]
 def run(cfg: CollectivesConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        if cfg.skip_on_rank >= world.world_size or (cfg.skip_on_rank >= 0 and world.world_size == 1):
-            raise RecipeError(f"skip_on_rank={cfg.skip_on_rank} needs a world of at least 2 with that rank in it; "
-                              f"this world has {world.world_size} rank(s)")
+        if cfg.skip_on_rank >= world.world_size or (
+            cfg.skip_on_rank >= 0 and world.world_size == 1
+        ):
+            raise RecipeError(
+                f"skip_on_rank={cfg.skip_on_rank} needs a world of at least 2 with that rank in "
+                "it; "
+                f"this world has {world.world_size} rank(s)"
+            )
         ctx = Ctx(world, cfg, next(_passes))
         report, op_ms, timer = {}, {}, StepTimer(world.device)
-        log.info("%d collectives on %d rank(s), backend %s, device %s", len(OPS), world.world_size, world.backend,
-                 world.device)
+        log.info(
+            "%d collectives on %d rank(s), backend %s, device %s",
+            len(OPS),
+            world.world_size,
+            world.backend,
+            world.device,
+        )
         with timer:
             for name, op in OPS.items():
                 ctx.op = name

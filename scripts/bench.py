@@ -133,7 +133,8 @@ def recipes_at_world_1(
     ]
     if not compile_backend:
         return rows
-    # Compiling costs ~20 s a row on a GPU: the bare loop and the three wrappers it matters most for.
+    # Compiling costs ~20 s a row on a GPU: the bare loop and the three wrappers it matters most
+    # for.
     compiled = ("bare loop (performance)", "ddp_torchrun", "fsdp2", "tensor_parallel")
     return [(f"{label} + compile", train,
              dataclasses.replace(cfg, compile=True, compile_backend=compile_backend))
@@ -220,10 +221,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--steps", type=int, default=20 if ON_GPU else 4)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu"],
-                        help="cpu: measure the CPU also where a GPU is (every recipe joins a gloo world)")
+                        help="cpu: measure the CPU also where a GPU is "
+                        "(every recipe joins a gloo world)")
     parser.add_argument(
-        "--parts", default="ladder,recipes,compiled",
-        help="any of ladder, recipes, compiled (comma-separated)"
+        "--parts",
+        default="ladder,recipes,compiled",
+        help="any of ladder, recipes, compiled (comma-separated)",
     )
     parser.add_argument(
         "--out", default="", help="JSON output; default results/bench/<device>.json"

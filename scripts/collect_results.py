@@ -1,19 +1,22 @@
-"""Measure recipes on this machine and write results/<name>.json: the figures of the docs' "Measured" sections.
+"""Measure recipes on this machine and write results/<name>.json: the figures of the docs'
+"Measured" sections.
 
-    python scripts/collect_results.py                     # every recipe that `python -m recipes` lists
+    python scripts/collect_results.py                     # every recipe `python -m recipes` lists
     python scripts/collect_results.py ddp_torchrun fsdp   # some of them
-    python scripts/collect_results.py ddp_torchrun --command "torchrun --standalone --nproc_per_node=4 -m recipes.ddp_torchrun"
+    python scripts/collect_results.py ddp_torchrun \\
+        --command "torchrun --standalone --nproc_per_node=4 -m recipes.ddp_torchrun"
 
-Each recipe runs the command its module docstring opens with (the one `python -m recipes` prints and its
-page shows: the default config on a small world, e.g. `torchrun --standalone --nproc_per_node=2 -m
-recipes.X`), under a timeout, in a fresh temporary directory with the repository on PYTHONPATH: a recipe
-that writes checkpoints or logs starts from nothing (no resuming an earlier run) and leaves nothing behind. Its last stdout line is its result as JSON
-(run_cli prints it on rank 0); this script stores it with what is needed to judge and reproduce it: the
-command, the date, the torch and Python versions, the machine (CPU model and cores, GPUs) and the load
-average when the run started (times measured on a busy machine are slower).
+Each recipe runs the command its module docstring opens with (the one `python -m recipes` prints and
+its page shows: the default config on a small world, e.g. `torchrun --standalone --nproc_per_node=2
+-m recipes.X`), under a timeout, in a fresh temporary directory with the repository on PYTHONPATH: a
+recipe that writes checkpoints or logs starts from nothing (no resuming an earlier run) and leaves
+nothing behind. Its last stdout line is its result as JSON (run_cli prints it on rank 0); this
+script stores it with what is needed to judge and reproduce it: the command, the date, the torch and
+Python versions, the machine (CPU model and cores, GPUs) and the load average when the run started
+(times measured on a busy machine are slower).
 
-A recipe that fails or prints no JSON leaves its previous results file untouched; the script reports it
-and exits with status 1. Commit the files it writes; docs/hooks.py renders them.
+A recipe that fails or prints no JSON leaves its previous results file untouched; the script reports
+it and exits with status 1. Commit the files it writes; docs/hooks.py renders them.
 """
 
 from __future__ import annotations
@@ -31,10 +34,19 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Variables a launcher sets for its workers: inherited by accident (running this under torchrun), they
-# would make the recipe believe it is one rank of a bigger world.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+# Variables a launcher sets for its workers: inherited by accident (running this under torchrun),
+# they would make the recipe believe it is one rank of a bigger world.
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def recipe_command(name: str) -> str:
@@ -45,13 +57,16 @@ def recipe_command(name: str) -> str:
 
 
 def runnable(command: str) -> list[str]:
-    """The command as argv, run with this interpreter (torchrun as `python -m torch.distributed.run`)."""
+    """The command as argv, run with this interpreter (torchrun as `python -m
+    torch.distributed.run`)."""
     argv = shlex.split(command)
     if argv[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     if argv[0] in ("python", "python3"):
         return [sys.executable, *argv[1:]]
-    raise SystemExit(f"error: cannot run {command!r}: expected a command starting with torchrun or python")
+    raise SystemExit(
+        f"error: cannot run {command!r}: expected a command starting with torchrun or python"
+    )
 
 
 def describe_machine(load_average_1m: float) -> dict:
@@ -61,16 +76,28 @@ def describe_machine(load_average_1m: float) -> dict:
     cpu_model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu_model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            cpu_model = next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else []
+    )
     if gpus:
         description = f"{len(gpus)} x {gpus[0]}, {cores} CPU cores"
     else:
         description = f"CPU only, {cores} cores ({cpu_model})"
-    return {"description": description, "cpu_model": cpu_model, "cpu_cores": cores, "gpus": gpus,
-            "platform": platform.platform(), "load_average_1m": round(load_average_1m, 2)}
+    return {
+        "description": description,
+        "cpu_model": cpu_model,
+        "cpu_cores": cores,
+        "gpus": gpus,
+        "platform": platform.platform(),
+        "load_average_1m": round(load_average_1m, 2),
+    }
 
 
 def measure(name: str, command: str, timeout_s: float) -> dict:
@@ -81,8 +108,14 @@ def measure(name: str, command: str, timeout_s: float) -> dict:
     start = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix=f"collect-{name}-") as workdir:
-            proc = subprocess.run(runnable(command), cwd=workdir, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s)
+            proc = subprocess.run(
+                runnable(command),
+                cwd=workdir,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"did not finish within {timeout_s:.0f}s") from None
     wall_seconds = time.perf_counter() - start
@@ -113,9 +146,13 @@ def measure(name: str, command: str, timeout_s: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="recipes to measure (default: all)")
-    parser.add_argument("--command", help="run this instead of the docstring's command (one recipe only)")
+    parser.add_argument(
+        "--command", help="run this instead of the docstring's command (one recipe only)"
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per recipe")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "results", help="where the JSON files go")
+    parser.add_argument(
+        "--out-dir", type=Path, default=REPO_ROOT / "results", help="where the JSON files go"
+    )
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(REPO_ROOT))
@@ -143,9 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out_dir / f"{name}.json"
         path.write_text(json.dumps(record, indent=2) + "\n")
         result = record["result"]
-        figures = ", ".join(f"{k}={result[k]}" for k in ("world_size", "seconds_per_step", "peak_memory_bytes") if k in result)
-        print(f"  wrote {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path} "
-              f"({figures or 'no standard figures'}) in {record['wall_seconds']:.0f}s", flush=True)
+        figures = ", ".join(
+            f"{k}={result[k]}"
+            for k in ("world_size", "seconds_per_step", "peak_memory_bytes")
+            if k in result
+        )
+        print(
+            f"  wrote {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path} "
+            f"({figures or 'no standard figures'}) in {record['wall_seconds']:.0f}s",
+            flush=True,
+        )
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -102,19 +102,27 @@ def docs_hooks():
 
 def plain_training_loop(model, *, steps: int, global_batch_size: int, lr: float, seed: int,
                         dataset=None):
-    """The textbook single-process loop, no wrapper of any kind: the reference a split or mixed run must equal.
+    """The textbook single-process loop, no wrapper of any kind: the reference a split or mixed run
+    must equal.
 
     ``dataset``: another dataset than the shared synthetic one (e.g. ragged, with ignored targets).
     Returns (per-step losses, final parameters on CPU).
     """
     from recipes.core.result import full_state_on_cpu
-    from recipes.core.workload import build_model, distributed_loader, iterate_steps, lm_loss, make_dataset
+    from recipes.core.workload import (
+        build_model,
+        distributed_loader,
+        iterate_steps,
+        lm_loss,
+        make_dataset,
+    )
 
     lm = build_model(model, seed=seed)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=lr)
     dataset = dataset if dataset is not None else make_dataset(model, global_batch_size, seed=seed)
-    loader, sampler = distributed_loader(dataset, rank=0, world_size=1,
-                                         per_rank_batch_size=global_batch_size, seed=seed)
+    loader, sampler = distributed_loader(
+        dataset, rank=0, world_size=1, per_rank_batch_size=global_batch_size, seed=seed
+    )
     losses = []
     for _, (inputs, targets) in iterate_steps(loader, sampler, steps):
         loss = lm_loss(lm(inputs), targets)

@@ -1,6 +1,6 @@
-"""The docs site: `mkdocs build --strict` passes, every recipe has its page in the nav with the generated
-sections, the hooks render what the code says, and a headless browser shows the navigation, the code
-and the mermaid diagrams of the built site, offline.
+"""The docs site: `mkdocs build --strict` passes, every recipe has its page in the nav with the
+generated sections, the hooks render what the code says, and a headless browser shows the
+navigation, the code and the mermaid diagrams of the built site, offline.
 
 The site is built once per test module (it imports every recipe, lightning included: a few seconds).
 """
@@ -31,18 +31,34 @@ from recipes.core.config import TrainConfig, opt
 from tests.helpers import PYTHON, REPO_ROOT, docs_hooks
 
 ROOT = Path(REPO_ROOT)
-# A GPU image (torch 2.11 + CUDA) often has no mkdocs: the site cannot be built there, so say so once
-# per test instead of failing 24 times. CI installs the docs extra, so the build is checked there.
+# A GPU image (torch 2.11 + CUDA) often has no mkdocs: the site cannot be built there, so say so
+# once per test instead of failing 24 times. CI installs the docs extra, so the build is checked
+# there.
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
     reason="the docs tests build the site with mkdocs-material: pip install -e '.[docs]'")
-TEMPLATE_SECTIONS = ["## What it solves", "## The code", "## How to run", "## Options", "## Measured", "## Pitfalls"]
+TEMPLATE_SECTIONS = [
+    "## What it solves",
+    "## The code",
+    "## How to run",
+    "## Options",
+    "## Measured",
+    "## Pitfalls",
+]
 QUIET = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor
 
 
-def mkdocs_build(config: Path, site_dir: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **QUIET})
+def mkdocs_build(
+    config: Path, site_dir: Path, timeout_s: float = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **QUIET},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +71,18 @@ def site(tmp_path_factory) -> Path:
 
 hooks = docs_hooks
 
+
 @functools.cache
 def nav_pages() -> dict[str, str]:
     """{page path: its group under Recipes} from mkdocs.yml, parsed by mkdocs itself."""
     from mkdocs.config import load_config
 
     config = load_config(str(ROOT / "mkdocs.yml"))
-    return {path: group for group, entries in hooks()._recipe_groups(config["nav"]).items() for _, path in entries}
+    return {
+        path: group
+        for group, entries in hooks()._recipe_groups(config["nav"]).items()
+        for _, path in entries
+    }
 
 
 def page_text(site_dir: Path, page: str) -> str:
@@ -69,38 +90,77 @@ def page_text(site_dir: Path, page: str) -> str:
     import html
 
     source = (site_dir / page / "index.html").read_text()
-    article = source[source.index("<article"):source.index("</article>")]
+    article = source[source.index("<article") : source.index("</article>")]
     return html.unescape(re.sub(r"<[^>]+>", "", article))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Every recipe has its page, in the nav, built from the template.
 
 
 @pytest.mark.parametrize("name", recipe_modules())
 def test_every_recipe_has_a_page_in_the_nav_with_the_template(name):
     path = ROOT / "docs" / "recipes" / f"{name}.md"
-    assert path.exists(), f"recipes/{name}.py has no docs page: write docs/recipes/{name}.md (copy ddp_torchrun.md)"
+    assert path.exists(), (
+        f"recipes/{name}.py has no docs page: write docs/recipes/{name}.md (copy ddp_torchrun.md)"
+    )
     assert f"recipes/{name}.md" in nav_pages(), (
-        f"docs/recipes/{name}.md is not in the nav: add it under Recipes in mkdocs.yml, in its group")
+        f"docs/recipes/{name}.md is not in the nav: add it under Recipes in mkdocs.yml, in its "
+        "group"
+    )
     text = path.read_text()
     assert text.startswith(f"# {name}: "), f"the page must open with '# {name}: <title>'"
     positions = [text.find(f"\n{section}\n") for section in TEMPLATE_SECTIONS]
     missing = [s for s, p in zip(TEMPLATE_SECTIONS, positions) if p < 0]
     assert not missing, f"docs/recipes/{name}.md lacks the sections {missing}"
-    assert positions == sorted(positions), f"the sections must come in this order: {TEMPLATE_SECTIONS}"
+    assert positions == sorted(positions), (
+        f"the sections must come in this order: {TEMPLATE_SECTIONS}"
+    )
     options = re.search(rf"^<!-- options: recipes\.{name}\.(\w+) -->$", text, re.M)
     assert options, f"## Options must contain <!-- options: recipes.{name}.<ConfigClass> -->"
-    assert re.search(rf"^<!-- results: {name} -->$", text, re.M), f"## Measured must contain <!-- results: {name} -->"
+    assert re.search(rf"^<!-- results: {name} -->$", text, re.M), (
+        f"## Measured must contain <!-- results: {name} -->"
+    )
     # Code is included from the tested source, never pasted: python blocks hold snippet lines only.
     for block in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S):
-        pasted = [line for line in block.splitlines() if line.strip() and not line.strip().startswith("--8<--")]
-        assert not pasted, f"python code pasted into the page instead of included with --8<--: {pasted[:3]}"
-    code = text[positions[1]:positions[2]]
-    assert f'--8<-- "recipes/{name}.py' in code, f"## The code must include recipes/{name}.py with a snippet line"
+        pasted = [
+            line
+            for line in block.splitlines()
+            if line.strip() and not line.strip().startswith("--8<--")
+        ]
+        assert not pasted, (
+            f"python code pasted into the page instead of included with --8<--: {pasted[:3]}"
+        )
+    code = text[positions[1] : positions[2]]
+    assert f'--8<-- "recipes/{name}.py' in code, (
+        f"## The code must include recipes/{name}.py with a snippet line"
+    )
 
 
-# ----------------------------------------------------------------------------------------------------
+# Source lines fit the docs column: pages include the code, and a code block shows 100 characters at
+# 1280 px without scrolling (the browser test below checks the rendered side).
+
+MAX_LINE = 100
+
+
+def test_every_source_line_fits_the_docs_column():
+    """recipes/, scripts/ and the docs hooks stay within 100 characters (ruff's E501 says the same).
+
+    Until every branch's reflow is merged this fails and lists the lines still too long: that list
+    is the work left, not a flaky test.
+    """
+    paths = sorted([*ROOT.glob("recipes/**/*.py"), *ROOT.glob("scripts/*.py"),
+                    ROOT / "docs" / "hooks.py"])
+    too_long = [f"{path.relative_to(ROOT)}:{number} ({len(line)} chars)"
+                for path in paths
+                for number, line in enumerate(path.read_text().splitlines(), 1)
+                if len(line) > MAX_LINE]
+    files = sorted({entry.split(":")[0] for entry in too_long})
+    assert not too_long, (f"{len(too_long)} lines longer than {MAX_LINE} characters in {files}; "
+                          f"first ones: {too_long[:10]}")
+
+
+# --------------------------------------------------------------------------------------------------
 # The built site: strict, complete, generated parts present.
 
 
@@ -116,7 +176,14 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
         assert flag in text and help_text in text, f"option {flag} missing from the generated table"
     results = json.loads((ROOT / "results" / "ddp_torchrun.json").read_text())
     assert results["command"] in text and "Time per step" in text and "Not measured yet" not in text
-    assert f"{results['result']['peak_memory_bytes'] / 2**20:,.0f} MiB" in text
+    # Model-state bytes with units, not the CPU process's resident memory (mostly Python and torch).
+    state = results["result"]["extras"]["memory_per_rank"][0]
+    assert "Model state per rank" in text
+    assert f"{sum(state.values()) / 1024:,.1f} KiB on rank 0" in text
+    # The page opens with the command that runs the recipe, and links each test it names to the
+    # test's assertions, included from tests/ at build time.
+    assert "Run it: torchrun --standalone --nproc_per_node=2 -m recipes.ddp_torchrun" in text
+    assert "Proven by" in text and "assert_losses_close(result.losses, reference.losses" in text
 
 
 def test_the_api_reference_documents_every_module_with_stable_anchors(site):
@@ -124,42 +191,62 @@ def test_the_api_reference_documents_every_module_with_stable_anchors(site):
     import recipes.core.world as world
 
     for name in world.__all__:
-        assert f'id="recipes.core.world.{name}"' in core, f"recipes.core.world.{name} missing from the API reference"
+        assert f'id="recipes.core.world.{name}"' in core, (
+            f"recipes.core.world.{name} missing from the API reference"
+        )
     reference = (site / "reference" / "recipes" / "index.html").read_text()
     for name in recipe_modules():
         assert f'id="recipes.{name}"' in reference, f"recipes.{name} missing from the API reference"
-    assert 'id="recipes.ddp_torchrun.train"' in reference and 'id="recipes.ddp_torchrun.DDPConfig"' in reference
+    assert (
+        'id="recipes.ddp_torchrun.train"' in reference
+        and 'id="recipes.ddp_torchrun.DDPConfig"' in reference
+    )
 
 
 def test_the_recipes_index_lists_every_recipe_with_its_command(site):
     text = page_text(site, "recipes")
     for name in recipe_modules():
-        assert re.search(rf"^{name}( \(no page yet\))?$", text, re.M), f"{name} missing from the recipes index"
+        assert re.search(rf"^{name}( \(no page yet\))?$", text, re.M), (
+            f"{name} missing from the recipes index"
+        )
     assert "torchrun --standalone --nproc_per_node=2 -m recipes.ddp_torchrun" in text
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The strict build fails on what it must fail on (each case a small site that inherits mkdocs.yml).
 
 
 @pytest.mark.parametrize("case", ["links_and_nav", "snippet_section", "snippet_file"])
-def test_strict_build_fails_on_broken_links_missing_snippets_and_pages_left_out_of_the_nav(case, tmp_path):
+def test_strict_build_fails_on_broken_links_missing_snippets_and_pages_left_out_of_the_nav(
+    case, tmp_path
+):
     docs = tmp_path / "docs"
     docs.mkdir()
     config = tmp_path / "mkdocs.yml"
-    config.write_text(f"INHERIT: {ROOT / 'mkdocs.yml'}\ndocs_dir: docs\nhooks: []\nwatch: []\nnav:\n  - index.md\n  - other.md\n")
+    config.write_text(
+        f"INHERIT: {ROOT / 'mkdocs.yml'}\ndocs_dir: docs\nhooks: []\nwatch: []\nnav:\n  - "
+        "index.md\n  - other.md\n"
+    )
     (docs / "other.md").write_text("# Other\n\n## Present\n")
-    snippet = {"snippet_section": "recipes/ddp_torchrun.py:no_such_section",
-               "snippet_file": "recipes/no_such_recipe.py:train"}.get(case, "recipes/ddp_torchrun.py:train")
+    snippet = {
+        "snippet_section": "recipes/ddp_torchrun.py:no_such_section",
+        "snippet_file": "recipes/no_such_recipe.py:train",
+    }.get(case, "recipes/ddp_torchrun.py:train")
     (docs / "index.md").write_text(f'# Home\n\n```python\n--8<-- "{snippet}"\n```\n')
     if case == "links_and_nav":
-        (docs / "index.md").write_text("# Home\n\n[a missing page](missing.md) and "
-                                       "[a missing anchor](other.md#absent)\n")
+        (docs / "index.md").write_text(
+            "# Home\n\n[a missing page](missing.md) and [a missing anchor](other.md#absent)\n"
+        )
         (docs / "orphan.md").write_text("# Not in the nav\n")
     proc = mkdocs_build(config, tmp_path / "site", timeout_s=120)
     assert proc.returncode != 0, "the strict build should have failed"
     expected = {
-        "links_and_nav": ["'missing.md', but the target is not found", "'#absent'", "orphan.md", "strict mode"],
+        "links_and_nav": [
+            "'missing.md', but the target is not found",
+            "'#absent'",
+            "orphan.md",
+            "strict mode",
+        ],
         "snippet_section": ["Snippet section 'no_such_section' could not be located"],
         "snippet_file": ["Snippet at path 'recipes/no_such_recipe.py' could not be found"],
     }[case]
@@ -168,7 +255,7 @@ def test_strict_build_fails_on_broken_links_missing_snippets_and_pages_left_out_
         assert message in output, f"expected {message!r} in:\n{output[-3000:]}"
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The hooks, called directly.
 
 
@@ -178,13 +265,22 @@ class FakePage:
 
 
 def render(markdown: str) -> str:
-    return hooks().on_page_markdown(markdown, page=FakePage(), config={"nav": [], "docs_dir": str(ROOT / "docs")}, files=None)
+    return hooks().on_page_markdown(
+        markdown, page=FakePage(), config={"nav": [], "docs_dir": str(ROOT / "docs")}, files=None
+    )
 
 
 def test_a_marker_naming_something_missing_is_a_warning_that_fails_the_strict_build(caplog):
-    out = render("<!-- options: recipes.ddp_torchrun.NoSuchConfig -->\n<!-- options: recipes.no_such_recipe.C -->")
+    out = render(
+        "<!-- options: recipes.ddp_torchrun.NoSuchConfig -->\n<!-- options: "
+        "recipes.no_such_recipe.C -->"
+    )
     assert out.count('!!! failure "Generated content missing"') == 2
-    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("mkdocs.") and r.levelname == "WARNING"]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("mkdocs.") and r.levelname == "WARNING"
+    ]
     assert any("recipes.ddp_torchrun has no 'NoSuchConfig'" in w for w in warnings), warnings
     assert any("cannot import recipes.no_such_recipe" in w for w in warnings), warnings
 
@@ -202,15 +298,25 @@ def test_recipe_names_link_to_pages_that_exist_and_stay_code_until_then(tmp_path
         class file:
             src_uri = "concepts/example.md"
 
-    out = hooks().on_page_markdown("[ddp_torchrun][] and [amp][] but `[zero][]` and [no_such_recipe][]",
-                                   page=Page(), config={"nav": [], "docs_dir": str(tmp_path)}, files=None)
-    assert out == "[ddp_torchrun](../recipes/ddp_torchrun.md) and `amp` but `[zero][]` and `no_such_recipe`"
+    out = hooks().on_page_markdown(
+        "[ddp_torchrun][] and [amp][] but `[zero][]` and [no_such_recipe][]",
+        page=Page(),
+        config={"nav": [], "docs_dir": str(tmp_path)},
+        files=None,
+    )
+    assert (
+        out
+        == "[ddp_torchrun](../recipes/ddp_torchrun.md) and `amp` but `[zero][]` "
+        "and `no_such_recipe`"
+    )
     assert any("[no_such_recipe][] names no recipe" in r.getMessage() for r in caplog.records)
 
 
 def test_a_recipe_without_results_gets_a_note_saying_how_to_measure_it():
     out = render("<!-- results: not_measured_recipe -->")
-    assert "Not measured yet" in out and "python scripts/collect_results.py not_measured_recipe" in out
+    assert (
+        "Not measured yet" in out and "python scripts/collect_results.py not_measured_recipe" in out
+    )
 
 
 @dataclasses.dataclass
@@ -222,23 +328,30 @@ class ExampleConfig(TrainConfig):
 def test_option_tables_separate_a_recipes_own_options_from_the_shared_ones():
     own, _, shared = render(f"<!-- options: {__name__}.ExampleConfig -->").partition("??? info")
     assert "| `--precision` | `'bf16'` | autocast dtype. One of: `bf16`, `fp16` |" in own
-    assert "| `--steps` | `20` |" in own, "an overridden shared default belongs with the recipe's own options"
+    assert "| `--steps` | `20` |" in own, (
+        "an overridden shared default belongs with the recipe's own options"
+    )
     assert "`--global-batch-size`" in shared and "`--global-batch-size`" not in own
-    assert "`--keep-final-state / --no-keep-final-state`" in shared
+    assert "`--keep-final-state`<br>`--no-keep-final-state`" in shared
 
 
 def test_a_malformed_results_file_fails_with_the_command_that_remakes_it(tmp_path, monkeypatch):
     (tmp_path / "ddp_torchrun.json").write_text('{"result": {}}')
     monkeypatch.setattr(hooks(), "RESULTS_DIR", tmp_path)
-    with pytest.raises(hooks().MarkerError, match=r"results/ddp_torchrun.json is not a results file \(KeyError: 'machine'\); "
-                                                  r"rerun python scripts/collect_results.py ddp_torchrun"):
+    with pytest.raises(
+        hooks().MarkerError,
+        match=r"results/ddp_torchrun.json is not a results file \(KeyError: 'machine'\); "
+        r"rerun python scripts/collect_results.py ddp_torchrun",
+    ):
         hooks().render_results("ddp_torchrun")
 
 
 def test_every_committed_results_file_renders():
     for path in sorted((ROOT / "results").glob("*.json")):
         data = json.loads(path.read_text())
-        assert data["recipe"] == path.stem and path.stem in recipe_modules(), f"{path.name}: no such recipe"
+        assert data["recipe"] == path.stem and path.stem in recipe_modules(), (
+            f"{path.name}: no such recipe"
+        )
         hooks().results_markdown(data, path.stem)
 
 
@@ -250,31 +363,55 @@ def test_every_committed_benchmark_renders_with_its_device_and_torch():
         assert all(f"| {row['label']} |" in text for row in data["ladder"])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The built site in a browser: headless Chromium over the DevTools protocol (on a pipe: no websocket
 # library needed), served from localhost, with no network beyond it.
 
 
 def find_chromium() -> str | None:
-    return next((path for name in ("chromium", "chromium-browser", "google-chrome") if (path := shutil.which(name))), None)
+    return next(
+        (
+            path
+            for name in ("chromium", "chromium-browser", "google-chrome")
+            if (path := shutil.which(name))
+        ),
+        None,
+    )
 
 
 class Chromium:
-    """A headless Chromium driven over --remote-debugging-pipe (fd 3 in, fd 4 out, NUL-separated JSON)."""
+    """A headless Chromium driven over --remote-debugging-pipe (fd 3 in, fd 4 out, NUL-separated
+    JSON)."""
 
     def __init__(self, binary: str, profile_dir: Path):
         to_browser, self._to_browser = os.pipe()
         self._from_browser, from_browser = os.pipe()
-        # Chromium expects the pipe on fds 3 and 4: a small Python trampoline moves the ends there (from
-        # above 9, so that neither can overwrite the other) and becomes Chromium.
+        # Chromium expects the pipe on fds 3 and 4: a small Python trampoline moves the ends there
+        # (from above 9, so that neither can overwrite the other) and becomes Chromium.
         to_browser, from_browser = (self._above_9(fd) for fd in (to_browser, from_browser))
-        trampoline = (f"import os, sys; os.dup2({to_browser}, 3); os.dup2({from_browser}, 4); "
-                      "os.execv(sys.argv[1], sys.argv[1:])")
+        trampoline = (
+            f"import os, sys; os.dup2({to_browser}, 3); os.dup2({from_browser}, 4); "
+            "os.execv(sys.argv[1], sys.argv[1:])"
+        )
         self.process = subprocess.Popen(
-            [PYTHON, "-c", trampoline, binary, "--headless", "--no-sandbox", "--disable-gpu",
-             "--remote-debugging-pipe", "--no-first-run", f"--user-data-dir={profile_dir}",
-             "--window-size=1280,1600", "about:blank"],
-            pass_fds=(to_browser, from_browser), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                PYTHON,
+                "-c",
+                trampoline,
+                binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--remote-debugging-pipe",
+                "--no-first-run",
+                f"--user-data-dir={profile_dir}",
+                "--window-size=1280,1600",
+                "about:blank",
+            ],
+            pass_fds=(to_browser, from_browser),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_browser)
         os.close(from_browser)
         self._buffer, self._last_id, self.events, self.targets = b"", 0, [], {}
@@ -285,7 +422,13 @@ class Chromium:
         os.close(fd)
         return moved
 
-    def send(self, method: str, params: dict | None = None, session: str | None = None, timeout_s: float = 60) -> dict:
+    def send(
+        self,
+        method: str,
+        params: dict | None = None,
+        session: str | None = None,
+        timeout_s: float = 60,
+    ) -> dict:
         self._last_id += 1
         message = {"id": self._last_id, "method": method, "params": params or {}}
         if session:
@@ -315,7 +458,9 @@ class Chromium:
 
     def open(self, url: str) -> str:
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})[
+            "sessionId"
+        ]
         for domain in ("Page", "Runtime", "Network"):
             self.send(f"{domain}.enable", session=session)
         self.send("Page.navigate", {"url": url}, session=session)
@@ -326,7 +471,9 @@ class Chromium:
         self.send("Target.closeTarget", {"targetId": self.targets.pop(session)})
 
     def evaluate(self, session: str, expression: str):
-        reply = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session)
+        reply = self.send(
+            "Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session
+        )
         return reply["result"].get("value")
 
     def close(self) -> None:
@@ -346,7 +493,9 @@ def served_site(site):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(site))
+    )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/"
@@ -355,7 +504,8 @@ def served_site(site):
 
 
 def shadow_svgs(node: dict, in_shadow: bool = False) -> list[dict]:
-    """The <svg> elements inside shadow roots (mkdocs-material renders each mermaid diagram into a closed one)."""
+    """The <svg> elements inside shadow roots (mkdocs-material renders each mermaid diagram into a
+    closed one)."""
     found = [node] if in_shadow and node.get("nodeName", "").lower() == "svg" else []
     for child in node.get("children", []):
         found += shadow_svgs(child, in_shadow)
@@ -365,16 +515,24 @@ def shadow_svgs(node: dict, in_shadow: bool = False) -> list[dict]:
 
 
 def texts(node: dict) -> str:
-    return (node.get("nodeValue") or "") + " ".join(texts(child) for child in node.get("children", []))
+    return (node.get("nodeValue") or "") + " ".join(
+        texts(child) for child in node.get("children", [])
+    )
 
 
 def wait_for_diagrams(browser: Chromium, session: str, expected: int, timeout_s: float = 90) -> int:
-    """Wait until the page has loaded and mkdocs-material has replaced its `expected` mermaid blocks."""
+    """Wait until the page has loaded and mkdocs-material has replaced its `expected` mermaid
+    blocks."""
     deadline, rendered = time.monotonic() + timeout_s, 0
     while time.monotonic() < deadline:
-        rendered = browser.evaluate(session, "document.readyState === 'complete' && "
-                                             "document.querySelectorAll('div.mermaid').length") or 0
-        if rendered == expected or script_errors(browser):  # a diagram that fails to parse never renders
+        # -1 until the page has loaded: a page without diagrams must not count as done before then
+        rendered = browser.evaluate(
+            session,
+            "document.readyState === 'complete' ? "
+            "document.querySelectorAll('div.mermaid').length : -1",
+        )
+        # a diagram that fails to parse never renders
+        if rendered == expected or script_errors(browser):
             break
         time.sleep(0.25)
     return rendered
@@ -385,9 +543,16 @@ def mermaid_blocks(site: Path, page: str) -> int:
 
 
 def script_errors(browser: Chromium) -> list[str]:
-    return [" ".join(e["params"]["exceptionDetails"].get("exception", {}).get("description", str(e["params"]))
-                     .splitlines()[:3])[:300]
-            for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
+    return [
+        " ".join(
+            e["params"]["exceptionDetails"]
+            .get("exception", {})
+            .get("description", str(e["params"]))
+            .splitlines()[:3]
+        )[:300]
+        for e in browser.events
+        if e.get("method") == "Runtime.exceptionThrown"
+    ]
 
 
 @pytest.fixture
@@ -398,69 +563,186 @@ def chromium_binary() -> str:
     return binary
 
 
-@pytest.mark.parametrize("page, code_text, diagram_text", [
-    ("", "python -m recipes.ddp_torchrun", "join_world"),
-    ("recipes/ddp_torchrun/", "def train(cfg: DDPConfig) -> RecipeResult:", "optimizer.step()"),
-])
-def test_a_browser_shows_navigation_code_and_diagrams_offline(page, code_text, diagram_text, served_site, site,
-                                                              chromium_binary, tmp_path):
+@pytest.mark.parametrize(
+    "page, code_text, diagram_text",
+    [
+        ("", "python -m recipes.ddp_torchrun", "join_world"),
+        ("recipes/ddp_torchrun/", "def train(cfg: DDPConfig) -> RecipeResult:", "optimizer.step()"),
+    ],
+)
+def test_a_browser_shows_navigation_code_and_diagrams_offline(
+    page, code_text, diagram_text, served_site, site, chromium_binary, tmp_path
+):
     diagrams = mermaid_blocks(site, page)
     assert diagrams >= 1, f"{page or 'home'}: expected a mermaid diagram in the built page"
     browser = Chromium(chromium_binary, tmp_path / "profile")
     try:
         session = browser.open(served_site + page)
         rendered = wait_for_diagrams(browser, session, diagrams)
-        assert rendered == diagrams, f"{rendered} of {diagrams} mermaid diagrams rendered: {script_errors(browser)}"
+        assert rendered == diagrams, (
+            f"{rendered} of {diagrams} mermaid diagrams rendered: {script_errors(browser)}"
+        )
 
-        nav = browser.evaluate(session, "[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link')]"
-                                        ".map(a => a.textContent.trim())")
-        assert {"Home", "ddp_torchrun", "Troubleshooting", "recipes.core"} <= set(nav), nav
-        code = browser.evaluate(session, "[...document.querySelectorAll('.highlight code')].map(c => c.textContent)")
+        nav = browser.evaluate(
+            session,
+            "[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link')]"
+            ".map(a => a.textContent.trim())",
+        )
+        assert {"Home", "From one GPU to many", "DDP under torchrun (ddp_torchrun)",
+                "Troubleshooting", "Contributing", "recipes.core"} <= set(nav), nav
+        code = browser.evaluate(
+            session, "[...document.querySelectorAll('.highlight code')].map(c => c.textContent)"
+        )
         assert any(code_text in block for block in code), f"no code block shows {code_text!r}"
-        assert browser.evaluate(session, "document.querySelectorAll('.highlight .md-code__button[data-md-type=copy]').length"), \
-            "the theme's JavaScript did not decorate the code blocks"
+        assert browser.evaluate(
+            session,
+            "document.querySelectorAll('.highlight .md-code__button[data-md-type=copy]').length",
+        ), "the theme's JavaScript did not decorate the code blocks"
 
-        svgs = shadow_svgs(browser.send("DOM.getDocument", {"depth": -1, "pierce": True}, session=session)["root"])
+        svgs = shadow_svgs(
+            browser.send("DOM.getDocument", {"depth": -1, "pierce": True}, session=session)["root"]
+        )
         assert len(svgs) == diagrams
-        errors = [svg for svg in svgs if ("aria-roledescription", "error") in zip(*[iter(svg.get("attributes", []))] * 2)]
+        errors = [
+            svg
+            for svg in svgs
+            if ("aria-roledescription", "error") in zip(*[iter(svg.get("attributes", []))] * 2)
+        ]
         assert not errors, "mermaid rendered a syntax-error diagram"
         assert any(diagram_text in texts(svg) for svg in svgs), f"no diagram shows {diagram_text!r}"
 
-        screenshot = base64.b64decode(browser.send("Page.captureScreenshot", {"format": "png"}, session=session)["data"])
+        screenshot = base64.b64decode(
+            browser.send("Page.captureScreenshot", {"format": "png"}, session=session)["data"]
+        )
         assert screenshot.startswith(b"\x89PNG") and len(screenshot) > 20_000
         out_dir = Path(os.environ.get("DOCS_SCREENSHOT_DIR", tmp_path))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"{page.strip('/').replace('/', '_') or 'home'}.png").write_bytes(screenshot)
 
         assert not script_errors(browser), f"JavaScript errors: {script_errors(browser)}"
-        requests = {e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"}
-        external = sorted(url for url in requests if not url.startswith((served_site, "data:", "blob:")))
+        requests = {
+            e["params"]["request"]["url"]
+            for e in browser.events
+            if e.get("method") == "Network.requestWillBeSent"
+        }
+        external = sorted(
+            url for url in requests if not url.startswith((served_site, "data:", "blob:"))
+        )
         assert not external, f"the site reaches outside localhost (fails offline): {external}"
-        missing = sorted(e["params"]["response"]["url"] for e in browser.events
-                         if e.get("method") == "Network.responseReceived" and e["params"]["response"]["status"] >= 400)
+        missing = sorted(
+            e["params"]["response"]["url"]
+            for e in browser.events
+            if e.get("method") == "Network.responseReceived"
+            and e["params"]["response"]["status"] >= 400
+        )
         assert not missing, f"the page asks for files the site does not have: {missing}"
     finally:
         browser.close()
 
 
-def test_every_mermaid_diagram_on_the_site_renders(served_site, site, chromium_binary, tmp_path):
-    """A diagram with a syntax error builds fine and shows an error box: only a browser sees it."""
-    pages = sorted(str(path.parent.relative_to(site)) + "/" for path in site.rglob("index.html")
-                   if '<pre class="mermaid">' in path.read_text())
-    assert len(pages) >= 3, pages
+CODE_OVERFLOW_JS = """[...document.querySelectorAll('.highlight pre > code')]
+  .filter(c => c.scrollWidth > c.clientWidth + 1)
+  .map(c => c.textContent.split('\\n').reduce((a, l) => l.length > a.length ? l : a, ''))"""
+FIGURES_JS = """[...document.querySelectorAll('figure.recipe-chart')].map(f => {
+  const svg = f.querySelector('svg'); const box = svg ? svg.getBoundingClientRect() : null;
+  return [f.dataset.chart, !!box && box.width > 100 && box.height > 20,
+          !!f.querySelector('figcaption') && f.querySelector('figcaption').textContent.length > 40];
+})"""
+
+
+def built_pages(site: Path) -> list[str]:
+    return sorted("" if path.parent == site else str(path.parent.relative_to(site)) + "/"
+                  for path in site.rglob("index.html"))
+
+
+def test_every_page_in_a_browser_at_1280_px(served_site, site, chromium_binary, tmp_path):
+    """Every page of the built site at 1280 px: no code block scrolls sideways, every mermaid
+    diagram renders (a syntax error builds fine and shows an error box: only a browser sees it),
+    every chart drawn from results/ is there with its caption, and no script fails."""
+    pages = built_pages(site)
+    assert len(pages) >= 20, pages
     browser = Chromium(chromium_binary, tmp_path / "profile")
-    failures = []
+    failures: dict[str, list[str]] = {"code": [], "mermaid": [], "figures": [], "scripts": []}
     try:
         for page in pages:
-            page = "" if page == "./" else page
             browser.events.clear()
             session = browser.open(served_site + page)
             expected = mermaid_blocks(site, page)
             rendered = wait_for_diagrams(browser, session, expected, timeout_s=60)
-            if rendered != expected or script_errors(browser):
-                failures.append(f"{page or 'home'}: {rendered} of {expected} rendered; {script_errors(browser)}")
+            name = page or "home"
+            if rendered != expected:
+                failures["mermaid"].append(f"{name}: {rendered} of {expected} rendered")
+            if expected:
+                root = browser.send("DOM.getDocument", {"depth": -1, "pierce": True},
+                                    session=session)["root"]
+                errors = [svg for svg in shadow_svgs(root) if ("aria-roledescription", "error")
+                          in zip(*[iter(svg.get("attributes", []))] * 2)]
+                if errors:
+                    failures["mermaid"].append(f"{name}: {len(errors)} syntax-error diagram(s)")
+            wide = browser.evaluate(session, CODE_OVERFLOW_JS) or []
+            failures["code"] += [f"{name}: {line.strip()[:60]!r}... ({len(line)} chars)"
+                                 for line in wide]
+            html = (site / page / "index.html").read_text()
+            charts = browser.evaluate(session, FIGURES_JS) or []
+            if len(charts) != html.count('class="recipe-chart"') or not all(
+                    drawn and caption for _, drawn, caption in charts):
+                failures["figures"].append(f"{name}: {charts}")
+            if script_errors(browser):
+                failures["scripts"].append(f"{name}: {script_errors(browser)}")
             browser.close_page(session)
     finally:
         browser.close()
-    assert not failures, ("mermaid diagrams that do not render (in a label, ';' ends the statement and '#' starts "
-                          "an entity code: reword or quote the label):\n" + "\n".join(failures))
+    report = {kind: found for kind, found in failures.items() if found}
+    assert not report, (
+        "pages that fail in a browser at 1280 px. code: a line too wide for the column (keep "
+        "source and docs lines within 100 characters); mermaid: in a label ';' ends the statement "
+        "and '#' starts an entity code (reword or quote it); figures: a chart marker whose SVG or "
+        "caption is missing:\n" + "\n".join(f"{k}: {v}" for k, v in report.items()))
+
+
+def test_every_chart_kind_is_on_a_page_and_draws_from_results():
+    """Each chart hooks.py can draw appears on some page, and renders from the committed data."""
+    kinds = ["memory", "loss", "ladder", "pipeline", "fsdp-units", "tp-split"]
+    pages = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
+    for kind in kinds:
+        assert f"<!-- chart: {kind} -->" in pages, f"no page shows the {kind} chart"
+        out = hooks().render_chart(kind)
+        assert out.count('<figure class="recipe-chart"') >= 1 and "<svg" in out, kind
+    with pytest.raises(hooks().MarkerError, match="unknown kind"):
+        hooks().render_chart("no-such-chart")
+
+
+def test_the_memory_chart_compares_every_measured_strategy_with_ddp_and_its_estimate():
+    rows = {row["recipe"]: row for row in hooks().model_state_rows()}
+    assert {"ddp_torchrun", "zero", "fsdp", "fsdp2"} <= rows.keys(), rows.keys()
+    parts = hooks().PART_LABELS
+    ddp = sum(rows["ddp_torchrun"]["measured"][k] for k in parts)
+    for name, ratio in {"zero": 0.75, "fsdp": 0.5, "fsdp2": 0.5}.items():
+        measured = sum(rows[name]["measured"][k] for k in parts)
+        estimated = sum(rows[name]["estimated"][k] for k in parts)
+        # fp32 AdamW on 2 ranks: ZeRO-1 shards 8 of 16 bytes/param, ZeRO-3 all 16; the measured
+        # bytes exceed the estimate only by AdamW's step counters and FSDP's padding.
+        assert measured / ddp == pytest.approx(ratio, abs=0.01), name
+        assert measured == pytest.approx(estimated, rel=0.01), name
+
+
+def test_the_pipeline_chart_simulates_the_bubble_of_gpipe_and_1f1b():
+    for schedule in ("gpipe", "1f1b"):
+        timeline = hooks().simulated_schedule(schedule, 4, 8)
+        end = max(action[4] for actions in timeline for action in actions)
+        busy = sum(action[4] - action[3] for actions in timeline for action in actions)
+        # (p - 1) / (m + p - 1) with F = 1, B = 2: the textbook bubble of both schedules.
+        assert 1 - busy / (end * 4) == pytest.approx(3 / 11), schedule
+        assert all(len(actions) == 16 for actions in timeline)
+
+
+def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_timings():
+    data = json.loads((ROOT / "results" / "ddp_torchrun.json").read_text())
+    data["machine"] = {**data["machine"], "load_average_1m": 9.0, "cpu_cores": 2, "gpus": []}
+    data["result"] = {**data["result"], "extras": {
+        **data["result"]["extras"], "trace_dir": "/tmp/x", "resumed_from": "", "saved": None,
+        "op_ms": {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}}}
+    text = hooks().results_markdown(data, "ddp_torchrun")
+    assert "/tmp" not in text and "None" not in text and "resumed_from" not in text
+    assert "not shown: the load average was 9.0 on 2 cores" in text and "op_ms" in text
+    assert "Model state per rank" in text and "KiB" in text and "MiB (rank 0;" not in text

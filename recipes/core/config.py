@@ -97,20 +97,29 @@ class Config:
 
 @dataclass
 class TrainConfig(Config):
-    """Fields every training recipe shares. Defaults are tiny so that every recipe runs in seconds on CPU."""
+    """Fields every training recipe shares. Defaults are tiny so that every recipe runs in seconds
+    on CPU."""
 
-    model: Literal["tiny", "small", "100m"] = opt("tiny", "model size preset (see recipes.core.workload.MODEL_PRESETS)")
+    model: Literal["tiny", "small", "100m"] = opt(
+        "tiny", "model size preset (see recipes.core.workload.MODEL_PRESETS)"
+    )
     steps: int = opt(6, "optimizer steps to run", ge=1)
     global_batch_size: int = opt(12, "sequences per optimizer step, summed over all ranks", ge=1)
     lr: float = opt(1e-3, "AdamW learning rate", gt=0)
-    seed: int = opt(0, "seed for model init and data order; same seed -> same losses on any world "
-                       "size", ge=0)
-    backend: Literal["auto", "gloo", "nccl"] = opt(
-        "auto", "process-group backend; auto = nccl with one GPU per local rank, else gloo (env RECIPES_BACKEND)"
+    seed: int = opt(
+        0, "seed for model init and data order; same seed -> same losses on any world size", ge=0
     )
-    timeout_s: float = opt(300.0, "collective timeout in seconds: a stuck rank errors out instead "
-                                  "of hanging", gt=0)
-    keep_final_state: bool = opt(False, "return the final full state dict in the result (tests compare it)")
+    backend: Literal["auto", "gloo", "nccl"] = opt(
+        "auto",
+        "process-group backend; auto = nccl with one GPU per local rank, else gloo (env "
+        "RECIPES_BACKEND)",
+    )
+    timeout_s: float = opt(
+        300.0, "collective timeout in seconds: a stuck rank errors out instead of hanging", gt=0
+    )
+    keep_final_state: bool = opt(
+        False, "return the final full state dict in the result (tests compare it)"
+    )
     precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = opt(
         "auto",
         "auto = bf16 on a GPU, fp32 on CPU; fp32 = true fp32 (TF32 off); "
@@ -140,11 +149,14 @@ def _literal_choices(annotation: Any) -> tuple | None:
 
 
 def per_rank_batch_size(global_batch_size: int, world_size: int, micro_batches: int = 1) -> int:
-    """Each rank's share of a global batch, or a RecipeError that names the sizes that would work."""
+    """Each rank's share of a global batch, or a RecipeError that names the sizes that would
+    work."""
     parts = world_size * micro_batches
     if global_batch_size % parts:
         lower = max(parts, global_batch_size - global_batch_size % parts)
-        what = f"{world_size} ranks" + (f" x {micro_batches} micro-batches" if micro_batches > 1 else "")
+        what = f"{world_size} ranks" + (
+            f" x {micro_batches} micro-batches" if micro_batches > 1 else ""
+        )
         raise RecipeError(
             f"global_batch_size={global_batch_size} does not divide across {what}; "
             f"use a multiple of {parts}, e.g. {lower} or {lower + parts}"
@@ -155,10 +167,15 @@ def per_rank_batch_size(global_batch_size: int, world_size: int, micro_batches: 
 C = TypeVar("C")
 
 
-def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None) -> C:
-    """Build argparse from the dataclass: ``--global-batch-size 12``, ``--flag/--no-flag``, choices from Literal."""
+def parse_config(
+    config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None
+) -> C:
+    """Build argparse from the dataclass: ``--global-batch-size 12``, ``--flag/--no-flag``, choices
+    from Literal."""
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
@@ -166,7 +183,11 @@ def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, descrip
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else f.default_factory()  # type: ignore[misc]
+        )
         kwargs: dict[str, Any] = {"default": default, "help": _help(f, kind) or " ", "dest": f.name}
         choices = _literal_choices(kind)
         if choices is not None:

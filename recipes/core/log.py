@@ -1,4 +1,5 @@
-"""The rank-0 logger: one line per step from rank 0, nothing from the other ranks unless they fail."""
+"""The rank-0 logger: one line per step from rank 0, nothing from the other ranks unless they
+fail."""
 
 from __future__ import annotations
 

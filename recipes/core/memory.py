@@ -1,37 +1,40 @@
-"""Per-rank memory accounting: how many bytes of parameters, gradients and optimizer state THIS rank holds.
+"""Per-rank memory accounting: how many bytes of parameters, gradients and optimizer state THIS rank
+holds.
 
-``model_state_bytes(model, optimizer)`` counts tensors, not allocator statistics, so it gives the same
-answer on CPU and GPU and needs no CUDA: the sharding recipes use it to assert "1/N of DDP's bytes".
+``model_state_bytes(model, optimizer)`` counts tensors, not allocator statistics, so it gives the
+same answer on CPU and GPU and needs no CUDA: the sharding recipes use it to assert "1/N of DDP's
+bytes".
 
 What is counted, exactly:
 
-- A tensor is counted by the bytes of its storage (``untyped_storage().nbytes()``), once per storage:
-  views into one flat buffer (classic FSDP's ``use_orig_params=True`` parameters, fully_shard's
-  gradients, which are views into one reduce-scatter output per group) count that buffer once, and
-  the padding FSDP adds so that a flat buffer divides by N is counted, because the rank holds it.
-  A storage that FSDP has freed (resized to 0 bytes) counts 0.
+- A tensor is counted by the bytes of its storage (``untyped_storage().nbytes()``), once per
+  storage: views into one flat buffer (classic FSDP's ``use_orig_params=True`` parameters,
+  fully_shard's gradients, which are views into one reduce-scatter output per group) count that
+  buffer once, and the padding FSDP adds so that a flat buffer divides by N is counted, because the
+  rank holds it. A storage that FSDP has freed (resized to 0 bytes) counts 0.
 - DTensors (fully_shard parameters, gradients and optimizer state) count their local tensor
   (``to_local()``): the shard this rank holds, not the global size.
-- ``param_bytes``: every parameter of ``model.parameters()``; for classic ``FullyShardedDataParallel``
-  also each flat parameter's local shard and, while it is allocated, its unsharded (all-gathered) copy;
-  for ``fully_shard`` also each parameter's unsharded copy while it is allocated. So a strategy that
-  keeps unsharded parameters at the measuring point (e.g. SHARD_GRAD_OP between forward and backward)
-  shows it.
+- ``param_bytes``: every parameter of ``model.parameters()``; for classic
+  ``FullyShardedDataParallel`` also each flat parameter's local shard and, while it is allocated,
+  its unsharded (all-gathered) copy; for ``fully_shard`` also each parameter's unsharded copy while
+  it is allocated. So a strategy that keeps unsharded parameters at the measuring point (e.g.
+  SHARD_GRAD_OP between forward and backward) shows it.
 - ``grad_bytes``: every ``.grad`` that is not None (None counts 0); for classic FSDP also the flat
   parameter's saved gradient shard and its CPU-offloaded gradient; for ``fully_shard`` also the
-  unsharded gradients it accumulates while gradient sync is off (``set_requires_gradient_sync(False)``),
-  which live on internal unsharded parameters that ``model.parameters()`` does not show, and the
-  sharded gradients HSDP holds back while its all-reduce is off (``set_requires_all_reduce(False)``).
+  unsharded gradients it accumulates while gradient sync is off
+  (``set_requires_gradient_sync(False)``), which live on internal unsharded parameters that
+  ``model.parameters()`` does not show, and the sharded gradients HSDP holds back while its
+  all-reduce is off (``set_requires_all_reduce(False)``).
 - ``optimizer_bytes``: every tensor in ``optimizer.state`` (including AdamW's scalar ``step``); for
-  ``ZeroRedundancyOptimizer`` its local optimizer's state (``optimizer.optim.state``), which holds only
-  this rank's partition (the wrapper's own ``.state`` stays empty until a ``load_state_dict``).
+  ``ZeroRedundancyOptimizer`` its local optimizer's state (``optimizer.optim.state``), which holds
+  only this rank's partition (the wrapper's own ``.state`` stays empty until a ``load_state_dict``).
 
-Not counted: activations, DDP's gradient buckets, FSDP's communication staging buffers, a consolidated
-optimizer state dict. Offloaded tensors are counted wherever they live (host memory included).
-Measure right after ``optimizer.step()`` and before ``zero_grad()``: gradients are still present.
-The classic-FSDP and fully_shard internals read here are private attributes (``_handle``,
-``_local_shard``, ``_fsdp_param_groups``...); each is read with ``getattr`` and a default, so a torch
-that renames one undercounts that item instead of failing.
+Not counted: activations, DDP's gradient buckets, FSDP's communication staging buffers, a
+consolidated optimizer state dict. Offloaded tensors are counted wherever they live (host memory
+included). Measure right after ``optimizer.step()`` and before ``zero_grad()``: gradients are still
+present. The classic-FSDP and fully_shard internals read here are private attributes (``_handle``,
+``_local_shard``, ``_fsdp_param_groups``...); each is read with ``getattr`` and a default, so a
+torch that renames one undercounts that item instead of failing.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ __all__ = ["model_state_bytes", "tensor_storage_bytes"]
 
 
 def tensor_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct, allocated storages behind ``tensors`` (None and freed storages count 0)."""
+    """Bytes of the distinct, allocated storages behind ``tensors`` (None and freed storages count
+    0)."""
     from torch.distributed.tensor import DTensor
 
     seen: set[tuple[str, int]] = set()
@@ -67,7 +71,9 @@ def tensor_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
-def _fsdp_internals(model: nn.Module) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+def _fsdp_internals(
+    model: nn.Module,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Parameter and gradient tensors that FSDP holds outside ``model.parameters()``."""
     params: list[torch.Tensor | None] = []
     grads: list[torch.Tensor | None] = []
@@ -83,8 +89,15 @@ def _fsdp_internals(model: nn.Module) -> tuple[list[torch.Tensor | None], list[t
             if handle is None:
                 continue
             flat = handle.flat_param
-            params += [getattr(flat, "_local_shard", None), _tensor_or_none(getattr(flat, "_full_param_padded", None))]
-            grads += [flat.grad, getattr(flat, "_saved_grad_shard", None), getattr(flat, "_cpu_grad", None)]
+            params += [
+                getattr(flat, "_local_shard", None),
+                _tensor_or_none(getattr(flat, "_full_param_padded", None)),
+            ]
+            grads += [
+                flat.grad,
+                getattr(flat, "_saved_grad_shard", None),
+                getattr(flat, "_cpu_grad", None),
+            ]
         elif FSDPModule and isinstance(module, FSDPModule):
             state = module._get_fsdp_state()
             groups = getattr(state, "_fsdp_param_groups", None)
@@ -95,10 +108,13 @@ def _fsdp_internals(model: nn.Module) -> tuple[list[torch.Tensor | None], list[t
                 # gradients wait here for the all-reduce, not in .grad
                 grads.append(getattr(group, "_partial_reduce_output", None))
                 for fsdp_param in group.fsdp_params:
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)  # exists after the 1st all-gather
+                    # exists after the 1st all-gather
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
                     params.append(unsharded)
-                    grads += [None if unsharded is None else unsharded.grad,
-                              getattr(fsdp_param, "unsharded_accumulated_grad", None)]
+                    grads += [
+                        None if unsharded is None else unsharded.grad,
+                        getattr(fsdp_param, "unsharded_accumulated_grad", None),
+                    ]
     return params, grads
 
 
@@ -110,7 +126,8 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Te
     if optimizer is None:
         return []
     states = [optimizer.state]
-    local = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer: the local partition's optimizer
+    # ZeroRedundancyOptimizer: the local partition's optimizer
+    local = getattr(optimizer, "optim", None)
     if isinstance(local, torch.optim.Optimizer):
         states.append(local.state)
     tensors = []
@@ -121,8 +138,11 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Te
 
 
 # --8<-- [start:model_state_bytes]
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """``{"param_bytes", "grad_bytes", "optimizer_bytes"}`` this rank holds (see the module docstring).
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, int]:
+    """``{"param_bytes", "grad_bytes", "optimizer_bytes"}`` this rank holds (see the module
+    docstring).
 
     Works for plain modules, DDP, classic FSDP (``use_orig_params`` True or False), ``fully_shard``
     (DTensor parameters) and ``ZeroRedundancyOptimizer``. Call it after ``optimizer.step()``, before

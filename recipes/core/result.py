@@ -13,21 +13,32 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["RecipeResult", "param_checksum", "peak_memory_bytes", "StepTimer", "full_state_on_cpu", "mean_over_ranks", "make_result"]
+__all__ = [
+    "RecipeResult",
+    "param_checksum",
+    "peak_memory_bytes",
+    "StepTimer",
+    "full_state_on_cpu",
+    "mean_over_ranks",
+    "make_result",
+]
 
 
 @dataclass
 class RecipeResult:
-    """What a run produced. On rank 0 a recipe's CLI prints it as its last stdout line (``to_json``)."""
+    """What a run produced. On rank 0 a recipe's CLI prints it as its last stdout line
+    (``to_json``)."""
 
     recipe: str
     world_size: int
     backend: str
     device: str
     losses: list[float]  # the global mean loss of each optimizer step, identical on every rank
-    param_checksum: float  # sum of every final parameter, in float64: equal checksums, equal training
+    # sum of every final parameter, in float64: equal checksums, equal training
+    param_checksum: float
     seconds_per_step: float  # median over the steps after the first (which includes warm-up)
-    peak_memory_bytes: int  # CUDA: max allocated on this device; CPU: the process's peak resident set
+    # CUDA: max allocated on this device; CPU: the process's peak resident set
+    peak_memory_bytes: int
     # what the run computed in: fp32, tf32, bf16 or fp16 (``auto`` resolved)
     precision: str = "fp32"
     tokens_per_second: float = 0.0  # global: every rank's tokens, per second of a steady step
@@ -35,11 +46,17 @@ class RecipeResult:
     model_tflops: float = 0.0
     # model_tflops / (devices x the device's dense peak); None on CPU or an unknown device
     mfu: float | None = None
-    extras: dict[str, Any] = field(default_factory=dict)  # recipe-specific figures, e.g. skipped_steps
-    final_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # only with keep_final_state
+    # recipe-specific figures, e.g. skipped_steps
+    extras: dict[str, Any] = field(default_factory=dict)
+    # only with keep_final_state
+    final_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     def to_json(self) -> str:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "final_state"}
+        data = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "final_state"
+        }
         return json.dumps(data, default=_jsonable)
 
 
@@ -56,7 +73,8 @@ def param_checksum(tensors: Iterable[torch.Tensor]) -> float:
 
 
 def full_state_on_cpu(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of an unsharded module's parameters (DDP's ``.module`` prefix removed)."""
+    """A detached CPU copy of an unsharded module's parameters (DDP's ``.module`` prefix
+    removed)."""
     module = getattr(module, "module", module)
     return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
 
@@ -68,7 +86,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class StepTimer:
-    """Wall time per step; synchronises CUDA so that queued kernels are counted in their own step."""
+    """Wall time per step; synchronises CUDA so that queued kernels are counted in their own
+    step."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -95,7 +114,8 @@ class StepTimer:
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
-    """The average of a scalar over all ranks (for logging a global loss); every rank gets the same float."""
+    """The average of a scalar over all ranks (for logging a global loss); every rank gets the same
+    float."""
     import torch.distributed as dist
 
     value = value.detach().float().reshape(1).clone()
@@ -105,9 +125,17 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return float(value.item())
 
 
-def make_result(recipe: str, world: Any, losses: list[float], params: Iterable[torch.Tensor], timer: StepTimer,
-                *, keep_final_state: dict[str, torch.Tensor] | None = None, workload: Any = None,
-                **extras: Any) -> RecipeResult:
+def make_result(
+    recipe: str,
+    world: Any,
+    losses: list[float],
+    params: Iterable[torch.Tensor],
+    timer: StepTimer,
+    *,
+    keep_final_state: dict[str, torch.Tensor] | None = None,
+    workload: Any = None,
+    **extras: Any,
+) -> RecipeResult:
     """Fill a RecipeResult from what every training recipe has at its end.
 
     ``workload`` (a ``recipes.core.throughput.Workload``) turns the step time into tokens/s and MFU.
@@ -118,8 +146,15 @@ def make_result(recipe: str, world: Any, losses: list[float], params: Iterable[t
         devices = world.world_size if world.device.type == "cuda" else 1
         speed = workload.measure(timer.seconds_per_step, world.device, devices)
     return RecipeResult(
-        recipe=recipe, world_size=world.world_size, backend=world.backend, device=str(world.device),
-        losses=losses, param_checksum=param_checksum(params), seconds_per_step=timer.seconds_per_step,
-        peak_memory_bytes=peak_memory_bytes(world.device), extras=extras, final_state=keep_final_state,
+        recipe=recipe,
+        world_size=world.world_size,
+        backend=world.backend,
+        device=str(world.device),
+        losses=losses,
+        param_checksum=param_checksum(params),
+        seconds_per_step=timer.seconds_per_step,
+        peak_memory_bytes=peak_memory_bytes(world.device),
+        extras=extras,
+        final_state=keep_final_state,
         **speed,
     )

@@ -15,18 +15,20 @@ __all__ = ["full_state_on_rank0", "all_ranks"]
 
 # --8<-- [start:full_state]
 def full_state_on_rank0(model: nn.Module) -> tuple[dict[str, torch.Tensor], float]:
-    """The unsharded ``state_dict`` on rank 0's CPU (other ranks get {}), and its checksum on every rank.
+    """The unsharded ``state_dict`` on rank 0's CPU (other ranks get {}), and its checksum on every
+    rank.
 
-    Works for a plain module, DDP, classic FSDP and fully_shard alike: ``get_model_state_dict`` gives
-    clean names (no ``module.`` or ``_fsdp_wrapped_module.`` prefixes). Every rank must call it: it
-    all-gathers each parameter.
+    Works for a plain module, DDP, classic FSDP and fully_shard alike: ``get_model_state_dict``
+    gives clean names (no ``module.`` or ``_fsdp_wrapped_module.`` prefixes). Every rank must call
+    it: it all-gathers each parameter.
 
-    Pitfall 1: without ``cpu_offload`` every rank briefly holds the whole model on its GPU. With it, the
-    full state is built up in rank 0's host memory only (rank0_only).
+    Pitfall 1: without ``cpu_offload`` every rank briefly holds the whole model on its GPU. With it,
+    the full state is built up in rank 0's host memory only (rank0_only).
     Pitfall 2: when classic FSDP's flat parameters already live in host memory (a CPU world, or
     CPUOffload), ``cpu_offload`` frees the very storage it then copies and the process crashes
-    (pytorch/pytorch#188989): gather without offloading there; it is on the host anyway. (fully_shard
-    needs the opposite on a CPU world: without ``cpu_offload`` its gather aborts the process.)
+    (pytorch/pytorch#188989): gather without offloading there; it is on the host anyway.
+    (fully_shard needs the opposite on a CPU world: without ``cpu_offload`` its gather aborts the
+    process.)
     """
     classic_fsdp_on_host = next(model.parameters()).device.type == "cpu" and any(
         isinstance(module, FullyShardedDataParallel) for module in model.modules())

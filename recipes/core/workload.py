@@ -5,8 +5,9 @@ The model is written the way the parallelism recipes need it:
 
 - blocks live in a ``ModuleDict`` keyed "0", "1", ... so that parameter names stay the same when a
   pipeline stage deletes the blocks it does not own;
-- attention has separate ``wq``/``wk``/``wv``/``wo`` projections and infers its local head count from the
-  projection's output size, so tensor parallelism can split heads across ranks without a code change;
+- attention has separate ``wq``/``wk``/``wv``/``wo`` projections and infers its local head count
+  from the projection's output size, so tensor parallelism can split heads across ranks without a
+  code change;
 - ``forward`` skips the embedding / norm / head a pipeline stage has set to ``None``.
 """
 
@@ -42,7 +43,8 @@ class ModelConfig:
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
-    # tiny: for tests, a step takes milliseconds on CPU. 4 heads split over 2 or 4 tensor-parallel ranks.
+    # tiny: for tests, a step takes milliseconds on CPU. 4 heads split over 2 or 4 tensor-parallel
+    # ranks.
     "tiny": ModelConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4),
     "small": ModelConfig(vocab_size=512, seq_len=64, dim=128, n_layers=4, n_heads=4),
     # 100m: for benchmarks, ~110M parameters (GPT-2-small shaped with a 16k vocabulary).
@@ -62,10 +64,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
 
-        def heads(t: torch.Tensor) -> torch.Tensor:  # -1: the local head count (fewer under tensor parallel)
+        # -1: the local head count (fewer under tensor parallel)
+        def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), is_causal=True)
+        out = F.scaled_dot_product_attention(
+            heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), is_causal=True
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -125,8 +130,11 @@ class TransformerLM(nn.Module):
         return x
 
 
-def build_model(model: str | ModelConfig = "tiny", *, seed: int = 0, device: torch.device | str = "cpu") -> TransformerLM:
-    """The same weights on every rank and every world size: initialised from ``seed`` on CPU, then moved."""
+def build_model(
+    model: str | ModelConfig = "tiny", *, seed: int = 0, device: torch.device | str = "cpu"
+) -> TransformerLM:
+    """The same weights on every rank and every world size: initialised from ``seed`` on CPU, then
+    moved."""
     cfg = MODEL_PRESETS[model] if isinstance(model, str) else model
     if cfg.dim % cfg.n_heads:
         raise RecipeError(f"dim={cfg.dim} must be divisible by n_heads={cfg.n_heads}")
@@ -144,8 +152,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class SyntheticTokens(Dataset):
     """Deterministic, learnable sequences: token[t] = (start + stride * t) mod vocab.
 
-    The next token follows from the two before it, so the loss falls quickly: a training run that does
-    not learn is visible. Sample ``i`` depends only on ``seed`` and ``i``, never on the world size.
+    The next token follows from the two before it, so the loss falls quickly: a training run that
+    does not learn is visible. Sample ``i`` depends only on ``seed`` and ``i``, never on the world
+    size.
     """
 
     def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0):
@@ -162,10 +171,15 @@ class SyntheticTokens(Dataset):
         return row[:-1], row[1:]  # inputs, next-token targets
 
 
-def make_dataset(model: str | ModelConfig, global_batch_size: int, *, batches_per_epoch: int = 8, seed: int = 0) -> SyntheticTokens:
-    """A dataset of exactly ``batches_per_epoch`` global batches: no rank ever gets a padded sample."""
+def make_dataset(
+    model: str | ModelConfig, global_batch_size: int, *, batches_per_epoch: int = 8, seed: int = 0
+) -> SyntheticTokens:
+    """A dataset of exactly ``batches_per_epoch`` global batches: no rank ever gets a padded
+    sample."""
     cfg = MODEL_PRESETS[model] if isinstance(model, str) else model
-    return SyntheticTokens(global_batch_size * batches_per_epoch, cfg.seq_len, cfg.vocab_size, seed=seed)
+    return SyntheticTokens(
+        global_batch_size * batches_per_epoch, cfg.seq_len, cfg.vocab_size, seed=seed
+    )
 
 
 # --8<-- [start:distributed_loader]
@@ -180,13 +194,22 @@ def distributed_loader(
 ) -> tuple[DataLoader, DistributedSampler]:
     """Each rank reads a disjoint 1/world_size of every epoch.
 
-    With the same ``seed``, global step ``s`` covers the same samples on every world size: the sampler
-    shuffles all indices with ``seed + epoch`` and deals them round-robin, so the union of the ranks'
-    batches is the single-process batch. ``drop_last`` keeps every step's global batch full.
+    With the same ``seed``, global step ``s`` covers the same samples on every world size: the
+    sampler shuffles all indices with ``seed + epoch`` and deals them round-robin, so the union of
+    the ranks' batches is the single-process batch. ``drop_last`` keeps every step's global batch
+    full.
     """
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=per_rank_batch_size, sampler=sampler, drop_last=True,
-                        pin_memory=pin_memory)  # pinned host memory: asynchronous copies to the GPU
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
+    # pinned host memory: asynchronous copies to the GPU
+    loader = DataLoader(
+        dataset,
+        batch_size=per_rank_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        pin_memory=pin_memory,
+    )
     return loader, sampler
 
 

@@ -1,0 +1,25 @@
+// mkdocs-material calls mermaid.initialize() with its own theme CSS and renders each diagram into
+// a closed shadow root, where the page's CSS cannot reach. Two fixes therefore go into that call:
+// - arrowheads take the edge colour of the palette (mermaid 11 prefixes its marker ids, so the
+//   theme's own arrowhead rule misses them: dark grey on the dark palette);
+// - sequence diagrams wrap long messages and notes inside their boxes instead of overflowing;
+// - flowcharts are spaced tighter, so that a wide one is scaled down less.
+(function () {
+  if (typeof mermaid === "undefined" || typeof mermaid.initialize !== "function") {
+    return;
+  }
+  var css =
+    "marker path, marker circle, .arrowheadPath {" +
+    " fill: var(--md-mermaid-edge-color) !important;" +
+    " stroke: var(--md-mermaid-edge-color) !important; }";
+  var initialize = mermaid.initialize.bind(mermaid);
+  mermaid.initialize = function (config) {
+    var merged = Object.assign({}, config);
+    merged.themeCSS = (merged.themeCSS || "") + css;
+    merged.sequence = Object.assign({}, merged.sequence, { wrap: true, actorMargin: 110 });
+    // Flowcharts: tighter spacing, so that a wide one is scaled down less (readable text).
+    merged.flowchart = Object.assign({}, merged.flowchart, { nodeSpacing: 24, rankSpacing: 36,
+                                                             padding: 8, wrappingWidth: 260 });
+    return initialize(merged);
+  };
+})();
