@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recipes.core.cli import run_cli
