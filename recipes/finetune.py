@@ -365,8 +365,9 @@ def train(cfg: FinetuneConfig) -> RecipeResult:
             keep_final_state=state if cfg.keep_final_state and world.is_main else None,
             workload=Workload(data, cfg.global_batch_size, precision))
         result.model_tflops, result.mfu = 0.0, None  # see the module docstring
-        # Pitfall: free the DDP wrapper while the process group is alive; a reducer collected after
-        # join_world destroyed the group can deadlock the gloo teardown (recipes/lightning_fabric.py).
+        # Pitfall: free the DDP wrapper while the process group is alive; a reducer collected
+        # after join_world destroyed the group can deadlock the gloo teardown
+        # (recipes/lightning_fabric.py).
         del wrapped, optimizer
         return result
 # --8<-- [end:train]

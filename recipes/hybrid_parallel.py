@@ -1,7 +1,7 @@
 """Hybrid parallelism on a DeviceMesh: fully_shard x tensor parallel (2-D), and x pipeline (3-D).
 
-    torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel                  # dp 2 x tp 2
-    torchrun --standalone --nproc_per_node=8 -m recipes.hybrid_parallel --pp 2           # pp 2 x dp 2 x tp 2
+    torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel          # dp 2 x tp 2
+    torchrun --standalone --nproc_per_node=8 -m recipes.hybrid_parallel --pp 2   # pp 2 x dp 2 x tp 2
     torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel --sequence-parallel
 
 The world is one mesh; each parallelism takes one named dimension of it, from the outside in:
@@ -71,7 +71,8 @@ class HybridConfig(TrainConfig):
     tp: int = opt(2, "tensor-parallel size (innermost mesh dim)", ge=1)
     pp: int = opt(
         1, "pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh", ge=1)
-    sequence_parallel: bool = opt(False, "tensor parallel with the sequence split between blocks (see tensor_parallel)")
+    sequence_parallel: bool = opt(
+        False, "tensor parallel with the sequence split between blocks (see tensor_parallel)")
     schedule: Literal["gpipe", "1f1b"] = opt("1f1b", "pipeline schedule when pp > 1")
     microbatches: int = opt(2, "pipeline micro-batches per optimizer step, per data-parallel rank "
                                "(pp > 1)", ge=1)
@@ -123,9 +124,11 @@ def train(cfg: HybridConfig) -> RecipeResult:
         plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
         dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         microbatches = cfg.microbatches if cfg.pp > 1 else 1
-        per_dp_rank_batch = per_rank_batch_size(cfg.global_batch_size, dp_size, microbatches) * microbatches
+        per_dp_rank_batch = microbatches * per_rank_batch_size(cfg.global_batch_size, dp_size,
+                                                               microbatches)
         log.info("%s", rank_grid(mesh))
-        groups = {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in mesh.mesh_dim_names}
+        groups = {dim: dist.get_process_group_ranks(mesh[dim].get_group())
+                  for dim in mesh.mesh_dim_names}
 
         if cfg.pp == 1:
             model = build_model(cfg.model, seed=cfg.seed, device=world.device)
@@ -133,12 +136,15 @@ def train(cfg: HybridConfig) -> RecipeResult:
             apply_tp_and_fsdp(model, mesh, plan=plan, block_types=(Block,), mp_policy=mp_policy)
             modules = [model]
         else:
-            pp_cfg = pp_recipe.PPConfig(model=cfg.model, schedule=cfg.schedule, microbatches=cfg.microbatches,
-                                        n_layers=0, global_batch_size=per_dp_rank_batch)
+            pp_cfg = pp_recipe.PPConfig(model=cfg.model, schedule=cfg.schedule,
+                                        microbatches=cfg.microbatches, n_layers=0,
+                                        global_batch_size=per_dp_rank_batch)
             pp_recipe.check_pipeline_fits(pp_cfg, cfg.pp)
             model_cfg = MODEL_PRESETS[cfg.model]
-            params_unsplit_bytes = sum(p.numel() * p.element_size() for p in build_model(model_cfg).parameters())
-            stage_ids, num_stages = pp_recipe.stage_placement(cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
+            params_unsplit_bytes = sum(p.numel() * p.element_size()
+                                       for p in build_model(model_cfg).parameters())
+            stage_ids, num_stages = pp_recipe.stage_placement(
+                cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
             # Each pp rank cuts its stage, then splits it over its tp x dp sub-mesh; send/recv
             # between stages run on the pp group: the ranks with the same dp and tp coordinates.
             model = build_model(model_cfg, seed=cfg.seed)
@@ -166,12 +172,14 @@ def train(cfg: HybridConfig) -> RecipeResult:
             with timer, warnings.catch_warnings():
                 # fully_shard warns when a module returns a view: here it is TP's local view of the
                 # all-gathered activations, and nothing modifies it in place.
-                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+                warnings.filterwarnings("ignore",
+                                        message=r"FSDP2-wrapped module .* returned a view")
                 inputs, targets = inputs.to(world.device), targets.to(world.device)
                 optimizer.zero_grad(set_to_none=True)
                 if cfg.pp == 1:
                     loss = lm_loss(model(inputs), targets)
-                    loss.backward()  # fully_shard reduce-scatters (averages) gradients over mesh["dp"]
+                    # fully_shard reduce-scatters (averages) gradients over mesh["dp"].
+                    loss.backward()
                     loss = loss.detach().reshape(1).clone()
                     dist.all_reduce(loss, group=dp_group)  # the global batch's loss: mean over dp
                     loss = float(loss.item()) / dp_size
@@ -194,7 +202,8 @@ def train(cfg: HybridConfig) -> RecipeResult:
             "hybrid_parallel", world, losses, state.values(), timer,
             keep_final_state=state if cfg.keep_final_state else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            mesh_shape=list(mesh.mesh.shape), mesh_dim_names=list(mesh.mesh_dim_names), rank_grid=mesh.mesh.tolist(),
+            mesh_shape=list(mesh.mesh.shape), mesh_dim_names=list(mesh.mesh_dim_names),
+            rank_grid=mesh.mesh.tolist(),
             groups_of_this_rank=groups, sequence_parallel=cfg.sequence_parallel,
             param_bytes_per_rank=sum(state_bytes), param_bytes_unsplit=params_unsplit_bytes,
             param_fraction_per_rank=sum(state_bytes) / params_unsplit_bytes,
