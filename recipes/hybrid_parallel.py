@@ -1,7 +1,7 @@
 """Hybrid parallelism on a DeviceMesh: fully_shard x tensor parallel (2-D), and x pipeline (3-D).
 
-    torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel          # dp 2 x tp 2
-    torchrun --standalone --nproc_per_node=8 -m recipes.hybrid_parallel --pp 2   # pp 2 x dp 2 x tp 2
+    torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel          # dp 2, tp 2
+    torchrun --standalone --nproc_per_node=8 -m recipes.hybrid_parallel --pp 2   # pp, dp, tp 2
     torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel --sequence-parallel
 
 The world is one mesh; each parallelism takes one named dimension of it, from the outside in:
