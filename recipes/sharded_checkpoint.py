@@ -18,12 +18,17 @@ verifies the manifest first and refuses a missing, truncated or altered file wit
 it.
 
 ``--async-save`` overlaps writing with training (``dcp.async_save``: the state is copied to host
-memory, then written by a background thread); the next save first waits for the previous one and
-publishes it. ``--export-to`` writes one full ``state_dict`` file on rank 0 for single-device
-inference (``torch.load(..., weights_only=True)`` into a plain model), and ``--init-from`` is the
-path back: rank 0 reads such a file and every rank gets its shard. Offline, without a world:
-``python -m torch.distributed.checkpoint.format_utils dcp_to_torch step_N/ model.pt`` converts a
-whole checkpoint (optimizer included) to one torch.save file.
+memory, then written by a background thread, or with ``--async-mode process`` by a background
+process per rank); the next save first waits for the previous one and publishes it. ``--export-to``
+writes one full ``state_dict`` file on rank 0 for single-device inference (``torch.load(...,
+weights_only=True)`` into a plain model), and ``--init-from`` is the path back: rank 0 reads such a
+file and every rank gets its shard. Offline, without a world: ``python -m
+torch.distributed.checkpoint.format_utils dcp_to_torch step_N/ model.pt`` converts a whole
+checkpoint (optimizer included) to one torch.save file.
+
+Length: about 430 lines, over the cookbook's ~300, because everything a resume must carry (model,
+optimizer, data position, RNG streams, resharding), the export and the two background writers are
+one lesson that reads top to bottom; the second idea, publishing, lives in recipes/core/publish.py.
 """
 
 from __future__ import annotations
@@ -78,6 +83,10 @@ class CheckpointConfig(TrainConfig):
         "'' = always start fresh")
     async_save: bool = opt(
         False, "write checkpoints in the background (dcp.async_save) while training goes on")
+    async_mode: Literal["thread", "process"] = opt(
+        "thread", "with --async-save: write in a background thread of each rank, or in a "
+        "background process per rank (no GIL contention with training; needs a torch with "
+        "AsyncCheckpointerType.PROCESS)")
     keep_last: int = opt(
         2, "published checkpoints to keep; older ones are deleted (0 = keep all)", ge=0)
     export_to: str = opt(
@@ -209,17 +218,48 @@ def steps_from(loader: DataLoader, sampler: ResumableSampler, progress: dict[str
 
 
 # --8<-- [start:save]
+def async_options(mode: str, device: torch.device) -> dict[str, Any]:
+    """dcp.async_save's keywords for ``--async-mode``. "process": each rank starts one background
+    process on its first async save (its own gloo world, set up through ``group``), which then
+    writes every checkpoint: the write no longer competes with training for the GIL."""
+    if mode == "thread":
+        return {}  # dcp.async_save's default: a thread, and a stager it owns and closes
+    from torch.distributed.checkpoint import state_dict_saver
+
+    kind = getattr(getattr(state_dict_saver, "AsyncCheckpointerType", None), "PROCESS", None)
+    if kind is None:  # added after torch 2.11's floor? checked, not assumed
+        raise RecipeError(f"--async-mode process needs dcp's AsyncCheckpointerType.PROCESS, which "
+                          f"torch {torch.__version__} lacks; use --async-mode thread")
+    options: dict[str, Any] = {"async_checkpointer_type": kind}
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # older torch: DCP stages into plain host memory itself
+        return options
+    # Staged into shared memory: the copy handed to the background process is not pickled through
+    # its pipe; pinned memory and non-blocking copies only help a device-to-host copy. The caller
+    # owns this stager and closes it after the last save.
+    cuda = device.type == "cuda"
+    options["async_stager"] = DefaultStager(StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=False,
+        use_non_blocking_copy=cuda))
+    return options
+
+
 def save_checkpoint(root: str, app: AppState, step: int, *, group: dist.ProcessGroup | None,
                     async_save: bool = False, keep_last: int = 0,
-                    made_with: dict[str, Any] | None = None) -> PendingSave:
+                    made_with: dict[str, Any] | None = None,
+                    async_kwargs: dict[str, Any] | None = None) -> PendingSave:
     """Write every rank's shard into ``root/.tmp-step_N``; ``finish()`` on the result publishes it
-    (recipes/core/publish.py). ``made_with`` (what a resume must repeat) goes into the manifest."""
+    (recipes/core/publish.py). ``made_with`` (what a resume must repeat) goes into the manifest;
+    ``async_kwargs`` (from async_options) choose the background writer."""
     pending = PendingSave(root, step, group, keep_last, dict(made_with or {}))
     tmp_dir = begin_save(pending)
     if async_save:
         # The state is copied to host memory before async_save returns, so training may change the
-        # parameters right away; the write runs in a thread, with collectives on `group` only.
-        future = dcp.async_save({"app": app}, checkpoint_id=tmp_dir, process_group=group)
+        # parameters right away; the write runs in the background, with collectives on `group`
+        # only (a background process gets a gloo world of its own, set up through `group`).
+        future = dcp.async_save({"app": app}, checkpoint_id=tmp_dir, process_group=group,
+                                **(async_kwargs or {}))
         pending.future = getattr(future, "upload_completion", future)  # newer torch: a response
     else:
         dcp.save({"app": app}, checkpoint_id=tmp_dir, process_group=group)
@@ -281,6 +321,21 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int,
     if precision == "fp16":
         raise RecipeError("sharded_checkpoint does not checkpoint a loss scaler; use --precision "
                           "bf16 (no scaler needed) or fp32")
+    if cfg.async_mode != "thread" and not cfg.async_save:
+        raise RecipeError(f"--async-mode {cfg.async_mode} chooses how --async-save writes; "
+                          "add --async-save, or drop --async-mode")
+    async_kwargs = async_options(cfg.async_mode, world.device) if cfg.async_save else {}
+    stager = async_kwargs.get("async_stager")
+    try:
+        return _train_loop(cfg, world, per_rank_batch, group, precision, async_kwargs)
+    finally:
+        if stager is not None:
+            stager.close()  # ours, not DCP's (see async_options); after the last save finished
+
+
+def _train_loop(cfg: CheckpointConfig, world: World, per_rank_batch: int,
+                group: dist.ProcessGroup, precision: str,
+                async_kwargs: dict[str, Any]) -> RecipeResult:
     # Now, not after training (bad paths once trained first and then failed with a traceback).
     refuse_bad_paths(cfg.checkpoint_dir, saving=cfg.save_every > 0, init_from=cfg.init_from,
                      export_to=cfg.export_to, group=group)
@@ -355,7 +410,7 @@ def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int,
                 pending.finish()  # one save in flight at a time: wait for the previous, publish it
             pending = save_checkpoint(cfg.checkpoint_dir, app, done, group=group,
                                       async_save=cfg.async_save, keep_last=cfg.keep_last,
-                                      made_with=made_with)
+                                      made_with=made_with, async_kwargs=async_kwargs)
             if not cfg.async_save:
                 pending.finish()
                 pending = None

@@ -2,11 +2,17 @@
 resharded from 2 ranks to 1, 3 and 4; full state-dict export and import; async save; a save killed
 part-way never damages the last good checkpoint; damaged files are refused by name."""
 
+import contextlib
+import glob
 import json
 import os
 import pickle
 import re
 import shutil
+import signal
+import sys
+import threading
+import time
 from types import SimpleNamespace
 from unittest import mock
 
@@ -661,3 +667,107 @@ def test_lr_given_on_resume_replaces_the_checkpoints_and_says_so(saved):
     assert_losses_close(result.losses[:1], straight[3:4], atol=SAME_WORLD_ATOL)  # before any step
     assert abs(result.losses[1] - straight[4]) > 1e-2, "step 4 should have used lr=0.5"
     assert "--lr 0.5 replaces the checkpoint's lr 0.001" in logged(info)
+
+
+def train_until_a_save_is_in_flight(cfg, marker_dir, in_flight_step):
+    """Runs on every rank: trains with --async-save; once the save of ``in_flight_step`` has been
+    started (shards staged, the background writer busy, nothing published), writes this rank's pid
+    to ``marker_dir`` and waits there to be killed."""
+    start_save = sharded_checkpoint.save_checkpoint
+
+    def start_then_wait(root, app, step, **kwargs):
+        pending = start_save(root, app, step, **kwargs)
+        if step == in_flight_step:
+            marker = os.path.join(marker_dir, f"rank{dist.get_rank()}")
+            with open(marker + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(marker + ".tmp", marker)
+            time.sleep(300)  # the test SIGKILLs this process (and its writer) long before
+        return pending
+
+    sharded_checkpoint.save_checkpoint = start_then_wait  # in this rank's process only
+    return in_one_world(sharded_checkpoint.train, [cfg], timeout_s=240)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (Linux /proc): a rank, its DCP writer process, helpers."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError), open(stat) as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "(command name)": state, ppid
+            parents[int(stat.split("/")[2])] = int(fields[1])
+    tree = [pid]
+    for parent in tree:  # grows while it is walked: breadth first
+        tree += [child for child, its_parent in parents.items() if its_parent == parent]
+    return tree
+
+
+# Slow: a world of 2 whose ranks each start a DCP writer process (a fresh interpreter importing
+# torch), then a 1-rank resume: about 40 s of CPU time, well over the default run's budget.
+@pytest.mark.slow
+@pytest.mark.parametrize("async_mode", ["process"])
+def test_trainer_killed_during_an_async_save_keeps_the_last_good_checkpoint(
+    saved, tmp_path, async_mode
+):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("finds the writer processes to kill through /proc (Linux only)")
+    root, markers = tmp_path / "killed", tmp_path / "markers"
+    markers.mkdir()
+    cfg = with_fields(BASE, strategy="fsdp2", save_every=3, async_save=True, async_mode=async_mode,
+                      checkpoint_dir=str(root))
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = spawn_world(train_until_a_save_is_in_flight, 2, cfg, str(markers),
+                                            6, timeout_s=240)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+            outcome["error"] = exc
+
+    world = threading.Thread(target=run, daemon=True)
+    world.start()
+    deadline = time.monotonic() + 240
+    while len(os.listdir(markers)) < 2 and world.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sorted(os.listdir(markers)) == ["rank0", "rank1"], f"no save in flight: {outcome}"
+    # What a lost node does to a job: every process of it, the writers too, dies at once (SIGKILL:
+    # no handler, no atexit, no flush), while the step-6 save is being written.
+    ranks = [int((markers / name).read_text()) for name in ("rank0", "rank1")]
+    doomed = [pid for rank in ranks for pid in process_tree(rank)]
+    assert len(doomed) > 2, "each rank should have started a writer process"
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    world.join(timeout=60)
+    assert isinstance(outcome.get("error"), RankError), outcome
+    assert "was killed by signal 9" in str(outcome["error"])
+
+    # The last published checkpoint survives, verifies and is what 'latest' names.
+    assert published_steps(root) == [3] and read_latest(root) == "step_00000003"
+    assert not (root / "step_00000006").exists()
+    verify_checkpoint(str(root / "step_00000003"))
+    # The job is restarted (here on 1 rank, thread mode: this test process must not keep a DCP
+    # writer process for the other tests) and trains exactly as the run that was never killed.
+    result = run_alone(sharded_checkpoint.train, with_fields(cfg, resume_from="latest",
+                                                             async_mode="thread"))
+    assert result.extras["start_step"] == 3
+    assert_losses_close(result.losses, saved.straight["fsdp2"].losses[3:], atol=RESHARDED_ATOL)
+    assert published_steps(root) == [3, 6] and read_latest(root) == "step_00000006"
+    assert not [name for name in os.listdir(root) if name.startswith(".tmp-")]
+
+
+def test_async_mode_is_refused_where_it_cannot_work(tmp_path):
+    from torch.distributed.checkpoint import state_dict_saver
+
+    cfg = with_fields(BASE, save_every=3, async_mode="process", checkpoint_dir=str(tmp_path))
+    trained = AssertionError("trained")
+    with mock.patch.object(sharded_checkpoint, "parallelize", side_effect=trained):
+        with pytest.raises(RecipeError, match=r"^--async-mode process chooses how --async-save "
+                                              r"writes; add --async-save, or drop --async-mode$"):
+            run_alone(sharded_checkpoint.train, cfg)
+        # torch 2.11 must say it in one line if its DCP lacks the process-based writer.
+        with mock.patch.object(state_dict_saver, "AsyncCheckpointerType", None, create=True):
+            with pytest.raises(RecipeError, match=r"^--async-mode process needs dcp's "
+                                                  r"AsyncCheckpointerType.PROCESS, which torch "
+                                                  r".* lacks; use --async-mode thread$"):
+                run_alone(sharded_checkpoint.train, with_fields(cfg, async_save=True))
