@@ -33,6 +33,7 @@ one lesson that reads top to bottom; the second idea, publishing, lives in recip
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Iterator
@@ -234,6 +235,8 @@ def async_options(mode: str, device: torch.device) -> dict[str, Any]:
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:  # older torch: DCP stages into plain host memory itself
+        return options
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
         return options
     # Staged into shared memory: the copy handed to the background process is not pickled through
     # its pipe; pinned memory and non-blocking copies only help a device-to-host copy. The caller
