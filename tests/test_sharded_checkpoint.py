@@ -1,12 +1,18 @@
-"""sharded_checkpoint: a resumed run equals an uninterrupted one (DDP, FSDP, fully_shard), also resharded
-from 2 ranks to 1, 3 and 4; full state-dict export and import; async save; a save killed part-way never
-damages the last good checkpoint; damaged files are refused by name."""
+"""sharded_checkpoint: a resumed run equals an uninterrupted one (DDP, FSDP, fully_shard), also
+resharded from 2 ranks to 1, 3 and 4; full state-dict export and import; async save; a save killed
+part-way never damages the last good checkpoint; damaged files are refused by name."""
 
+import contextlib
+import glob
 import json
 import os
 import pickle
 import re
 import shutil
+import signal
+import sys
+import threading
+import time
 from types import SimpleNamespace
 from unittest import mock
 
@@ -19,14 +25,33 @@ from recipes.core.config import RecipeError
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import RankError, join_world, spawn_world
-from recipes.sharded_checkpoint import (AppState, CheckpointConfig, ResumableSampler, find_checkpoint,
-                                        load_checkpoint, published_steps, save_checkpoint, verify_checkpoint)
-from tests.helpers import (CUDA_DEVICES, PYTHON, assert_losses_close, assert_states_close, in_one_world, last_json,
-                           run_alone, run_cli, run_world, with_fields)
+from recipes.core import publish
+from recipes.core.publish import find_checkpoint, published_steps, verify_checkpoint
+from recipes.sharded_checkpoint import (
+    AppState,
+    CheckpointConfig,
+    ResumableSampler,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tests.helpers import (
+    CUDA_DEVICES,
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    in_one_world,
+    last_json,
+    run_alone,
+    run_cli,
+    run_world,
+    with_fields,
+)
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
-# resume_from="" : the recipe's default ("latest") would pick up whatever the default directory holds.
-BASE = CheckpointConfig(steps=6, save_every=0, resume_from="", timeout_s=120, keep_final_state=True, precision="fp32")
+# resume_from="": the recipe's default ("latest") would pick up whatever the default directory holds
+BASE = CheckpointConfig(
+    steps=6, save_every=0, resume_from="", timeout_s=120, keep_final_state=True, precision="fp32"
+)
 # Same world, same strategy: the resumed run repeats the same arithmetic (observed: bit-identical).
 # Another world size sums the gradients in another order: equal to float32 rounding.
 SAME_WORLD_ATOL, RESHARDED_ATOL = 1e-6, 1e-5
@@ -39,25 +64,44 @@ def read_latest(root) -> str:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """One world of 2: per strategy, 6 uninterrupted steps, and 3 steps that save and export; one async run."""
+    """One world of 2: per strategy, 6 uninterrupted steps, and 3 steps that save and export; one
+    async run."""
     root = tmp_path_factory.mktemp("checkpoints")
     configs = []
     for strategy in STRATEGIES:
-        configs += [with_fields(BASE, strategy=strategy),
-                    with_fields(BASE, strategy=strategy, steps=3, save_every=3, checkpoint_dir=str(root / strategy),
-                                export_to=str(root / f"{strategy}.pt"))]
-    configs.append(with_fields(BASE, strategy="fsdp2", save_every=2, async_save=True, keep_last=2,
-                               checkpoint_dir=str(root / "async")))
+        configs += [
+            with_fields(BASE, strategy=strategy),
+            with_fields(
+                BASE,
+                strategy=strategy,
+                steps=3,
+                save_every=3,
+                checkpoint_dir=str(root / strategy),
+                export_to=str(root / f"{strategy}.pt"),
+            ),
+        ]
+    configs.append(
+        with_fields(
+            BASE,
+            strategy="fsdp2",
+            save_every=2,
+            async_save=True,
+            keep_last=2,
+            checkpoint_dir=str(root / "async"),
+        )
+    )
     results = run_world(sharded_checkpoint.train, 2, configs, timeout_s=240)
     return SimpleNamespace(
-        root=root, async_run=results[-1],
+        root=root,
+        async_run=results[-1],
         straight={s: results[2 * i] for i, s in enumerate(STRATEGIES)},
         first_half={s: results[2 * i + 1] for i, s in enumerate(STRATEGIES)},
     )
 
 
 def resume_import_and_rng(configs, exported_file, rng_dir):
-    """In a FRESH world: resume each config; load a full file into each strategy's model; RNG round trip."""
+    """In a FRESH world: resume each config; load a full file into each strategy's model; RNG round
+    trip."""
     with join_world("gloo", timeout_s=120) as world:
         results = [sharded_checkpoint.train(cfg) for cfg in configs]
         imported = {}
@@ -66,11 +110,17 @@ def resume_import_and_rng(configs, exported_file, rng_dir):
             model = sharded_checkpoint.parallelize(build_model("tiny", seed=1), strategy, world)
             sharded_checkpoint.load_full_state_dict(model, exported_file)
             imported[strategy] = full_state_on_rank0(model)[0]
-        # RNG: each rank saves its own stream, then draws; after reseeding and loading it must draw the same.
+        # RNG: each rank saves its own stream, then draws; after reseeding and loading it must draw
+        # the same.
         group = dist.new_group(backend="gloo")
         model = sharded_checkpoint.parallelize(build_model("tiny"), "ddp", world)
-        app = AppState(model, torch.optim.AdamW(model.parameters()), global_batch_size=12, batches_per_epoch=4,
-                       group=group)
+        app = AppState(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            global_batch_size=12,
+            batches_per_epoch=4,
+            group=group,
+        )
         torch.manual_seed(100 + world.rank)
         torch.rand(5)
         save_checkpoint(rng_dir, app, 1, group=group).finish()
@@ -86,37 +136,67 @@ def resume_import_and_rng(configs, exported_file, rng_dir):
 @pytest.fixture(scope="module")
 def resumed(saved, tmp_path_factory):
     """A new world of 2 resumes each strategy's step-3 checkpoint, and the async run's step 4."""
-    configs = [with_fields(BASE, strategy=s, resume_from="latest", checkpoint_dir=str(saved.root / s))
-               for s in STRATEGIES]
-    configs.append(with_fields(BASE, strategy="fsdp2", resume_from=str(saved.root / "async" / "step_00000004")))
-    configs.append(with_fields(BASE, strategy="fsdp", steps=1, init_from=str(saved.root / "ddp.pt")))
-    results, imported, draws = spawn_world(resume_import_and_rng, 2, configs, str(saved.root / "ddp.pt"),
-                                           str(tmp_path_factory.mktemp("rng")), timeout_s=240)
-    return SimpleNamespace(by_strategy=dict(zip(STRATEGIES, results)), async_resume=results[3],
-                           init_from=results[4], imported=imported, draws=draws)
+    configs = [
+        with_fields(BASE, strategy=s, resume_from="latest", checkpoint_dir=str(saved.root / s))
+        for s in STRATEGIES
+    ]
+    configs.append(
+        with_fields(BASE, strategy="fsdp2", resume_from=str(saved.root / "async" / "step_00000004"))
+    )
+    configs.append(
+        with_fields(BASE, strategy="fsdp", steps=1, init_from=str(saved.root / "ddp.pt"))
+    )
+    results, imported, draws = spawn_world(
+        resume_import_and_rng,
+        2,
+        configs,
+        str(saved.root / "ddp.pt"),
+        str(tmp_path_factory.mktemp("rng")),
+        timeout_s=240,
+    )
+    return SimpleNamespace(
+        by_strategy=dict(zip(STRATEGIES, results)),
+        async_resume=results[3],
+        init_from=results[4],
+        imported=imported,
+        draws=draws,
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resumed_run_in_a_new_world_equals_the_uninterrupted_run(saved, resumed, strategy):
-    straight, first, second = saved.straight[strategy], saved.first_half[strategy], resumed.by_strategy[strategy]
+    straight, first, second = (
+        saved.straight[strategy],
+        saved.first_half[strategy],
+        resumed.by_strategy[strategy],
+    )
     assert first.losses == straight.losses[:3]
-    assert first.extras["saved_steps"] == [3] and read_latest(saved.root / strategy) == "step_00000003"
+    assert (
+        first.extras["saved_steps"] == [3] and read_latest(saved.root / strategy) == "step_00000003"
+    )
     assert (second.extras["start_step"], second.extras["saved_by_world_size"]) == (3, 2)
-    # 6 steps with batches_per_epoch=4: the resumed part crosses an epoch, so the epoch was restored too.
+    # 6 steps with batches_per_epoch=4: the resumed part crosses an epoch: the epoch was restored.
     assert_losses_close(second.losses, straight.losses[3:], atol=SAME_WORLD_ATOL)
     assert_states_close(second.final_state, straight.final_state, atol=SAME_WORLD_ATOL)
     assert straight.losses[-1] < straight.losses[0], "the model should learn"
 
 
-# 4 ranks on a 2-core CI machine is the slowest world here: 1 and 3 cover resharding in the default run.
+# 4 ranks on a 2-core CI machine is the slowest world here: 1 and 3 cover resharding by default.
 @pytest.mark.parametrize("world_size", [1, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_checkpoint_of_2_ranks_resumes_on_1_3_and_4_ranks(saved, world_size):
-    # fully_shard -> fully_shard (DTensor shards re-cut), and across strategies: FSDP's ShardedTensors
-    # into DDP, DDP's replicated tensors into fully_shard. Optimizer state included: Adam's moments
-    # decide the next steps, so wrong or missing moments show in the losses and weights.
+    # fully_shard -> fully_shard (DTensor shards re-cut), and across strategies: FSDP's
+    # ShardedTensors into DDP, DDP's replicated tensors into fully_shard. Optimizer state included:
+    # Adam's moments decide the next steps, so wrong or missing moments show in losses and weights.
     pairs = [("fsdp2", "fsdp2"), ("fsdp", "ddp"), ("ddp", "fsdp2")]
-    configs = [with_fields(BASE, strategy=loaded_as, resume_from="latest", checkpoint_dir=str(saved.root / saved_by))
-               for saved_by, loaded_as in pairs]
+    configs = [
+        with_fields(
+            BASE,
+            strategy=loaded_as,
+            resume_from="latest",
+            checkpoint_dir=str(saved.root / saved_by),
+        )
+        for saved_by, loaded_as in pairs
+    ]
     if world_size == 1:
         results = [run_alone(sharded_checkpoint.train, cfg) for cfg in configs]
     else:
@@ -135,9 +215,13 @@ def test_async_save_trains_the_same_and_its_snapshot_resumes_exactly(saved, resu
     assert published_steps(saved.root / "async") == [4, 6]  # keep_last=2 deleted step 2
     assert read_latest(saved.root / "async") == "step_00000006"
     assert not [n for n in os.listdir(saved.root / "async") if n.startswith(".tmp-")]
-    # The step-4 snapshot was taken while steps 5 and 6 updated the parameters: it must hold step 4's.
-    assert_losses_close(resumed.async_resume.losses, saved.straight["fsdp2"].losses[4:], atol=SAME_WORLD_ATOL)
-    assert_states_close(resumed.async_resume.final_state, saved.straight["fsdp2"].final_state, atol=SAME_WORLD_ATOL)
+    # The step-4 snapshot was taken while steps 5 and 6 updated the parameters: it holds step 4's.
+    assert_losses_close(
+        resumed.async_resume.losses, saved.straight["fsdp2"].losses[4:], atol=SAME_WORLD_ATOL
+    )
+    assert_states_close(
+        resumed.async_resume.final_state, saved.straight["fsdp2"].final_state, atol=SAME_WORLD_ATOL
+    )
 
 
 def test_rng_state_of_every_rank_is_restored(resumed):
@@ -150,8 +234,12 @@ def test_rng_state_of_every_rank_is_restored(resumed):
 def test_export_is_a_plain_state_dict_for_single_device_inference(saved, strategy):
     exported = torch.load(saved.root / f"{strategy}.pt", weights_only=True)
     plain = build_model("tiny", seed=1)
-    plain.load_state_dict(exported)  # strict: no "module." / "_fsdp_wrapped_module." prefixes, nothing missing
-    assert_states_close(dict(plain.named_parameters()), saved.first_half[strategy].final_state, atol=0.0)
+    plain.load_state_dict(
+        exported
+    )  # strict: no "module." / "_fsdp_wrapped_module." prefixes, nothing missing
+    assert_states_close(
+        dict(plain.named_parameters()), saved.first_half[strategy].final_state, atol=0.0
+    )
 
 
 def test_full_file_loads_into_every_sharded_model(saved, resumed):
@@ -165,7 +253,9 @@ def test_init_from_a_full_file_starts_training_from_its_weights(saved, resumed):
     model = build_model("tiny", seed=1)
     model.load_state_dict(torch.load(saved.root / "ddp.pt", weights_only=True))
     dataset = make_dataset("tiny", 12, batches_per_epoch=BASE.batches_per_epoch)
-    first_batch = list(ResumableSampler(dataset, per_rank_batch_size=12, num_replicas=1, rank=0))[:12]
+    first_batch = list(ResumableSampler(dataset, per_rank_batch_size=12, num_replicas=1, rank=0))[
+        :12
+    ]
     inputs, targets = dataset.tokens[first_batch][:, :-1], dataset.tokens[first_batch][:, 1:]
     with torch.no_grad():
         expected = lm_loss(model(inputs), targets).item()
@@ -174,7 +264,9 @@ def test_init_from_a_full_file_starts_training_from_its_weights(saved, resumed):
 
 
 def test_the_same_command_again_has_nothing_left_to_train(saved):
-    cfg = with_fields(BASE, strategy="ddp", steps=3, resume_from="latest", checkpoint_dir=str(saved.root / "ddp"))
+    cfg = with_fields(
+        BASE, strategy="ddp", steps=3, resume_from="latest", checkpoint_dir=str(saved.root / "ddp")
+    )
     result = run_alone(sharded_checkpoint.train, cfg)
     assert (result.extras["start_step"], result.losses, result.extras["saved_steps"]) == (3, [], [])
 
@@ -184,7 +276,9 @@ def test_whole_checkpoint_converts_offline_to_one_torch_save_file(saved, tmp_pat
 
     dcp_to_torch_save(saved.root / "ddp" / "step_00000003", tmp_path / "all.pt")  # no world needed
     converted = torch.load(tmp_path / "all.pt", weights_only=True)["app"]
-    assert_states_close(converted["model"], torch.load(saved.root / "ddp.pt", weights_only=True), atol=0.0)
+    assert_states_close(
+        converted["model"], torch.load(saved.root / "ddp.pt", weights_only=True), atol=0.0
+    )
     assert converted["progress"]["step"] == 3 and "state" in converted["optim"]
 
 
@@ -198,7 +292,9 @@ def train_and_die_in_a_save(cfg, fatal_save):
         saves.append(plan)
         if len(saves) == fatal_save and dist.get_rank() == 1:
             with open(os.path.join(str(self.path), "__1_0.distcp"), "wb") as f:
-                f.write(b"\0" * 100)  # half a shard, then the process is gone: what a lost node leaves
+                f.write(
+                    b"\0" * 100
+                )  # half a shard, then the process is gone: what a lost node leaves
             os._exit(1)
         return original(self, plan, planner)
 
@@ -215,7 +311,7 @@ def test_save_killed_part_way_leaves_the_last_checkpoint_loadable(saved, tmp_pat
     assert published_steps(root) == [3]
     assert not (root / "step_00000006").exists() and (root / ".tmp-step_00000006").exists()
     verify_checkpoint(str(root / "step_00000003"))
-    # The job is restarted (here on 1 rank) with the same command: it resumes from step 3 and finishes.
+    # The job is restarted (here on 1 rank) with the same command: it resumes from step 3, finishes.
     result = run_alone(sharded_checkpoint.train, with_fields(cfg, resume_from="latest"))
     assert result.extras["start_step"] == 3
     assert_losses_close(result.losses, saved.straight["fsdp2"].losses[3:], atol=RESHARDED_ATOL)
@@ -234,8 +330,11 @@ def test_truncated_shard_is_refused_on_load_naming_the_file(checkpoint_copy):
     size = os.path.getsize(shard)
     os.truncate(shard, size // 2)
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy))
-    with pytest.raises(RecipeError, match=rf"checkpoint file {shard} is truncated or overwritten: "
-                                          rf"{size // 2} bytes, the manifest says {size}"):
+    with pytest.raises(
+        RecipeError,
+        match=rf"checkpoint file {shard} is truncated or overwritten: "
+        rf"{size // 2} bytes, the manifest says {size}",
+    ):
         run_alone(sharded_checkpoint.train, cfg)
 
 
@@ -246,46 +345,92 @@ def test_corrupt_missing_and_unpublished_files_are_refused(checkpoint_copy, tmp_
         byte = f.read(1)
         f.seek(200)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(RecipeError, match=rf"checkpoint file {shard} is corrupt: its sha256 differs"):
+    with pytest.raises(
+        RecipeError, match=rf"checkpoint file {shard} is corrupt: its sha256 differs"
+    ):
         verify_checkpoint(checkpoint_copy)
     os.remove(os.path.join(checkpoint_copy, ".metadata"))
-    with pytest.raises(RecipeError, match=r"checkpoint file .*/\.metadata is missing \(1 more bad file\(s\)\)"):
+    with pytest.raises(
+        RecipeError, match=r"checkpoint file .*/\.metadata is missing \(1 more bad file\(s\)\)"
+    ):
         verify_checkpoint(checkpoint_copy)
-    os.remove(os.path.join(checkpoint_copy, "MANIFEST.json"))  # what an unpublished .tmp-* directory looks like
-    with pytest.raises(RecipeError, match=r"is not a complete checkpoint: MANIFEST.json is missing"):
+    os.remove(
+        os.path.join(checkpoint_copy, "MANIFEST.json")
+    )  # what an unpublished .tmp-* directory looks like
+    with pytest.raises(
+        RecipeError, match=r"is not a complete checkpoint: MANIFEST.json is missing"
+    ):
         verify_checkpoint(checkpoint_copy)
 
 
 def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path):
     ddp_dir = str(saved.root / "ddp")
-    with pytest.raises(RecipeError, match=r"already holds checkpoints past step 0 \(up to step 3\)"):
-        run_alone(sharded_checkpoint.train, with_fields(BASE, strategy="ddp", save_every=3, checkpoint_dir=ddp_dir))
-    with pytest.raises(RecipeError, match=r"was trained with global_batch_size=12; resume with the same "
-                                          r"--global-batch-size, or the resumed run reads other data"):
-        run_alone(sharded_checkpoint.train, with_fields(BASE, strategy="ddp", global_batch_size=6,
-                                                        resume_from="latest", checkpoint_dir=ddp_dir))
+    with pytest.raises(
+        RecipeError, match=r"already holds checkpoints past step 0 \(up to step 3\)"
+    ):
+        run_alone(
+            sharded_checkpoint.train,
+            with_fields(BASE, strategy="ddp", save_every=3, checkpoint_dir=ddp_dir),
+        )
+    with pytest.raises(
+        RecipeError,
+        match=r"was trained with global_batch_size=12; resume with the same "
+        r"--global-batch-size, or the resumed run reads other data",
+    ):
+        run_alone(
+            sharded_checkpoint.train,
+            with_fields(
+                BASE,
+                strategy="ddp",
+                global_batch_size=6,
+                resume_from="latest",
+                checkpoint_dir=ddp_dir,
+            ),
+        )
     with pytest.raises(RecipeError, match=r"--resume-from .*nowhere: no such checkpoint directory"):
         find_checkpoint(str(tmp_path / "nowhere"), ddp_dir)
     (tmp_path / "latest").write_text("step_00000009")
     with pytest.raises(RecipeError, match=r"names .*step_00000009, which does not exist"):
         find_checkpoint("latest", str(tmp_path))
-    assert find_checkpoint("latest", str(tmp_path / "empty")) is None  # first run of a requeued job: fresh
-    with pytest.raises(RecipeError, match="unknown strategy='zero'; valid values: ddp, fsdp, fsdp2"):
+    assert (
+        find_checkpoint("latest", str(tmp_path / "empty")) is None
+    )  # first run of a requeued job: fresh
+    with pytest.raises(
+        RecipeError, match="unknown strategy='zero'; valid values: ddp, fsdp, fsdp2"
+    ):
         CheckpointConfig(strategy="zero")
     with pytest.raises(RecipeError, match="save_every must be >= 0"):
         CheckpointConfig(save_every=-1)
 
 
-@pytest.mark.skipif(CUDA_DEVICES < 2, reason=f"NCCL with 2 ranks needs 2 CUDA devices, found {CUDA_DEVICES}")
+@pytest.mark.skipif(
+    CUDA_DEVICES < 2, reason=f"NCCL with 2 ranks needs 2 CUDA devices, found {CUDA_DEVICES}"
+)
 def test_nccl_world_saves_async_and_a_cpu_world_resumes(saved, tmp_path):
     # GPU path: CUDA RNG state, cpu_offload of the full state, async staging from GPU memory; the
-    # checkpoint I/O still runs on its own gloo group. The same checkpoint then resumes on CPU / gloo.
-    cfg = with_fields(BASE, strategy="fsdp2", backend="nccl", save_every=3, async_save=True,
-                      checkpoint_dir=str(tmp_path / "nccl"))
-    (first,) = run_world(sharded_checkpoint.train, 2, [with_fields(cfg, steps=3)], backend="nccl", timeout_s=240)
-    (second,) = run_world(sharded_checkpoint.train, 2, [with_fields(cfg, resume_from="latest", save_every=0)],
-                          backend="nccl", timeout_s=240)
-    on_cpu = run_alone(sharded_checkpoint.train, with_fields(cfg, backend="gloo", resume_from="latest", save_every=0))
+    # checkpoint I/O still runs on its own gloo group. The same checkpoint then resumes on CPU/gloo.
+    cfg = with_fields(
+        BASE,
+        strategy="fsdp2",
+        backend="nccl",
+        save_every=3,
+        async_save=True,
+        checkpoint_dir=str(tmp_path / "nccl"),
+    )
+    (first,) = run_world(
+        sharded_checkpoint.train, 2, [with_fields(cfg, steps=3)], backend="nccl", timeout_s=240
+    )
+    (second,) = run_world(
+        sharded_checkpoint.train,
+        2,
+        [with_fields(cfg, resume_from="latest", save_every=0)],
+        backend="nccl",
+        timeout_s=240,
+    )
+    on_cpu = run_alone(
+        sharded_checkpoint.train,
+        with_fields(cfg, backend="gloo", resume_from="latest", save_every=0),
+    )
     reference = saved.straight["fsdp2"].losses  # computed on CPU: GPU kernels differ in rounding
     assert_losses_close(first.losses + second.losses, reference, atol=1e-4)
     assert_losses_close(on_cpu.losses, second.losses, atol=1e-4)
@@ -293,39 +438,98 @@ def test_nccl_world_saves_async_and_a_cpu_world_resumes(saved, tmp_path):
 
 def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.sharded_checkpoint",
-                        "--strategy", "fsdp2", "--steps", "3", "--checkpoint-dir", ckpt], timeout_s=180)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.sharded_checkpoint",
+            "--strategy",
+            "fsdp2",
+            "--steps",
+            "3",
+            "--checkpoint-dir",
+            ckpt,
+        ],
+        timeout_s=180,
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     first = last_json(launched.stdout)
-    resumed = run_cli([PYTHON, "-m", "recipes.sharded_checkpoint", "--strategy", "fsdp", "--steps", "6",
-                       "--precision", "fp32",
-                       "--resume-from", "latest", "--checkpoint-dir", ckpt, "--export-to", str(tmp_path / "m.pt")],
-                      timeout_s=180)
+    resumed = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.sharded_checkpoint",
+            "--strategy",
+            "fsdp",
+            "--steps",
+            "6",
+            "--precision",
+            "fp32",
+            "--resume-from",
+            "latest",
+            "--checkpoint-dir",
+            ckpt,
+            "--export-to",
+            str(tmp_path / "m.pt"),
+        ],
+        timeout_s=180,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     second = last_json(resumed.stdout)
-    assert (first["world_size"], second["world_size"], second["extras"]["saved_by_world_size"]) == (2, 1, 2)
-    assert_losses_close(first["losses"] + second["losses"], saved.straight["fsdp2"].losses, atol=RESHARDED_ATOL)
+    assert (first["world_size"], second["world_size"], second["extras"]["saved_by_world_size"]) == (
+        2,
+        1,
+        2,
+    )
+    assert_losses_close(
+        first["losses"] + second["losses"], saved.straight["fsdp2"].losses, atol=RESHARDED_ATOL
+    )
     assert "resumed from" in resumed.stdout and "[rank1]" not in launched.stdout
     build_model("tiny").load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     # A damaged checkpoint ends the CLI with one line naming the file, exit code 2, no traceback.
     os.truncate(os.path.join(ckpt, "step_00000006", "__0_0.distcp"), 10)
-    bad = run_cli([PYTHON, "-m", "recipes.sharded_checkpoint", "--steps", "9", "--resume-from", "latest",
-                   "--checkpoint-dir", ckpt], timeout_s=120)
+    bad = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.sharded_checkpoint",
+            "--steps",
+            "9",
+            "--resume-from",
+            "latest",
+            "--checkpoint-dir",
+            ckpt,
+        ],
+        timeout_s=120,
+    )
     assert bad.returncode == 2
     assert "error: checkpoint file " in bad.stderr and "__0_0.distcp is truncated" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
-@pytest.mark.parametrize("paths, message", [
-    ({"checkpoint_dir": "a_file"}, r"^--checkpoint-dir .*/a_file is a file; name a directory$"),
-    ({"checkpoint_dir": "a_file/ckpt"},
-     r"^--checkpoint-dir .*/a_file/ckpt: .*/a_file is a file, not a directory; name a directory"),
-    ({"export_to": "a_file/model.pt"},
-     r"^--export-to .*/a_file/model.pt: .*/a_file is a file, not a directory; name a file in"),
-    ({"export_to": "."}, r"^--export-to .* is a directory; name a file, e.g. .*/model.pt$"),
-    ({"init_from": "missing.pt"},
-     r"^--init-from .*/missing.pt: no such file; name a full state_dict file"),
-])
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        ({"checkpoint_dir": "a_file"}, r"^--checkpoint-dir .*/a_file is a file; name a directory$"),
+        (
+            {"checkpoint_dir": "a_file/ckpt"},
+            r"^--checkpoint-dir .*/a_file/ckpt: .*/a_file is a file, not a directory; "
+            r"name a directory",
+        ),
+        (
+            {"export_to": "a_file/model.pt"},
+            r"^--export-to .*/a_file/model.pt: .*/a_file is a file, not a directory; "
+            r"name a file in",
+        ),
+        ({"export_to": "."}, r"^--export-to .* is a directory; name a file, e.g. .*/model.pt$"),
+        (
+            {"init_from": "missing.pt"},
+            r"^--init-from .*/missing.pt: no such file; name a full state_dict file",
+        ),
+    ],
+)
 def test_bad_paths_are_refused_before_training(tmp_path, paths, message):
     # Once all three trained first and then failed with a traceback.
     (tmp_path / "a_file").write_text("")
@@ -341,11 +545,13 @@ def test_bad_paths_are_refused_before_training(tmp_path, paths, message):
 def test_a_file_as_checkpoint_dir_is_one_line_from_the_command_line(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    proc = run_cli([PYTHON, "-m", "recipes.sharded_checkpoint", "--checkpoint-dir", str(a_file)],
-                   timeout_s=60)
+    proc = run_cli(
+        [PYTHON, "-m", "recipes.sharded_checkpoint", "--checkpoint-dir", str(a_file)], timeout_s=60
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        f"error: --checkpoint-dir {a_file} is a file; name a directory"]
+        f"error: --checkpoint-dir {a_file} is a file; name a directory"
+    ]
     assert "Traceback" not in proc.stderr
 
 
@@ -358,14 +564,15 @@ def test_a_crash_between_publishing_and_latest_resumes_from_the_newest_published
     # published and 'latest' naming step 4 (or, on a first save, no 'latest' at all). The same
     # command must resume from step 6, not refuse with "already holds checkpoints past step 4".
     root = shutil.copytree(saved.root / "async", tmp_path / "async")
-    cfg = with_fields(BASE, strategy="fsdp2", save_every=3, resume_from="latest",
-                      checkpoint_dir=str(root))
+    cfg = with_fields(
+        BASE, strategy="fsdp2", save_every=3, resume_from="latest", checkpoint_dir=str(root)
+    )
     for pointer in ["step_00000004", None]:
         if pointer:
             (root / "latest").write_text(pointer)
         else:
             os.remove(root / "latest")
-        with mock.patch.object(sharded_checkpoint.log, "info") as info:
+        with mock.patch.object(publish.log, "info") as info:  # find_checkpoint says why
             result = run_alone(sharded_checkpoint.train, cfg)
         assert (result.extras["start_step"], result.losses) == (6, [])
         assert result.extras["resumed_from"] == str(root / "step_00000006")
@@ -379,8 +586,11 @@ def test_an_empty_or_foreign_latest_file_is_refused_naming_it(tmp_path):
     # Once reported as "MANIFEST.json is missing" in the checkpoint directory itself.
     for content, what in [("", "is empty"), ("../elsewhere", "holds '../elsewhere', not a step_")]:
         (tmp_path / "latest").write_text(content)
-        with pytest.raises(RecipeError, match=rf"^{tmp_path}/latest {what}.*; delete it to resume "
-                                              r"from the newest published checkpoint, or pass "):
+        with pytest.raises(
+            RecipeError,
+            match=rf"^{tmp_path}/latest {what}.*; delete it to resume "
+            r"from the newest published checkpoint, or pass ",
+        ):
             find_checkpoint("latest", str(tmp_path))
 
 
@@ -391,31 +601,48 @@ def rewrite_with_manifest(directory, name: str, data: bytes) -> None:
     manifest_path = os.path.join(directory, "MANIFEST.json")
     with open(manifest_path) as f:
         manifest = json.load(f)
-    manifest["files"][name] = sharded_checkpoint._file_entry(os.path.join(directory, name))
+    manifest["files"][name] = publish.file_entry(os.path.join(directory, name))
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
 
 
-@pytest.mark.parametrize("metadata", [bytes(range(256)) * 4, pickle.dumps(None)],
-                         ids=["garbage", "pickled-none"])
+@pytest.mark.parametrize(
+    "metadata", [bytes(range(256)) * 4, pickle.dumps(None)], ids=["garbage", "pickled-none"]
+)
 def test_files_altered_together_with_the_manifest_fail_in_one_line(checkpoint_copy, metadata):
     # Once an 80-190-line traceback from inside DCP (UnicodeDecodeError, "metadata is None").
     rewrite_with_manifest(checkpoint_copy, ".metadata", metadata)
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy))
     with pytest.raises(RecipeError) as raised:
         run_alone(sharded_checkpoint.train, cfg)
-    assert re.fullmatch(rf"{checkpoint_copy} matches its MANIFEST.json but DCP cannot load it "
-                        r"\(\w+: .*\); resume from another checkpoint", str(raised.value))
+    assert re.fullmatch(
+        rf"{checkpoint_copy} matches its MANIFEST.json but DCP cannot load it "
+        r"\(\w+: .*\); resume from another checkpoint",
+        str(raised.value),
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model": "small"}, r"was trained with model=tiny; resume with the same --model, or start "
-                         r"the new model in another --checkpoint-dir$"),
-    ({"seed": 1}, r"was trained with seed=0; resume with the same --seed, or the resumed run "
-                  r"reads other data$"),
-    ({"batches_per_epoch": 5}, r"was trained with batches_per_epoch=4; resume with the same "
-                               r"--batches-per-epoch"),
-], ids=["model", "seed", "batches-per-epoch"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"model": "small"},
+            r"was trained with model=tiny; resume with the same --model, or start "
+            r"the new model in another --checkpoint-dir$",
+        ),
+        (
+            {"seed": 1},
+            r"was trained with seed=0; resume with the same --seed, or the resumed run "
+            r"reads other data$",
+        ),
+        (
+            {"batches_per_epoch": 5},
+            r"was trained with batches_per_epoch=4; resume with the same "
+            r"--batches-per-epoch",
+        ),
+    ],
+    ids=["model", "seed", "batches-per-epoch"],
+)
 def test_a_resume_with_other_settings_is_refused_before_loading(checkpoint_copy, change, message):
     # --model small on a tiny checkpoint once died in DCP with size-mismatch tracebacks, or SIGABRT.
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy), **change)
@@ -426,11 +653,121 @@ def test_a_resume_with_other_settings_is_refused_before_loading(checkpoint_copy,
 
 def test_lr_given_on_resume_replaces_the_checkpoints_and_says_so(saved):
     # The loaded optimizer state carries lr=1e-3; --lr 0.5 once lost to it silently.
-    cfg = with_fields(BASE, strategy="ddp", steps=5, lr=0.5, resume_from="latest",
-                      checkpoint_dir=str(saved.root / "ddp"))
+    cfg = with_fields(
+        BASE,
+        strategy="ddp",
+        steps=5,
+        lr=0.5,
+        resume_from="latest",
+        checkpoint_dir=str(saved.root / "ddp"),
+    )
     with mock.patch.object(sharded_checkpoint.log, "info") as info:
         result = run_alone(sharded_checkpoint.train, cfg)
     straight = saved.straight["ddp"].losses
     assert_losses_close(result.losses[:1], straight[3:4], atol=SAME_WORLD_ATOL)  # before any step
     assert abs(result.losses[1] - straight[4]) > 1e-2, "step 4 should have used lr=0.5"
     assert "--lr 0.5 replaces the checkpoint's lr 0.001" in logged(info)
+
+
+def train_until_a_save_is_in_flight(cfg, marker_dir, in_flight_step):
+    """Runs on every rank: trains with --async-save; once the save of ``in_flight_step`` has been
+    started (shards staged, the background writer busy, nothing published), writes this rank's pid
+    to ``marker_dir`` and waits there to be killed."""
+    start_save = sharded_checkpoint.save_checkpoint
+
+    def start_then_wait(root, app, step, **kwargs):
+        pending = start_save(root, app, step, **kwargs)
+        if step == in_flight_step:
+            marker = os.path.join(marker_dir, f"rank{dist.get_rank()}")
+            with open(marker + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(marker + ".tmp", marker)
+            time.sleep(300)  # the test SIGKILLs this process (and its writer) long before
+        return pending
+
+    sharded_checkpoint.save_checkpoint = start_then_wait  # in this rank's process only
+    return in_one_world(sharded_checkpoint.train, [cfg], timeout_s=240)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (Linux /proc): a rank, its DCP writer process, helpers."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError), open(stat) as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "(command name)": state, ppid
+            parents[int(stat.split("/")[2])] = int(fields[1])
+    tree = [pid]
+    for parent in tree:  # grows while it is walked: breadth first
+        tree += [child for child, its_parent in parents.items() if its_parent == parent]
+    return tree
+
+
+# Slow: a world of 2 whose ranks each start a DCP writer process (a fresh interpreter importing
+# torch), then a 1-rank resume: about 40 s of CPU time, well over the default run's budget.
+@pytest.mark.slow
+@pytest.mark.parametrize("async_mode", ["process"])
+def test_trainer_killed_during_an_async_save_keeps_the_last_good_checkpoint(
+    saved, tmp_path, async_mode
+):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("finds the writer processes to kill through /proc (Linux only)")
+    root, markers = tmp_path / "killed", tmp_path / "markers"
+    markers.mkdir()
+    cfg = with_fields(BASE, strategy="fsdp2", save_every=3, async_save=True, async_mode=async_mode,
+                      checkpoint_dir=str(root))
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = spawn_world(train_until_a_save_is_in_flight, 2, cfg, str(markers),
+                                            6, timeout_s=240)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+            outcome["error"] = exc
+
+    world = threading.Thread(target=run, daemon=True)
+    world.start()
+    deadline = time.monotonic() + 240
+    while len(os.listdir(markers)) < 2 and world.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sorted(os.listdir(markers)) == ["rank0", "rank1"], f"no save in flight: {outcome}"
+    # What a lost node does to a job: every process of it, the writers too, dies at once (SIGKILL:
+    # no handler, no atexit, no flush), while the step-6 save is being written.
+    ranks = [int((markers / name).read_text()) for name in ("rank0", "rank1")]
+    doomed = [pid for rank in ranks for pid in process_tree(rank)]
+    assert len(doomed) > 2, "each rank should have started a writer process"
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    world.join(timeout=60)
+    assert isinstance(outcome.get("error"), RankError), outcome
+    assert "was killed by signal 9" in str(outcome["error"])
+
+    # The last published checkpoint survives, verifies and is what 'latest' names.
+    assert published_steps(root) == [3] and read_latest(root) == "step_00000003"
+    assert not (root / "step_00000006").exists()
+    verify_checkpoint(str(root / "step_00000003"))
+    # The job is restarted (here on 1 rank, thread mode: this test process must not keep a DCP
+    # writer process for the other tests) and trains exactly as the run that was never killed.
+    result = run_alone(sharded_checkpoint.train, with_fields(cfg, resume_from="latest",
+                                                             async_mode="thread"))
+    assert result.extras["start_step"] == 3
+    assert_losses_close(result.losses, saved.straight["fsdp2"].losses[3:], atol=RESHARDED_ATOL)
+    assert published_steps(root) == [3, 6] and read_latest(root) == "step_00000006"
+    assert not [name for name in os.listdir(root) if name.startswith(".tmp-")]
+
+
+def test_async_mode_is_refused_where_it_cannot_work(tmp_path):
+    from torch.distributed.checkpoint import state_dict_saver
+
+    cfg = with_fields(BASE, save_every=3, async_mode="process", checkpoint_dir=str(tmp_path))
+    trained = AssertionError("trained")
+    with mock.patch.object(sharded_checkpoint, "parallelize", side_effect=trained):
+        with pytest.raises(RecipeError, match=r"^--async-mode process chooses how --async-save "
+                                              r"writes; add --async-save, or drop --async-mode$"):
+            run_alone(sharded_checkpoint.train, cfg)
+        # torch 2.11 must say it in one line if its DCP lacks the process-based writer.
+        with mock.patch.object(state_dict_saver, "AsyncCheckpointerType", None, create=True):
+            with pytest.raises(RecipeError, match=r"^--async-mode process needs dcp's "
+                                                  r"AsyncCheckpointerType.PROCESS, which torch "
+                                                  r".* lacks; use --async-mode thread$"):
+                run_alone(sharded_checkpoint.train, with_fields(cfg, async_save=True))
