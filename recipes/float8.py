@@ -1,7 +1,7 @@
 """Float8 training: torchao's float8 linears, with FSDP2 all-gathering the weights in float8.
 
     torchrun --standalone --nproc_per_node=1 -m recipes.float8
-    torchrun --standalone --nproc_per_node=8 -m recipes.float8 --model 100m --steps 20
+    torchrun --standalone --nproc_per_node=8 -m recipes.float8 --model 100m --steps 20 --compile
 
 Needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell: float8 tensor
 cores) and torchao (``pip install -e ".[float8]"``). Anywhere else it refuses in one line
