@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import json
 import os
 import pickle
 import re
@@ -30,10 +31,11 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,18 @@ import torch.multiprocessing as mp
 
 from recipes.core.config import RecipeError
 
-__all__ = ["World", "join_world", "resolve_backend", "spawn_world", "RankError", "WorldTimeoutError", "free_port"]
+__all__ = [
+    "RankError",
+    "World",
+    "JoinError",
+    "WorldTimeoutError",
+    "free_port",
+    "is_collective_failure",
+    "join_world",
+    "report_and_exit",
+    "resolve_backend",
+    "spawn_world",
+]
 
 BACKEND_ENV = "RECIPES_BACKEND"
 BACKENDS = ("auto", "gloo", "nccl")
@@ -80,6 +93,10 @@ class RankError(RuntimeError):
         return text
 
 
+class JoinError(RuntimeError):
+    """This rank could not join its world (a peer or the store never answered); one line."""
+
+
 class WorldTimeoutError(RankError, TimeoutError):
     """A spawned world did not finish in time; the message says where each rank was waiting."""
 
@@ -110,8 +127,9 @@ def _env_int(name: str, default: int) -> int:
 def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[World]:
     """Join the world the environment describes; destroy the process group on every way out.
 
-    If a process group already exists (a test running several recipes in one world), it is reused and
-    left for its owner to destroy.
+    If a process group already exists (a test running several recipes in one world), it is reused
+    and left for its owner to destroy. Joining itself is bounded: a world that is not complete
+    within ``timeout_s`` (+ a 2 s grace) ends this process with one line (see ``_init_deadline``).
     """
     if dist.is_initialized():
         yield _current_world()
@@ -126,22 +144,30 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        if under_launcher:
-            dist.init_process_group(
-                backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-            )
-        else:  # a world of 1 needs no rendezvous: an in-memory store is enough
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    except dist.DistNetworkError as exc:
-        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
-            raise RecipeError(
-                f"MASTER_PORT {os.environ.get('MASTER_PORT')} is already in use on this host; pick a free one "
-                "(MASTER_PORT=<port>, or torchrun --standalone / --master-port)"
-            ) from None
-        raise
+    liveness = None
+    if under_launcher:
+        with _init_deadline(rank, timeout_s):
+            try:
+                store = _attempt_store(rank, world_size, timeout)
+                dist.init_process_group(
+                    backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                    device_id=device if device.type == "cuda" else None,
+                )
+            except dist.DistError as exc:  # a store or a peer that never answered: one line
+                where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                raise JoinError(
+                    f"rank {rank}: joining the world of {world_size} via {where} failed "
+                    f"({_first_line(str(exc))[:200]}); check that every rank was started with "
+                    "the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and can reach that address"
+                ) from None
+        if world_size > 1:
+            liveness = Liveness(store, rank, world_size)
+    else:  # a world of 1 needs no rendezvous: an in-memory store is enough
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     launcher = os.environ.get("RECIPES_LAUNCHER", "torchrun") if under_launcher else "single"
+    world_broken = False
     try:
         yield World(rank, world_size, local_rank, local_world_size, backend, device, launcher)
     except BaseException as exc:
@@ -149,10 +175,238 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
         # spawn_world reports the rank that failed first, not the echoes.
         with contextlib.suppress(AttributeError, TypeError):
             exc.failed_at = getattr(exc, "failed_at", time.time())
+        if liveness is not None and is_collective_failure(exc):
+            # An echo of a peer's death: say which peer, and leave the group alone. Destroying a
+            # gloo group whose peer is gone can block, or abort the process ("terminate called
+            # without an active exception"); the caller exits without teardown (os._exit).
+            world_broken = True
+            with contextlib.suppress(AttributeError, TypeError):
+                exc.peer_report = liveness.explain()
+        elif liveness is not None:
+            liveness.record_exit(_first_line(f"{type(exc).__name__}: {exc}"))
         raise
     finally:
-        if dist.is_initialized():
+        if liveness is not None:
+            liveness.stop()
+        if dist.is_initialized() and not world_broken:
             dist.destroy_process_group()
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The launcher's store (MASTER_ADDR:MASTER_PORT), in a namespace of this attempt's own.
+
+    Why: torchrun's agent keeps ONE TCPStore for the whole job (c10d rendezvous shares its store
+    with the workers, static rendezvous reuses its own) and torch adds no per-restart prefix, so
+    the workers of a restart read the keys the dead attempt left: gloo addresses of processes that
+    are gone ("Gloo connectFullMesh failed ... Connection refused") or counters that never add up
+    (a hang). TORCHELASTIC_RESTART_COUNT numbers the restarts after a failure; the world size tells
+    apart the re-rendezvous after a membership change, which keeps the count.
+    """
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+            raise RecipeError(
+                f"MASTER_PORT {os.environ.get('MASTER_PORT')} is already in use on this host; pick "
+                "a free one (MASTER_PORT=<port>, or torchrun --standalone / --master-port)"
+            ) from None
+        raise
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"recipes/attempt{attempt}/world{world_size}", store)
+
+
+@contextlib.contextmanager
+def _init_deadline(rank: int, timeout_s: float) -> Iterator[None]:
+    """End the process if joining takes longer than ``timeout_s`` (+2 s, so that torch's own, more
+    specific timeout wins when it fires). ``init_process_group`` can wait past its ``timeout``
+    (a peer that connected and then stalled, a store host that accepts but never answers), and a
+    call blocked in C++ cannot be interrupted from Python: a timer thread is the only bound."""
+
+    def give_up() -> None:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        report_and_exit(
+            f"rank {rank}: joining the world (init_process_group via {where}) did not finish "
+            f"within {timeout_s:g}s; a rank did not start or cannot reach the others - check "
+            "that every rank was launched with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE",
+            1,
+        )
+
+    timer = threading.Timer(timeout_s + 2.0, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def report_and_exit(message: str, code: int, *, echo: bool = False) -> NoReturn:
+    """One line on stderr, the same line in torchrun's error file, then exit without teardown.
+
+    Under torchrun, the error file (TORCHELASTIC_ERROR_FILE, what ``@record`` would write) is what
+    its "Root Cause" summary prints; without it the summary says "To enable traceback see ...".
+    torchrun names as root cause the failure with the smallest timestamp, in whole seconds, ties
+    going to the lowest local rank: ``echo=True`` (this rank failed because a peer died) stamps
+    the failure one second later, so that the dead peer, not rank 0, is named.
+    """
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    write_torchrun_error_file(message, delay_s=1 if echo else 0)
+    sys.stdout.flush()
+    os._exit(code)  # skip teardown: a process group whose peer is gone can block or abort in it
+
+
+def write_torchrun_error_file(message: str, *, delay_s: int = 0) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # The format torch.distributed.elastic reads (ProcessFailure._get_error_data): a plain-string
+    # message with a top-level timestamp is printed as it is.
+    data = {"message": message, "timestamp": str(int(time.time()) + delay_s)}
+    with contextlib.suppress(OSError):
+        _write_atomically(path, json.dumps(data).encode())
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True for the errors a collective raises when a peer is gone or stuck."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(word in str(exc) for word in COLLECTIVE_WORDS)
+
+
+COLLECTIVE_WORDS = ("gloo", "Gloo", "Connection closed", "Connection reset", "Timed out", "NCCL",
+                    "mismatch between collectives")
+
+
+class Liveness:
+    """Which peer died: every rank keeps a heartbeat in the store and notes how it exits.
+
+    A survivor's collective only says that a connection broke. What names the peer: a key a rank
+    writes when it fails with an error of its own (``exit/R``); for ranks on this host, whether
+    their process still runs (``/proc``); for other hosts, a heartbeat that stopped advancing.
+    The first survivor to know publishes its verdict, and every rank's heartbeat thread keeps a
+    copy: a survivor whose collective breaks later (when rank 0, the store's host in a world
+    started without torchrun's agent, has already left) still names the rank that died first.
+    The heartbeat thread has its own store connection, so it never waits behind the main thread.
+    """
+
+    PERIOD_S = 1.0
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.store = dist.PrefixStore("liveness", store)
+        self.host = socket.gethostname()
+        self.store.set(f"proc/{rank}", json.dumps({"host": self.host, "pid": os.getpid()}))
+        self.procs: dict[int, dict] = {}  # every rank's host and pid, once all have registered
+        self.verdict = ""  # the first survivor's verdict, copied by the heartbeat thread
+        self._stop = threading.Event()
+        self._beat_store = self._own_connection()
+        self._thread = threading.Thread(target=self._beat, name="recipes-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _own_connection(self) -> dist.Store | None:
+        try:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   is_master=False, timeout=datetime.timedelta(seconds=5))
+        except (KeyError, ValueError, RuntimeError):
+            return None  # no heartbeat; the other signs still work
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefix = f"recipes/attempt{attempt}/world{self.world_size}"
+        return dist.PrefixStore("liveness", dist.PrefixStore(prefix, client))
+
+    def _beat(self) -> None:
+        store = self._beat_store
+        while store is not None and not self._stop.wait(self.PERIOD_S):
+            try:
+                store.add(f"beat/{self.rank}", 1)
+                keys = [f"proc/{r}" for r in range(self.world_size)]
+                if not self.procs and store.check(keys):
+                    self.procs = {r: json.loads(store.get(key)) for r, key in enumerate(keys)}
+                if store.check(["verdict"]):
+                    self.verdict = store.get("verdict").decode()
+            except Exception:  # noqa: BLE001 - the store's host is gone: nothing left to tell
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.PERIOD_S)
+
+    def record_exit(self, line: str) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set(f"exit/{self.rank}", line)
+
+    def explain(self) -> str:
+        """One phrase naming the dead or failed peers, or what is known when none can be named."""
+        probe = self._beat_store or self.store
+        verdict = self._explain(probe)
+        try:
+            if not probe.check(["verdict"]):
+                probe.set("verdict", verdict)
+            if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                # This process hosts the store: stay long enough for every heartbeat thread to
+                # copy the verdict before the store goes with it.
+                time.sleep(2.5 * self.PERIOD_S)
+        except Exception:  # noqa: BLE001 - the store is gone; the verdict is still this rank's
+            pass
+        return verdict
+
+    def _dead_here(self, procs: dict[int, dict], wait_s: float = 1.0) -> list[int]:
+        """Peers on this host whose process is gone (polled briefly: a killed process takes a
+        moment to leave, and its sockets close before it does)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = [r for r, p in procs.items() if r != self.rank and p["host"] == self.host
+                    and not _running(p["pid"])]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.1)
+
+    def _explain(self, probe: dist.Store, wait_s: float = 3.0) -> str:
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            failed = {r: probe.get(f"exit/{r}").decode() for r in peers
+                      if probe.check([f"exit/{r}"])}
+            if failed:
+                return "; ".join(f"rank {r} failed first: {line}" for r, line in failed.items())
+            procs = self.procs or {r: json.loads(probe.get(f"proc/{r}")) for r in peers
+                                   if probe.check([f"proc/{r}"])}
+            gone = self._dead_here(procs)
+            if gone:
+                return _no_longer_running(gone, procs)
+            if probe.check(["verdict"]):
+                return probe.get("verdict").decode()
+            beats = {r: _count(probe, r) for r in peers}
+            time.sleep(wait_s)  # a live peer beats every PERIOD_S: several times in wait_s
+            stale = [r for r in peers if _count(probe, r) == beats[r]]
+            if stale:
+                return ", ".join(f"rank {r} ({procs.get(r, {}).get('host', '?')})"
+                                 for r in stale) + " stopped its heartbeat (dead, or unreachable)"
+            return "every other rank is still alive: one of them is stuck or failed differently"
+        except Exception:  # noqa: BLE001 - the store itself is unreachable
+            if self.verdict:
+                return self.verdict
+            gone = self._dead_here(self.procs, wait_s=0)
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            return (_no_longer_running(gone, self.procs) + f" and the store at {where} is gone"
+                    if gone else f"the store at {where} is unreachable too: the host of rank 0 "
+                    "(or of torchrun's agent) is gone")
+
+
+def _no_longer_running(ranks: list[int], procs: dict[int, dict]) -> str:
+    named = ", ".join(f"rank {r} (pid {procs[r]['pid']})" for r in ranks)
+    return named + (" is" if len(ranks) == 1 else " are") + \
+        " no longer running (killed, or exited without an error)"
+
+
+def _count(store: dist.Store, rank: int) -> int:
+    return int(store.add(f"beat/{rank}", 0))
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie is dead
+    except OSError:
+        return False
 
 
 def _current_world() -> World:
