@@ -180,7 +180,12 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
             # gloo group whose peer is gone can block, or abort the process ("terminate called
             # without an active exception"); the caller exits without teardown (os._exit).
             world_broken = True
-            with contextlib.suppress(AttributeError, TypeError):
+            with _deadline(12.0, lambda: report_and_exit(
+                f"rank {rank}: a collective failed ({_first_line(str(exc))[:160]}) and the store "
+                f"at {_store_address()} stopped answering while naming the lost rank: a host is "
+                "unreachable (network down, or the node of rank 0 / of torchrun's agent is gone)",
+                1, echo=True,
+            )), contextlib.suppress(AttributeError, TypeError):
                 exc.peer_report = liveness.explain()
         elif liveness is not None:
             liveness.record_exit(_first_line(f"{type(exc).__name__}: {exc}"))
@@ -221,23 +226,27 @@ def _init_deadline(rank: int, timeout_s: float) -> Iterator[None]:
     specific timeout wins when it fires). ``init_process_group`` can wait past its ``timeout``
     (a peer that connected and then stalled, a store host that accepts but never answers), and a
     call blocked in C++ cannot be interrupted from Python: a timer thread is the only bound."""
+    with _deadline(timeout_s + 2.0, lambda: report_and_exit(
+        f"rank {rank}: joining the world (init_process_group via {_store_address()}) did not "
+        f"finish within {timeout_s:g}s; a rank did not start or cannot reach the others - check "
+        "that every rank was launched with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE", 1,
+    )):
+        yield
 
-    def give_up() -> None:
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        report_and_exit(
-            f"rank {rank}: joining the world (init_process_group via {where}) did not finish "
-            f"within {timeout_s:g}s; a rank did not start or cannot reach the others - check "
-            "that every rank was launched with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE",
-            1,
-        )
 
-    timer = threading.Timer(timeout_s + 2.0, give_up)
+@contextlib.contextmanager
+def _deadline(seconds: float, give_up: Callable[[], None]) -> Iterator[None]:
+    timer = threading.Timer(seconds, give_up)
     timer.daemon = True
     timer.start()
     try:
         yield
     finally:
         timer.cancel()
+
+
+def _store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
 
 def report_and_exit(message: str, code: int, *, echo: bool = False) -> NoReturn:
@@ -379,7 +388,8 @@ class Liveness:
             stale = [r for r in peers if _count(probe, r) == beats[r]]
             if stale:
                 return ", ".join(f"rank {r} ({procs.get(r, {}).get('host', '?')})"
-                                 for r in stale) + " stopped its heartbeat (dead, or unreachable)"
+                                 for r in stale) + (" stopped its" if len(stale) == 1 else " stopped their") + \
+                    " heartbeat (dead, or unreachable)"
             return "every other rank is still alive: one of them is stuck or failed differently"
         except Exception:  # noqa: BLE001 - the store itself is unreachable
             if self.verdict:
