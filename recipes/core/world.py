@@ -180,12 +180,12 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
             # gloo group whose peer is gone can block, or abort the process ("terminate called
             # without an active exception"); the caller exits without teardown (os._exit).
             world_broken = True
-            with _deadline(12.0, lambda: report_and_exit(
+            unnamed = (
                 f"rank {rank}: a collective failed ({_first_line(str(exc))[:160]}) and the store "
                 f"at {_store_address()} stopped answering while naming the lost rank: a host is "
-                "unreachable (network down, or the node of rank 0 / of torchrun's agent is gone)",
-                1, echo=True,
-            )), contextlib.suppress(AttributeError, TypeError):
+                "unreachable (network down, or the node of rank 0 / of torchrun's agent is gone)")
+            with _deadline(12.0, lambda: report_and_exit(unnamed, 1, echo=True)), \
+                    contextlib.suppress(AttributeError, TypeError):
                 exc.peer_report = liveness.explain()
         elif liveness is not None:
             liveness.record_exit(_first_line(f"{type(exc).__name__}: {exc}"))
