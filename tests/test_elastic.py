@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -217,3 +218,18 @@ def test_joining_is_bounded_when_a_rank_never_comes(tmp_path):
     last = err.strip().splitlines()[-1]
     assert re.match(r"error: rank 0: joining the world .* (did not finish|failed)", last), err
     assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_busy_master_port_fails_in_torchruns_agent():
+    # What docs/troubleshooting.md explains: without --standalone, torchrun's agent opens the
+    # store on --master-port itself, before any worker (and any cookbook code) runs.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        busy = run_cli(["torchrun", "--nproc_per_node=2", "--master-addr=127.0.0.1",
+                        f"--master-port={port}", "-m", "recipes.ddp_torchrun"], timeout_s=90)
+    assert busy.returncode != 0
+    assert "static_tcp_rendezvous.py" in busy.stderr and "EADDRINUSE" in busy.stderr
+    assert "[rank0]" not in busy.stdout, "no worker may have started"
