@@ -2,18 +2,20 @@
 
 Three ways in, one function (``join_world``):
 
-- under torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` are set;
+- under torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+  are set (each restart joins in a store namespace of its own: see ``_attempt_store``);
 - from a process started by ``spawn_world`` or ``torch.multiprocessing.spawn``: the same variables,
   set by the parent before the work starts;
 - alone: none of them is set, and the process is a world of 1 (no torchrun needed).
 
-Backend and device: NCCL on ``cuda:LOCAL_RANK`` when every local rank has its own GPU, otherwise gloo
-on CPU. ``--backend`` or ``RECIPES_BACKEND`` overrides the choice.
+Backend and device: NCCL on ``cuda:LOCAL_RANK`` when every local rank has its own GPU, otherwise
+gloo on CPU. ``--backend`` or ``RECIPES_BACKEND`` overrides the choice.
 
-Never a hang: every collective has a timeout (``init_process_group(timeout=...)``); ``spawn_world``
-polls its ranks, stops the world at the first failure and re-raises it with the rank's number, the
-collective it was in and its traceback, and a world that outlives its deadline is killed with a report
-of where each rank was waiting.
+Never a hang: every collective has a timeout (``init_process_group(timeout=...)``), and joining
+itself is bounded by a timer; ``spawn_world`` polls its ranks, stops the world at the first failure
+and re-raises it with the rank's number, the collective it was in and its traceback, and a world
+that outlives its deadline is killed with a report of where each rank was waiting. When a peer
+dies, the survivors name it (``Liveness``) and exit without tearing down the broken group.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ class World:
 
 
 class RankError(RuntimeError):
-    """A rank of a spawned world failed; ``str()`` is one line, ``remote_traceback`` has the details."""
+    """A rank of a spawned world failed; ``str()`` is one line, ``remote_traceback`` the details."""
 
-    def __init__(self, message: str, *, rank: int, operation: str | None, remote_traceback: str = ""):
+    def __init__(self, message: str, *, rank: int, operation: str | None,
+                 remote_traceback: str = ""):
         super().__init__(message)
         self.rank = rank
         self.operation = operation
@@ -102,17 +105,20 @@ class WorldTimeoutError(RankError, TimeoutError):
 
 
 def resolve_backend(requested: str = "auto", local_world_size: int = 1) -> str:
-    """``auto`` -> NCCL when each local rank can have a GPU of its own, else gloo. NCCL without GPUs is an error."""
+    """``auto`` -> NCCL when each local rank can have a GPU of its own, else gloo. NCCL without
+    GPUs is an error."""
     if requested == "auto":
         requested = os.environ.get(BACKEND_ENV, "auto") or "auto"
     if requested not in BACKENDS:
         raise RecipeError(f"unknown backend {requested!r}; valid values: {', '.join(BACKENDS)}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "auto":
-        return "nccl" if gpus >= local_world_size and gpus > 0 and dist.is_nccl_available() else "gloo"
+        enough = gpus >= local_world_size and gpus > 0 and dist.is_nccl_available()
+        return "nccl" if enough else "gloo"
     if requested == "nccl" and (gpus < local_world_size or not dist.is_nccl_available()):
         raise RecipeError(
-            f"backend 'nccl' needs one CUDA device per local rank: {local_world_size} local rank(s), "
+            f"backend 'nccl' needs one CUDA device per local rank: {local_world_size} local "
+            "rank(s), "
             f"{gpus} GPU(s) visible; use --backend gloo (or RECIPES_BACKEND=gloo)"
         )
     return requested
@@ -387,9 +393,9 @@ class Liveness:
             time.sleep(wait_s)  # a live peer beats every PERIOD_S: several times in wait_s
             stale = [r for r in peers if _count(probe, r) == beats[r]]
             if stale:
-                return ", ".join(f"rank {r} ({procs.get(r, {}).get('host', '?')})"
-                                 for r in stale) + (" stopped its" if len(stale) == 1 else " stopped their") + \
-                    " heartbeat (dead, or unreachable)"
+                named = ", ".join(f"rank {r} ({procs.get(r, {}).get('host', '?')})" for r in stale)
+                whose = " stopped its" if len(stale) == 1 else " stopped their"
+                return named + whose + " heartbeat (dead, or unreachable)"
             return "every other rank is still alive: one of them is stuck or failed differently"
         except Exception:  # noqa: BLE001 - the store itself is unreachable
             if self.verdict:
@@ -424,11 +430,12 @@ def _current_world() -> World:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = _env_int("LOCAL_RANK", rank)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    return World(rank, world_size, local_rank, _env_int("LOCAL_WORLD_SIZE", world_size), backend, device,
+    return World(rank, world_size, local_rank, _env_int("LOCAL_WORLD_SIZE", world_size), backend,
+                 device,
                  os.environ.get("RECIPES_LAUNCHER", "torchrun"))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # spawn_world: N ranks on a free loopback port, rank 0's result back, failures re-raised, no hangs.
 
 
@@ -459,14 +466,16 @@ def spawn_world(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes and return rank 0's return value.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes and return rank 0's return
+    value.
 
-    ``fn`` must be importable (a module-level function), as with any spawn. Each rank sees the torchrun
-    variables, so ``fn`` joins the world with ``join_world``. The first rank to fail stops the world and
-    its exception comes back as ``RankError`` (or ``RecipeError`` for bad input).
+    ``fn`` must be importable (a module-level function), as with any spawn. Each rank sees the
+    torchrun variables, so ``fn`` joins the world with ``join_world``. The first rank to fail stops
+    the world and its exception comes back as ``RankError`` (or ``RecipeError`` for bad input).
     """
     if master_port is None:
-        master_port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else free_port()
+        from_env = os.environ.get("MASTER_PORT")
+        master_port = int(from_env) if from_env else free_port()
     check_port_free(master_port)
     ctx = mp.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="recipes-world-")
@@ -475,10 +484,12 @@ def spawn_world(
         for rank in range(world_size):
             rank_env = {
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(rank),
-                "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
                 "RECIPES_LAUNCHER": "spawn", **(env or {}),
             }
-            proc = ctx.Process(target=_rank_main, args=(fn, rank, rank_env, workdir, args, kwargs), name=f"rank{rank}")
+            proc = ctx.Process(target=_rank_main, name=f"rank{rank}",
+                               args=(fn, rank, rank_env, workdir, args, kwargs))
             proc.start()
             processes.append(proc)
         return _supervise(processes, workdir, timeout_s)
@@ -498,13 +509,15 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     try:
         result = fn(*args, **kwargs)
-        gc.collect()  # free process-group holders now, not during shutdown (see recipes/core/cli.py)
+        # Free process-group holders now, not during shutdown (see recipes/core/cli.py).
+        gc.collect()
         if rank == 0:
             _write_atomically(os.path.join(workdir, "result.pkl"), pickle.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
         report = {
-            "time": getattr(exc, "failed_at", time.time()), "type": type(exc).__name__, "message": _first_line(str(exc)),
+            "time": getattr(exc, "failed_at", time.time()), "type": type(exc).__name__,
+            "message": _first_line(str(exc)),
             "traceback": traceback.format_exc(), "operation": collective_in_frames(frames[::-1]),
             "is_recipe_error": isinstance(exc, RecipeError),
         }
@@ -523,8 +536,10 @@ def _supervise(processes, workdir: str, timeout_s: float) -> Any:
         errors = _read_errors(workdir, len(processes))
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)] + list(errors)
         if failed:
-            time.sleep(0.5)  # let the other ranks report: the first failure is the cause, not the echoes
-            _raise_first_failure([proc.exitcode for proc in processes], _read_errors(workdir, len(processes)))
+            # Let the other ranks report: the first failure is the cause, not the echoes.
+            time.sleep(0.5)
+            _raise_first_failure([proc.exitcode for proc in processes],
+                                 _read_errors(workdir, len(processes)))
         if all(code == 0 for code in codes):
             with open(os.path.join(workdir, "result.pkl"), "rb") as f:
                 return pickle.load(f)
@@ -544,8 +559,9 @@ def _read_errors(workdir: str, world_size: int) -> dict[int, dict]:
 
 
 def _raise_first_failure(codes: list[int | None], errors: dict[int, dict]) -> None:
-    # A rank that died without raising (killed, os._exit, segfault) is the cause of the others' errors.
-    silent = [rank for rank, code in enumerate(codes) if code not in (None, 0) and rank not in errors]
+    # A rank that died without raising (killed, os._exit, segfault) caused the others' errors.
+    silent = [rank for rank, code in enumerate(codes)
+              if code not in (None, 0) and rank not in errors]
     if silent:
         rank, code = silent[0], codes[silent[0]]
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -557,7 +573,8 @@ def _raise_first_failure(codes: list[int | None], errors: dict[int, dict]) -> No
     message = f"rank {rank} failed{where}: {report['type']}: {report['message']}"
     if report["is_recipe_error"]:
         raise RecipeError(f"rank {rank}: {report['message']}")
-    raise RankError(message, rank=rank, operation=report["operation"], remote_traceback=report["traceback"])
+    raise RankError(message, rank=rank, operation=report["operation"],
+                    remote_traceback=report["traceback"])
 
 
 def _raise_timeout(processes, workdir: str, timeout_s: float) -> None:
