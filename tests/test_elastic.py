@@ -214,8 +214,8 @@ def test_joining_is_bounded_when_a_rank_never_comes(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode not in (0, None), err[-3000:]
-    # Without a bound it would wait forever; 45 s covers starting python and torch on a loaded
-    # 2-core machine (observed: 20-35 s for the whole test under a load average of 30).
+    # The join must end soon after --timeout-s; 45 s covers starting python and torch on a
+    # loaded 2-core machine (observed: 20-35 s for the whole test under a load average of 30).
     assert took < 5 + 2 + 45, f"took {took:.0f}s"
     last = err.strip().splitlines()[-1]
     assert re.match(r"error: rank 0: joining the world .* (did not finish|failed)", last), err
