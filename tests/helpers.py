@@ -164,3 +164,36 @@ def expected_tp_param_fraction(tp_size: int) -> float:
                      if "norm" in n or n.endswith("w_out.bias"))
     total = sum(p.numel() for p in model.parameters())
     return (replicated + (total - replicated) / tp_size) / total
+
+
+def child_pids(parent_pid: int) -> list[int]:
+    """The live child processes of ``parent_pid`` (from /proc: no psutil needed)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent_pid and fields[0] != "Z":
+                children.append(int(entry))
+    return children
+
+
+def process_env(pid: int) -> dict[str, str]:
+    """The environment a process started with ({} once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in items if "=" in item)
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the worker with global ``rank`` among a torchrun agent's children."""
+    for pid in child_pids(launcher_pid):
+        if process_env(pid).get("RANK") == str(rank):
+            return pid
+    return None

@@ -1,21 +1,32 @@
-"""``python -m recipes.X`` for every recipe: parse the config, run, print the result as JSON on rank 0.
+"""``python -m recipes.X`` for every recipe: parse the config, run, print the result as JSON on
+rank 0.
 
-Errors a user can fix end in one line on stderr and a non-zero exit, never a hang or a deep traceback.
+Errors a user can fix end in one line on stderr and a non-zero exit, never a hang or a deep
+traceback. Under torchrun the same line goes into the error file torchrun reads (what
+``torch.distributed.elastic.multiprocessing.errors.record`` writes for an exception), so that its
+"Root Cause" summary shows it, with the worker's own exit code (2 for bad input).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import sys
 import traceback
-from typing import Callable, Sequence, TypeVar
-
-import torch.distributed as dist
+from typing import Callable, Iterator, NoReturn, Sequence, TypeVar
 
 from recipes.core.config import RecipeError, exit_with, parse_config
 from recipes.core.log import current_rank, get_logger
 from recipes.core.result import RecipeResult
-from recipes.core.world import RankError, collective_in_frames
+from recipes.core.world import (
+    JoinError,
+    RankError,
+    collective_in_frames,
+    is_collective_failure,
+    report_and_exit,
+    write_torchrun_error_file,
+)
 
 C = TypeVar("C")
 
@@ -23,29 +34,41 @@ C = TypeVar("C")
 def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: str | None,
             argv: Sequence[str] | None = None) -> None:
     description = (doc or "").strip().split("\n\n")[0] or None
-    cfg = parse_config(config_cls, argv, description)
+    captured = io.StringIO()
+    try:
+        with _tee_stderr(captured):
+            cfg = parse_config(config_cls, argv, description)
+    except SystemExit as exc:  # a bad option or value: argparse printed the line; record it too
+        if exc.code not in (0, None):
+            lines = [line for line in captured.getvalue().splitlines() if "error:" in line]
+            line = lines[-1].split("error: ", 1)[-1] if lines else f"bad command line ({exc.code})"
+            write_torchrun_error_file(line)
+        raise
     try:
         result = run(cfg)
     except RecipeError as exc:
-        # Every rank hits the same bad input: say it once, from rank 0, and exit non-zero everywhere.
+        # Every rank hits the same bad input: say it once, from rank 0, and exit non-zero
+        # everywhere. Every rank writes the error file: torchrun may name any of them.
+        write_torchrun_error_file(str(exc))
         if current_rank() == 0:
             exit_with(str(exc), 2)
         raise SystemExit(2)
-    except RankError as exc:  # a spawned world lost a rank: its traceback (if it raised), then one line
+    except JoinError as exc:
+        report_and_exit(str(exc), 1)
+    except RankError as exc:  # a spawned world lost a rank: its traceback (if it raised), one line
         if exc.remote_traceback:
             print(exc.remote_traceback, file=sys.stderr)
+        write_torchrun_error_file(exc.args[0])
         exit_with(exc.args[0], 1)
-    except dist.DistError as exc:
-        _collective_failed(exc)
-    except RuntimeError as exc:
-        text = str(exc)
-        if any(word in text for word in ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL",
-                                             "mismatch between collectives")):
+    except Exception as exc:
+        if is_collective_failure(exc):
             _collective_failed(exc)
+        write_torchrun_error_file(f"{type(exc).__name__}: {exc}")
         raise
-    # Free what the recipe built (modules and hooks that hold process groups, often in reference cycles)
-    # now, while the interpreter is whole: freed during interpreter shutdown instead, a gloo group's
-    # threads can abort the process ("terminate called without an active exception") after a good run.
+    # Free what the recipe built (modules and hooks that hold process groups, often in reference
+    # cycles) now, while the interpreter is whole: freed during interpreter shutdown instead, a
+    # gloo group's threads can abort the process ("terminate called without an active exception")
+    # after a good run.
     gc.collect()
     if result is not None and current_rank() == 0:
         if result.losses:
@@ -68,12 +91,36 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         print(result.to_json(), flush=True)
 
 
-def _collective_failed(exc: BaseException) -> None:
+@contextlib.contextmanager
+def _tee_stderr(copy: io.StringIO) -> Iterator[None]:
+    """What is written to stderr also goes into ``copy`` (argparse prints its errors itself)."""
+    real = sys.stderr
+
+    class Tee(io.TextIOBase):
+        def write(self, text: str) -> int:
+            copy.write(text)
+            return real.write(text)
+
+        def flush(self) -> None:
+            real.flush()
+
+    sys.stderr = Tee()
+    try:
+        yield
+    finally:
+        sys.stderr = real
+
+
+def _collective_failed(exc: BaseException) -> NoReturn:
+    """A collective broke: this rank's one line names the peer that died (see world.Liveness),
+    then the process ends without tearing the broken group down."""
     first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)][::-1]
-    operation = collective_in_frames(frames) or "a collective"
-    exit_with(
-        f"rank {current_rank()}: {operation} failed ({first.strip()[:200]}); another rank probably exited or "
-        "hung - see its error above; rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL for more",
-        1,
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    operation = collective_in_frames(frames[::-1]) or "a collective"
+    cause = getattr(exc, "peer_report", None) or (
+        "another rank probably exited or hung - see its error above")
+    report_and_exit(
+        f"rank {current_rank()}: {operation} failed because {cause} "
+        f"({first.strip()[:160]}); rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL for more",
+        1, echo=True,
     )

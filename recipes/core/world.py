@@ -2,18 +2,20 @@
 
 Three ways in, one function (``join_world``):
 
-- under torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` are set;
+- under torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+  are set (each restart joins in a store namespace of its own: see ``_attempt_store``);
 - from a process started by ``spawn_world`` or ``torch.multiprocessing.spawn``: the same variables,
   set by the parent before the work starts;
 - alone: none of them is set, and the process is a world of 1 (no torchrun needed).
 
-Backend and device: NCCL on ``cuda:LOCAL_RANK`` when every local rank has its own GPU, otherwise gloo
-on CPU. ``--backend`` or ``RECIPES_BACKEND`` overrides the choice.
+Backend and device: NCCL on ``cuda:LOCAL_RANK`` when every local rank has its own GPU, otherwise
+gloo on CPU. ``--backend`` or ``RECIPES_BACKEND`` overrides the choice.
 
-Never a hang: every collective has a timeout (``init_process_group(timeout=...)``); ``spawn_world``
-polls its ranks, stops the world at the first failure and re-raises it with the rank's number, the
-collective it was in and its traceback, and a world that outlives its deadline is killed with a report
-of where each rank was waiting.
+Never a hang: every collective has a timeout (``init_process_group(timeout=...)``), and joining
+itself is bounded by a timer; ``spawn_world`` polls its ranks, stops the world at the first failure
+and re-raises it with the rank's number, the collective it was in and its traceback, and a world
+that outlives its deadline is killed with a report of where each rank was waiting. When a peer
+dies, the survivors name it (``Liveness``) and exit without tearing down the broken group.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import json
 import os
 import pickle
 import re
@@ -30,10 +33,11 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,7 +45,18 @@ import torch.multiprocessing as mp
 
 from recipes.core.config import RecipeError
 
-__all__ = ["World", "join_world", "resolve_backend", "spawn_world", "RankError", "WorldTimeoutError", "free_port"]
+__all__ = [
+    "RankError",
+    "World",
+    "JoinError",
+    "WorldTimeoutError",
+    "free_port",
+    "is_collective_failure",
+    "join_world",
+    "report_and_exit",
+    "resolve_backend",
+    "spawn_world",
+]
 
 BACKEND_ENV = "RECIPES_BACKEND"
 BACKENDS = ("auto", "gloo", "nccl")
@@ -65,9 +80,10 @@ class World:
 
 
 class RankError(RuntimeError):
-    """A rank of a spawned world failed; ``str()`` is one line, ``remote_traceback`` has the details."""
+    """A rank of a spawned world failed; ``str()`` is one line, ``remote_traceback`` the details."""
 
-    def __init__(self, message: str, *, rank: int, operation: str | None, remote_traceback: str = ""):
+    def __init__(self, message: str, *, rank: int, operation: str | None,
+                 remote_traceback: str = ""):
         super().__init__(message)
         self.rank = rank
         self.operation = operation
@@ -80,22 +96,29 @@ class RankError(RuntimeError):
         return text
 
 
+class JoinError(RuntimeError):
+    """This rank could not join its world (a peer or the store never answered); one line."""
+
+
 class WorldTimeoutError(RankError, TimeoutError):
     """A spawned world did not finish in time; the message says where each rank was waiting."""
 
 
 def resolve_backend(requested: str = "auto", local_world_size: int = 1) -> str:
-    """``auto`` -> NCCL when each local rank can have a GPU of its own, else gloo. NCCL without GPUs is an error."""
+    """``auto`` -> NCCL when each local rank can have a GPU of its own, else gloo. NCCL without
+    GPUs is an error."""
     if requested == "auto":
         requested = os.environ.get(BACKEND_ENV, "auto") or "auto"
     if requested not in BACKENDS:
         raise RecipeError(f"unknown backend {requested!r}; valid values: {', '.join(BACKENDS)}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "auto":
-        return "nccl" if gpus >= local_world_size and gpus > 0 and dist.is_nccl_available() else "gloo"
+        enough = gpus >= local_world_size and gpus > 0 and dist.is_nccl_available()
+        return "nccl" if enough else "gloo"
     if requested == "nccl" and (gpus < local_world_size or not dist.is_nccl_available()):
         raise RecipeError(
-            f"backend 'nccl' needs one CUDA device per local rank: {local_world_size} local rank(s), "
+            f"backend 'nccl' needs one CUDA device per local rank: {local_world_size} local "
+            "rank(s), "
             f"{gpus} GPU(s) visible; use --backend gloo (or RECIPES_BACKEND=gloo)"
         )
     return requested
@@ -110,8 +133,9 @@ def _env_int(name: str, default: int) -> int:
 def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[World]:
     """Join the world the environment describes; destroy the process group on every way out.
 
-    If a process group already exists (a test running several recipes in one world), it is reused and
-    left for its owner to destroy.
+    If a process group already exists (a test running several recipes in one world), it is reused
+    and left for its owner to destroy. Joining itself is bounded: a world that is not complete
+    within ``timeout_s`` (+ a 2 s grace) ends this process with one line (see ``_init_deadline``).
     """
     if dist.is_initialized():
         yield _current_world()
@@ -126,22 +150,30 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        if under_launcher:
-            dist.init_process_group(
-                backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-            )
-        else:  # a world of 1 needs no rendezvous: an in-memory store is enough
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    except dist.DistNetworkError as exc:
-        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
-            raise RecipeError(
-                f"MASTER_PORT {os.environ.get('MASTER_PORT')} is already in use on this host; pick a free one "
-                "(MASTER_PORT=<port>, or torchrun --standalone / --master-port)"
-            ) from None
-        raise
+    liveness = None
+    if under_launcher:
+        with _init_deadline(rank, timeout_s):
+            try:
+                store = _attempt_store(rank, world_size, timeout)
+                dist.init_process_group(
+                    backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                    device_id=device if device.type == "cuda" else None,
+                )
+            except dist.DistError as exc:  # a store or a peer that never answered: one line
+                where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                raise JoinError(
+                    f"rank {rank}: joining the world of {world_size} via {where} failed "
+                    f"({_first_line(str(exc))[:200]}); check that every rank was started with "
+                    "the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and can reach that address"
+                ) from None
+        if world_size > 1:
+            liveness = Liveness(store, rank, world_size)
+    else:  # a world of 1 needs no rendezvous: an in-memory store is enough
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     launcher = os.environ.get("RECIPES_LAUNCHER", "torchrun") if under_launcher else "single"
+    world_broken = False
     try:
         yield World(rank, world_size, local_rank, local_world_size, backend, device, launcher)
     except BaseException as exc:
@@ -149,10 +181,248 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
         # spawn_world reports the rank that failed first, not the echoes.
         with contextlib.suppress(AttributeError, TypeError):
             exc.failed_at = getattr(exc, "failed_at", time.time())
+        if liveness is not None and is_collective_failure(exc):
+            # An echo of a peer's death: say which peer, and leave the group alone. Destroying a
+            # gloo group whose peer is gone can block, or abort the process ("terminate called
+            # without an active exception"); the caller exits without teardown (os._exit).
+            world_broken = True
+            unnamed = (
+                f"rank {rank}: a collective failed ({_first_line(str(exc))[:160]}) and the store "
+                f"at {_store_address()} stopped answering while naming the lost rank: a host is "
+                "unreachable (network down, or the node of rank 0 / of torchrun's agent is gone)")
+            with _deadline(12.0, lambda: report_and_exit(unnamed, 1, echo=True)), \
+                    contextlib.suppress(AttributeError, TypeError):
+                exc.peer_report = liveness.explain()
+        elif liveness is not None:
+            liveness.record_exit(_first_line(f"{type(exc).__name__}: {exc}"))
         raise
     finally:
-        if dist.is_initialized():
+        if liveness is not None:
+            liveness.stop()
+        if dist.is_initialized() and not world_broken:
             dist.destroy_process_group()
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The launcher's store (MASTER_ADDR:MASTER_PORT), in a namespace of this attempt's own.
+
+    Why: torchrun's agent keeps ONE TCPStore for the whole job (c10d rendezvous shares its store
+    with the workers, static rendezvous reuses its own) and torch adds no per-restart prefix, so
+    the workers of a restart read the keys the dead attempt left: gloo addresses of processes that
+    are gone ("Gloo connectFullMesh failed ... Connection refused") or counters that never add up
+    (a hang). TORCHELASTIC_RESTART_COUNT numbers the restarts after a failure; the world size tells
+    apart the re-rendezvous after a membership change, which keeps the count.
+    """
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+            raise RecipeError(
+                f"MASTER_PORT {os.environ.get('MASTER_PORT')} is already in use on this host; pick "
+                "a free one (MASTER_PORT=<port>, or torchrun --standalone / --master-port)"
+            ) from None
+        raise
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"recipes/attempt{attempt}/world{world_size}", store)
+
+
+@contextlib.contextmanager
+def _init_deadline(rank: int, timeout_s: float) -> Iterator[None]:
+    """End the process if joining takes longer than ``timeout_s`` (+2 s, so that torch's own, more
+    specific timeout wins when it fires). ``init_process_group`` can wait past its ``timeout``
+    (a peer that connected and then stalled, a store host that accepts but never answers), and a
+    call blocked in C++ cannot be interrupted from Python: a timer thread is the only bound."""
+    with _deadline(timeout_s + 2.0, lambda: report_and_exit(
+        f"rank {rank}: joining the world (init_process_group via {_store_address()}) did not "
+        f"finish within {timeout_s:g}s; a rank did not start or cannot reach the others - check "
+        "that every rank was launched with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE", 1,
+    )):
+        yield
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, give_up: Callable[[], None]) -> Iterator[None]:
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
+def report_and_exit(message: str, code: int, *, echo: bool = False) -> NoReturn:
+    """One line on stderr, the same line in torchrun's error file, then exit without teardown.
+
+    Under torchrun, the error file (TORCHELASTIC_ERROR_FILE, what ``@record`` would write) is what
+    its "Root Cause" summary prints; without it the summary says "To enable traceback see ...".
+    torchrun names as root cause the failure with the smallest timestamp, in whole seconds, ties
+    going to the lowest local rank: ``echo=True`` (this rank failed because a peer died) stamps
+    the failure one second later, so that the dead peer, not rank 0, is named.
+    """
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    write_torchrun_error_file(message, delay_s=1 if echo else 0)
+    sys.stdout.flush()
+    os._exit(code)  # skip teardown: a process group whose peer is gone can block or abort in it
+
+
+def write_torchrun_error_file(message: str, *, delay_s: int = 0) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # The format torch.distributed.elastic reads (ProcessFailure._get_error_data): a plain-string
+    # message with a top-level timestamp is printed as it is.
+    data = {"message": message, "timestamp": str(int(time.time()) + delay_s)}
+    with contextlib.suppress(OSError):
+        _write_atomically(path, json.dumps(data).encode())
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True for the errors a collective raises when a peer is gone or stuck."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(word in str(exc) for word in COLLECTIVE_WORDS)
+
+
+COLLECTIVE_WORDS = ("gloo", "Gloo", "Connection closed", "Connection reset", "Timed out", "NCCL",
+                    "mismatch between collectives")
+
+
+class Liveness:
+    """Which peer died: every rank keeps a heartbeat in the store and notes how it exits.
+
+    A survivor's collective only says that a connection broke. What names the peer: a key a rank
+    writes when it fails with an error of its own (``exit/R``); for ranks on this host, whether
+    their process still runs (``/proc``); for other hosts, a heartbeat that stopped advancing.
+    The first survivor to know publishes its verdict, and every rank's heartbeat thread keeps a
+    copy: a survivor whose collective breaks later (when rank 0, the store's host in a world
+    started without torchrun's agent, has already left) still names the rank that died first.
+    The heartbeat thread has its own store connection, so it never waits behind the main thread.
+    """
+
+    PERIOD_S = 1.0
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.store = dist.PrefixStore("liveness", store)
+        self.host = socket.gethostname()
+        self.store.set(f"proc/{rank}", json.dumps({"host": self.host, "pid": os.getpid()}))
+        self.procs: dict[int, dict] = {}  # every rank's host and pid, once all have registered
+        self.verdict = ""  # the first survivor's verdict, copied by the heartbeat thread
+        self._stop = threading.Event()
+        self._beat_store = self._own_connection()
+        self._thread = threading.Thread(target=self._beat, name="recipes-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _own_connection(self) -> dist.Store | None:
+        try:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   is_master=False, timeout=datetime.timedelta(seconds=5))
+        except (KeyError, ValueError, RuntimeError):
+            return None  # no heartbeat; the other signs still work
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefix = f"recipes/attempt{attempt}/world{self.world_size}"
+        return dist.PrefixStore("liveness", dist.PrefixStore(prefix, client))
+
+    def _beat(self) -> None:
+        store = self._beat_store
+        while store is not None and not self._stop.wait(self.PERIOD_S):
+            try:
+                store.add(f"beat/{self.rank}", 1)
+                keys = [f"proc/{r}" for r in range(self.world_size)]
+                if not self.procs and store.check(keys):
+                    self.procs = {r: json.loads(store.get(key)) for r, key in enumerate(keys)}
+                if store.check(["verdict"]):
+                    self.verdict = store.get("verdict").decode()
+            except Exception:  # noqa: BLE001 - the store's host is gone: nothing left to tell
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.PERIOD_S)
+
+    def record_exit(self, line: str) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set(f"exit/{self.rank}", line)
+
+    def explain(self) -> str:
+        """One phrase naming the dead or failed peers, or what is known when none can be named."""
+        probe = self._beat_store or self.store
+        verdict = self._explain(probe)
+        try:
+            if not probe.check(["verdict"]):
+                probe.set("verdict", verdict)
+            if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                # This process hosts the store: stay long enough for every heartbeat thread to
+                # copy the verdict before the store goes with it.
+                time.sleep(2.5 * self.PERIOD_S)
+        except Exception:  # noqa: BLE001 - the store is gone; the verdict is still this rank's
+            pass
+        return verdict
+
+    def _dead_here(self, procs: dict[int, dict], wait_s: float = 1.0) -> list[int]:
+        """Peers on this host whose process is gone (polled briefly: a killed process takes a
+        moment to leave, and its sockets close before it does)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = [r for r, p in procs.items() if r != self.rank and p["host"] == self.host
+                    and not _running(p["pid"])]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.1)
+
+    def _explain(self, probe: dist.Store, wait_s: float = 3.0) -> str:
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            failed = {r: probe.get(f"exit/{r}").decode() for r in peers
+                      if probe.check([f"exit/{r}"])}
+            if failed:
+                return "; ".join(f"rank {r} failed first: {line}" for r, line in failed.items())
+            procs = self.procs or {r: json.loads(probe.get(f"proc/{r}")) for r in peers
+                                   if probe.check([f"proc/{r}"])}
+            gone = self._dead_here(procs)
+            if gone:
+                return _no_longer_running(gone, procs)
+            if probe.check(["verdict"]):
+                return probe.get("verdict").decode()
+            beats = {r: _count(probe, r) for r in peers}
+            time.sleep(wait_s)  # a live peer beats every PERIOD_S: several times in wait_s
+            stale = [r for r in peers if _count(probe, r) == beats[r]]
+            if stale:
+                named = ", ".join(f"rank {r} ({procs.get(r, {}).get('host', '?')})" for r in stale)
+                whose = " stopped its" if len(stale) == 1 else " stopped their"
+                return named + whose + " heartbeat (dead, or unreachable)"
+            return "every other rank is still alive: one of them is stuck or failed differently"
+        except Exception:  # noqa: BLE001 - the store itself is unreachable
+            if self.verdict:
+                return self.verdict
+            gone = self._dead_here(self.procs, wait_s=0)
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            return (_no_longer_running(gone, self.procs) + f" and the store at {where} is gone"
+                    if gone else f"the store at {where} is unreachable too: the host of rank 0 "
+                    "(or of torchrun's agent) is gone")
+
+
+def _no_longer_running(ranks: list[int], procs: dict[int, dict]) -> str:
+    named = ", ".join(f"rank {r} (pid {procs[r]['pid']})" for r in ranks)
+    return named + (" is" if len(ranks) == 1 else " are") + \
+        " no longer running (killed, or exited without an error)"
+
+
+def _count(store: dist.Store, rank: int) -> int:
+    return int(store.add(f"beat/{rank}", 0))
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie is dead
+    except OSError:
+        return False
 
 
 def _current_world() -> World:
@@ -160,11 +430,12 @@ def _current_world() -> World:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = _env_int("LOCAL_RANK", rank)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    return World(rank, world_size, local_rank, _env_int("LOCAL_WORLD_SIZE", world_size), backend, device,
+    return World(rank, world_size, local_rank, _env_int("LOCAL_WORLD_SIZE", world_size), backend,
+                 device,
                  os.environ.get("RECIPES_LAUNCHER", "torchrun"))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # spawn_world: N ranks on a free loopback port, rank 0's result back, failures re-raised, no hangs.
 
 
@@ -195,14 +466,16 @@ def spawn_world(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes and return rank 0's return value.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes and return rank 0's return
+    value.
 
-    ``fn`` must be importable (a module-level function), as with any spawn. Each rank sees the torchrun
-    variables, so ``fn`` joins the world with ``join_world``. The first rank to fail stops the world and
-    its exception comes back as ``RankError`` (or ``RecipeError`` for bad input).
+    ``fn`` must be importable (a module-level function), as with any spawn. Each rank sees the
+    torchrun variables, so ``fn`` joins the world with ``join_world``. The first rank to fail stops
+    the world and its exception comes back as ``RankError`` (or ``RecipeError`` for bad input).
     """
     if master_port is None:
-        master_port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else free_port()
+        from_env = os.environ.get("MASTER_PORT")
+        master_port = int(from_env) if from_env else free_port()
     check_port_free(master_port)
     ctx = mp.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="recipes-world-")
@@ -211,10 +484,12 @@ def spawn_world(
         for rank in range(world_size):
             rank_env = {
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(rank),
-                "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
                 "RECIPES_LAUNCHER": "spawn", **(env or {}),
             }
-            proc = ctx.Process(target=_rank_main, args=(fn, rank, rank_env, workdir, args, kwargs), name=f"rank{rank}")
+            proc = ctx.Process(target=_rank_main, name=f"rank{rank}",
+                               args=(fn, rank, rank_env, workdir, args, kwargs))
             proc.start()
             processes.append(proc)
         return _supervise(processes, workdir, timeout_s)
@@ -234,13 +509,15 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     try:
         result = fn(*args, **kwargs)
-        gc.collect()  # free process-group holders now, not during shutdown (see recipes/core/cli.py)
+        # Free process-group holders now, not during shutdown (see recipes/core/cli.py).
+        gc.collect()
         if rank == 0:
             _write_atomically(os.path.join(workdir, "result.pkl"), pickle.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
         report = {
-            "time": getattr(exc, "failed_at", time.time()), "type": type(exc).__name__, "message": _first_line(str(exc)),
+            "time": getattr(exc, "failed_at", time.time()), "type": type(exc).__name__,
+            "message": _first_line(str(exc)),
             "traceback": traceback.format_exc(), "operation": collective_in_frames(frames[::-1]),
             "is_recipe_error": isinstance(exc, RecipeError),
         }
@@ -259,8 +536,10 @@ def _supervise(processes, workdir: str, timeout_s: float) -> Any:
         errors = _read_errors(workdir, len(processes))
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)] + list(errors)
         if failed:
-            time.sleep(0.5)  # let the other ranks report: the first failure is the cause, not the echoes
-            _raise_first_failure([proc.exitcode for proc in processes], _read_errors(workdir, len(processes)))
+            # Let the other ranks report: the first failure is the cause, not the echoes.
+            time.sleep(0.5)
+            _raise_first_failure([proc.exitcode for proc in processes],
+                                 _read_errors(workdir, len(processes)))
         if all(code == 0 for code in codes):
             with open(os.path.join(workdir, "result.pkl"), "rb") as f:
                 return pickle.load(f)
@@ -280,8 +559,9 @@ def _read_errors(workdir: str, world_size: int) -> dict[int, dict]:
 
 
 def _raise_first_failure(codes: list[int | None], errors: dict[int, dict]) -> None:
-    # A rank that died without raising (killed, os._exit, segfault) is the cause of the others' errors.
-    silent = [rank for rank, code in enumerate(codes) if code not in (None, 0) and rank not in errors]
+    # A rank that died without raising (killed, os._exit, segfault) caused the others' errors.
+    silent = [rank for rank, code in enumerate(codes)
+              if code not in (None, 0) and rank not in errors]
     if silent:
         rank, code = silent[0], codes[silent[0]]
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -293,7 +573,8 @@ def _raise_first_failure(codes: list[int | None], errors: dict[int, dict]) -> No
     message = f"rank {rank} failed{where}: {report['type']}: {report['message']}"
     if report["is_recipe_error"]:
         raise RecipeError(f"rank {rank}: {report['message']}")
-    raise RankError(message, rank=rank, operation=report["operation"], remote_traceback=report["traceback"])
+    raise RankError(message, rank=rank, operation=report["operation"],
+                    remote_traceback=report["traceback"])
 
 
 def _raise_timeout(processes, workdir: str, timeout_s: float) -> None:
