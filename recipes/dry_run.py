@@ -216,8 +216,12 @@ def _probe_in_child(conn, *args, **kwargs) -> None:
 
 def probe_in_fork(cfg: ModelConfig, rank: int, *layout: int, measure_step: bool,
                   timeout_s: float) -> dict[str, Any]:
-    """A fresh fake world per probe: fork (torch is already imported; no world exists yet)."""
-    context = mp.get_context("fork")
+    """A fresh fake world per probe: fork (torch is already imported; no world exists yet).
+
+    On a CUDA host the probe is spawned instead, which imports torch again: once the parent has
+    asked the CUDA runtime anything (even the device count), a forked child's CUDA calls fail with
+    "initialization error" (seen on the H200)."""
+    context = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     parent, child = context.Pipe(duplex=False)
     process = context.Process(target=_probe_in_child, args=(child, cfg, rank, *layout),
                               kwargs={"measure_step": measure_step}, daemon=True)
