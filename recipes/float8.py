@@ -5,9 +5,13 @@
 
 Needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell: float8 tensor
 cores) and torchao (``pip install -e ".[float8]"``). Anywhere else it refuses in one line
-(exit 2) and its tests skip with that line as the reason. Nothing here was run on a GPU by its
-author (a CPU-only machine without torchao): tests/test_float8.py holds it to its claims where
-the hardware exists.
+(exit 2) and its tests skip with that line as the reason.
+
+Measured on one H200 (torch 2.11, torchao 0.18, the 100m preset, a world of 1, ``--compile``, 20
+steps, results/float8.json): float8 ran at 0.57x bf16's tokens/s, its losses within 0.5% of
+bf16's. At this width (768) the per-tensor scaling costs more than the float8 matmuls save;
+float8 pays off on wide layers (thousands of features), as torchao's own tables show. Without
+``--compile`` it ran at 0.33x: the scaling must be fused.
 
 What changes against the bf16 fully_shard recipe (recipes/fsdp2.py), in this order:
 
