@@ -773,6 +773,10 @@ def _class_declaration(cls: type) -> str:
                 # A long help goes above its field, wrapped: the code column holds 100 characters.
                 lines += ["    # " + part for part in textwrap.wrap(help_text, 90)]
                 help_text = ""
+            if len(field) > 96:  # e.g. a long Literal: continue inside its brackets
+                field = "\n".join(textwrap.wrap(field, 96, subsequent_indent=" " * 8,
+                                                 break_long_words=False, break_on_hyphens=False,
+                                                 drop_whitespace=True))
             lines.append(field + (f"  # {help_text}" if help_text else ""))
         if not own:
             lines.append("    ...  # no fields of its own" if bases else "    ...")

@@ -1,4 +1,4 @@
-"""Gradient accumulation under fully_shard, three ways, each with its communication counted.
+r"""Gradient accumulation under fully_shard, three ways, each with its communication counted.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.sharded_accumulation --mode sync_last
     torchrun --standalone --nproc_per_node=2 -m recipes.sharded_accumulation \

@@ -1,4 +1,4 @@
-"""Tensor parallelism with DTensor: every layer's weights split across ranks, the same model.
+r"""Tensor parallelism with DTensor: every layer's weights split across ranks, the same model.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.tensor_parallel
     torchrun --standalone --nproc_per_node=4 -m recipes.tensor_parallel --sequence-parallel \

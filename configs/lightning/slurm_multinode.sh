@@ -35,7 +35,8 @@ srun python -m recipes.lightning_trainer fit --config "$CONFIG" \
     --trainer.logger.init_args.save_dir "${LOG_DIR:-$PWD/lightning_logs}" \
     "$@"
 
-# The dataclass path runs the same way: srun sets no torchrun variables, so launch torchrun per node instead:
+# The dataclass path runs the same way: srun sets no torchrun variables, so launch torchrun per
+# node instead:
 #   srun --ntasks-per-node=1 torchrun --nnodes="$NODES" --nproc_per_node="$GPUS_PER_NODE" \
 #       --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
 #       -m recipes.lightning_trainer --strategy fsdp --model 100m
