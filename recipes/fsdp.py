@@ -1,4 +1,4 @@
-r"""Classic FSDP (FullyShardedDataParallel): ZeRO-3, ZeRO-2, DDP-like, hybrid sharding; equal to DDP.
+r"""Classic FSDP (FullyShardedDataParallel): ZeRO-3, ZeRO-2, DDP-like, hybrid; equal to DDP.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.fsdp
     torchrun --standalone --nproc_per_node=2 -m recipes.fsdp --sharding-strategy shard_grad_op \

@@ -6,7 +6,8 @@
 #
 # srun starts one task per GPU on every node; Lightning's SLURMEnvironment reads SLURM_PROCID,
 # SLURM_LOCALID, SLURM_NODEID and SLURM_NTASKS, so nobody runs torchrun. Pitfall: the Trainer's
-# devices x num_nodes must equal --ntasks-per-node x --nodes, or Lightning stops with a mismatch error.
+# devices x num_nodes must equal --ntasks-per-node x --nodes, or Lightning stops with a mismatch
+# error.
 #SBATCH --job-name=lightning-recipe
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
@@ -26,8 +27,8 @@ export MASTER_PORT=${MASTER_PORT:-29500}
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-8}
 # NCCL: name the fabric interface if the nodes have several (e.g. export NCCL_SOCKET_IFNAME=ib0).
 
-# Checkpoints and logs must be on a filesystem every node sees: FSDP "sharded" checkpoints are written
-# by every rank, and --ckpt_path is read by every rank on resume.
+# Checkpoints and logs must be on a filesystem every node sees: FSDP "sharded" checkpoints are
+# written by every rank, and --ckpt_path is read by every rank on resume.
 srun python -m recipes.lightning_trainer fit --config "$CONFIG" \
     --trainer.accelerator cuda \
     --trainer.devices "$GPUS_PER_NODE" \
