@@ -16,6 +16,7 @@ What two hosts need that one does not (also on docs/troubleshooting.md):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -90,11 +91,39 @@ def read(tmp_path, node_rank: int, stream: str) -> str:
     return (tmp_path / f"node{node_rank}.{stream}").read_text()
 
 
-def stop(nodes: list[subprocess.Popen]) -> None:
+def pids_in(hosts) -> list[int]:
+    """Every process in these hosts' namespaces (workers included: torchrun starts each worker
+    in a session of its own, out of reach of its process group)."""
+    pids = []
+    for namespace, _, _ in hosts:
+        listing = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                                 text=True, timeout=30)
+        pids += [int(pid) for pid in listing.stdout.split()]
+    return pids
+
+
+def stop(nodes: list[subprocess.Popen], pids: list[int]) -> None:
+    """Kill what is left: torchrun (its own session) and every process named in ``pids``."""
     for node in nodes:
         if node.poll() is None:
-            os.killpg(node.pid, signal.SIGKILL)  # its own session: torchrun and its workers
-            node.wait(timeout=30)
+            os.killpg(node.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for node in nodes:
+        node.wait(timeout=30)
+
+
+def wait_all(nodes: list[subprocess.Popen], tmp_path, timeout_s: float) -> None:
+    """Wait for every node; on a hang, fail with what each one printed."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for node in nodes:
+            node.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        printed = "\n".join(f"--- node {n} {stream}:\n{read(tmp_path, n, stream)[-2000:]}"
+                            for n in range(len(nodes)) for stream in ("out", "err"))
+        pytest.fail(f"the nodes did not end within {timeout_s:g}s\n{printed}")
 
 
 @pytest.mark.timeout(300)
@@ -104,10 +133,9 @@ def test_two_hosts_train_like_one_process(two_hosts, rendezvous, tmp_path):
     nodes = [launch_node(host, n, master, rendezvous, tmp_path, "--steps", str(STEPS))
              for n, host in enumerate(two_hosts)]
     try:
-        for node in nodes:
-            node.wait(timeout=240)
+        wait_all(nodes, tmp_path, 240)
     finally:
-        stop(nodes)
+        stop(nodes, pids_in(two_hosts))
     for n, node in enumerate(nodes):
         assert node.returncode == 0, read(tmp_path, n, "err")[-4000:]
     result = json.loads(read(tmp_path, 0, "out").strip().splitlines()[-1])
@@ -123,6 +151,7 @@ def test_a_host_that_vanishes_ends_the_other_with_a_clear_error(two_hosts, tmp_p
     master = two_hosts[0][2]
     nodes = [launch_node(host, n, master, "static", tmp_path, "--steps", "1000000",
                          "--timeout-s", str(timeout_s)) for n, host in enumerate(two_hosts)]
+    vanished: list[int] = []
     try:
         deadline = time.monotonic() + 180
         while "[rank0] step" not in read(tmp_path, 0, "out"):
@@ -134,13 +163,14 @@ def test_a_host_that_vanishes_ends_the_other_with_a_clear_error(two_hosts, tmp_p
         # reach its store; removing the name alone leaves the namespace up while processes
         # run in it.)
         namespace, interface, _ = two_hosts[1]
+        vanished = pids_in(two_hosts[1:])  # to kill at the end: the name is about to go
         ip("-n", namespace, "link", "set", interface, "down")
         ip("netns", "del", namespace)
         cut = time.monotonic()
         nodes[0].wait(timeout=timeout_s + 60)
         took = time.monotonic() - cut
     finally:
-        stop(nodes)
+        stop(nodes, pids_in(two_hosts) + vanished)
     err = read(tmp_path, 0, "err")
     assert nodes[0].returncode not in (0, None)
     # Within the collective timeout, plus the time to name the lost ranks and stop.

@@ -10,7 +10,6 @@ traceback. Under torchrun the same line goes into the error file torchrun reads 
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import sys
 import traceback
@@ -24,6 +23,7 @@ from recipes.core.world import (
     RankError,
     collective_in_frames,
     is_collective_failure,
+    release_ended_groups,
     report_and_exit,
     write_torchrun_error_file,
 )
@@ -65,11 +65,7 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
             _collective_failed(exc)
         write_torchrun_error_file(f"{type(exc).__name__}: {exc}")
         raise
-    # Free what the recipe built (modules and hooks that hold process groups, often in reference
-    # cycles) now, while the interpreter is whole: freed during interpreter shutdown instead, a
-    # gloo group's threads can abort the process ("terminate called without an active exception")
-    # after a good run.
-    gc.collect()
+    release_ended_groups()  # the run's models are gone: free them, then their process groups
     if result is not None and current_rank() == 0:
         if result.losses:
             mfu = f"{100 * result.mfu:.1f}%" if result.mfu is not None else "n/a (no known peak)"

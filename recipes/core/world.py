@@ -20,6 +20,7 @@ dies, the survivors name it (``Liveness``) and exit without tearing down the bro
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import faulthandler
@@ -140,6 +141,7 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
     if dist.is_initialized():
         yield _current_world()
         return
+    release_ended_groups()  # a process that runs worlds one after another holds one at a time
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = _env_int("RANK", 0) if under_launcher else 0
     world_size = _env_int("WORLD_SIZE", 1) if under_launcher else 1
@@ -200,7 +202,39 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
         if liveness is not None:
             liveness.stop()
         if dist.is_initialized() and not world_broken:
+            _keep_groups_past_teardown()
             dist.destroy_process_group()
+
+
+# The process groups of worlds that ended, held until release_ended_groups() (see below).
+_ENDED_GROUPS: list[dist.ProcessGroup] = []
+
+
+def _keep_groups_past_teardown() -> None:
+    """Hold this world's process groups past ``destroy_process_group`` until
+    ``release_ended_groups``.
+
+    Why: DDP's reducer holds its process group. When the reducer is the group's last holder, the
+    group is destroyed inside the reducer's destructor, which runs with the GIL held (a pybind11
+    binding that does not release it: pytorch/pytorch#56297). A gloo group's destructor joins its
+    worker threads, and a worker still freeing a finished collective (all_gather_object's tensors)
+    needs the GIL: the process hangs after printing its result, 1 two-host torchrun run in about
+    8 here. Held in this list, a group is destroyed when the list lets go of it, through torch's
+    Python binding of ProcessGroup, which releases the GIL first.
+    """
+    _ENDED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
+
+
+def release_ended_groups() -> None:
+    """Free what finished runs built (models and hooks, often in reference cycles), then the
+    process groups ``join_world`` kept: call it once the run's models are gone. It also runs at
+    exit, while the interpreter is whole: freed during interpreter shutdown instead, a gloo
+    group's threads can abort the process ("terminate called without an active exception")."""
+    gc.collect()
+    _ENDED_GROUPS.clear()
+
+
+atexit.register(release_ended_groups)
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
@@ -509,8 +543,7 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     try:
         result = fn(*args, **kwargs)
-        # Free process-group holders now, not during shutdown (see recipes/core/cli.py).
-        gc.collect()
+        release_ended_groups()
         if rank == 0:
             _write_atomically(os.path.join(workdir, "result.pkl"), pickle.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
