@@ -13,6 +13,10 @@ from recipes.core.workload import MODEL_PRESETS, Block, build_model, lm_loss, ma
 from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
                            run_cli, with_fields)
 
+# Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
+# --dist loadgroup), so the fixtures run once rather than once per worker.
+pytestmark = pytest.mark.xdist_group("activation_checkpointing")
+
 # gloo, so CPU even where there is a GPU: the exact comparisons and the byte counts below are CPU's
 # (CUDA's embedding backward is not bit-deterministic, and its attention kernels save other
 # tensors). precision="fp32" too: "auto" means bf16 on a GPU, and the exact checks need fp32.

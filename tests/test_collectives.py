@@ -69,6 +69,10 @@ def test_bad_options_are_rejected_with_the_valid_values():
         run_alone(collectives.run, with_fields(CFG, skip_on_rank=3))
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_with_three_ranks():
     proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=3", "-m", "recipes.collectives"], timeout_s=150)
     assert proc.returncode == 0, proc.stderr[-2000:]

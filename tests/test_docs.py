@@ -34,9 +34,13 @@ ROOT = Path(REPO_ROOT)
 # A GPU image (torch 2.11 + CUDA) often has no mkdocs: the site cannot be built there, so say so
 # once per test instead of failing 24 times. CI installs the docs extra, so the build is checked
 # there.
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
-    reason="the docs tests build the site with mkdocs-material: pip install -e '.[docs]'")
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
+        reason="the docs tests build the site with mkdocs-material: pip install -e '.[docs]'"),
+    # One worker builds the site once and runs every page test (pyproject: --dist loadgroup).
+    pytest.mark.xdist_group("docs"),
+]
 TEMPLATE_SECTIONS = [
     "## What it solves",
     "## The code",

@@ -236,6 +236,10 @@ def test_bad_command_line_fails_in_one_line(args, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_equals_single_process(tmp_path):
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.finetune",
                         "--strategy", "fully_shard", "--precision", "fp32", "--steps", "2",

@@ -128,6 +128,10 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
     assert wrong["loss_scale_per_rank"] == [2.0**16, 2.0**15]
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.fsdp",
                         "--sharding-strategy", "shard_grad_op"])

@@ -82,6 +82,10 @@ def test_fully_shard_equals_ddp_with_every_option(backend):
     assert_losses_close(results["fp16"].losses[:INJECT_STEP + 1], reference.losses[:INJECT_STEP + 1], atol=BF16_ATOL)
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.fsdp2", "--explicit-prefetch"])
     assert launched.returncode == 0, launched.stderr[-2000:]

@@ -122,6 +122,10 @@ def test_pipeline_x_fully_shard_x_tensor_parallel_on_a_3d_mesh(backend):
     assert extras["param_fraction_per_rank"] < 0.25
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_prints_the_rank_grid_and_equals_single_process():
     # 2 ranks with --tp 1: a dp 2 x tp 1 mesh, the cheapest layout that goes through torchrun.
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.hybrid_parallel",

@@ -6,6 +6,10 @@ from unittest import mock
 import pytest
 import torch
 
+# Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
+# --dist loadgroup), so the fixtures run once rather than once per worker.
+pytestmark = pytest.mark.xdist_group("lightning_fabric")
+
 L = pytest.importorskip("lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]")
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -99,6 +103,10 @@ def test_accumulation_with_no_backward_sync_equals_one_big_batch_and_syncs_once_
     assert accumulated.extras["grad_syncs"] == plain.extras["grad_syncs"]
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_equals_raw_and_logs_from_rank_zero_only():
     proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.lightning_fabric",
                     "--accumulate-grad-batches", "2"], timeout_s=240)

@@ -24,6 +24,10 @@ from recipes.core.world import spawn_world
 from tests.helpers import (CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, in_one_world,
                            last_json, run_alone, run_cli)
 
+# Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
+# --dist loadgroup), so the fixtures run once rather than once per worker.
+pytestmark = pytest.mark.xdist_group("lightning_trainer")
+
 STEPS = 6
 TENSORBOARD = lightning_trainer.tensorboard_available()
 # LightningCLI needs jsonargparse, which lightning's base install does not bring.
@@ -271,6 +275,10 @@ def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
     assert_states_close(result.final_state, reference.final_state, atol=1e-5)  # rank 0's weights came back
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_prints_readable_logs_and_the_result(tmp_path):
     proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.lightning_trainer",
                     "--output-dir", str(tmp_path)], timeout_s=240)

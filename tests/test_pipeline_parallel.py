@@ -171,6 +171,10 @@ def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):
         pp.check_schedule_runs_here("dualpipev", "gloo")
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 @pytest.mark.timeout(270)  # after run_cli's own 240 s
 def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",

@@ -59,6 +59,10 @@ def test_tp_that_does_not_divide_the_world_is_rejected():
         process_groups.mesh_shape(4, 3)
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_prints_the_rank_map():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.process_groups"],
                        timeout_s=120)

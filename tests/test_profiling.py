@@ -64,6 +64,10 @@ def test_two_ranks_trace_the_gradient_all_reduce_and_train_as_one_process(tmp_pa
     assert extras["memory_snapshot"].startswith("needs CUDA") and "window_peak_allocated_bytes" not in extras
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_prints_the_top_ops_table_and_the_result_as_json(tmp_path):
     # 6 steps around the default 4-step window: with the schedule's default repeat=0, a second cycle
     # would start after the window and replace its events.

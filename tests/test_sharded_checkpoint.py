@@ -47,6 +47,10 @@ from tests.helpers import (
     with_fields,
 )
 
+# Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
+# --dist loadgroup), so the fixtures run once rather than once per worker.
+pytestmark = pytest.mark.xdist_group("sharded_checkpoint")
+
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
 # resume_from="": the recipe's default ("latest") would pick up whatever the default directory holds
 BASE = CheckpointConfig(
@@ -436,6 +440,10 @@ def test_nccl_world_saves_async_and_a_cpu_world_resumes(saved, tmp_path):
     assert_losses_close(on_cpu.losses, second.losses, atol=1e-4)
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     launched = run_cli(

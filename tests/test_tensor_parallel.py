@@ -97,6 +97,10 @@ def test_tp_size_that_does_not_split_the_heads_is_rejected():
         tensor_parallel.check_tp_fits(MODEL_PRESETS["tiny"], 3)
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.tensor_parallel",
                         "--sequence-parallel", "--loss-parallel", "--steps", str(STEPS)], timeout_s=180)

@@ -54,6 +54,10 @@ def test_zero1_equals_ddp_with_half_the_optimizer_state(backend):
     assert zero1.extras["consolidated_optimizer_states"] == len(reference.final_state)
 
 
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
+# and test_multinode cover the launch path itself there.
+@pytest.mark.slow
 def test_torchrun_launch_equals_single_process():
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.zero"])
     assert launched.returncode == 0, launched.stderr[-2000:]
