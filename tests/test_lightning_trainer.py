@@ -265,6 +265,10 @@ def test_bf16_mixed_trains_close_to_fp32(world):
     assert 1e-6 < worst < 1e-2, "bf16 autocast must really run, and stay close"
 
 
+# Slow: Lightning's ddp_spawn strategy starts fresh interpreters that import lightning (~20 s
+# on 2 cores). Lightning's launcher itself runs in the default run (the LightningCLI YAML test);
+# this one checks that spawn returns rank 0's weights.
+@pytest.mark.slow
 def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
     reference = run_alone(ddp_torchrun.train, REFERENCE)
     # ddp_spawn sets MASTER_PORT & co. in this process: restore the environment for the tests after it.
