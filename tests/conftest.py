@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Spawned ranks inherit this: one thread per rank keeps a 2-core machine from thrashing.
@@ -7,9 +8,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist (-p no:xdist) there is no such hook
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: two test processes per CPU core. A test here spends much of its time waiting
     (ranks starting up and polling, timeouts it asserts, subprocesses), which a second test per
     core fills: with one per core, a 2-core run left about 40% of the CPU idle."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return 2 * (cores or 1)
+
+
+# Started first: each launches fresh interpreters (torchrun, two hosts, a browser) or waits out a
+# timeout it asserts, for 15-60 s. Started last, one of them leaves a single worker running alone
+# at the end of the run. (pytest-xdist hands out the xdist_group modules first, largest first,
+# then the other tests in this order.)
+LONG_FIRST = ("test_multinode", "test_elastic", "test_ddp_torchrun", "test_performance",
+              "test_collect_results", "test_third_party_models", "test_hang_diagnosis",
+              "test_recipes_index", "test_ddp_spawn", "test_collectives", "test_world")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: order for order, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
