@@ -368,18 +368,16 @@ def train(cfg: FSDPConfig) -> RecipeResult:
             extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
             extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
         full_state, checksum = full_state_on_rank0(model)  # every rank calls it: it all-gathers
-        result = make_result(
+        return make_result(
             "fsdp",
             world,
             losses,
-            full_state.values(),
+            checksum,  # of the full state: on every rank, not only the one that holds it
             timer,
             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
             **extras,
         )
-        result.param_checksum = checksum
-        return result
 # --8<-- [end:train]
 
 

@@ -287,12 +287,10 @@ def run(cfg: HFCheckpointConfig) -> RecipeResult:
             reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
             with torch.no_grad():
                 difference = (reloaded(probe.cpu()).logits - trained).abs().max().item()
-        result = make_result("hf_checkpoint", world, losses, [], timer, files=files,
-                             export_logits_max_abs_diff=difference,
-                             torch_hf_storage=cfg.reader != "safetensors" and torch_hf_storage(),
-                             param_bytes_per_rank=all_ranks(shard_bytes))
-        result.param_checksum = float(checksum.item())
-        return result
+        return make_result("hf_checkpoint", world, losses, float(checksum.item()), timer,
+                           files=files, export_logits_max_abs_diff=difference,
+                           torch_hf_storage=cfg.reader != "safetensors" and torch_hf_storage(),
+                           param_bytes_per_rank=all_ranks(shard_bytes))
 # --8<-- [end:run]
 
 

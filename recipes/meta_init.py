@@ -199,15 +199,14 @@ def init_model(cfg: MetaInitConfig) -> RecipeResult:
         inputs, targets = tokens[:, :-1].to(world.device), tokens[:, 1:].to(world.device)
         loss = mean_over_ranks(lm_loss(model(inputs), targets))
         state = full_state_on_rank0(model)[0] if cfg.keep_final_state else {}
-        result = make_result(
-            "meta_init", world, [loss], [], timer,
+        return make_result(
+            # the checksum equals build_model's (tested)
+            "meta_init", world, [loss], float(checksum.item()), timer,
             keep_final_state=state if world.is_main and cfg.keep_final_state else None,
             full_model_bytes=full_model_bytes(model),
             param_bytes_per_rank=all_ranks(shard_bytes),
             largest_module_bytes_per_rank=all_ranks(largest_module_bytes),
         )
-        result.param_checksum = float(checksum.item())  # equals build_model's (tested)
-        return result
 # --8<-- [end:run]
 
 

@@ -271,16 +271,14 @@ def train(cfg: ShardedAccumulationConfig) -> RecipeResult:
                      per_step[-1], timer.durations[-1] * 1e3)
 
         full_state, checksum = full_state_on_rank0(model)  # a collective: every rank calls it
-        result = make_result(
-            "sharded_accumulation", world, losses, full_state.values(), timer,
+        return make_result(
+            "sharded_accumulation", world, losses, checksum, timer,
             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
             collectives_per_step=per_step, fsdp_groups=sum(1 for _ in _fsdp_modules(model)),
             grad_bytes_between_micro_batches=max(held, default=0),
             grad_bytes_unsharded=full_grad_bytes, mesh=list(mesh.shape),
         )
-        result.param_checksum = checksum
-        return result
 # --8<-- [end:train]
 
 

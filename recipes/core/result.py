@@ -129,7 +129,7 @@ def make_result(
     recipe: str,
     world: Any,
     losses: list[float],
-    params: Iterable[torch.Tensor],
+    params: Iterable[torch.Tensor] | float,
     timer: StepTimer,
     *,
     keep_final_state: dict[str, torch.Tensor] | None = None,
@@ -138,9 +138,11 @@ def make_result(
 ) -> RecipeResult:
     """Fill a RecipeResult from what every training recipe has at its end.
 
+    ``params``: the final parameters, or their checksum where no rank holds them all (a sharded
+    model: ``full_state_on_rank0`` returns the checksum on every rank).
     ``workload`` (a ``recipes.core.throughput.Workload``) turns the step time into tokens/s and MFU.
     """
-    params = list(params)
+    checksum = params if isinstance(params, float) else param_checksum(params)
     speed = {}
     if workload is not None:
         devices = world.world_size if world.device.type == "cuda" else 1
@@ -151,7 +153,7 @@ def make_result(
         backend=world.backend,
         device=str(world.device),
         losses=losses,
-        param_checksum=param_checksum(params),
+        param_checksum=checksum,
         seconds_per_step=timer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(world.device),
         extras=extras,
