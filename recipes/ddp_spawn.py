@@ -59,7 +59,8 @@ from recipes.core.workload import (
     lm_loss,
     make_dataset,
 )
-from recipes.core.world import RankError, check_port_free, free_port, join_world, resolve_backend
+from recipes.core.spawn import check_port_free, free_port
+from recipes.core.world import RankError, join_world, resolve_backend
 
 log = get_logger(__name__)
 

@@ -17,8 +17,9 @@ import traceback
 import pytest
 import torch
 
-from recipes.core import world
-from recipes.core.world import join_world, spawn_world
+from recipes.core import spawn
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_DEVICES = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -39,10 +40,10 @@ def in_one_world(train_fn, configs, backend: str = "gloo", timeout_s: float = 60
         return [train_fn(cfg) for cfg in configs]
 
 
-def run_world(train_fn, world_size: int, configs, *, backend: str = "gloo", timeout_s: float = 120.0):
+def run_world(train_fn, world_size: int, configs, *, backend: str = "gloo", deadline_s: float = 120.0):
     """Rank 0's results of ``train_fn`` over ``configs`` on a fresh spawned world."""
     require_world(backend, world_size)
-    return spawn_world(in_one_world, world_size, train_fn, list(configs), backend, timeout_s=timeout_s)
+    return spawn_world(in_one_world, world_size, train_fn, list(configs), backend, deadline_s=deadline_s)
 
 
 @functools.cache
@@ -95,7 +96,7 @@ def run_cli(args: list[str], *, timeout_s: float = 120.0, env: dict | None = Non
 
 def _run_module_forked(args: list[str], timeout_s: float, env: dict) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="recipes-cli-") as out:
-        proc = world._rank_context().Process(target=_module_main, args=(args[2], args[3:], env, out))
+        proc = spawn._rank_context().Process(target=_module_main, args=(args[2], args[3:], env, out))
         proc.start()
         proc.join(timeout_s)
         if proc.exitcode is None:

@@ -8,7 +8,8 @@ import torch
 
 from recipes import collectives
 from recipes.core.config import RecipeError
-from recipes.core.world import RankError, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import RankError
 from tests.helpers import BACKENDS, last_json, run_alone, run_cli, run_world, with_fields
 
 CFG = collectives.CollectivesConfig(timeout_s=60)
@@ -56,7 +57,7 @@ def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it():
     cfg = with_fields(CFG, skip_on_rank=1, timeout_s=8, backend="gloo")
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
-        spawn_world(collectives.run, 2, cfg, timeout_s=120)
+        spawn_world(collectives.run, 2, cfg, deadline_s=120)
     assert caught.value.rank == 0 and caught.value.operation == "all_reduce"
     assert "rank 0 failed in all_reduce" in str(caught.value) and "Timed out" in str(caught.value)
     assert time.monotonic() - start < 60  # the timeout fired, nothing waited for the 120 s deadline

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from recipes import context_parallel, ddp_torchrun
 from recipes.core import cli
 from recipes.core.config import RecipeError
-from recipes.core.world import join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from tests.helpers import (
     CUDA_DEVICES,
     assert_losses_close,
@@ -102,7 +103,7 @@ def reference(backend="gloo"):
 
 def test_ring_attention_and_training_equal_one_process_on_2_ranks():
     configs = [CFG, with_fields(CFG, load_balance=False)]
-    attention, llama, results = spawn_world(cp_world, 2, configs, True, timeout_s=240)
+    attention, llama, results = spawn_world(cp_world, 2, configs, True, deadline_s=240)
     check_attention(attention)
     assert max(llama) < 1e-5, f"HF Llama on sequence shards: logits, gradients differ by {llama}"
     expected = reference()
@@ -115,7 +116,7 @@ def test_ring_attention_and_training_equal_one_process_on_2_ranks():
 
 @pytest.mark.slow  # 4 ranks on a 2-core machine: ~4x the 2-rank world's time for the same claim
 def test_ring_attention_and_training_equal_one_process_on_4_ranks():
-    attention, _, (result,) = spawn_world(cp_world, 4, [CFG], timeout_s=400)
+    attention, _, (result,) = spawn_world(cp_world, 4, [CFG], deadline_s=400)
     check_attention(attention)
     expected = reference()
     assert_losses_close(result.losses, expected.losses, atol=1e-5)

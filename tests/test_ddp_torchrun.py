@@ -4,7 +4,7 @@ import pytest
 
 from recipes import ddp_torchrun
 from recipes.core.config import RecipeError
-from recipes.core.world import spawn_world
+from recipes.core.spawn import spawn_world
 from tests.helpers import (
     BACKENDS,
     CUDA_DEVICES,
@@ -46,7 +46,7 @@ def test_torchrun_and_plain_python_print_the_same_losses():
 
 def test_global_batch_that_does_not_divide_is_rejected_with_valid_sizes():
     with pytest.raises(RecipeError, match=r"global_batch_size=9 does not divide across 2 ranks; use a multiple of 2, e.g. 8 or 10"):
-        spawn_world(ddp_torchrun.train, 2, ddp_torchrun.DDPConfig(global_batch_size=9), timeout_s=60)
+        spawn_world(ddp_torchrun.train, 2, ddp_torchrun.DDPConfig(global_batch_size=9), deadline_s=60)
 
 
 @pytest.mark.parametrize(

@@ -192,12 +192,14 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
 
 def test_the_api_reference_documents_every_module_with_stable_anchors(site):
     core = (site / "reference" / "core" / "index.html").read_text()
+    import recipes.core.spawn as spawn
     import recipes.core.world as world
 
-    for name in world.__all__:
-        assert f'id="recipes.core.world.{name}"' in core, (
-            f"recipes.core.world.{name} missing from the API reference"
-        )
+    for module in (world, spawn):
+        for name in module.__all__:
+            assert f'id="{module.__name__}.{name}"' in core, (
+                f"{module.__name__}.{name} missing from the API reference"
+            )
     reference = (site / "reference" / "recipes" / "index.html").read_text()
     for name in recipe_modules():
         assert f'id="recipes.{name}"' in reference, f"recipes.{name} missing from the API reference"

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from recipes import sharded_checkpoint
-from recipes.core.world import free_port
+from recipes.core.spawn import free_port
 from tests.helpers import (
     CUDA_DEVICES,
     PYTHON,

@@ -10,7 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from recipes import expert_parallel
 from recipes.core import cli
 from recipes.core.config import RecipeError
-from recipes.core.world import join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from tests.helpers import (
     assert_losses_close,
     assert_states_close,
@@ -72,7 +73,7 @@ def ep_world(configs):
 
 def test_experts_on_2_ranks_equal_the_one_process_moe():
     configs = [CFG, with_fields(CFG, capacity_factor=0.5)]
-    (exact, capped), (result, dropping) = spawn_world(ep_world, 2, configs, timeout_s=240)
+    (exact, capped), (result, dropping) = spawn_world(ep_world, 2, configs, deadline_s=240)
     # 1. One layer: outputs, every gradient, the aux loss and the token counts.
     counts_ep, counts_one = exact.pop("counts")
     assert counts_ep == counts_one and sum(counts_ep) == TOKENS * 2

@@ -109,7 +109,7 @@ def test_cookbook_model_every_mode_and_strategy_equals_one_process(tmp_path):
                for strategy in ("ddp", "fully_shard") for mode in finetune.MODES]
     # Pitfall check: fully_shard with frozen parameters and MixedPrecisionPolicy(param_dtype=bf16).
     bf16 = with_fields(CFG, mode="lora", strategy="fully_shard", precision="bf16")
-    *results, bf16_result = run_world(finetune.train, 2, configs + [bf16], timeout_s=280)
+    *results, bf16_result = run_world(finetune.train, 2, configs + [bf16], deadline_s=280)
     for cfg, result in zip(configs, results):
         assert_fine_tuned_like_one_process(result, cfg)
     assert_fine_tuned_like_one_process(bf16_result, bf16, atol=BF16_ATOL)
@@ -133,7 +133,7 @@ def hf_parity(tmp_path, combos):
     configs = [with_fields(CFG, arch=arch, strategy=strategy, mode=mode,
                            checkpoint_dir=str(tmp_path / f"{arch}-{strategy}-{mode}"))
                for arch, strategy, mode in combos]
-    for cfg, result in zip(configs, run_world(finetune.train, 2, configs, timeout_s=580)):
+    for cfg, result in zip(configs, run_world(finetune.train, 2, configs, deadline_s=580)):
         assert_fine_tuned_like_one_process(result, cfg)
         if cfg.mode == "lora":
             assert_checkpoint_reloads(result, cfg)

@@ -75,7 +75,7 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
     pairs = [(fsdp.train, with_fields(cfg, backend=backend)) for cfg in runs.values()]
     pairs += [(zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)),  # DDP's bytes
               (sync_module_states_check, None)]
-    *outputs, ddp, synced = run_world(run_pair, 2, pairs, backend=backend, timeout_s=300)
+    *outputs, ddp, synced = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
     results = dict(zip(runs, outputs))
     reference = single_process_reference(steps=STEPS)
 
@@ -166,6 +166,6 @@ def test_three_ranks_uneven_shards_equal_ddp():
     reference = single_process_reference(steps=STEPS)
     configs = [CFG, with_fields(CFG, sharding_strategy="shard_grad_op"),
                with_fields(CFG, activation_checkpointing=True)]
-    for result in run_world(fsdp.train, 3, configs, timeout_s=300):
+    for result in run_world(fsdp.train, 3, configs, deadline_s=300):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)

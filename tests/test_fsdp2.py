@@ -43,7 +43,7 @@ FP32_EXACT = ["default", "no_reshard", "prefetch_offload", "accumulate_sync", "a
 def test_fully_shard_equals_ddp_with_every_option(backend):
     pairs = [(fsdp2.train, with_fields(cfg, backend=backend)) for cfg in RUNS.values()]
     pairs.append((zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
-    *outputs, ddp = run_world(run_pair, 2, pairs, backend=backend, timeout_s=300)
+    *outputs, ddp = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
     results = dict(zip(RUNS, outputs))
     reference = single_process_reference(steps=STEPS)
 
@@ -112,6 +112,6 @@ def test_bad_options_fail_in_one_line():
 def test_three_ranks_uneven_shards_equal_ddp():
     """3 ranks: dim 0 of most parameters does not divide by 3, so shards are padded; still DDP's training."""
     reference = single_process_reference(steps=STEPS)
-    for result in run_world(fsdp2.train, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], timeout_s=300):
+    for result in run_world(fsdp2.train, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], deadline_s=300):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)

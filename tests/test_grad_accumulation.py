@@ -7,7 +7,7 @@ import pytest
 
 from recipes import ddp_torchrun, grad_accumulation
 from recipes.core.config import RecipeError
-from recipes.core.world import spawn_world
+from recipes.core.spawn import spawn_world
 from tests.helpers import BACKENDS, assert_losses_close, assert_states_close, run_alone, run_world
 
 STEPS = 4
@@ -40,7 +40,7 @@ def test_micro_batches_that_do_not_divide_are_rejected():
     cfg = grad_accumulation.GradAccumulationConfig(global_batch_size=12, micro_batches=4)
     with pytest.raises(RecipeError, match=r"does not divide across 2 ranks x 4 micro-batches; "
                                           r"use a multiple of 8"):
-        spawn_world(grad_accumulation.train, 2, cfg, timeout_s=60)
+        spawn_world(grad_accumulation.train, 2, cfg, deadline_s=60)
 
 
 @pytest.mark.parametrize("micro_batches", [0, -1])  # once: ZeroDivisionError, RuntimeError

@@ -75,7 +75,7 @@ def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
         Config(layout="fsdp", clip="local_shards", keep_final_state=True),
     ]
     *results, ddp_torch, pp_torch, fsdp_local, (gpt2_norm, gpt2_grads) = run_world(
-        clip_layouts_and_gpt2, 2, [*configs, "gpt2"], timeout_s=300)
+        clip_layouts_and_gpt2, 2, [*configs, "gpt2"], deadline_s=300)
     for layout, result in zip(layouts, results):
         assert result.extras["layout"] == layout
         assert_equals_one_process(result, ref)
@@ -113,7 +113,7 @@ def test_four_rank_layouts_equal_one_process(layouts):
     ref = reference()
     results = run_world(grad_clipping.train, 4,
                         [Config(layout=layout, keep_final_state=True) for layout in layouts],
-                        timeout_s=300)
+                        deadline_s=300)
     for layout, result in zip(layouts, results):
         assert (result.extras["layout"], result.extras["mesh"]) == (layout, [2, 2])
         assert_equals_one_process(result, ref)
@@ -123,7 +123,7 @@ def test_four_rank_layouts_equal_one_process(layouts):
 def test_three_d_pipeline_fsdp_tp_equals_one_process():
     ref = reference()
     (result,) = run_world(grad_clipping.train, 8, [Config(layout="pp_fsdp_tp",
-                                                          keep_final_state=True)], timeout_s=300)
+                                                          keep_final_state=True)], deadline_s=300)
     assert result.extras["mesh"] == [2, 2, 2]
     assert_equals_one_process(result, ref)
 

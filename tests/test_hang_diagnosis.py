@@ -13,7 +13,7 @@ import torch
 
 from recipes import hang_diagnosis
 from recipes.core.config import RecipeError
-from recipes.core.world import spawn_world
+from recipes.core.spawn import spawn_world
 from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, plain_training_loop
 
 # Long enough for a slow step on a loaded 2-core machine, short enough to wait for once.
@@ -22,7 +22,7 @@ TIMEOUT_S = 8.0
 
 def diagnose(tmp_path, world_size: int, **changes) -> hang_diagnosis.RecipeResult:
     cfg = hang_diagnosis.HangConfig(trace_dir=str(tmp_path), timeout_s=TIMEOUT_S, **changes)
-    return spawn_world(hang_diagnosis.run, world_size, cfg, timeout_s=180)
+    return spawn_world(hang_diagnosis.run, world_size, cfg, deadline_s=180)
 
 
 @pytest.mark.timeout(240)

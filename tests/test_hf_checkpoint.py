@@ -152,7 +152,7 @@ def test_hf_in_and_out_of_fully_shard(tmp_path):
                               reader="safetensors", backend="gloo", timeout_s=60),
     ]
     job = {**{name: str(tmp_path / name) for name in MODELS}, "probe": probe, "runs": runs}
-    loads, results = run_world(rank_main, 2, [job], timeout_s=170)[0]
+    loads, results = run_world(rank_main, 2, [job], deadline_s=170)[0]
 
     # In: the sharded model gives the original's logits, and each rank read half of the bytes.
     for (name, reader), (read, sharded, logits) in loads.items():

@@ -11,7 +11,8 @@ from recipes import hybrid_parallel, pipeline_parallel, tensor_parallel
 from recipes.core.config import RecipeError
 from recipes.core.pipeline import TRANSFORMER_LM, even_split
 from recipes.core.workload import Block, build_model, lm_loss, make_dataset
-from recipes.core.world import join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from tests.helpers import (
     BACKENDS,
     assert_losses_close,
@@ -92,7 +93,7 @@ def test_fully_shard_x_tensor_parallel_on_a_2d_mesh_and_a_4_rank_pipeline(backen
     # ranks (the full pp 2 x dp 2 x tp 2 on 8 ranks is the slow test below).
     configs = [with_fields(CFG, backend=backend, sequence_parallel=sp) for sp in (False, True)]
     configs.append(with_fields(CFG, backend=backend, pp=2, sequence_parallel=True))
-    differences, results = spawn_world(hybrid_world, 4, configs, backend, timeout_s=300)
+    differences, results = spawn_world(hybrid_world, 4, configs, backend, deadline_s=300)
     check_against_reference(configs, differences, results)
     extras = results[0].extras
     assert (extras["mesh_dim_names"], extras["mesh_shape"]) == (["dp", "tp"], [2, 2])
@@ -112,7 +113,7 @@ def test_pipeline_x_fully_shard_x_tensor_parallel_on_a_3d_mesh(backend):
     # One world of 8 on the tiniest model: 2 stages of 1 block, dp 2, tp 2 with sequence parallel.
     # Slow: 8 processes on a 2-core machine take ~40 s of CPU; the 4-rank test above runs the same code.
     configs = [with_fields(CFG, backend=backend, pp=2, sequence_parallel=True)]
-    differences, results = spawn_world(hybrid_world, 8, configs, backend, timeout_s=420)
+    differences, results = spawn_world(hybrid_world, 8, configs, backend, deadline_s=420)
     check_against_reference(configs, differences, results)
     extras = results[0].extras
     assert (extras["mesh_dim_names"], extras["mesh_shape"]) == (["pp", "dp", "tp"], [2, 2, 2])

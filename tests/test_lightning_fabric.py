@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from recipes import ddp_torchrun, lightning_fabric
 from recipes.core.config import RecipeError
-from recipes.core.world import spawn_world
+from recipes.core.spawn import spawn_world
 from tests.helpers import (CUDA_DEVICES, assert_losses_close, assert_states_close, in_one_world, last_json,
                            run_alone, run_cli)
 
@@ -70,7 +70,7 @@ def world(tmp_path_factory):
         ("count_accumulate", fabric_cfg(accumulate_grad_batches=3)),
         ("count_plain", fabric_cfg()),
     ]
-    results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, timeout_s=300)
+    results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, deadline_s=300)
     return {name: result for (name, _), result in zip(phases, results)} | {"ckpt_dir": ckpt_dir}
 
 

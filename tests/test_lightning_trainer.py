@@ -20,7 +20,7 @@ from recipes import ddp_torchrun, fsdp, lightning_fabric, lightning_trainer
 from recipes.core.cli import run_cli as core_run_cli
 from recipes.core.config import RecipeError
 from recipes.core.workload import build_model
-from recipes.core.world import spawn_world
+from recipes.core.spawn import spawn_world
 from tests.helpers import (CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, in_one_world,
                            last_json, run_alone, run_cli)
 
@@ -126,7 +126,7 @@ def world(tmp_path_factory):
         ("torch_hybrid_one_rank_per_node", None),
         ("bf16", lightning_cfg(f"{out}/bf16", precision="bf16-mixed")),
     ]
-    results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, timeout_s=400)
+    results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, deadline_s=400)
     return {name: result for (name, _), result in zip(phases, results)} | {"out": out}
 
 
@@ -222,7 +222,7 @@ def test_hybrid_shard_on_two_nodes_of_two_equals_ddp(tmp_path):
               ("classic_fsdp", fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, timeout_s=120,
                                                precision="fp32", sharding_strategy="hybrid"))]
     raw, lightning_hybrid, classic = spawn_world(
-        _as_two_nodes_of_two, 4, phases, timeout_s=500)
+        _as_two_nodes_of_two, 4, phases, deadline_s=500)
     for result in (lightning_hybrid, classic):
         assert_losses_close(result.losses, raw.losses, atol=1e-5)
         assert_states_close(result.final_state, raw.final_state, atol=1e-5)

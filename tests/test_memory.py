@@ -85,7 +85,7 @@ FOUR_RANK_RUNS = {
 def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
     n = 4
     reference = single_process_reference(steps=3)
-    results = dict(zip(FOUR_RANK_RUNS, run_world(run_pair, n, FOUR_RANK_RUNS.values(), timeout_s=480)))
+    results = dict(zip(FOUR_RANK_RUNS, run_world(run_pair, n, FOUR_RANK_RUNS.values(), deadline_s=480)))
     flat_params = results.pop("flat_params")
     for name, result in results.items():
         assert result.world_size == n

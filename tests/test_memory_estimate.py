@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from recipes.core.config import RecipeError
 from recipes.core.memory import model_state_bytes
 from recipes.core.workload import Block, build_model, lm_loss, make_dataset
-from recipes.core.world import join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from recipes.fsdp import apply_fsdp
 from recipes.fsdp2 import apply_fully_shard
 from recipes.memory_estimate import LAYOUTS, EstimateConfig, estimate, model_state_per_rank
@@ -143,7 +144,7 @@ def test_estimate_matches_bytes_measured_on_a_real_world_of_2():
     largest = max(p.numel() for p in model.parameters())
     fp32 = LAYOUTS["adam-fp32"]
     measured = spawn_world(measure_per_rank_bytes, 2, ["ddp", "zero1", "fsdp_full_shard", "fully_shard"],
-                           timeout_s=180)
+                           deadline_s=180)
 
     # Tolerances, stated: AdamW keeps a 4-byte scalar `step` per parameter tensor that the formulas
     # (bytes per parameter) do not count; the rest must agree exactly or within the named slack.

@@ -84,7 +84,7 @@ def test_meta_init_equals_a_normal_build_and_no_rank_holds_the_model(tmp_path):
 
     paths = (str(tmp_path / "seed"), str(tmp_path / "gpt2"))
     replay, seeded, (gpt2_state, gpt2_bytes, tied), random_init = run_world(
-        rank_main, 2, [paths], timeout_s=170)[0]
+        rank_main, 2, [paths], deadline_s=170)[0]
 
     expected = reference.state_dict()
     tokens = make_dataset("tiny", 2, seed=SEED).tokens[:2]

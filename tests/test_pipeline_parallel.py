@@ -12,7 +12,8 @@ from recipes.core.config import RecipeError
 from recipes.core.pipeline import (GPT2, LLAMA, TRANSFORMER_LM, StageModule, even_split,
                                    stage_modules)
 from recipes.core.workload import build_model, lm_loss, make_dataset
-from recipes.core.world import join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json,
                            plain_training_loop, require_world, run_cli, with_fields)
 
@@ -110,7 +111,7 @@ def check_timeline(extras: dict, label: str) -> None:
 def test_every_schedule_equals_the_unsplit_model(backend):
     require_world(backend, 2)
     configs = [with_fields(cfg, backend=backend) for cfg in CONFIGS if runs_here(cfg, backend)]
-    differences, results = spawn_world(pipeline_world, 2, configs, backend, timeout_s=300)
+    differences, results = spawn_world(pipeline_world, 2, configs, backend, deadline_s=300)
     # every config trains the same model and data
     reference_losses, reference_state = unsplit_reference(CFG)
     for cfg, difference, result in zip(configs, differences, results):
@@ -204,7 +205,7 @@ def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
 def test_zbv_on_gloo_is_refused_where_torch_would_send_to_itself():
     cfg = with_fields(CFG, schedule="zbv_zero_bubble", backend="gloo")
     with pytest.raises(RecipeError, match="zbv_zero_bubble on gloo needs torch >= 2.13"):
-        spawn_world(pp.train, 2, cfg, timeout_s=60)
+        spawn_world(pp.train, 2, cfg, deadline_s=60)
 
 
 # --- Models the cookbook did not write: tiny Hugging Face GPT-2 and Llama, built from config ----
@@ -282,7 +283,7 @@ def hf_reference(name: str):
 
 @pytest.mark.timeout(270)  # after the world's own 240 s; each rank imports transformers
 def test_gpt2_and_llama_in_a_two_stage_pipeline_equal_one_process():
-    runs = spawn_world(hf_pipeline_world, 2, ["gpt2", "llama"], timeout_s=240)
+    runs = spawn_world(hf_pipeline_world, 2, ["gpt2", "llama"], deadline_s=240)
     assert runs["gpt2"]["split"] == ["transformer.h.1"]
     assert runs["llama"]["split"] == ["model.layers.1"]
     for name, run in runs.items():

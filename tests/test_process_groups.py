@@ -5,7 +5,8 @@ import torch
 
 from recipes import process_groups
 from recipes.core.config import RecipeError
-from recipes.core.world import join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from tests.helpers import BACKENDS, last_json, require_world, run_cli
 
 
@@ -30,7 +31,7 @@ def test_mesh_groups_equal_the_groups_built_by_hand(backend):
     require_world(backend, 4)
     # 2 x 2, and the two degenerate shapes: one group of everybody, and groups of one.
     configs = [process_groups.GroupsConfig(tp=tp, backend=backend) for tp in (2, 4, 1)]
-    results = spawn_world(groups_world, 4, configs, backend, timeout_s=180)
+    results = spawn_world(groups_world, 4, configs, backend, deadline_s=180)
     for cfg, result in zip(configs, results):
         dp = 4 // cfg.tp
         extras = result.extras

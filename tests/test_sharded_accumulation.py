@@ -37,7 +37,7 @@ def test_three_ways_count_their_collectives_hold_their_bytes_and_equal_one_proce
         "hsdp_last": config("hsdp_all_reduce_last", [2, 2]),
         "naive_mean": config("sync_last", [4], loss_normalisation="batches"),
     }
-    results = dict(zip(runs, run_world(acc.train, 4, runs.values(), timeout_s=300)))
+    results = dict(zip(runs, run_world(acc.train, 4, runs.values(), deadline_s=300)))
     ragged = acc.make_ragged_dataset("tiny", BATCH, pad_fraction=PAD, seed=0)
     assert len({int(n) for n in ragged.lengths[:BATCH]}) > 2  # ragged indeed
     ref_losses, ref_state = plain_training_loop("tiny", steps=STEPS, global_batch_size=BATCH,

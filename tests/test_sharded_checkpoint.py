@@ -24,7 +24,8 @@ from recipes import sharded_checkpoint
 from recipes.core.config import RecipeError
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model, lm_loss, make_dataset
-from recipes.core.world import RankError, join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import RankError, join_world
 from recipes.core import publish
 from recipes.core.publish import find_checkpoint, published_steps, verify_checkpoint
 from recipes.sharded_checkpoint import (
@@ -94,7 +95,7 @@ def saved(tmp_path_factory):
             checkpoint_dir=str(root / "async"),
         )
     )
-    results = run_world(sharded_checkpoint.train, 2, configs, timeout_s=240)
+    results = run_world(sharded_checkpoint.train, 2, configs, deadline_s=240)
     return SimpleNamespace(
         root=root,
         async_run=results[-1],
@@ -156,7 +157,7 @@ def resumed(saved, tmp_path_factory):
         configs,
         str(saved.root / "ddp.pt"),
         str(tmp_path_factory.mktemp("rng")),
-        timeout_s=240,
+        deadline_s=240,
     )
     return SimpleNamespace(
         by_strategy=dict(zip(STRATEGIES, results)),
@@ -204,7 +205,7 @@ def test_checkpoint_of_2_ranks_resumes_on_1_3_and_4_ranks(saved, world_size):
     if world_size == 1:
         results = [run_alone(sharded_checkpoint.train, cfg) for cfg in configs]
     else:
-        results = run_world(sharded_checkpoint.train, world_size, configs, timeout_s=240)
+        results = run_world(sharded_checkpoint.train, world_size, configs, deadline_s=240)
     for (saved_by, loaded_as), result in zip(pairs, results):
         straight = saved.straight[saved_by]
         assert (result.world_size, result.extras["saved_by_world_size"]) == (world_size, 2)
@@ -310,7 +311,7 @@ def test_save_killed_part_way_leaves_the_last_checkpoint_loadable(saved, tmp_pat
     root = tmp_path / "crash"
     cfg = with_fields(BASE, strategy="fsdp2", save_every=3, checkpoint_dir=str(root))
     with pytest.raises(RankError, match="rank 1 exited with code 1"):
-        spawn_world(train_and_die_in_a_save, 2, cfg, 2, timeout_s=240)  # dies in the step-6 save
+        spawn_world(train_and_die_in_a_save, 2, cfg, 2, deadline_s=240)  # dies in the step-6 save
     assert read_latest(root) == "step_00000003"
     assert published_steps(root) == [3]
     assert not (root / "step_00000006").exists() and (root / ".tmp-step_00000006").exists()
@@ -422,14 +423,14 @@ def test_nccl_world_saves_async_and_a_cpu_world_resumes(saved, tmp_path):
         checkpoint_dir=str(tmp_path / "nccl"),
     )
     (first,) = run_world(
-        sharded_checkpoint.train, 2, [with_fields(cfg, steps=3)], backend="nccl", timeout_s=240
+        sharded_checkpoint.train, 2, [with_fields(cfg, steps=3)], backend="nccl", deadline_s=240
     )
     (second,) = run_world(
         sharded_checkpoint.train,
         2,
         [with_fields(cfg, resume_from="latest", save_every=0)],
         backend="nccl",
-        timeout_s=240,
+        deadline_s=240,
     )
     on_cpu = run_alone(
         sharded_checkpoint.train,
@@ -728,7 +729,7 @@ def test_trainer_killed_during_an_async_save_keeps_the_last_good_checkpoint(
     def run():
         try:
             outcome["result"] = spawn_world(train_until_a_save_is_in_flight, 2, cfg, str(markers),
-                                            6, timeout_s=240)
+                                            6, deadline_s=240)
         except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
             outcome["error"] = exc
 

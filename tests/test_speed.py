@@ -115,7 +115,7 @@ def test_compile_keeps_sharded_training_equal_on_fsdp2_and_tp():
     ):
         eager = config_cls(**{**COMPILED, "compile": False})
         configs += [(module.train, eager), (module.train, with_fields(eager, compile=True))]
-    results = run_world(train_with, 2, configs, timeout_s=170)
+    results = run_world(train_with, 2, configs, deadline_s=170)
     for eager, compiled in zip(results[::2], results[1::2]):
         assert compiled.recipe == eager.recipe
         # measured difference: 0 on torch 2.13 (aot_eager runs the same aten kernels)

@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor
 from recipes import tensor_parallel
 from recipes.core.config import RecipeError
 from recipes.core.workload import MODEL_PRESETS, build_model, lm_loss, make_dataset
-from recipes.core.world import join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from tests.helpers import (
     BACKENDS,
     assert_losses_close,
@@ -74,7 +75,7 @@ def test_tp_equals_unsplit_model(world_size, backend):
     trained = OPTIONS if world_size == 2 else OPTIONS[-1:]
     configs = [with_fields(CFG, **opts) for opts in trained]
     require_world(backend, world_size)
-    differences, results = spawn_world(tp_world, world_size, configs, backend, timeout_s=240)
+    differences, results = spawn_world(tp_world, world_size, configs, backend, deadline_s=240)
     # 1. One forward + backward: the same logits and the same (all-gathered) gradient for every parameter.
     for opts, diffs in zip(OPTIONS, differences):
         worst = max(diffs, key=diffs.get)

@@ -22,7 +22,8 @@ from recipes.core.config import RecipeError
 from recipes.core.memory import model_state_bytes
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import Block, lm_loss
-from recipes.core.world import join_world, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from recipes.fsdp import apply_fsdp, wrap_policy_for
 from recipes.fsdp2 import apply_fully_shard
 from recipes.tensor_parallel import (apply_tp, check_heads_divide, check_tp_plan, llama_plan,
@@ -119,7 +120,7 @@ def strategies_world(kind: str) -> dict:
 @pytest.mark.parametrize("kind", third_party.KINDS)
 def test_every_strategy_equals_one_process(kind):
     """One spawned world per model (a spawn costs more than these tiny trainings), three checks."""
-    results = spawn_world(strategies_world, 2, kind, timeout_s=240)
+    results = spawn_world(strategies_world, 2, kind, deadline_s=240)
     # 1. Every strategy trains exactly as one process on the whole batch does.
     reference = third_party.build(kind)
     expected_losses = train(reference, rank=0, world_size=1, shard_batch=False)

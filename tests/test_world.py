@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from recipes.core.config import Config, RecipeError, TrainConfig, config_table, parse_config
-from recipes.core.world import RankError, WorldTimeoutError, join_world, resolve_backend, spawn_world
+from recipes.core.spawn import spawn_world
+from recipes.core.world import RankError, WorldTimeoutError, join_world, resolve_backend
 from tests.helpers import PYTHON, run_cli
 
 
@@ -57,7 +58,7 @@ def die_mid_run():
 
 
 def test_spawned_world_sees_the_torchrun_variables():
-    world_size, backend, device, ranks = spawn_world(describe_world, 3, timeout_s=60)
+    world_size, backend, device, ranks = spawn_world(describe_world, 3, deadline_s=60)
     assert (world_size, backend, device) == (3, "gloo", "cpu")
     assert ranks == [(0, 0, "spawn"), (1, 1, "spawn"), (2, 2, "spawn")]
 
@@ -91,7 +92,7 @@ def test_backend_choice_and_override(monkeypatch):
 
 def test_failing_rank_is_reraised_with_its_number_and_traceback():
     with pytest.raises(RankError) as info:
-        spawn_world(raise_on_rank, 2, 1, timeout_s=60)
+        spawn_world(raise_on_rank, 2, 1, deadline_s=60)
     assert info.value.rank == 1
     assert "rank 1 failed: ZeroDivisionError: bad arithmetic on purpose" in str(info.value)
     assert "raise_on_rank" in info.value.remote_traceback  # the failing rank's own frames
@@ -100,7 +101,7 @@ def test_failing_rank_is_reraised_with_its_number_and_traceback():
 def test_a_skipped_collective_times_out_naming_rank_and_operation():
     started = time.monotonic()
     with pytest.raises(RankError) as info:
-        spawn_world(skip_a_collective, 2, 3, timeout_s=60)
+        spawn_world(skip_a_collective, 2, 3, deadline_s=60)
     assert (info.value.rank, info.value.operation) == (0, "all_reduce")
     assert "rank 0 failed in all_reduce" in str(info.value)
     assert time.monotonic() - started < 45, "the collective timeout, not the world deadline, should end it"
@@ -111,7 +112,7 @@ def test_a_stuck_world_is_killed_at_its_deadline_with_where_each_rank_waited():
     with pytest.raises(WorldTimeoutError) as info:
         # 10 s: ranks start from the fork server in well under a second, so both are in their
         # barrier long before the deadline even on a loaded 2-core machine.
-        spawn_world(wait_forever_in_barrier, 2, timeout_s=10)
+        spawn_world(wait_forever_in_barrier, 2, deadline_s=10)
     message = str(info.value).splitlines()[0]
     assert "did not finish within 10s" in message
     assert "rank 0 waiting in barrier called from wait_forever_in_barrier" in message
@@ -121,7 +122,7 @@ def test_a_stuck_world_is_killed_at_its_deadline_with_where_each_rank_waited():
 
 def test_a_rank_that_dies_stops_the_world_and_is_named():
     with pytest.raises(RankError, match="rank 1 exited with code 3 without raising an error; the other ranks were stopped"):
-        spawn_world(die_mid_run, 2, timeout_s=60)
+        spawn_world(die_mid_run, 2, deadline_s=60)
 
 
 def test_a_busy_master_port_is_a_one_line_error():
@@ -130,7 +131,7 @@ def test_a_busy_master_port_is_a_one_line_error():
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(RecipeError, match=rf"MASTER_PORT {port} is already in use"):
-            spawn_world(describe_world, 2, master_port=port, timeout_s=30)
+            spawn_world(describe_world, 2, master_port=port, deadline_s=30)
 
 
 # --------------------------------------------------------------------------------------------------
