@@ -115,9 +115,12 @@ def dump_flight_recorder(trace_dir: str, rank: int) -> str:
             trace["pg_config"][name] = {"name": name, "desc": desc, "ranks": str(ranks)}
     trace["pg_config"].pop("", None)
     path = os.path.join(trace_dir, f"rank_{rank}")
-    with open(path + ".tmp", "wb") as f:
+    # Whole or absent: the analysis waits for every rank_<r>. The partial file's name must not
+    # match rank_* (the other ranks would count and read it half-written, as fr_trace would).
+    partial = os.path.join(trace_dir, f".partial_rank_{rank}")
+    with open(partial, "wb") as f:
         pickle.dump(trace, f)
-    os.replace(path + ".tmp", path)  # whole or absent: the analysis waits for every file
+    os.replace(partial, path)
     return path
 
 
