@@ -240,7 +240,7 @@ def probe_in_fork(cfg: ModelConfig, rank: int, *layout: int, measure_step: bool,
 
 
 # --8<-- [start:dry_run]
-def dry_run(cfg: DryRunConfig) -> RecipeResult:
+def run(cfg: DryRunConfig) -> RecipeResult:
     model_cfg, layout = PRESETS[cfg.model], (cfg.world_size, cfg.pp, cfg.dp, cfg.tp)
     stages, probes = [], {}
     for stage in range(cfg.pp):
@@ -302,4 +302,4 @@ def format_table(cfg: DryRunConfig, stages: list[dict[str, Any]]) -> str:
 
 
 if __name__ == "__main__":
-    run_cli(dry_run, DryRunConfig, __doc__)
+    run_cli(run, DryRunConfig, __doc__)

@@ -169,7 +169,7 @@ def full_model_bytes(model: nn.Module) -> int:
 
 
 # --8<-- [start:run]
-def init_model(cfg: MetaInitConfig) -> RecipeResult:
+def run(cfg: MetaInitConfig) -> RecipeResult:
     model_cfg = MODEL_PRESETS[cfg.model]
     if cfg.create_seed_checkpoint:  # one process, the one full build of the seed_checkpoint method
         write_seed_checkpoint(build_model(cfg.model, seed=cfg.seed), cfg.seed_checkpoint_dir)
@@ -211,4 +211,4 @@ def init_model(cfg: MetaInitConfig) -> RecipeResult:
 
 
 if __name__ == "__main__":
-    run_cli(init_model, MetaInitConfig, __doc__)
+    run_cli(run, MetaInitConfig, __doc__)

@@ -114,7 +114,7 @@ def groups_by_hand(
 
 
 # --8<-- [start:compare]
-def compare_groups(cfg: GroupsConfig) -> RecipeResult:
+def run(cfg: GroupsConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         dp, tp = mesh_shape(world.world_size, cfg.tp)
         mesh = init_device_mesh(world.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -177,4 +177,4 @@ def compare_groups(cfg: GroupsConfig) -> RecipeResult:
 
 
 if __name__ == "__main__":
-    run_cli(compare_groups, GroupsConfig, __doc__)
+    run_cli(run, GroupsConfig, __doc__)

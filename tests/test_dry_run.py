@@ -17,7 +17,7 @@ from tests.helpers import PYTHON, last_json, run_cli
 
 
 def _run(**changes):
-    return dry_run.dry_run(dry_run.DryRunConfig(**changes)).extras
+    return dry_run.run(dry_run.DryRunConfig(**changes)).extras
 
 
 @pytest.mark.timeout(240)

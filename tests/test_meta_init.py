@@ -59,8 +59,8 @@ def dtensor_random_init_on_cpu() -> torch.Tensor:
 def rank_main(paths: tuple[str, str]):
     """Everything on one world of 2 (run_world has joined it): one spawn for the whole test."""
     seed_dir, gpt2_dir = paths
-    replay = meta_init.init_model(CFG)
-    seeded = meta_init.init_model(meta_init.MetaInitConfig(
+    replay = meta_init.run(CFG)
+    seeded = meta_init.run(meta_init.MetaInitConfig(
         seed=SEED, method="seed_checkpoint", seed_checkpoint_dir=seed_dir,
         keep_final_state=True, backend="gloo", timeout_s=60))
     return replay, seeded, gpt2_sharded_from_seed_checkpoint(gpt2_dir), dtensor_random_init_on_cpu()
@@ -115,7 +115,7 @@ def test_meta_init_equals_a_normal_build_and_no_rank_holds_the_model(tmp_path):
 def test_missing_seed_checkpoint_is_one_line_and_exit_2(tmp_path):
     missing = str(tmp_path / "nothing")
     with pytest.raises(RecipeError, match="create it once with"):
-        meta_init.init_model(meta_init.MetaInitConfig(method="seed_checkpoint",
+        meta_init.run(meta_init.MetaInitConfig(method="seed_checkpoint",
                                                       seed_checkpoint_dir=missing))
     proc = run_cli([PYTHON, "-m", "recipes.meta_init", "--method", "seed_checkpoint",
                     "--seed-checkpoint-dir", missing], timeout_s=120)

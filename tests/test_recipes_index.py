@@ -3,7 +3,7 @@
 import json
 
 from recipes.__main__ import describe, recipe_modules
-from tests.helpers import PYTHON, run_cli
+from tests.helpers import PYTHON, REPO_ROOT, run_cli
 
 # Runs each recipe's __main__ with --help inside one interpreter (torch is imported once, not 20 times).
 HELP_ALL = """
@@ -41,3 +41,32 @@ def test_every_recipe_answers_help():
         code, text = codes[name]
         assert code in (0, None), f"recipes.{name} --help exited with {code}: {text}"
         assert "usage" in text.lower(), f"recipes.{name} --help printed no usage: {text}"
+
+
+# What the command line of each recipe calls: train(cfg) where it trains, run(cfg) where it does
+# something else (README, "Every recipe is a module"); the exceptions, each for its stated reason.
+ENTRY_EXCEPTIONS = {
+    "ddp_spawn": "launch",  # starts the processes that call its train(cfg)
+    "memory_estimate": "main",  # runs nothing: estimate(cfg) returns a dict
+}
+
+
+def test_every_recipe_command_line_calls_train_or_run_returning_a_recipe_result():
+    import ast
+    from pathlib import Path
+
+    for name in recipe_modules():
+        tree = ast.parse(Path(REPO_ROOT, "recipes", f"{name}.py").read_text())
+        main_block = next(node for node in tree.body if isinstance(node, ast.If)
+                          and "__main__" in ast.unparse(node.test))
+        calls = [node for node in ast.walk(main_block) if isinstance(node, ast.Call)
+                 and ast.unparse(node.func) == "run_cli"]
+        if name in ENTRY_EXCEPTIONS:
+            assert ENTRY_EXCEPTIONS[name] in ast.unparse(main_block), name
+            continue
+        assert calls, f"recipes/{name}.py: its __main__ block should call run_cli(train or run, ...)"
+        entry = ast.unparse(calls[0].args[0])
+        assert entry in ("train", "run"), f"recipes/{name}.py: the command line calls {entry}"
+        function = next(node for node in tree.body
+                        if isinstance(node, ast.FunctionDef) and node.name == entry)
+        assert ast.unparse(function.returns) == "RecipeResult", f"recipes.{name}.{entry}"
