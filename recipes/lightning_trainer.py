@@ -67,12 +67,14 @@ from recipes.core.config import (
 from recipes.core.lightning import (
     FSDPOnCPUStrategy,
     LeaveWorld,
+    RecipeMetrics,
+    StepLog,
     filter_known_warnings,
     full_state,
     tensorboard_available,
 )
 from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result, peak_memory_bytes
+from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import lightning_precision
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
@@ -333,42 +335,6 @@ def apply_block_tp(model: torch.nn.Module, tp_mesh) -> None:
 # --8<-- [end:tensor_parallel]
 
 
-class StepLog(L.Callback):
-    """One line per optimizer step on rank 0 (step, loss, time), and the step times."""
-
-    def __init__(self, timer: StepTimer, print_lines: bool):
-        self.timer, self.print_lines = timer, print_lines
-
-    # The StepTimer synchronises CUDA on entry and exit, as in the raw recipes: unsynchronised, a
-    # step's time would be the time to queue its kernels (on an H200 at batch 64 it read 48.8 ms:
-    # faster than the bare loop's measured 67 ms).
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx % trainer.accumulate_grad_batches == 0:
-            self.timer.__enter__()
-
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return
-        self.timer.__exit__(None, None, None)
-        if self.print_lines:
-            loss = trainer.callback_metrics.get("train_loss", torch.tensor(float("nan")))
-            log.info(
-                "step %d loss %.4f time %.1f ms",
-                trainer.global_step - 1,
-                float(loss),
-                self.timer.durations[-1] * 1e3,
-            )
-
-
 def build_strategy(cfg: LightningConfig, accelerator: str, world_size: int, num_nodes: int):
     """The Lightning strategy object for ``cfg``: FSDP and ModelParallel with their options."""
     if cfg.strategy == "fsdp":
@@ -425,41 +391,6 @@ def hybrid_shard_layout(sharding_strategy: str, accelerator: str, world_size: in
 
 
 # --8<-- [end:hybrid]
-
-
-class RecipeMetrics(L.Callback):
-    """At the end of fit, on every rank: the global loss of each optimizer step, for the result.
-
-    Stored in ``trainer.callback_metrics``: with ddp_spawn that is what Lightning sends back to
-    the main process (with rank 0's weights), so every strategy reads its result from one place.
-    """
-
-    def __init__(self, timer: StepTimer):
-        self.timer = timer
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: LMModule) -> None:
-        k = trainer.accumulate_grad_batches
-        local = (
-            torch.stack(pl_module.local_losses or [torch.zeros(0)]).view(-1, k).mean(dim=1)
-        )  # per step
-        losses = trainer.strategy.reduce(
-            local, reduce_op="mean"
-        )  # mean over ranks: the global batch's loss
-        trainer.callback_metrics["recipe/losses"] = losses.detach().cpu()
-        trainer.callback_metrics["recipe/seconds_per_step"] = torch.tensor(
-            self.timer.seconds_per_step
-        )
-        trainer.callback_metrics["recipe/peak_memory_bytes"] = torch.tensor(
-            peak_memory_bytes(pl_module.device)
-        )
-        # What this rank holds of the weights: all of them under DDP, its shards under FSDP / tensor
-        # parallel.
-        from torch.distributed.tensor import DTensor
-
-        held = sum(
-            (p.to_local() if isinstance(p, DTensor) else p).numel() for p in pl_module.parameters()
-        )
-        trainer.callback_metrics["recipe/param_elements_per_rank"] = torch.tensor(held)
 
 
 # --8<-- [start:trainer]
