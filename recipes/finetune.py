@@ -21,7 +21,7 @@ gradients that frozen weights never compute. ``--checkpoint-dir`` writes, on ran
 parameters alone (``trainable.pt``: the adapters for LoRA) and, for LoRA, ``merged.pt``, a plain
 state dict of the merged model that the un-adapted model class loads.
 
-Longer than the usual recipe (about 390 lines): besides the training loop it carries the pieces a
+Length: about 390 lines, over the cookbook's ~300: besides the training loop it carries the pieces a
 user copies (LoRA, add_lora, merge_lora, freeze_for, the ready-made targets) and the baseline
 measurement of full fine-tuning's bytes; splitting them into core/ would hide the lesson.
 """

@@ -28,6 +28,10 @@ training code uses, so its options and pitfalls are shown here. Pitfalls named w
 needs ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds unsharded gradients;
 the optimizer is built after wrapping; activation checkpointing goes inside the FSDP unit; the full
 state dict is gathered on every rank's call but kept on rank 0 only.
+
+Length: about 390 lines, over the cookbook's ~300, because classic FSDP's options are the
+lesson: sharding strategies including HSDP's mesh, wrap policies and the tied-weight check that
+guards them, mixed precision, offload, prefetch, the sharded scaler, each where a user sets it.
 """
 
 from __future__ import annotations

@@ -49,6 +49,10 @@ initialised or loaded from a sharded checkpoint (recipes/sharded_checkpoint.py).
 | ``torch.amp.GradScaler`` (reduces found_inf)      | ``ShardedGradScaler``                     |
 | DTensor parameters, names unchanged               | ``use_orig_params=True``                  |
 | same init on every rank, or a checkpoint load     | ``sync_module_states=True``               |
+
+Length: about 300 lines, the cookbook's limit: the sharding function a user copies
+(``apply_fully_shard``, with its reshard, mixed-precision, offload and prefetch options) and the
+textbook loop, with the fp16 scaler, accumulation and clipping a sharded run needs.
 """
 
 from __future__ import annotations

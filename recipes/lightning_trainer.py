@@ -27,8 +27,8 @@ same loss (``lm_loss``), same AdamW; the DDP strategy averages gradients the way
 Pitfalls named where they bite: resuming mid-epoch, 16-bit AMP on CPU, FSDP on CPU, HYBRID_SHARD
 with one rank per node, reading the full weights out of a sharded model.
 
-Longer than the cookbook's usual 300 lines, on purpose: one LightningModule and DataModule serve
-four strategies and two command lines. The workarounds around Lightning (FSDP on CPU, gloo
+Length: about 650 lines, over the cookbook's ~300, on purpose: one LightningModule and DataModule
+serve four strategies and two command lines. The workarounds around Lightning (FSDP on CPU, gloo
 teardown, gathering the full weights, warnings) live in recipes/core/lightning.py.
 """
 

@@ -26,7 +26,7 @@ file and every rank gets its shard. Offline, without a world: ``python -m
 torch.distributed.checkpoint.format_utils dcp_to_torch step_N/ model.pt`` converts a whole
 checkpoint (optimizer included) to one torch.save file.
 
-Length: about 430 lines, over the cookbook's ~300, because everything a resume must carry (model,
+Length: about 450 lines, over the cookbook's ~300, because everything a resume must carry (model,
 optimizer, data position, RNG streams, resharding), the export and the two background writers are
 one lesson that reads top to bottom; the second idea, publishing, lives in recipes/core/publish.py.
 """

@@ -70,3 +70,18 @@ def test_every_recipe_command_line_calls_train_or_run_returning_a_recipe_result(
         function = next(node for node in tree.body
                         if isinstance(node, ast.FunctionDef) and node.name == entry)
         assert ast.unparse(function.returns) == "RecipeResult", f"recipes.{name}.{entry}"
+
+
+def test_a_recipe_over_300_lines_says_why_in_its_docstring():
+    """CONVENTIONS: a recipe reads top to bottom in about 300 lines, or its docstring says why."""
+    import ast
+    from pathlib import Path
+
+    for name in recipe_modules():
+        source = Path(REPO_ROOT, "recipes", f"{name}.py").read_text()
+        lines = source.count("\n")
+        if lines > 300:
+            doc = ast.get_docstring(ast.parse(source)) or ""
+            assert "Length: about" in doc, (
+                f"recipes/{name}.py has {lines} lines: split the second idea out, or say why in "
+                "its docstring ('Length: about N lines, ...')")
