@@ -45,7 +45,8 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.pipeline import TRANSFORMER_LM, even_split, full_state_of_stages
-from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.result import RecipeResult, StepTimer, make_result, param_checksum
+from recipes.core.state import full_state_on_rank0
 from recipes.core.speed import make_adamw, setup_precision
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
@@ -60,7 +61,7 @@ from recipes.core.workload import (
 from recipes.core.world import join_world
 from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
 from recipes.process_groups import rank_grid
-from recipes.tensor_parallel import (apply_tp, check_tp_fits, full_state_gathered, matching_modules,
+from recipes.tensor_parallel import (apply_tp, check_tp_fits, matching_modules,
                                      transformer_lm_plan)
 
 log = get_logger(__name__)
@@ -195,12 +196,13 @@ def train(cfg: HybridConfig) -> RecipeResult:
             log.info("step %d loss %.4f time %.1f ms", step, loss, timer.durations[-1] * 1e3)
 
         if cfg.pp == 1:
-            state = full_state_gathered(model)  # all-gathers over dp and tp
+            state, checksum = full_state_on_rank0(model)  # all-gathers over dp and tp
         else:
             state = full_state_of_stages([s.submod for s in stages], stage_ids)
+            checksum = param_checksum(state.values())
         return make_result(
-            "hybrid_parallel", world, losses, state.values(), timer,
-            keep_final_state=state if cfg.keep_final_state else None,
+            "hybrid_parallel", world, losses, checksum, timer,
+            keep_final_state=state if cfg.keep_final_state and world.is_main else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
             mesh_shape=list(mesh.mesh.shape), mesh_dim_names=list(mesh.mesh_dim_names),
             rank_grid=mesh.mesh.tolist(),

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import full_state_on_rank0
 from recipes.core.speed import (apply_compile, autocast, make_adamw, make_grad_scaler,
                                 setup_precision)
 from recipes.core.throughput import Workload
@@ -265,22 +265,6 @@ def llama_plan() -> dict[str, ParallelStyle]:
 # --8<-- [end:apply_tp]
 
 
-def full_state_gathered(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Plain CPU copies of every parameter, DTensors all-gathered: a collective, every rank must
-    call it."""
-    # fully_shard over TP shards gives (_StridedShard, Shard) placements, whose full_tensor() logs a
-    # "2 sequential all_gather operations" performance warning on every rank, for every parameter: a
-    # one-off gather for the result does not care, so that logger is quieted for its duration.
-    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute_log.level
-    redistribute_log.setLevel(logging.ERROR)
-    try:
-        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-                for name, p in model.named_parameters()}
-    finally:
-        redistribute_log.setLevel(level)
-
-
 def as_float(value: torch.Tensor) -> float:
     """A scalar that may be a (replicated) DTensor, e.g. the loss under loss_parallel()."""
     return float((value.full_tensor() if isinstance(value, DTensor) else value).item())
@@ -338,10 +322,10 @@ def train(cfg: TPConfig) -> RecipeResult:
             losses.append(as_float(loss))
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
-        full_state = full_state_gathered(model)  # every rank joins the all-gathers
+        full_state, checksum = full_state_on_rank0(model)  # every rank joins the all-gathers
         return make_result(
-            "tensor_parallel", world, losses, full_state.values(), timer,
-            keep_final_state=full_state if cfg.keep_final_state else None,
+            "tensor_parallel", world, losses, checksum, timer,
+            keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
             workload=Workload(model_cfg, cfg.global_batch_size, precision),
             tp_size=world.world_size, sequence_parallel=cfg.sequence_parallel,
             loss_parallel=cfg.loss_parallel,

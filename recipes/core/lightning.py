@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 from recipes.core.log import get_logger
 from recipes.core.result import StepTimer, peak_memory_bytes
+from recipes.core.state import full_state_on_rank0
 
 __all__ = [
     "FSDPOnCPUStrategy",
@@ -84,36 +85,14 @@ def full_state(trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch
     """The unsharded weights on rank 0, whatever wraps them (DDP, FSDP units, DTensor TP shards).
 
     Pitfall: ``module.state_dict()`` of a sharded model returns this rank's shards (or DTensors),
-    not
-    the weights; ``get_model_state_dict(full_state_dict=True)`` gathers them (a collective: every
-    rank).
+    not the weights; ``full_state_on_rank0`` gathers them (a collective: every rank calls it).
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )
-
     if not dist.is_initialized():  # ddp_spawn: the main process got rank 0's weights back
         return {name: p.detach().cpu().clone() for name, p in module.model.state_dict().items()}
-    # cpu_offload: gather on rank 0 only, in CPU memory. Not on a CPU world: there it gains nothing,
-    # and with
-    # FSDP1 it crashes torch 2.13 (segfault); every rank then gets the full state, and uses no more
-    # memory.
-    options = StateDictOptions(
-        full_state_dict=True, cpu_offload=trainer.strategy.root_device.type == "cuda"
-    )
-    # TP + FSDP2 weights reach rank 0 in two all-gathers per tensor; torch logs that as "suboptimal"
-    # on every
-    # rank. True, and irrelevant for a one-off gather at the end: quiet that logger for this call
-    # only.
-    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute_log.level
-    redistribute_log.setLevel(logging.ERROR)
-    try:
-        state = get_model_state_dict(trainer.strategy.model, options=options)
-    finally:
-        redistribute_log.setLevel(level)
-    return {name.removeprefix("model."): t.detach().cpu().clone() for name, t in state.items()}
+    # The cookbook's one way to gather a sharded model (DDP, FSDP, fully_shard, TP and 2-D alike):
+    # rank 0 gets the state, the other ranks {}.
+    state, _ = full_state_on_rank0(trainer.strategy.model)
+    return {name.removeprefix("model."): t for name, t in state.items()}
 
 
 def filter_known_warnings() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -33,7 +34,15 @@ def full_state_on_rank0(model: nn.Module) -> tuple[dict[str, torch.Tensor], floa
     classic_fsdp_on_host = next(model.parameters()).device.type == "cpu" and any(
         isinstance(module, FullyShardedDataParallel) for module in model.modules())
     options = StateDictOptions(full_state_dict=True, cpu_offload=not classic_fsdp_on_host)
-    state = get_model_state_dict(model, options=options)
+    # fully_shard over tensor-parallel shards reaches rank 0 in two all-gathers per tensor, which
+    # torch logs as suboptimal on every rank: true, and irrelevant for a one-off gather at the end.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        state = get_model_state_dict(model, options=options)
+    finally:
+        redistribute_log.setLevel(level)
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = {name: t.detach().cpu() for name, t in state.items()} if rank == 0 else {}
     checksum = [float(sum(t.double().sum().item() for t in state.values()))]
