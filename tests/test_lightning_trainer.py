@@ -149,9 +149,18 @@ def test_logged_loss_is_synced_over_ranks(world):
     assert_losses_close([float(row["train_loss"]) for row in rows], world["raw_ddp"].losses, atol=1e-6)
 
 
-@pytest.mark.skipif(not TENSORBOARD, reason="the tensorboard package is not installed")
-def test_tensorboard_logger_writes_events(world):
-    assert glob.glob(os.path.join(world["out"], "clip", "lightning_trainer", "*", "events.out.tfevents.*"))
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                    reason="reading the event file needs the tensorboard package")
+def test_tensorboard_logger_writes_each_steps_global_loss(world):
+    """What TensorBoard will plot: one train_loss per optimizer step, the mean over the ranks."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = glob.glob(os.path.join(world["out"], "clip", "lightning_trainer", "*", "events.out.tfevents.*"))
+    accumulator = EventAccumulator(os.path.dirname(events))
+    accumulator.Reload()
+    scalars = accumulator.Scalars("train_loss")
+    assert [event.step for event in scalars] == list(range(STEPS))
+    assert_losses_close([event.value for event in scalars], world["ddp_clip"].losses, atol=1e-6)
 
 
 def test_resume_from_mid_epoch_checkpoint_equals_uninterrupted_run(world):
