@@ -15,7 +15,6 @@ from tests.helpers import (
     assert_about_fraction,
     assert_losses_close,
     assert_states_close,
-    last_json,
     run_alone,
     run_cli,
     run_pair,
@@ -126,22 +125,6 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
     wrong = results["fp16_amp_scaler"].extras
     assert wrong["skipped_steps_per_rank"] == [[], [INJECT_STEP]]
     assert wrong["loss_scale_per_rank"] == [2.0**16, 2.0**15]
-
-
-# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
-# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
-# and test_multinode cover the launch path itself there.
-@pytest.mark.slow
-def test_torchrun_launch_equals_single_process():
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.fsdp",
-                        "--sharding-strategy", "shard_grad_op"])
-    assert launched.returncode == 0, launched.stderr[-2000:]
-    result = last_json(launched.stdout)
-    reference = single_process_reference()  # the same defaults, one process
-    assert result["world_size"] == 2 and result["recipe"] == "fsdp"
-    assert_losses_close(result["losses"], reference.losses, atol=1e-5)
-    assert result["param_checksum"] == pytest.approx(reference.param_checksum, abs=1e-3)
-    assert launched.stdout.count("] step ") == len(result["losses"]) and "[rank1]" not in launched.stdout
 
 
 def test_bad_options_fail_in_one_line():

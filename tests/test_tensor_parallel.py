@@ -18,9 +18,7 @@ from tests.helpers import (
     assert_losses_close,
     assert_states_close,
     expected_tp_param_fraction,
-    last_json,
     require_world,
-    run_cli,
     single_process_reference,
     with_fields,
 )
@@ -96,19 +94,3 @@ def test_tp_equals_unsplit_model(world_size, backend):
 def test_tp_size_that_does_not_split_the_heads_is_rejected():
     with pytest.raises(RecipeError, match=r"cannot split n_heads=4.*use a tensor-parallel size of 1, 2, 4"):
         tensor_parallel.check_tp_fits(MODEL_PRESETS["tiny"], 3)
-
-
-# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
-# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
-# and test_multinode cover the launch path itself there.
-@pytest.mark.slow
-def test_torchrun_launch_equals_single_process():
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.tensor_parallel",
-                        "--sequence-parallel", "--loss-parallel", "--steps", str(STEPS)], timeout_s=180)
-    assert launched.returncode == 0, launched.stderr[-2000:]
-    result = last_json(launched.stdout)
-    assert result["world_size"] == 2 and result["extras"]["sequence_parallel"] is True
-    # fp32: on a GPU host the reference runs on cuda, where auto would mean bf16.
-    reference = single_process_reference(steps=STEPS)
-    assert_losses_close(result["losses"], reference.losses, atol=1e-5)
-    assert launched.stdout.count("] step ") == STEPS and "[rank1]" not in launched.stdout

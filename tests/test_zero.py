@@ -8,7 +8,6 @@ from tests.helpers import (
     PYTHON,
     assert_losses_close,
     assert_states_close,
-    last_json,
     run_alone,
     run_cli,
     run_world,
@@ -52,20 +51,6 @@ def test_zero1_equals_ddp_with_half_the_optimizer_state(backend):
         assert memory["param_bytes"] == ddp_memory["param_bytes"] and memory["grad_bytes"] == ddp_memory["grad_bytes"]
     # consolidate_state_dict(to=0) gathered every rank's partition: one state per parameter tensor.
     assert zero1.extras["consolidated_optimizer_states"] == len(reference.final_state)
-
-
-# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
-# The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
-# and test_multinode cover the launch path itself there.
-@pytest.mark.slow
-def test_torchrun_launch_equals_single_process():
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.zero"])
-    assert launched.returncode == 0, launched.stderr[-2000:]
-    result = last_json(launched.stdout)
-    reference = single_process_reference()  # the same defaults, one process
-    assert result["world_size"] == 2 and result["recipe"] == "zero"
-    assert_losses_close(result["losses"], reference.losses, atol=1e-5)
-    assert launched.stdout.count("] step ") == len(result["losses"]) and "[rank1]" not in launched.stdout
 
 
 def test_unknown_optimizer_fails_in_one_line():
