@@ -49,15 +49,10 @@ initialised or loaded from a sharded checkpoint (recipes/sharded_checkpoint.py).
 | ``torch.amp.GradScaler`` (reduces found_inf)      | ``ShardedGradScaler``                     |
 | DTensor parameters, names unchanged               | ``use_orig_params=True``                  |
 | same init on every rank, or a checkpoint load     | ``sync_module_states=True``               |
-
-Length: about 300 lines, the cookbook's limit: the sharding function a user copies
-(``apply_fully_shard``, with its reshard, mixed-precision, offload and prefetch options) and the
-textbook loop, with the fp16 scaler, accumulation and clipping a sharded run needs.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,10 +66,11 @@ from torch.distributed.tensor import DTensor
 from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
-from recipes.core.memory import model_state_bytes
+from recipes.core.memory import inject_inf_gradient, measure_last_forward
 from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
-from recipes.core.state import all_ranks, full_state_on_rank0
-from recipes.core.speed import apply_compile, low_precision_dtype, make_adamw, setup_precision
+from recipes.core.state import full_state_on_rank0, sharded_run_extras
+from recipes.core.speed import (apply_compile, low_precision_dtype, make_adamw,
+                                 setup_precision, step_with_scaler)
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
     MODEL_PRESETS,
@@ -237,9 +233,10 @@ def train(cfg: FSDP2Config) -> RecipeResult:
                  tuple(mesh.shape), reshard, precision, cfg.micro_batches, per_rank_batch)
 
         losses, grad_norms, skipped_steps, timer = [], [], [], StepTimer(world.device)
-        extras: dict = {}
+        extras: dict = {}  # the last forward's bytes come from hooks (the tests read them)
+        measure_last_forward(model, steps=cfg.steps, micro_batches=cfg.micro_batches,
+                             extras=extras)
         for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            last_step = step == cfg.steps - 1
             with timer:
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = torch.zeros((), device=world.device)
@@ -253,13 +250,8 @@ def train(cfg: FSDP2Config) -> RecipeResult:
                     loss = lm_loss(model(x), y) / cfg.micro_batches
                     (scaler.scale(loss) if scaler else loss).backward()
                     step_loss += loss.detach().float()
-                    # The accumulated gradients, before the last sync:
-                    if last_step and index == len(micro) - 2:
-                        extras["grad_bytes_accumulated"] = model_state_bytes(model)["grad_bytes"]
                 if step == cfg.inject_inf_step and world.rank == cfg.inject_inf_rank:
-                    shard = next(p.grad.to_local() for p in model.parameters()
-                                 if p.grad is not None and p.grad.to_local().numel())
-                    shard.view(-1)[0] = math.inf
+                    inject_inf_gradient(model)  # an fp16 overflow in one rank's shard
                 if scaler:
                     # Clip (and report) the true gradients, not the scaled ones.
                     scaler.unscale_(optimizer)
@@ -269,35 +261,20 @@ def train(cfg: FSDP2Config) -> RecipeResult:
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     grad_norms.append(
                         float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-                if scaler:
-                    scale = scaler.get_scale()
-                    scaler.step(optimizer)
-                    scaler.update()
-                    if scaler.get_scale() < scale:
-                        skipped_steps.append(step)
-                else:
-                    optimizer.step()
+                if step_with_scaler(optimizer, scaler):  # skipped: an inf/nan gradient
+                    skipped_steps.append(step)
             losses.append(mean_over_ranks(step_loss))
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
         # After step, before zero_grad: gradients present. Every rank measures its own bytes.
-        extras["memory_per_rank"] = all_ranks(model_state_bytes(model, optimizer))
-        if cfg.max_grad_norm > 0:
-            extras["grad_norms"] = grad_norms
-        if scaler:
-            extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
-            extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
+        extras.update(sharded_run_extras(model, optimizer, grad_norms=grad_norms, scaler=scaler,
+                                         skipped_steps=skipped_steps))
         full_state, checksum = full_state_on_rank0(model)  # every rank calls it: it all-gathers
-        return make_result(
-            "fsdp2",
-            world,
-            losses,
-            checksum,  # of the full state: on every rank, not only the one that holds it
-            timer,
+        return make_result(  # the checksum is on every rank; the full state on rank 0 only
+            "fsdp2", world, losses, checksum, timer,
             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            **extras,
-        )
+            **extras)
 # --8<-- [end:train]
 
 

@@ -39,12 +39,14 @@ torch that renames one undercounts that item instead of failing.
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 
-__all__ = ["model_state_bytes", "tensor_storage_bytes"]
+__all__ = ["model_state_bytes", "tensor_storage_bytes", "measure_last_forward",
+           "inject_inf_gradient"]
 
 
 def tensor_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -157,3 +159,49 @@ def model_state_bytes(
         "optimizer_bytes": tensor_storage_bytes(_optimizer_tensors(optimizer)),
     }
 # --8<-- [end:model_state_bytes]
+
+
+def measure_last_forward(model: nn.Module, *, steps: int, micro_batches: int,
+                         extras: dict[str, Any]) -> list[Any]:
+    """Measure the run's last forward (the last step's last micro-batch) from hooks, so that the
+    training loop carries none of it. Into ``extras`` go:
+
+    - ``grad_bytes_accumulated``: the gradient bytes just before it, after the earlier
+      micro-batches' backward (with gradient sync off: the unsharded gradients a rank holds);
+      only with two micro-batches or more;
+    - ``param_bytes_after_forward``: the parameter bytes this rank holds just after it (with
+      SHARD_GRAD_OP, or no reshard after forward: the unsharded parameters kept for backward).
+
+    The loop must call ``model`` once per micro-batch (``steps x micro_batches`` calls in all).
+    Returns the hooks' handles (``handle.remove()`` takes them off).
+    """
+    last = steps * micro_batches - 1  # the index of the last call
+    calls = 0
+
+    def before(module: nn.Module, args: Any) -> None:
+        if calls == last and micro_batches >= 2:
+            extras["grad_bytes_accumulated"] = model_state_bytes(module)["grad_bytes"]
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        nonlocal calls
+        if calls == last:
+            extras["param_bytes_after_forward"] = model_state_bytes(module)["param_bytes"]
+        calls += 1
+
+    # prepend: before fully_shard's own pre-forward hook, which unshards the root's parameters
+    # (their gradients then sit on sharded parameters that model.parameters() does not show).
+    return [model.register_forward_pre_hook(before, prepend=True),
+            model.register_forward_hook(after)]
+
+
+def inject_inf_gradient(model: nn.Module) -> None:
+    """Put an inf into this rank's first non-empty gradient shard: the overflow one rank sees in
+    fp16, for showing that every rank then skips the step (the scaler's found_inf is reduced)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = math.inf
+            return
+

@@ -22,7 +22,7 @@ compile, then sharding (fully_shard / DDP).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,7 @@ __all__ = [
     "autocast",
     "check_autocast",
     "make_grad_scaler",
+    "step_with_scaler",
     "make_adamw",
     "apply_compile",
 ]
@@ -114,6 +115,19 @@ def make_grad_scaler(
             "use --precision bf16 (no scaler needed)"
         )
     return scaler
+
+
+def step_with_scaler(optimizer: torch.optim.Optimizer, scaler: Any) -> bool:
+    """``optimizer.step()``, through the fp16 loss scaler when there is one (None: no scaler).
+    True when the scaler skipped the step (an inf/nan gradient, on any rank for a sharded scaler)
+    and lowered its scale."""
+    if scaler is None:
+        optimizer.step()
+        return False
+    scale = scaler.get_scale()
+    scaler.step(optimizer)  # skips optimizer.step() if any inf/nan was found
+    scaler.update()
+    return scaler.get_scale() < scale
 
 
 def make_adamw(

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-__all__ = ["full_state_on_rank0", "all_ranks"]
+__all__ = ["full_state_on_rank0", "all_ranks", "sharded_run_extras"]
 
 
 # --8<-- [start:full_state]
@@ -59,3 +59,22 @@ def all_ranks(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def sharded_run_extras(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                       grad_norms: list[float], scaler: Any,
+                       skipped_steps: list[int]) -> dict[str, Any]:
+    """What the sharded recipes report after their last step (call it after ``optimizer.step()``,
+    before ``zero_grad``: gradients present): every rank's bytes (``model_state_bytes``), the
+    clipped norms if any, and with an fp16 scaler the steps each rank skipped and its final
+    scale (a right sharded scaler makes them equal on every rank). A collective: every rank."""
+    from recipes.core.memory import model_state_bytes
+
+    extras: dict[str, Any] = {"memory_per_rank": all_ranks(model_state_bytes(model, optimizer))}
+    if grad_norms:
+        extras["grad_norms"] = grad_norms
+    if scaler:
+        extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
+        extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
+    return extras
+
