@@ -10,9 +10,14 @@ from recipes.core.workload import Block, build_model
 from recipes.core.world import join_world
 from tests.helpers import (
     BACKENDS,
+    SHARDED_BF16_ATOL,
+    SHARDED_CLIP,
+    SHARDED_INJECT_STEP,
+    SHARDED_STEPS,
     CUDA_DEVICES,
     PYTHON,
     assert_about_fraction,
+    assert_sharded_run_claims,
     assert_losses_close,
     assert_states_close,
     run_alone,
@@ -23,13 +28,12 @@ from tests.helpers import (
     with_fields,
 )
 
-STEPS = 4
+# Shared with tests/test_fsdp2.py (assert_sharded_run_claims). bf16 keeps 8 bits of mantissa
+# (relative error 2^-8 = 0.4% per rounding): over 4 AdamW steps the losses stay within 1e-2 and the
+# weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2 of fp32.
+STEPS, CLIP, BF16_ATOL, INJECT_STEP = (SHARDED_STEPS, SHARDED_CLIP, SHARDED_BF16_ATOL,
+                                       SHARDED_INJECT_STEP)
 CFG = fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
-CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping really happens
-# bf16 keeps 8 bits of mantissa (relative error 2^-8 = 0.4% per rounding): over 4 AdamW steps the
-# losses stay within 1e-2 and the weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2 of fp32.
-BF16_ATOL = 2e-2
-INJECT_STEP = 2
 
 # name -> config; every one runs in the same 2-rank world.
 RUNS = {
@@ -97,31 +101,12 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
                 assert_about_fraction(memory[key], ddp_memory[key], 2, f"{name} {key}")
     assert results["no_shard"].extras["memory_per_rank"][0]["grad_bytes"] == ddp_memory["grad_bytes"]
 
-    # no_sync: the accumulating ranks hold UNSHARDED gradients (N x); syncing every micro-batch keeps
-    # them sharded, and both give the same update (parity above).
-    synced_bytes = results["accumulate_sync"].extras["grad_bytes_accumulated"]
-    unsynced_bytes = results["accumulate_no_sync"].extras["grad_bytes_accumulated"]
-    assert_about_fraction(synced_bytes, ddp_memory["grad_bytes"], 2, "sync accumulation")
-    assert unsynced_bytes >= 0.9 * 2 * synced_bytes and unsynced_bytes >= ddp_memory["grad_bytes"]
-
-    # Clipping: FSDP.clip_grad_norm_ returns the norm of the whole (unsharded) gradient.
-    clipped_reference = run_alone(zero.train, zero.ZeroConfig(optimizer="adamw", max_grad_norm=CLIP, steps=STEPS,
-                                                              keep_final_state=True, precision="fp32"))
-    assert results["clipped"].extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
-    assert max(results["clipped"].extras["grad_norms"]) > CLIP
-    assert_states_close(results["clipped"].final_state, clipped_reference.final_state, atol=1e-5)
-
-    # bf16: compute in bf16, reduce in fp32; close to fp32 at the documented tolerance.
-    assert_losses_close(results["bf16"].losses, reference.losses, atol=BF16_ATOL / 2)
-    assert_states_close(results["bf16"].final_state, reference.final_state, atol=BF16_ATOL)
-
-    # fp16 + ShardedGradScaler: an inf in ONE rank's gradient shard makes EVERY rank skip that step and
-    # halve its scale. With the plain amp GradScaler only the injecting rank (1) notices: the ranks
-    # take different decisions and the model's shards are no longer one consistent model.
-    fp16 = results["fp16"].extras
-    assert fp16["skipped_steps_per_rank"] == [[INJECT_STEP], [INJECT_STEP]]
-    assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]  # 2^16 halved once, on both ranks
-    assert_losses_close(results["fp16"].losses[:INJECT_STEP + 1], reference.losses[:INJECT_STEP + 1], atol=BF16_ATOL)
+    # no_sync holds UNSHARDED gradients (N x) while syncing every micro-batch keeps them sharded;
+    # FSDP.clip_grad_norm_ returns the whole model's norm; bf16 computes in bf16 and reduces in
+    # fp32; with ShardedGradScaler an inf in ONE rank's shard makes EVERY rank skip that step.
+    assert_sharded_run_claims(results, ddp_memory, reference)
+    # With the plain amp GradScaler only the injecting rank (1) notices: the ranks take different
+    # decisions and the model's shards are no longer one consistent model.
     wrong = results["fp16_amp_scaler"].extras
     assert wrong["skipped_steps_per_rank"] == [[], [INJECT_STEP]]
     assert wrong["loss_scale_per_rank"] == [2.0**16, 2.0**15]

@@ -6,8 +6,13 @@ from recipes import fsdp2, zero
 from recipes.core.config import RecipeError
 from tests.helpers import (
     BACKENDS,
+    SHARDED_BF16_ATOL,
+    SHARDED_CLIP,
+    SHARDED_INJECT_STEP,
+    SHARDED_STEPS,
     PYTHON,
     assert_about_fraction,
+    assert_sharded_run_claims,
     assert_losses_close,
     assert_states_close,
     run_alone,
@@ -18,11 +23,10 @@ from tests.helpers import (
     with_fields,
 )
 
-STEPS = 4
+# Shared with tests/test_fsdp.py (assert_sharded_run_claims), which says why these values.
+STEPS, CLIP, BF16_ATOL, INJECT_STEP = (SHARDED_STEPS, SHARDED_CLIP, SHARDED_BF16_ATOL,
+                                       SHARDED_INJECT_STEP)
 CFG = fsdp2.FSDP2Config(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
-CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping really happens
-BF16_ATOL = 2e-2  # as in tests/test_fsdp.py: bf16's 8-bit mantissa over 4 AdamW steps
-INJECT_STEP = 2
 
 RUNS = {
     "default": CFG,
@@ -56,29 +60,11 @@ def test_fully_shard_equals_ddp_with_every_option(backend):
         for key in ddp_memory:
             assert_about_fraction(memory[key], ddp_memory[key], 2, f"fully_shard {key}")
 
-    # set_requires_gradient_sync(False) accumulates UNSHARDED gradients (N x); syncing every
-    # micro-batch keeps them sharded; both give DDP's update (parity above).
-    synced_bytes = results["accumulate_sync"].extras["grad_bytes_accumulated"]
-    unsynced_bytes = results["accumulate_no_sync"].extras["grad_bytes_accumulated"]
-    assert_about_fraction(synced_bytes, ddp_memory["grad_bytes"], 2, "sync accumulation")
-    assert unsynced_bytes >= 0.9 * 2 * synced_bytes and unsynced_bytes >= ddp_memory["grad_bytes"]
-
-    # torch.nn.utils.clip_grad_norm_ on DTensor gradients returns the unsharded model's norm.
-    clipped_reference = run_alone(zero.train, zero.ZeroConfig(optimizer="adamw", max_grad_norm=CLIP, steps=STEPS,
-                                                              keep_final_state=True, precision="fp32"))
-    assert results["clipped"].extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
-    assert max(results["clipped"].extras["grad_norms"]) > CLIP
-    assert_states_close(results["clipped"].final_state, clipped_reference.final_state, atol=1e-5)
-
-    assert_losses_close(results["bf16"].losses, reference.losses, atol=BF16_ATOL / 2)
-    assert_states_close(results["bf16"].final_state, reference.final_state, atol=BF16_ATOL)
-
-    # fp16 with the plain amp GradScaler: an inf in ONE rank's shard is found on EVERY rank (DTensor
-    # reduces found_inf over the mesh), so both skip the step and halve the scale.
-    fp16 = results["fp16"].extras
-    assert fp16["skipped_steps_per_rank"] == [[INJECT_STEP], [INJECT_STEP]]
-    assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]
-    assert_losses_close(results["fp16"].losses[:INJECT_STEP + 1], reference.losses[:INJECT_STEP + 1], atol=BF16_ATOL)
+    # set_requires_gradient_sync(False) holds UNSHARDED gradients (N x), syncing every
+    # micro-batch keeps them sharded; torch.nn.utils.clip_grad_norm_ on DTensor gradients returns
+    # the whole model's norm; with the plain amp GradScaler an inf in ONE rank's shard is found on
+    # EVERY rank (DTensor reduces found_inf over the mesh), so both skip the step.
+    assert_sharded_run_claims(results, ddp_memory, reference)
 
 
 def test_bad_options_fail_in_one_line():
