@@ -137,11 +137,11 @@ def train(cfg: HybridConfig) -> RecipeResult:
             apply_tp_and_fsdp(model, mesh, plan=plan, block_types=(Block,), mp_policy=mp_policy)
             modules = [model]
         else:
-            pp_cfg = pp_recipe.PPConfig(model=cfg.model, schedule=cfg.schedule,
-                                        microbatches=cfg.microbatches, n_layers=0,
-                                        global_batch_size=per_dp_rank_batch)
-            pp_recipe.check_pipeline_fits(pp_cfg, cfg.pp)
             model_cfg = MODEL_PRESETS[cfg.model]
+            pp_recipe.check_pipeline_fits(schedule=cfg.schedule, pp_size=cfg.pp,
+                                          n_layers=model_cfg.n_layers,
+                                          microbatches=cfg.microbatches,
+                                          batch_size=per_dp_rank_batch)
             params_unsplit_bytes = sum(p.numel() * p.element_size()
                                        for p in build_model(model_cfg).parameters())
             stage_ids, num_stages = pp_recipe.stage_placement(

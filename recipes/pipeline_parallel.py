@@ -26,6 +26,9 @@ traces the model with ``pipeline()`` (torch.export) and cuts it at ``SplitPoint.
 same modules. Both keep the model's parameter names: checkpoints move between layouts.
 The schedule divides the summed per-micro-batch gradients by m (``scale_grads``), so with the mean
 loss a step equals the whole-batch step (tests/test_pipeline_parallel.py: every schedule, split).
+
+Length: about 300 lines, the cookbook's limit: the split by module names, the step, the
+checks each schedule's layout must pass and the comparison table of every schedule are one lesson.
 """
 
 from __future__ import annotations
@@ -111,24 +114,33 @@ def model_config(model: str, n_layers: int = 0) -> ModelConfig:
     return dataclasses.replace(preset, n_layers=n_layers) if n_layers else preset
 
 
-def check_pipeline_fits(cfg: PPConfig, pp_size: int) -> None:
-    """RecipeError naming the fix for a layout the schedule cannot run (before any stage exists)."""
-    _, num_stages = stage_placement(cfg.schedule, 0, pp_size, cfg.stages_per_rank)
-    n_layers = model_config(cfg.model, cfg.n_layers).n_layers
+def check_pipeline_fits(*, schedule: str, pp_size: int, n_layers: int, microbatches: int,
+                        batch_size: int, stages_per_rank: int = 0) -> None:
+    """RecipeError naming the fix for a layout the schedule cannot run (before any stage exists):
+    ``n_layers`` blocks, ``batch_size`` sequences a step cut into ``microbatches``."""
+    _, num_stages = stage_placement(schedule, 0, pp_size, stages_per_rank)
     if n_layers < num_stages:
         raise RecipeError(f"{n_layers} blocks cannot fill {num_stages} pipeline stages ({pp_size} "
                           f"ranks x {num_stages // pp_size} stages); use --n-layers {num_stages} "
                           "or more")
-    m = cfg.microbatches
-    if cfg.schedule in ("1f1b", "dualpipev") and m < num_stages:
-        raise RecipeError(f"{cfg.schedule} needs at least one micro-batch per stage: microbatches="
+    m = microbatches
+    if schedule in ("1f1b", "dualpipev") and m < num_stages:
+        raise RecipeError(f"{schedule} needs at least one micro-batch per stage: microbatches="
                           f"{m} < {num_stages} stages; use --microbatches {num_stages} or more")
     rounds = max(1, m // pp_size)
-    if cfg.schedule not in SINGLE_STAGE_SCHEDULES and m % rounds:
-        raise RecipeError(f"{cfg.schedule} runs micro-batches in rounds of {pp_size}: microbatches="
+    if schedule not in SINGLE_STAGE_SCHEDULES and m % rounds:
+        raise RecipeError(f"{schedule} runs micro-batches in rounds of {pp_size}: microbatches="
                           f"{m} is not a multiple of {rounds} rounds; use a multiple of {pp_size}, "
                           f"e.g. {rounds * pp_size}")
-    per_rank_batch_size(cfg.global_batch_size, 1, m)  # every micro-batch the same size
+    per_rank_batch_size(batch_size, 1, m)  # every micro-batch the same size
+
+
+def check_config_fits(cfg: PPConfig, pp_size: int) -> None:
+    """``check_pipeline_fits`` for this recipe's config on ``pp_size`` pipeline ranks."""
+    check_pipeline_fits(schedule=cfg.schedule, pp_size=pp_size,
+                        n_layers=model_config(cfg.model, cfg.n_layers).n_layers,
+                        microbatches=cfg.microbatches, batch_size=cfg.global_batch_size,
+                        stages_per_rank=cfg.stages_per_rank)
 
 
 # --8<-- [start:split]
@@ -218,7 +230,7 @@ def train(cfg: PPConfig) -> RecipeResult:
                 other = dataclasses.replace(cfg, schedule=schedule, compare=False)
                 try:
                     check_schedule_runs_here(schedule, world.backend)
-                    check_pipeline_fits(other, world.world_size)
+                    check_config_fits(other, world.world_size)
                 except RecipeError as refused:  # the same on every rank: a row says why
                     table.append({"schedule": schedule, "refused": str(refused)})
                     continue
@@ -232,7 +244,7 @@ def train(cfg: PPConfig) -> RecipeResult:
 
 def train_in_world(cfg: PPConfig, world) -> RecipeResult:
     pp_size, pp_rank = world.world_size, world.rank  # the whole world is one pipeline
-    check_pipeline_fits(cfg, pp_size)
+    check_config_fits(cfg, pp_size)
     check_schedule_runs_here(cfg.schedule, world.backend)
     precision = setup_precision(cfg.precision, world.device)
     if precision == "fp16":  # the schedule runs backward inside step(): no place to scale the loss

@@ -158,10 +158,10 @@ def test_every_schedule_equals_the_unsplit_model(backend):
 def test_layouts_the_schedule_cannot_run_are_rejected(changes, message):
     cfg = dataclasses.replace(CFG, **changes)
     if message is None:  # 3 micro-batches on 2 ranks: 1 round of 3, which torch accepts
-        pp.check_pipeline_fits(cfg, 2)
+        pp.check_config_fits(cfg, 2)
         return
     with pytest.raises(RecipeError, match=message):
-        pp.check_pipeline_fits(cfg, 2)
+        pp.check_config_fits(cfg, 2)
 
 
 def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):
