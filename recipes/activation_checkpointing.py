@@ -55,7 +55,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import full_state_on_cpu
 from recipes.core.speed import (autocast, check_autocast, make_adamw, make_grad_scaler,
                                 setup_precision)
 from recipes.core.throughput import Workload

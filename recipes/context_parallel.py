@@ -46,7 +46,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import mean_over_ranks
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
 from recipes.core.workload import (

@@ -29,13 +29,8 @@ import torch.nn as nn
 from recipes.core.cli import run_cli
 from recipes.core.config import TrainConfig, per_rank_batch_size
 from recipes.core.log import get_logger
-from recipes.core.result import (
-    RecipeResult,
-    StepTimer,
-    full_state_on_cpu,
-    param_checksum,
-    peak_memory_bytes,
-)
+from recipes.core.result import RecipeResult, StepTimer, param_checksum, peak_memory_bytes
+from recipes.core.state import full_state_on_cpu
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
 from recipes.core.workload import (

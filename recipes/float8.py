@@ -54,7 +54,8 @@ import torch.nn as nn
 from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import mean_over_ranks
 from recipes.core.speed import apply_compile, make_adamw, setup_precision
 from recipes.core.throughput import Workload
 from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader,

@@ -58,8 +58,8 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.memory import inject_inf_gradient, measure_last_forward
-from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
-from recipes.core.state import full_state_on_rank0, sharded_run_extras
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import full_state_on_rank0, mean_over_ranks, sharded_run_extras
 from recipes.core.speed import (low_precision_dtype, make_adamw, setup_precision,
                                  step_with_scaler)
 from recipes.core.throughput import Workload

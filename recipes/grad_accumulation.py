@@ -35,13 +35,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from recipes.core.cli import run_cli
 from recipes.core.config import TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
-from recipes.core.result import (
-    RecipeResult,
-    StepTimer,
-    full_state_on_cpu,
-    make_result,
-    mean_over_ranks,
-)
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import full_state_on_cpu, mean_over_ranks
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
 from recipes.core.workload import (

@@ -47,8 +47,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from recipes.core.cli import run_cli
 from recipes.core.config import Config, RecipeError, opt, per_rank_batch_size
 from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
-from recipes.core.state import all_ranks
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import all_ranks, mean_over_ranks
 from recipes.core.workload import (
     SyntheticTokens,
     distributed_loader,

@@ -49,7 +49,8 @@ import torch
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import full_state_on_cpu
 from recipes.core.speed import lightning_precision, make_adamw
 from recipes.core.throughput import Workload
 from recipes.core.workload import (

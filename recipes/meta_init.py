@@ -52,8 +52,8 @@ from recipes.core.cli import run_cli
 from recipes.core.config import Config, RecipeError, opt
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
-from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
-from recipes.core.state import all_ranks, full_state_on_rank0
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import all_ranks, full_state_on_rank0, mean_over_ranks
 from recipes.core.workload import (
     MODEL_PRESETS,
     Block,

@@ -38,7 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import full_state_on_cpu
 from recipes.core.speed import apply_compile, autocast, make_grad_scaler, setup_precision
 from recipes.core.throughput import Workload
 from recipes.core.workload import (

@@ -41,7 +41,8 @@ from torch.profiler import ProfilerActivity, record_function
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, full_state_on_cpu, make_result
+from recipes.core.result import RecipeResult, StepTimer, make_result
+from recipes.core.state import full_state_on_cpu
 from recipes.core.speed import (autocast, check_autocast, make_adamw, make_grad_scaler,
                                 setup_precision)
 from recipes.core.throughput import Workload

@@ -53,9 +53,9 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
-from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import make_adamw, setup_precision
-from recipes.core.state import full_state_on_rank0
+from recipes.core.state import full_state_on_rank0, mean_over_ranks
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
     MODEL_PRESETS,

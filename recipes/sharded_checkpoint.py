@@ -58,9 +58,9 @@ from recipes.core.log import get_logger
 from recipes.core.publish import (PendingSave, begin_save, check_made_with,
                                   dcp_errors_in_one_line, find_checkpoint, published_bytes,
                                   published_steps, refuse_bad_paths, verify_checkpoint)
-from recipes.core.result import RecipeResult, StepTimer, make_result, mean_over_ranks
+from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import autocast, make_adamw, setup_precision
-from recipes.core.state import full_state_on_rank0
+from recipes.core.state import full_state_on_rank0, mean_over_ranks
 from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 from recipes.core.world import World, join_world

@@ -169,7 +169,7 @@ def plain_training_loop(model, *, steps: int, global_batch_size: int, lr: float,
     ``dataset``: another dataset than the shared synthetic one (e.g. ragged, with ignored targets).
     Returns (per-step losses, final parameters on CPU).
     """
-    from recipes.core.result import full_state_on_cpu
+    from recipes.core.state import full_state_on_cpu
     from recipes.core.workload import (
         build_model,
         distributed_loader,

@@ -18,8 +18,6 @@ __all__ = [
     "param_checksum",
     "peak_memory_bytes",
     "StepTimer",
-    "full_state_on_cpu",
-    "mean_over_ranks",
     "make_result",
 ]
 
@@ -72,13 +70,6 @@ def param_checksum(tensors: Iterable[torch.Tensor]) -> float:
     return float(sum(t.detach().double().sum().item() for t in tensors))
 
 
-def full_state_on_cpu(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of an unsharded module's parameters (DDP's ``.module`` prefix
-    removed)."""
-    module = getattr(module, "module", module)
-    return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -111,18 +102,6 @@ class StepTimer:
     def seconds_per_step(self) -> float:
         steady = self.durations[1:] or self.durations
         return statistics.median(steady) if steady else 0.0
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """The average of a scalar over all ranks (for logging a global loss); every rank gets the same
-    float."""
-    import torch.distributed as dist
-
-    value = value.detach().float().reshape(1).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
-    return float(value.item())
 
 
 def make_result(

@@ -1,4 +1,7 @@
-"""Gathering what the ranks hold: a full model state on rank 0, and one value from every rank."""
+"""Gathering what the ranks hold, each in one place: a model's full state (sharded:
+``full_state_on_rank0``; unsharded: ``full_state_on_cpu``), one value from every rank
+(``all_ranks``), a scalar's mean over the ranks (``mean_over_ranks``), and what the sharded recipes
+report after their last step (``sharded_run_extras``)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-__all__ = ["full_state_on_rank0", "all_ranks", "sharded_run_extras"]
+__all__ = ["full_state_on_rank0", "full_state_on_cpu", "all_ranks", "mean_over_ranks",
+           "sharded_run_extras"]
 
 
 # --8<-- [start:full_state]
@@ -50,6 +54,25 @@ def full_state_on_rank0(model: nn.Module) -> tuple[dict[str, torch.Tensor], floa
         dist.broadcast_object_list(checksum, src=0)
     return state, checksum[0]
 # --8<-- [end:full_state]
+
+
+def full_state_on_cpu(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of an unsharded module's parameters (DDP's ``.module`` prefix
+    removed)."""
+    module = getattr(module, "module", module)
+    return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The average of a scalar over all ranks (for logging a global loss); every rank gets the same
+    float."""
+    import torch.distributed as dist
+
+    value = value.detach().float().reshape(1).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return float(value.item())
 
 
 def all_ranks(value: Any) -> list[Any]:
