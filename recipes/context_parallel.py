@@ -47,17 +47,11 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.state import mean_over_ranks
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
+from recipes.core.state import mean_over_ranks
 from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
+from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps,
+                                   lm_loss, make_dataset)
 from recipes.core.world import join_world
 
 log = get_logger(__name__)
