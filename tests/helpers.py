@@ -81,22 +81,26 @@ def assert_losses_close(actual, expected, *, atol: float) -> None:
 def run_cli(args: list[str], *, timeout_s: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command from the repo root the way a user would; never waits longer than ``timeout_s``.
 
-    ``python -m recipes.<name> ...`` runs in a process forked from a server that has already
-    imported torch (the one spawn_world starts ranks from): the same ``__main__``, arguments,
-    environment, standard streams and exit status as a fresh interpreter, without its ~2 s of
-    imports (on 2 cores, under load, most of a CLI test's time). Launchers (torchrun) and every
-    other command start as they are, so the launch path itself is still tested from scratch.
+    ``python -m recipes.<name> ...`` and ``python scripts/<name>.py ...`` run in a process forked
+    from a server that has already imported torch (the one spawn_world starts ranks from): the
+    same ``__main__``, arguments, environment, standard streams and exit status as a fresh
+    interpreter, without its ~2 s of imports (on 2 cores, under load, most of a CLI test's time).
+    Launchers (torchrun) and every other command start as they are, so the launch path itself is
+    still tested from scratch.
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("RANK", None)
     if len(args) >= 3 and args[:2] == [PYTHON, "-m"] and args[2].startswith("recipes."):
-        return _run_module_forked(args, timeout_s, full_env)
+        return _run_module_forked(args, ("module", args[2]), args[3:], timeout_s, full_env)
+    if len(args) >= 2 and args[0] == PYTHON and args[1].startswith("scripts/"):
+        return _run_module_forked(args, ("path", args[1]), args[2:], timeout_s, full_env)
     return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s, env=full_env)
 
 
-def _run_module_forked(args: list[str], timeout_s: float, env: dict) -> subprocess.CompletedProcess:
+def _run_module_forked(args: list[str], target: tuple[str, str], argv: list[str], timeout_s: float,
+                       env: dict) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="recipes-cli-") as out:
-        proc = spawn._rank_context().Process(target=_module_main, args=(args[2], args[3:], env, out))
+        proc = spawn._rank_context().Process(target=_module_main, args=(target, argv, env, out))
         proc.start()
         proc.join(timeout_s)
         if proc.exitcode is None:
@@ -108,23 +112,29 @@ def _run_module_forked(args: list[str], timeout_s: float, env: dict) -> subproce
     return subprocess.CompletedProcess(args, proc.exitcode, *streams)
 
 
-def _module_main(module: str, argv: list[str], env: dict, out: str) -> None:
-    """What ``python -m module *argv`` does, in a process that has imported torch already."""
+def _module_main(target: tuple[str, str], argv: list[str], env: dict, out: str) -> None:
+    """What ``python -m module *argv`` (target ("module", name)) or ``python path *argv``
+    (("path", path)) does, in a process that has imported torch already."""
     os.chdir(REPO_ROOT)
     os.environ.clear()
     os.environ.update(env)
     torch.distributed.set_debug_level_from_env()  # read at import, which the server did
-    for fd, name in ((1, "stdout"), (2, "stderr")):  # the fds: ranks this command starts write too
-        target = os.open(os.path.join(out, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
+    for fd, stream in ((1, "stdout"), (2, "stderr")):  # the fds: ranks this command starts write too
+        opened = os.open(os.path.join(out, stream), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
     sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
-    sys.path.insert(0, REPO_ROOT)
-    sys.argv = [module, *argv]
+    kind, name = target
+    # sys.path[0]: the current directory for -m, the script's directory for a path
+    sys.path.insert(0, REPO_ROOT if kind == "module" else os.path.dirname(os.path.abspath(name)))
+    sys.argv = [name, *argv]
     code = 0
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if kind == "module":
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(name, run_name="__main__")
     except SystemExit as exit_:  # what the interpreter does with it
         if exit_.code is None or isinstance(exit_.code, int):
             code = exit_.code or 0

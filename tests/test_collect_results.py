@@ -4,17 +4,15 @@ These need no mkdocs (the hooks module is plain Python), so they run where the s
 """
 
 import json
-import os
 import subprocess
 
-from tests.helpers import PYTHON, REPO_ROOT, docs_hooks
+from tests.helpers import PYTHON, docs_hooks, run_cli
 
 
 def collect(command: str, out_dir, timeout_s: float) -> subprocess.CompletedProcess:
     """Measure ddp_torchrun with ``command`` into ``out_dir``, as a user runs the script."""
-    return subprocess.run([PYTHON, "scripts/collect_results.py", "ddp_torchrun", "--command", command,
-                           "--out-dir", str(out_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_cli([PYTHON, "scripts/collect_results.py", "ddp_torchrun", "--command", command,
+                    "--out-dir", str(out_dir)], timeout_s=timeout_s)
 
 
 def test_collect_results_writes_what_the_measured_section_renders(tmp_path):
