@@ -38,8 +38,10 @@ STRATEGIES = {"gpt2": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard"]
               "llama": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard", "tp"]}
 
 
-def train(model, *, rank: int, world_size: int, shard_batch: bool):
-    """The textbook loop on ``model`` (wrapped or not): per-step global losses."""
+def train(model, *, rank: int, world_size: int, shard_batch: bool, group=None):
+    """The textbook loop on ``model`` (wrapped or not): per-step global losses. ``rank`` and
+    ``world_size`` are the data-parallel ones (``group``: their process group, default the
+    world)."""
     # SGD, not AdamW: AdamW divides by sqrt(v) + eps, so where a gradient element is nearly zero
     # (rare tokens, these random init weights) a 1e-7 difference in summation order becomes an
     # update difference of up to lr. SGD's update is linear in the gradient: the weights compare at
@@ -56,7 +58,7 @@ def train(model, *, rank: int, world_size: int, shard_batch: bool):
         optimizer.step()
         global_loss = loss.detach().clone()
         if shard_batch and world_size > 1:
-            dist.all_reduce(global_loss)
+            dist.all_reduce(global_loss, group=group)
             global_loss /= world_size
         losses.append(float(global_loss))
     return losses
@@ -196,3 +198,32 @@ def test_readme_usage_block_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3, done.stdout  # printed once per step: by rank 0 only
+
+
+# --8<-- [start:llama_2d]
+def llama_on_a_2d_mesh() -> tuple[list[float], dict]:
+    """A world of 4 as dp 2 x tp 2: the tiny Llama under hybrid_parallel.apply_tp_and_fsdp, told
+    its plan and its block class."""
+    from recipes.hybrid_parallel import apply_tp_and_fsdp
+
+    with join_world("gloo", timeout_s=120) as world:
+        mesh = init_device_mesh(world.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+        model = apply_tp_and_fsdp(third_party.build("llama"), mesh, plan=llama_plan(),
+                                  block_types=third_party.block_types("llama"))
+        # tp ranks of one dp coordinate compute the same shard of the batch
+        losses = train(model, rank=mesh["dp"].get_local_rank(), world_size=2, shard_batch=True,
+                       group=mesh["dp"].get_group())
+        state, _ = full_state_on_rank0(model)
+        return losses, state
+# --8<-- [end:llama_2d]
+
+
+@pytest.mark.timeout(240)
+def test_llama_under_tp_and_fully_shard_on_a_2d_mesh_equals_one_process():
+    losses, state = spawn_world(llama_on_a_2d_mesh, 4, deadline_s=200)
+    reference = third_party.build("llama")
+    assert_losses_close(losses, train(reference, rank=0, world_size=1, shard_batch=False),
+                        atol=1e-5)
+    assert_states_close(state, {name: p.detach() for name, p in reference.state_dict().items()},
+                        atol=1e-5)
+
