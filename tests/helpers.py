@@ -115,6 +115,7 @@ def _run_module_forked(args: list[str], target: tuple[str, str], argv: list[str]
 def _module_main(target: tuple[str, str], argv: list[str], env: dict, out: str) -> None:
     """What ``python -m module *argv`` (target ("module", name)) or ``python path *argv``
     (("path", path)) does, in a process that has imported torch already."""
+    spawn.freeze_inherited_objects()
     os.chdir(REPO_ROOT)
     os.environ.clear()
     os.environ.update(env)
