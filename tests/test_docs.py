@@ -411,7 +411,7 @@ class Chromium:
                 "--remote-debugging-pipe",
                 "--no-first-run",
                 f"--user-data-dir={profile_dir}",
-                "--window-size=1280,1600",
+                "--window-size=1280,720",
                 "about:blank",
             ],
             pass_fds=(to_browser, from_browser),
