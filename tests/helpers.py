@@ -120,7 +120,8 @@ def _module_main(target: tuple[str, str], argv: list[str], env: dict, out: str) 
     os.environ.clear()
     os.environ.update(env)
     torch.distributed.set_debug_level_from_env()  # read at import, which the server did
-    for fd, stream in ((1, "stdout"), (2, "stderr")):  # the fds: ranks this command starts write too
+    # the fds themselves: the ranks this command starts write to them too
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
         opened = os.open(os.path.join(out, stream), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(opened, fd)
         os.close(opened)
@@ -294,7 +295,8 @@ def assert_sharded_run_claims(results: dict, ddp_memory: dict, reference) -> Non
         optimizer="adamw", max_grad_norm=SHARDED_CLIP, steps=SHARDED_STEPS, keep_final_state=True,
         precision="fp32"))
     clipped = results["clipped"]
-    assert clipped.extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
+    assert clipped.extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"],
+                                                         rel=1e-5)
     assert max(clipped.extras["grad_norms"]) > SHARDED_CLIP
     assert_states_close(clipped.final_state, clipped_reference.final_state, atol=1e-5)
 
@@ -305,5 +307,6 @@ def assert_sharded_run_claims(results: dict, ddp_memory: dict, reference) -> Non
     assert fp16["skipped_steps_per_rank"] == [[SHARDED_INJECT_STEP], [SHARDED_INJECT_STEP]]
     assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]  # 2^16 halved once, on both ranks
     until = SHARDED_INJECT_STEP + 1
-    assert_losses_close(results["fp16"].losses[:until], reference.losses[:until], atol=SHARDED_BF16_ATOL)
+    assert_losses_close(results["fp16"].losses[:until], reference.losses[:until],
+                        atol=SHARDED_BF16_ATOL)
 

@@ -204,4 +204,3 @@ def inject_inf_gradient(model: nn.Module) -> None:
         if grad is not None and grad.numel():
             grad.view(-1)[0] = math.inf
             return
-

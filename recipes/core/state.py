@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from recipes.core.memory import model_state_bytes
+
 __all__ = ["full_state_on_rank0", "full_state_on_cpu", "all_ranks", "mean_over_ranks",
            "sharded_run_extras"]
 
@@ -68,8 +70,6 @@ def full_state_on_cpu(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def mean_over_ranks(value: torch.Tensor) -> float:
     """The average of a scalar over all ranks (for logging a global loss); every rank gets the same
     float."""
-    import torch.distributed as dist
-
     value = value.detach().float().reshape(1).clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
@@ -93,12 +93,10 @@ def sharded_run_extras(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     before ``zero_grad``: gradients present): every rank's bytes (``model_state_bytes``), the
     clipped norms if any, and with an fp16 scaler the steps each rank skipped and its final
     scale (a right sharded scaler makes them equal on every rank). A collective: every rank."""
-    from recipes.core.memory import model_state_bytes
-
     extras: dict[str, Any] = {"memory_per_rank": all_ranks(model_state_bytes(model, optimizer))}
     if grad_norms:
         extras["grad_norms"] = grad_norms
-    if scaler:
+    if scaler is not None:
         extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
         extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
     return extras
