@@ -230,6 +230,8 @@ def render_options(target: str, **_: Any) -> str:
 
     module_name, _, class_name = target.rpartition(".")
     cls = _import_attribute(module_name, class_name)
+    if inspect.isfunction(cls):  # a copyable recipe's make_parser(): argparse's own options
+        return _argparse_options(cls(), module_name)
     if not (inspect.isclass(cls) and dataclasses.is_dataclass(cls)):
         raise MarkerError(f"options: {target} is not a config dataclass")
     try:
@@ -263,6 +265,29 @@ def render_options(target: str, **_: Any) -> str:
             f'\n??? info "The options every training recipe shares (`TrainConfig`)"\n\n{indented}\n'
         )
     return text
+
+
+def _argparse_options(parser: Any, module_name: str) -> str:
+    """The table of a copyable recipe, whose command line is a plain ``argparse`` parser built by
+    its ``make_parser()``: one row per option, as ``--help`` prints it."""
+    import argparse
+
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise MarkerError(f"options: {module_name}.make_parser() must return an ArgumentParser")
+    rows = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue
+        flag = "`" + "`<br>`".join(action.option_strings or [action.dest]) + "`"
+        default = "" if action.default in (None, argparse.SUPPRESS) else f"`{action.default}`"
+        help_text = _escape((action.help or "").replace("%(default)s", str(action.default)))
+        if action.choices:
+            help_text += ". One of: " + ", ".join(f"`{c}`" for c in action.choices)
+        cells = [flag, default, help_text]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    head = "| Option | Default | What it does |\n|---|---|---|\n"
+    return f"`python -m {module_name} --help` prints the same list.\n\n" + head + "\n".join(
+        rows) + "\n"
 
 
 def _option_row(flag: str, default: str, help_text: str, annotation: Any) -> str:

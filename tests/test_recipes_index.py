@@ -53,6 +53,16 @@ def test_every_recipe_command_line_calls_train_or_run_returning_a_recipe_result(
         tree = ast.parse(Path(REPO_ROOT, "recipes", f"{name}.py").read_text())
         main_block = next(node for node in tree.body if isinstance(node, ast.If)
                           and "__main__" in ast.unparse(node.test))
+        if is_copyable(tree):  # the new shape: main() parses argparse and calls train or run
+            called = {ast.unparse(node.func) for node in ast.walk(main_block)
+                      if isinstance(node, ast.Call)}
+            assert "main" in called, f"recipes/{name}.py: its __main__ block should call main()"
+            main_fn = next(node for node in tree.body
+                           if isinstance(node, ast.FunctionDef) and node.name == "main")
+            in_main = {ast.unparse(node.func) for node in ast.walk(main_fn)
+                       if isinstance(node, ast.Call)}
+            assert in_main & {"train", "run"}, f"recipes/{name}.py: main() calls {in_main}"
+            continue
         calls = [node for node in ast.walk(main_block) if isinstance(node, ast.Call)
                  and ast.unparse(node.func) == "run_cli"]
         if name in ENTRY_EXCEPTIONS:  # called, or handed to run_cli
@@ -67,6 +77,18 @@ def test_every_recipe_command_line_calls_train_or_run_returning_a_recipe_result(
         function = next(node for node in tree.body
                         if isinstance(node, ast.FunctionDef) and node.name == entry)
         assert ast.unparse(function.returns) == "RecipeResult", f"recipes.{name}.{entry}"
+
+
+def is_copyable(tree) -> bool:
+    """A recipe in the copyable shape imports nothing of the proof harness (recipes.core)."""
+    import ast
+
+    return not any(
+        isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(name.startswith("recipes.core") for name in (
+            [node.module or ""] if isinstance(node, ast.ImportFrom)
+            else [alias.name for alias in node.names]))
+        for node in ast.walk(tree))
 
 
 def test_a_recipe_over_300_lines_says_why_in_its_docstring():
