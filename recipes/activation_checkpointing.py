@@ -53,12 +53,12 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
                                     create_selective_checkpoint_contexts)
 
 from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt
+from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import full_state_on_cpu
-from recipes.core.speed import (autocast, check_autocast, make_adamw, make_grad_scaler,
-                                setup_precision)
+from recipes.core.speed import (apply_compile, autocast, check_autocast, compile_loss, make_adamw,
+                                make_grad_scaler, setup_precision)
 from recipes.core.throughput import Workload
 from recipes.core.workload import (MODEL_PRESETS, Block, TransformerLM, build_model,
                                    distributed_loader, iterate_steps, lm_loss, make_dataset)
@@ -69,7 +69,7 @@ aten = torch.ops.aten
 
 
 @dataclass
-class ACConfig(TrainConfig):
+class ACConfig(CompileOption, TrainConfig):
     model: Literal["tiny", "small", "100m"] = opt(
         "small", "model size preset; small has 4 blocks, enough to compare modes")
     mode: Literal["none", "per_block", "selective", "sequential", "op_selective"] = opt(
@@ -245,6 +245,10 @@ def train(cfg: ACConfig) -> RecipeResult:
                 model, block_types=(Block,), every_k=cfg.every_k if cfg.mode == "selective" else 1,
                 policy=save_matmul_outputs if cfg.mode == "op_selective" else None)
         checkpointed = [blocks.index(region) for region in regions]
+        loss_fn = lm_loss
+        if cfg.compile:  # after checkpointing: each block's checkpoint is traced with its policy
+            apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+            loss_fn = compile_loss(lm_loss, backend=cfg.compile_backend)
         optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # fused on CUDA
         scaler = make_grad_scaler(world.device, precision)  # a pass-through unless fp16
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
@@ -257,9 +261,11 @@ def train(cfg: ACConfig) -> RecipeResult:
                 inputs, targets = inputs.to(world.device), targets.to(world.device)
                 # Measure in step 0 only (the mode costs time; step 0 is left out of the timing),
                 # and around autocast: its cache of bf16 weight copies is freed when it exits.
-                measure = saved if step == 0 else contextlib.nullcontext()
+                # Compiled, the graph decides what it saves, out of the dispatch mode's sight: the
+                # peak memory tells instead.
+                measure = saved if step == 0 and not cfg.compile else contextlib.nullcontext()
                 with measure, autocast(world.device, precision):  # forward and loss only
-                    loss = lm_loss(forward(inputs), targets)
+                    loss = loss_fn(forward(inputs), targets)
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()  # checkpointed blocks run their forward again here
                 scaler.step(optimizer)
@@ -267,15 +273,17 @@ def train(cfg: ACConfig) -> RecipeResult:
             losses.append(float(loss.item()))
             log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
-        log.info("mode %s (%s): blocks %s checkpointed; %.2f MiB saved for backward "
-                 "(%.2f MiB of it checkpoint inputs)", cfg.mode, precision, checkpointed,
-                 saved.total / 2**20, saved.checkpoint_inputs / 2**20)
+        if not cfg.compile:
+            log.info("mode %s (%s): blocks %s checkpointed; %.2f MiB saved for backward "
+                     "(%.2f MiB of it checkpoint inputs)", cfg.mode, precision, checkpointed,
+                     saved.total / 2**20, saved.checkpoint_inputs / 2**20)
         final_state = full_state_on_cpu(model) if cfg.keep_final_state else None
         workload = Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision)
         return make_result("activation_checkpointing", world, losses, model.parameters(), timer,
                            keep_final_state=final_state, workload=workload,
-                           mode=cfg.mode, checkpointed_blocks=checkpointed, saved_bytes=saved.total,
-                           checkpoint_input_bytes=saved.checkpoint_inputs)
+                           mode=cfg.mode, checkpointed_blocks=checkpointed, compiled=cfg.compile,
+                           saved_bytes=None if cfg.compile else saved.total,
+                           checkpoint_input_bytes=None if cfg.compile else saved.checkpoint_inputs)
 # --8<-- [end:train]
 
 

@@ -42,6 +42,7 @@ from recipes.core.speed import (
     apply_compile,
     autocast,
     check_autocast,
+    compile_loss,
     low_precision_dtype,
     make_adamw,
     make_grad_scaler,
@@ -117,6 +118,7 @@ def train(cfg: AMPConfig) -> RecipeResult:
         model = build_model(cfg.model, seed=cfg.seed, device=device)
         if cfg.compile:
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+        loss_fn = compile_loss(lm_loss, backend=cfg.compile_backend) if cfg.compile else lm_loss
         optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=device)  # fused on CUDA
         scaler = make_grad_scaler(device, precision, init_scale=cfg.init_scale)
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
@@ -138,7 +140,7 @@ def train(cfg: AMPConfig) -> RecipeResult:
                 # Only the forward (and the loss) runs under autocast; backward reuses the dtypes
                 # the forward chose. lm_loss computes the cross entropy in fp32 either way.
                 with autocast(device, precision):
-                    loss = lm_loss(model(inputs), targets)
+                    loss = loss_fn(model(inputs), targets)
                 optimizer.zero_grad(set_to_none=True)
                 # fp16: loss * scale, so small gradients survive in fp16
                 scaler.scale(loss).backward()

@@ -41,6 +41,7 @@ from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import (
     apply_compile,
     autocast,
+    compile_loss,
     make_adamw,
     make_grad_scaler,
     setup_precision,
@@ -77,6 +78,8 @@ def train(cfg: DDPConfig) -> RecipeResult:
         # before DDP: DDP then wraps compiled blocks, its hooks stay outside the graphs
         if cfg.compile:
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+        # --compile also fuses the loss (recipes.core.speed.compile_loss)
+        loss_fn = compile_loss(lm_loss, backend=cfg.compile_backend) if cfg.compile else lm_loss
         ddp_model = DDP(
             model, device_ids=[world.device.index] if world.device.type == "cuda" else None
         )
@@ -104,7 +107,7 @@ def train(cfg: DDPConfig) -> RecipeResult:
                 inputs, targets = inputs.to(world.device), targets.to(world.device)
                 with autocast(world.device, precision):  # forward and loss only; backward follows
                     # the mean over this rank's sequences
-                    loss = lm_loss(ddp_model(inputs), targets)
+                    loss = loss_fn(ddp_model(inputs), targets)
                 optimizer.zero_grad(set_to_none=True)
                 # DDP averages gradients here, overlapped with backward
                 scaler.scale(loss).backward()

@@ -69,7 +69,7 @@ from recipes.core.log import get_logger
 from recipes.core.memory import inject_inf_gradient, measure_last_forward
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import full_state_on_rank0, mean_over_ranks, sharded_run_extras
-from recipes.core.speed import (apply_compile, low_precision_dtype, make_adamw,
+from recipes.core.speed import (apply_compile, compile_loss, low_precision_dtype, make_adamw,
                                  setup_precision, step_with_scaler)
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
@@ -204,6 +204,7 @@ def train(cfg: FSDP2Config) -> RecipeResult:
         model = build_model(cfg.model, seed=cfg.seed, device="cpu")  # fully_shard moves each shard
         if cfg.compile:  # compile, then shard: the sharding hooks stay outside the compiled graphs
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+        loss_fn = compile_loss(lm_loss, backend=cfg.compile_backend) if cfg.compile else lm_loss
         # Pinned memory needs an accelerator: on a CPU-only world the offload only runs the code.
         offload = (
             CPUOffloadPolicy(pin_memory=world.device.type != "cpu") if cfg.cpu_offload else None
@@ -247,7 +248,7 @@ def train(cfg: FSDP2Config) -> RecipeResult:
                     # Pitfall: with sync off, each rank accumulates UNSHARDED gradients until the
                     # last micro-batch: N x the gradient memory that sharding saved.
                     model.set_requires_gradient_sync(syncing)
-                    loss = lm_loss(model(x), y) / cfg.micro_batches
+                    loss = loss_fn(model(x), y) / cfg.micro_batches
                     (scaler.scale(loss) if scaler else loss).backward()
                     step_loss += loss.detach().float()
                 if step == cfg.inject_inf_step and world.rank == cfg.inject_inf_rank:

@@ -13,7 +13,10 @@ does. The bare training loop below (one device, no wrapper) has one switch per h
   (autocast). On one H200 with the 100m preset these were 231, 76 and 40 ms a step (issue #9).
 - ``--optimizer``: AdamW's ``for_loop`` (one kernel per op per tensor), ``foreach`` (one per op over
   all tensors, torch's CUDA default) or ``fused`` (one kernel for the whole update).
-- ``--compile``: ``torch.compile`` each block (recipes.core.speed.apply_compile).
+- ``--compile``: ``torch.compile`` each block and the loss (recipes.core.speed.apply_compile,
+  compile_loss). ``--compile-scope model`` compiles the whole forward and the loss as one graph
+  instead (one device and no wrapper only), and ``--compile-mode reduce-overhead`` records that
+  graph as CUDA graphs, so the host launches one graph instead of every kernel.
 - ``--zero-grad``: ``set_to_none=True`` frees the gradients (the next backward writes them fresh);
   ``zeros`` keeps them and launches a memset per gradient: more kernels and more memory traffic.
 - ``--sdpa-backend``: which scaled-dot-product-attention kernel may run. The result names the one
@@ -40,7 +43,8 @@ from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import full_state_on_cpu
-from recipes.core.speed import apply_compile, autocast, make_grad_scaler, setup_precision
+from recipes.core.speed import (apply_compile, autocast, compile_loss, make_grad_scaler,
+                                setup_precision)
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
     MODEL_PRESETS,
@@ -89,6 +93,11 @@ class PerformanceConfig(CompileOption, TrainConfig):
         "cannot run these shapes on this device)",
     )
     pin_memory: bool = opt(False, "pinned host batches copied with non_blocking=True (CUDA only)")
+    compile_scope: Literal["blocks", "model"] = opt(
+        "blocks", "with --compile: blocks = each block and the loss (what every recipe does); "
+        "model = the whole forward and the loss as one graph")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = opt(
+        "default", "torch.compile mode with --compile-scope model; reduce-overhead = CUDA graphs")
 
 
 def backend_flags() -> dict:
@@ -158,8 +167,25 @@ def train(cfg: PerformanceConfig) -> RecipeResult:
         sample = dataset[0][0][None].to(device)
         attention = attention_kernel_that_ran(model, sample, allowed, precision, device,
                                               cfg.sdpa_backend)
-        if cfg.compile:  # after the probe, which must see the eager attention op
+        if cfg.compile_scope == "model" and not cfg.compile:
+            raise RecipeError("--compile-scope model needs --compile")
+        if cfg.compile_mode != "default" and cfg.compile_scope != "model":
+            raise RecipeError("--compile-mode needs --compile --compile-scope model")
+
+        def forward_and_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return lm_loss(model(inputs), targets)
+
+        if cfg.compile and cfg.compile_scope == "model":  # one graph: embedding to loss
+            mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+            forward_and_loss = torch.compile(forward_and_loss, backend=cfg.compile_backend,
+                                             mode=mode)
+        elif cfg.compile:  # after the probe, which must see the eager attention op
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+            compiled_loss = compile_loss(lm_loss, backend=cfg.compile_backend)
+
+            def forward_and_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                return compiled_loss(model(inputs), targets)
+        cuda_graphs = cfg.compile_mode == "reduce-overhead"
         implementation = {"fused": {"fused": True}, "foreach": {"foreach": True},
                           "for_loop": {"foreach": False, "fused": False}}[cfg.optimizer]
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **implementation)
@@ -174,8 +200,10 @@ def train(cfg: PerformanceConfig) -> RecipeResult:
                 # From pinned memory a non_blocking copy is asynchronous: it overlaps the step.
                 inputs = inputs.to(device, non_blocking=cfg.pin_memory)
                 targets = targets.to(device, non_blocking=cfg.pin_memory)
+                if cuda_graphs:  # a new step: the graphs' output buffers may be reused
+                    torch.compiler.cudagraph_mark_step_begin()
                 with allowed(), autocast(device, precision):
-                    loss = lm_loss(model(inputs), targets)
+                    loss = forward_and_loss(inputs, targets)
                 optimizer.zero_grad(set_to_none=cfg.zero_grad == "none")
                 scaler.scale(loss).backward()
                 scaler.step(optimizer)
@@ -189,6 +217,8 @@ def train(cfg: PerformanceConfig) -> RecipeResult:
             keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
             workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
             optimizer=cfg.optimizer, compiled=cfg.compile, zero_grad=cfg.zero_grad,
+            compile_scope=cfg.compile_scope if cfg.compile else None,
+            compile_mode=cfg.compile_mode if cfg.compile else None,
             sdpa_backend_allowed=cfg.sdpa_backend, sdpa_backend_ran=attention,
             pin_memory=cfg.pin_memory, backends=backend_flags())
 # --8<-- [end:train]

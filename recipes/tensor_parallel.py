@@ -63,7 +63,7 @@ from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import full_state_on_rank0
-from recipes.core.speed import (apply_compile, autocast, make_adamw, make_grad_scaler,
+from recipes.core.speed import (apply_compile, compile_loss, autocast, make_adamw, make_grad_scaler,
                                 setup_precision)
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
@@ -89,6 +89,9 @@ class TPConfig(CompileOption, TrainConfig):
     loss_parallel: bool = opt(
         False, "keep the logits split over the vocabulary and compute cross-entropy on the shards "
         "(loss_parallel())")
+    eager: bool = opt(
+        False, "on a GPU, skip the torch.compile that TP turns on there (DTensor's sharding "
+        "propagation then runs on the host for every op: about 2x slower on an H200)")
 
 
 def check_tp_fits(model_cfg: ModelConfig, tp_size: int) -> None:
@@ -284,8 +287,14 @@ def train(cfg: TPConfig) -> RecipeResult:
         plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel,
                                    loss_parallel=cfg.loss_parallel)
         apply_tp(model, tp_mesh, plan=plan)
-        if cfg.compile:  # after TP: the compiled blocks trace the DTensor ops and their collectives
+        # On a GPU TP compiles unless told not to: in eager mode DTensor decides every op's
+        # sharding on the host, and the GPU waits for it (+92% at batch 64 on an H200, issue 25).
+        compiled = cfg.compile or (world.device.type == "cuda" and not cfg.eager)
+        if compiled:  # after TP: the compiled blocks trace the DTensor ops and their collectives
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+        # the loss on DTensor shards (loss_parallel) stays eager
+        loss_fn = (compile_loss(lm_loss, backend=cfg.compile_backend)
+                   if compiled and not cfg.loss_parallel else lm_loss)
         # TP alone has no mixed-precision policy of its own: bf16 is autocast (as torchtitan does).
         precision = setup_precision(cfg.precision, world.device)
         # Built after apply_tp: it must see the DTensors.
@@ -312,7 +321,7 @@ def train(cfg: TPConfig) -> RecipeResult:
                     logits = model(inputs)
                 optimizer.zero_grad(set_to_none=True)
                 with loss_context():
-                    loss = lm_loss(logits, targets)  # the cross entropy in fp32 either way
+                    loss = loss_fn(logits, targets)  # the cross entropy in fp32 either way
                     scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
@@ -328,7 +337,7 @@ def train(cfg: TPConfig) -> RecipeResult:
             keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
             workload=Workload(model_cfg, cfg.global_batch_size, precision),
             tp_size=world.world_size, sequence_parallel=cfg.sequence_parallel,
-            loss_parallel=cfg.loss_parallel,
+            loss_parallel=cfg.loss_parallel, compiled=compiled,
             param_bytes_per_rank=state_bytes["param_bytes"],
             param_bytes_unsplit=params_unsplit_bytes,
             param_fraction_per_rank=state_bytes["param_bytes"] / params_unsplit_bytes,

@@ -11,6 +11,12 @@ Part 2, every training recipe at world 1 with ``--precision auto`` (bf16 on a GP
 defaults otherwise, against the bare loop with the same precision, fused AdamW and batch: the
 distance between a recipe and the bare loop is what the recipe's wrapper costs on one device.
 
+Part 3, the gaps (``--parts gaps``): each place where a recipe was measured well behind the bare
+loop, beside it at the batch where it showed: whole-step compile and CUDA graphs for the bare loop,
+the sharded and tensor-parallel recipes at batch 32 eager and compiled, Lightning's Trainer,
+activation checkpointing under compile. ``--parts profile`` writes the top host-side and device-side
+entries of torch.profiler for the slowest of them (results/bench/<device>-profiles.txt).
+
 Every row is the median step time over the steps after the first (warm-up and compilation). MFU is
 against the device's dense peak for the precision the row used; "MFU vs bf16 peak" puts every row on
 the bf16 scale so the ladder reads as one line. It prints a markdown table and writes a JSON file
@@ -25,6 +31,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import logging
 import os
 import platform
 import sys
@@ -141,7 +148,102 @@ def recipes_at_world_1(
             for label, train, cfg in rows if label in compiled]
 
 
+def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[str, list]:
+    """Issue 25's rows: each recipe where it was measured slow, beside the bare loop, at twice
+    ``batch`` (64 on a GPU) and at ``batch`` (32), where the host shows."""
+    common = dict(model=model, steps=steps, precision="auto")
+    compiled = dict(compile=True, compile_backend=compile_backend)
+    perf, ac = performance.PerformanceConfig, activation_checkpointing.ACConfig
+    out = tempfile.mkdtemp(prefix="bench-lightning-")
+    b64, b32 = dict(common, global_batch_size=2 * batch), dict(common, global_batch_size=batch)
+    return {
+        str(2 * batch): [
+            ("bare loop", performance.train, perf(**b64)),
+            ("bare loop + compile (blocks + loss)", performance.train, perf(**b64, **compiled)),
+            ("bare loop + compile (whole model + loss)", performance.train,
+             perf(**b64, **compiled, compile_scope="model")),
+            ("bare loop + compile (whole model + loss), CUDA graphs", performance.train,
+             perf(**b64, **compiled, compile_scope="model", compile_mode="reduce-overhead")),
+            ("ddp_torchrun + compile", ddp_torchrun.train, ddp_torchrun.DDPConfig(**b64, **compiled)),
+            ("fsdp2 + compile", fsdp2.train, fsdp2.FSDP2Config(**b64, **compiled)),
+            ("tensor_parallel (compiled: its GPU default)", tensor_parallel.train,
+             tensor_parallel.TPConfig(**b64, compile_backend=compile_backend)),
+            ("lightning_trainer", lightning_trainer.train,
+             lightning_trainer.LightningConfig(**b64, output_dir=out, logger="none")),
+            ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**b64)),
+            ("checkpointing: none + compile", activation_checkpointing.train,
+             ac(**b64, **compiled, mode="none")),
+            ("checkpointing: per_block + compile", activation_checkpointing.train,
+             ac(**b64, **compiled, mode="per_block")),
+            ("checkpointing: op_selective + compile", activation_checkpointing.train,
+             ac(**b64, **compiled, mode="op_selective")),
+        ],
+        str(batch): [
+            ("bare loop", performance.train, perf(**b32)),
+            ("bare loop + compile (blocks + loss)", performance.train, perf(**b32, **compiled)),
+            ("fsdp2", fsdp2.train, fsdp2.FSDP2Config(**b32)),
+            ("fsdp2 + compile", fsdp2.train, fsdp2.FSDP2Config(**b32, **compiled)),
+            ("fsdp2, no reshard + compile", fsdp2.train,
+             fsdp2.FSDP2Config(**b32, **compiled, reshard_after_forward="false")),
+            ("fsdp (classic)", fsdp.train, fsdp.FSDPConfig(**b32)),
+            ("tensor_parallel --eager", tensor_parallel.train,
+             tensor_parallel.TPConfig(**b32, eager=True)),
+            ("tensor_parallel (compiled: its GPU default)", tensor_parallel.train,
+             tensor_parallel.TPConfig(**b32, compile_backend=compile_backend)),
+        ],
+    }
+
+
+class StepMarks(logging.Handler):
+    """Calls ``profiler.step()`` at each "step N loss ..." line a recipe logs: the profiler's
+    schedule then counts the recipe's own steps, seen from outside."""
+
+    def __init__(self, profiler):
+        super().__init__()
+        self.profiler = profiler
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("step "):
+            self.profiler.step()
+
+
+def profile(label: str, train, cfg, limit: int = 15) -> str:
+    """torch.profiler over steps 3-5 of a run: the top entries by host time and by device time,
+    and the count of each op per step (the host-bound question is how many, not how long)."""
+    from torch.profiler import ProfilerActivity, schedule
+
+    torch._dynamo.reset()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_GPU else [])
+    active = 3
+    with torch.profiler.profile(activities=activities,
+                                schedule=schedule(wait=2, warmup=1, active=active)) as prof:
+        handler = StepMarks(prof)
+        loggers = [logging.getLogger(name) for name in ("recipes", f"recipes.{cfg_recipe(cfg)}",
+                                                         "recipes.core.lightning")]
+        for logger in loggers:
+            logger.addHandler(handler)
+        try:
+            train(cfg)
+        finally:
+            for logger in loggers:
+                logger.removeHandler(handler)
+    events = prof.key_averages()
+    text = [f"## {label} (batch {cfg.global_batch_size}): {active} steps profiled\n"]
+    text.append(events.table(sort_by="self_cpu_time_total", row_limit=limit, max_name_column_width=60))
+    if ON_GPU:
+        text.append(events.table(sort_by="self_cuda_time_total", row_limit=limit,
+                                 max_name_column_width=60))
+    return "\n".join(text)
+
+
+def cfg_recipe(cfg) -> str:
+    return type(cfg).__module__.split(".")[-1]
+
+
 def measure(label: str, train, cfg) -> dict:
+    # Each row compiles afresh: Dynamo's cache would otherwise carry the last row's shapes over
+    # and compile this row's batch size as a dynamic shape (slower kernels than a static one).
+    torch._dynamo.reset()
     gc.collect()
     if ON_GPU:
         torch.cuda.empty_cache()
@@ -226,7 +328,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--parts",
         default="ladder,recipes,compiled",
-        help="any of ladder, recipes, compiled (comma-separated)",
+        help="any of ladder, recipes, compiled, gaps, profile (comma-separated)",
     )
     parser.add_argument(
         "--out", default="", help="JSON output; default results/bench/<device>.json"
@@ -249,6 +351,19 @@ def main(argv=None) -> int:
     def chosen(rows):
         return [row for row in rows if not prefixes or any(row[0].startswith(p) for p in prefixes)]
 
+    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
+    path = args.out or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "results",
+        "bench",
+        f"{slug}.json",
+    )
+    # The parts not run this time keep their rows from the last run on this device (one file a
+    # device); each part says when it was measured, and with which torch.
+    previous = {}
+    if os.path.exists(path):
+        with open(path) as file:
+            previous = json.load(file)
     report = {
         "device": device,
         "torch": torch.__version__,
@@ -260,6 +375,16 @@ def main(argv=None) -> int:
         "recipes": {},
     }
     print(f"# bench on {device}, torch {torch.__version__}, model {args.model}\n", flush=True)
+    measured_at = {part: report["date"] + ", torch " + torch.__version__ for part in parts}
+    for key in ("ladder", "recipes", "gaps", "notes"):
+        if key in previous:  # replaced below by the parts that run now
+            report[key] = previous[key]
+    earlier = previous.get("measured") or (
+        {part: f"{previous['date']}, torch {previous['torch']}" for part in ("ladder", "recipes")}
+        if previous else {})
+    report["measured"] = {**earlier, **measured_at}
+    if {"recipes", "compiled"} & parts:
+        report["recipes"] = {}
     if "ladder" in parts:
         report["ladder"] = [
             measure(label, performance.train, cfg)
@@ -286,17 +411,49 @@ def main(argv=None) -> int:
         report["recipes"][f"{batch} compiled"] = rows
         print(f"## the recipes with --compile at world 1, batch {batch}\n")
         print(table(rows, rows[0].get("ms_per_step") if rows else None), "\n", flush=True)
-    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
-    path = args.out or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        "results",
-        "bench",
-        f"{slug}.json",
-    )
+    if "gaps" in parts:
+        report["gaps"] = {}
+        for batch, rows in gap_rows(args.model, args.batch, args.steps, compile_backend).items():
+            measured = [measure(label, train, cfg) for label, train, cfg in chosen(rows)]
+            report["gaps"][batch] = measured
+            print(f"## the gaps, batch {batch}\n")
+            print(table(measured, measured[0].get("ms_per_step") if measured else None), "\n",
+                  flush=True)
+            write(path, report)
+    if "profile" in parts:
+        batch32 = dict(model=args.model, steps=7, precision="auto", global_batch_size=args.batch)
+        batch64 = dict(batch32, global_batch_size=2 * batch32["global_batch_size"])
+        out = tempfile.mkdtemp(prefix="bench-lightning-")
+        runs = [
+            ("bare loop", performance.train, performance.PerformanceConfig(**batch32)),
+            ("fsdp2", fsdp2.train, fsdp2.FSDP2Config(**batch32)),
+            ("fsdp2 + compile", fsdp2.train, fsdp2.FSDP2Config(
+                **batch32, compile=True, compile_backend=compile_backend)),
+            ("bare loop", performance.train, performance.PerformanceConfig(**batch64)),
+            ("lightning_trainer", lightning_trainer.train, lightning_trainer.LightningConfig(
+                **batch64, output_dir=out, logger="none")),
+        ]
+        texts = []
+        for label, train, cfg in chosen(runs):
+            try:
+                texts.append(profile(label, train, cfg))
+            except Exception as exc:  # noqa: BLE001 - keep the other profiles
+                traceback.print_exc()
+                texts.append(f"## {label}: failed: {type(exc).__name__}: {exc}")
+            print(texts[-1][:3000], flush=True)
+        profiles = path[: -len(".json")] + "-profiles.txt"
+        with open(profiles, "w") as file:
+            file.write(f"# torch.profiler on {device}, torch {torch.__version__}, "
+                       f"{report['date']}\n\n" + "\n\n".join(texts) + "\n")
+        print(f"wrote {profiles}")
+    write(path, report)
+    return 0
+
+
+def write(path: str, report: dict) -> None:
     with open(path, "w") as file:
         json.dump(report, file, indent=1)
     print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ __all__ = [
     "step_with_scaler",
     "make_adamw",
     "apply_compile",
+    "compile_loss",
 ]
 
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
@@ -181,6 +182,19 @@ def apply_compile(
 
 
 # --8<-- [end:apply_compile]
+
+
+def compile_loss(loss_fn: Callable[..., torch.Tensor], *, backend: str = "inductor"
+                 ) -> Callable[..., torch.Tensor]:
+    """``torch.compile`` the loss, as ``--compile`` does beside the blocks.
+
+    Why: the blocks are not all of the step. With the 100m preset's 16k vocabulary the eager
+    cross entropy writes an fp32 copy of the logits, then the log-probabilities, then their
+    gradient, each [tokens, 16384]; compiled, the cast, the log-softmax and its gradient fuse into
+    reductions that read the bf16 logits once. Separate from the model, it needs no change to
+    the model or to the wrappers (DDP, fully_shard, TP) around it.
+    """
+    return torch.compile(loss_fn, backend=backend)
 
 
 LIGHTNING_PRECISION = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
