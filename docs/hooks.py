@@ -898,6 +898,16 @@ def render_bench(_: str | None = None, **__: Any) -> str:
                 "has it against each precision's own peak):\n\n"
                 + bench.table(data["ladder"], data["ladder"][0].get("ms_per_step"), compact=True)
             )
+        for batch, rows in data.get("gaps", {}).items():
+            parts.append(
+                f"**The gaps at global batch {batch}** (measured "
+                f"{data.get('measured', {}).get('gaps', data['date'])[:10]}): each place a "
+                "recipe was measured behind the bare loop, beside it; *vs bare* is against the "
+                "first row, the eager bare loop. `python scripts/bench.py --parts gaps,profile` "
+                "measures them and writes the profiler's top entries to "
+                "`results/bench/<device>-profiles.txt`:\n\n"
+                + bench.table(rows, rows[0].get("ms_per_step"), compact=True)
+            )
         for batch, rows in data.get("recipes", {}).items():
             parts.append(
                 f"**Every recipe at world 1, global batch {batch}**; *vs bare* is against the "

@@ -24,8 +24,11 @@ of it; AdamW is fused. Measured on one H200 (100m preset, torch 2.11, world of 1
   a step), not to launches.
   ``reshard_after_forward=False`` skips the backward re-gather (memcpy 175 a step): 54.8 ms. A
   bigger step hides the host work; so would CUDA graphs, which this recipe does not use.
-- ``--compile`` compiles each Block's forward before it is sharded: 60.5 ms at batch 64, against
-  54.6 ms for the compiled bare loop (scripts/bench.py; results/bench/nvidia-h200.json).
+- ``--compile`` compiles each Block's forward before it is sharded, and the loss: 57.2 ms at batch
+  64 against 51.3 ms for the compiled bare loop (+11.5%; H200, torch 2.11, 2026-11-26). At batch
+  32 compile barely helps (58.3 ms against 27.8): the hooks run outside the compiled blocks, and
+  their host time is the step's time (results/bench/nvidia-h200-profiles.txt: 323 memcpy and
+  617 copy_ a step, ~52 ms of Python outside any op against a GPU busy for ~31 ms).
 
 The model is built on CPU from the seed, then sharded: every rank starts from exactly the reference
 weights (so the parity tests are exact), and each ``fully_shard`` call moves only its group to the

@@ -27,6 +27,13 @@ same loss (``lm_loss``), same AdamW; the DDP strategy averages gradients the way
 Pitfalls named where they bite: resuming mid-epoch, 16-bit AMP on CPU, FSDP on CPU, HYBRID_SHARD
 with one rank per node, reading the full weights out of a sharded model.
 
+Speed: on one H200 (100m, bf16, batch 64, torch 2.11) a step ran 70.6 ms against 67.4 for the
+bare loop (+4.8%; scripts/bench.py, 2026-11-26). The profile names both parts: the Trainer wraps
+even one device in DDP (its bucket copies and per-gradient division: ddp_torchrun alone costs
++2.5%), and logging ``train_loss`` with ``sync_dist`` and reading it back synchronises the host
+with the GPU 5 times a step (cudaStreamSynchronize), so the GPU idles while the next step is
+queued. Log less often (``log_every_n_steps``) where the step is short.
+
 Length: about 650 lines, over the cookbook's ~300, on purpose: one LightningModule and DataModule
 serve four strategies and two command lines. The workarounds around Lightning (FSDP on CPU, gloo
 teardown, gathering the full weights, warnings) live in recipes/core/lightning.py.

@@ -16,7 +16,11 @@ does. The bare training loop below (one device, no wrapper) has one switch per h
 - ``--compile``: ``torch.compile`` each block and the loss (recipes.core.speed.apply_compile,
   compile_loss). ``--compile-scope model`` compiles the whole forward and the loss as one graph
   instead (one device and no wrapper only), and ``--compile-mode reduce-overhead`` records that
-  graph as CUDA graphs, so the host launches one graph instead of every kernel.
+  graph as CUDA graphs, so the host launches one graph instead of every kernel. On one H200
+  (100m, bf16, batch 64, torch 2.11): eager 67.4 ms a step (31.6% MFU), ``--compile`` 51.3 ms
+  (41.4%), the whole model 50.2 ms (42.3%), with CUDA graphs 50.8 ms (41.8%): at this batch the
+  GPU is the limit, not the host. Compiling the loss also took the peak memory from 18.9 GiB
+  to 13.2: the fp32 copies of the [tokens, 16384] logits are never written.
 - ``--zero-grad``: ``set_to_none=True`` frees the gradients (the next backward writes them fresh);
   ``zeros`` keeps them and launches a memset per gradient: more kernels and more memory traffic.
 - ``--sdpa-backend``: which scaled-dot-product-attention kernel may run. The result names the one

@@ -131,3 +131,38 @@ def test_compile_keeps_ddp_and_amp_bf16_equal():
         eager, compiled = run_alone(train, with_fields(cfg, compile=False)), run_alone(train, cfg)
         assert_losses_close(compiled.losses, eager.losses, atol=1e-6)
         assert_states_close(compiled.final_state, eager.final_state, atol=1e-6)
+
+
+def test_compile_scopes_and_checkpointing_under_compile_keep_training_equal():
+    """Issue 25's compile paths, each against its eager run: the bare loop with the blocks and the
+    loss compiled, with the whole forward and loss as one graph, and op-level selective
+    checkpointing traced with its policy. Each must change the speed, never the numbers."""
+    from recipes import activation_checkpointing, performance
+
+    perf = performance.PerformanceConfig(**COMPILED, backend="gloo")
+    checkpointed = activation_checkpointing.ACConfig(
+        **{**COMPILED, "model": "tiny"}, mode="op_selective", backend="gloo")
+    eager_perf = with_fields(perf, compile=False)
+    for train, cfg, eager_cfg in (
+        (performance.train, perf, eager_perf),
+        (performance.train, with_fields(perf, compile_scope="model"), eager_perf),
+        (activation_checkpointing.train, checkpointed, with_fields(checkpointed, compile=False)),
+    ):
+        eager, compiled = run_alone(train, eager_cfg), run_alone(train, cfg)
+        assert compiled.extras["compiled"] is True and eager.extras["compiled"] is False
+        assert_losses_close(compiled.losses, eager.losses, atol=1e-6)
+        assert_states_close(compiled.final_state, eager.final_state, atol=1e-6)
+    with pytest.raises(RecipeError, match="--compile-scope model needs --compile"):
+        run_alone(performance.train, with_fields(perf, compile=False, compile_scope="model"))
+    with pytest.raises(RecipeError, match="--compile-mode needs --compile --compile-scope model"):
+        run_alone(performance.train, with_fields(perf, compile_mode="reduce-overhead"))
+
+
+def test_tensor_parallel_compiles_by_default_on_a_gpu_only():
+    """On CPU (this run) the default stays eager; --compile turns it on, and the result says which
+    ran. On a GPU --eager is the way out of the default (recipes/tensor_parallel.py says why)."""
+    cfg = tensor_parallel.TPConfig(steps=1, precision="fp32", backend="gloo")
+    assert run_alone(tensor_parallel.train, cfg).extras["compiled"] is False
+    compiled = run_alone(tensor_parallel.train,
+                         with_fields(cfg, compile=True, compile_backend="aot_eager"))
+    assert compiled.extras["compiled"] is True
