@@ -96,6 +96,7 @@ def _world_from_environment() -> tuple[int, int, int, int]:
         local_rank = int(env.get("LOCAL_RANK", env["RANK"]))
         return int(env["RANK"]), world_size, local_rank, int(env.get("LOCAL_WORLD_SIZE",
                                                                       world_size))
+    # --8<-- [start:slurm]
     # Pitfall: the batch script itself (sbatch, no srun) also has SLURM_PROCID=0 and
     # SLURM_NTASKS=N; only a task that srun started has SLURM_STEP_ID. Without this check a
     # `python train.py` in the batch script waits for N-1 peers that nobody starts.
@@ -113,6 +114,7 @@ def _world_from_environment() -> tuple[int, int, int, int]:
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 10000))
         env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
         return rank, world_size, local_rank, local_world_size
+    # --8<-- [end:slurm]
     return 0, 1, 0, 1
 
 

@@ -251,8 +251,9 @@ def inject_dir(tmp_path_factory):
 
 
 def result_line(output: str) -> dict:
-    (line,) = [line for line in output.splitlines() if line.startswith('{"recipe"')]
-    return json.loads(line)
+    lines = [line for line in output.splitlines() if line.startswith('{"recipe"')]
+    assert len(lines) == 1, f"{len(lines)} result lines (one per world):\n{output[-4000:]}"
+    return json.loads(lines[0])
 
 
 @pytest.mark.timeout(300)
