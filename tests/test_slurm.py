@@ -189,8 +189,9 @@ class Cluster:
                 return fields
             if time.monotonic() > deadline:
                 self.on_node1("scancel", job)
-                pytest.fail(f"job {job} did not end within {timeout_s:g}s ({fields.get('JobState')})"
-                            f"\n{self.output(job)[-3000:]}\n{self.logs()}")
+                pytest.fail(f"job {job} did not end within {timeout_s:g}s "
+                            f"({fields.get('JobState')})\n{self.output(job)[-3000:]}\n"
+                            f"{self.logs()}")
             time.sleep(1)
 
     def output(self, job: str) -> str:
