@@ -8,8 +8,9 @@ Where the world comes from, in order:
 - torchrun (or ``torch.multiprocessing`` with the same variables): ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
 - Slurm, one task per GPU (``srun python train.py``): ``SLURM_PROCID``, ``SLURM_NTASKS``,
-  ``SLURM_LOCALID``; the master address is the first host of ``SLURM_JOB_NODELIST`` and the port
-  ``MASTER_PORT`` or one derived from the job id;
+  ``SLURM_LOCALID`` of a task that srun started (it has ``SLURM_STEP_ID``); the master address
+  is the first host of ``SLURM_JOB_NODELIST`` and the port ``MASTER_PORT`` or one derived from
+  the job id;
 - neither: a world of one process, so the same script runs alone without a launcher.
 """
 
@@ -95,12 +96,16 @@ def _world_from_environment() -> tuple[int, int, int, int]:
         local_rank = int(env.get("LOCAL_RANK", env["RANK"]))
         return int(env["RANK"]), world_size, local_rank, int(env.get("LOCAL_WORLD_SIZE",
                                                                       world_size))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+    # --8<-- [start:slurm]
+    # Pitfall: the batch script itself (sbatch, no srun) also has SLURM_PROCID=0 and
+    # SLURM_NTASKS=N; only a task that srun started has SLURM_STEP_ID. Without this check a
+    # `python train.py` in the batch script waits for N-1 peers that nobody starts.
+    if ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env
+            and int(env.get("SLURM_NTASKS", "1")) > 1):
         rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local_rank = int(env.get("SLURM_LOCALID", 0))
-        # tasks on this node: "2" or, with uneven nodes, "2(x3),1"; this node's count first
-        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
-        local_world_size = int(re.match(r"\d+", per_node).group())
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+        local_world_size = tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0)))
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodes and "MASTER_ADDR" not in env:
             raise ValueError("Slurm set SLURM_PROCID but no SLURM_JOB_NODELIST: set MASTER_ADDR")
@@ -109,7 +114,16 @@ def _world_from_environment() -> tuple[int, int, int, int]:
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 10000))
         env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
         return rank, world_size, local_rank, local_world_size
+    # --8<-- [end:slurm]
     return 0, 1, 0, 1
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """This node's task count from Slurm's per-node list: "2(x3),1" -> 2, 2, 2, 1 for nodes 0-3."""
+    counts: list[int] = []
+    for count, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
+        counts += [int(count)] * int(times or 1)
+    return counts[min(node, len(counts) - 1)] if counts else 1
 
 
 def first_slurm_host(nodelist: str) -> str:

@@ -18,20 +18,24 @@
 
 set -euo pipefail
 CONFIG=${CONFIG:-configs/lightning/ddp.yaml}
-NODES=${SLURM_JOB_NUM_NODES:-2}
-GPUS_PER_NODE=${SLURM_NTASKS_PER_NODE:-8}
+NODES=$SLURM_JOB_NUM_NODES
+DEVICES_PER_NODE=$SLURM_NTASKS_PER_NODE   # one task per device
+# ACCELERATOR=cpu runs the same script on nodes without GPUs (tests/test_slurm.py does).
+ACCELERATOR=${ACCELERATOR:-cuda}
 
-# Node 0's address for the rendezvous (Lightning also derives it from SLURM_NODELIST when unset).
+# Node 0's address for the rendezvous (Lightning also derives it from SLURM_NODELIST when unset);
+# the port: Lightning derives one from the job id, so two jobs sharing a node do not collide.
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_PORT=${MASTER_PORT:-29500}
-export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-8}
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # NCCL: name the fabric interface if the nodes have several (e.g. export NCCL_SOCKET_IFNAME=ib0).
 
 # Checkpoints and logs must be on a filesystem every node sees: FSDP "sharded" checkpoints are
 # written by every rank, and --ckpt_path is read by every rank on resume.
-srun python -m recipes.lightning_trainer fit --config "$CONFIG" \
-    --trainer.accelerator cuda \
-    --trainer.devices "$GPUS_PER_NODE" \
+# --kill-on-bad-exit: a task that fails stops the others at once instead of leaving them waiting
+# for it until their collective timeout.
+srun --kill-on-bad-exit=1 python3 -m recipes.lightning_trainer fit --config "$CONFIG" \
+    --trainer.accelerator "$ACCELERATOR" \
+    --trainer.devices "$DEVICES_PER_NODE" \
     --trainer.num_nodes "$NODES" \
     --trainer.logger.init_args.save_dir "${LOG_DIR:-$PWD/lightning_logs}" \
     "$@"

@@ -1,11 +1,13 @@
 """One world harness: join a ``torch.distributed`` world (spawning one: ``recipes.core.spawn``).
 
-Three ways in, one function (``join_world``):
+Four ways in, one function (``join_world``):
 
 - under torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
   are set (each restart joins in a store namespace of its own: see ``_attempt_store``);
 - from a process started by ``spawn_world`` or ``torch.multiprocessing.spawn``: the same variables,
   set by the parent before the work starts;
+- under ``srun``, one task per GPU: no torchrun variables, but ``SLURM_PROCID``/``SLURM_NTASKS``/
+  ``SLURM_LOCALID`` and the node list, read as ``recipes.dist_setup`` reads them;
 - alone: none of them is set, and the process is a world of 1 (no torchrun needed).
 
 Backend and device: NCCL on ``cuda:LOCAL_RANK`` when every local rank has its own GPU, otherwise
@@ -133,6 +135,20 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
         return
     release_ended_groups()  # a process that runs worlds one after another holds one at a time
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    launcher = os.environ.get("RECIPES_LAUNCHER", "torchrun") if under_launcher else "single"
+    if not under_launcher and "SLURM_PROCID" in os.environ:
+        # srun, one task per GPU: no torchrun variables. Read Slurm's as recipes.dist_setup does
+        # (one reading for both); for a world of more than one it also sets RANK, WORLD_SIZE,
+        # LOCAL_RANK and MASTER_ADDR/PORT (the node list's first host, a port from the job id).
+        from recipes.dist_setup import _world_from_environment
+
+        try:
+            _, slurm_world_size, _, local_world_size = _world_from_environment()
+        except ValueError as exc:  # a Slurm variable that is not a number, no node list
+            raise RecipeError(str(exc)) from None
+        if slurm_world_size > 1:
+            os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+            under_launcher, launcher = True, "slurm"
     rank = _env_int("RANK", 0) if under_launcher else 0
     world_size = _env_int("WORLD_SIZE", 1) if under_launcher else 1
     local_rank = _env_int("LOCAL_RANK", rank) if under_launcher else 0
@@ -164,7 +180,6 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
-    launcher = os.environ.get("RECIPES_LAUNCHER", "torchrun") if under_launcher else "single"
     world_broken = False
     try:
         yield World(rank, world_size, local_rank, local_world_size, backend, device, launcher)
