@@ -1,8 +1,10 @@
 """Per-device model-state memory of DDP and ZeRO-1/2/3, with and without CPU offload: the ZeRO
-paper's arithmetic.
+paper's arithmetic; and one strategy's bytes per GPU, activations included, against the GPU.
 
     python -m recipes.memory_estimate --params 7.5e9 --world-size 64
     python -m recipes.memory_estimate --params 7e9 --world-size 8 --optimizer adam-fp32
+    python -m recipes.memory_estimate --model llama3-70b --world-size 16 --tp 4 --pp 2 \\
+        --strategy zero3 --seq-len 8192 --checkpointing full --gpu-memory-gib 80
 
 Before choosing a sharding strategy, count. Model state is parameters + gradients + optimizer state;
 with Adam it is 16 bytes per parameter whichever way it is split:
@@ -25,14 +27,35 @@ CPU offload moves what is sharded to host memory and leaves what is replicated o
 fully_shard's CPUOffloadPolicy, where the device keeps no model state between uses). DDP has no
 offload.
 
-What the figures leave out, on purpose: activations (they depend on batch, sequence length and
-activation checkpointing, not on the sharding), communication buffers (DDP's gradient buckets,
+The per-GPU figure (`gpu_memory`, the docs' calculator) takes one strategy and adds, per GPU:
+tensor parallelism over `tp` ranks and pipeline stages over `pp` ranks divide the parameters first
+(`params / (tp * pp)` on each, the embeddings assumed split like the rest), then the stage shards
+that over the data-parallel ranks (`world_size`; HSDP: over `shard_size` of them, replicated across
+the groups). Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", section 4), per layer and micro-batch, for 16-bit activations:
+
+    no TP                    s*b*h * (34 + 5*a*s/h)
+    TP over t ranks          s*b*h * (10 + 24/t + 5*a*s/(h*t))
+    TP + sequence parallel   s*b*h * (34/t + 5*a*s/(h*t))
+    flash attention or selective recomputation: the 5*a*s/(h*t) term (the s x s scores) is gone
+    full recomputation: 2*s*b*h (/t with sequence parallel) per layer, plus one layer's full
+    activations while it is recomputed
+
+with s the sequence length, b the micro-batch, h the hidden size, a the heads; fp32 activations
+cost twice as much. The logits the loss reads add 4*s*b*V/t (fp32). Under 1F1B the first stage
+holds pp micro-batches of its L/pp layers, the last stage one micro-batch plus the logits: the
+figure is the larger of the two.
+
+What the figures leave out, on purpose: communication buffers (DDP's gradient buckets,
 FSDP's all-gather of the one unit being computed), allocator fragmentation and the framework's own
 few GB. Treat the result as the floor that the sharding decides, not a peak-memory prediction.
 tests/test_memory_estimate.py checks the formulas on the paper's own example and against bytes
 measured on a real 2-rank world (recipes.core.memory).
 
 Pure arithmetic: no torch, no world. The last stdout line is the same figures as one JSON object.
+
+Length: about 400 lines, over the 300 of one idea: the stage table and the per-GPU figure share
+the config, the layouts and the stage rule; docs/assets/memory-calculator.js ports this one file.
 """
 
 from __future__ import annotations
@@ -46,7 +69,11 @@ from recipes.core.config import Config, RecipeError, exit_with, opt, parse_confi
 __all__ = [
     "EstimateConfig",
     "LAYOUTS",
+    "MODEL_PRESETS",
+    "PRECISIONS",
     "STAGES",
+    "activation_bytes",
+    "gpu_memory",
     "model_state_per_rank",
     "estimate",
     "format_table",
@@ -65,6 +92,66 @@ class EstimateConfig(Config):
         "adam-mixed: 2+2+12 bytes/param (fp16 params and grads, fp32 master+m+v); adam-fp32: 4+4+8",
     )
     unit: Literal["GB", "GiB"] = opt("GB", "GB = 1e9 bytes (the paper's unit), GiB = 2**30 bytes")
+    # The per-GPU figure of one strategy (gpu_memory; the docs' calculator asks the same).
+    model: Literal["custom", "100m", "gpt2-xl", "llama3-8b", "llama2-13b", "llama3-70b",
+                   "llama3-405b"] = opt(
+        "custom", "a preset sets params, layers, hidden, heads and vocab (custom: the options)"
+    )
+    layers: int = opt(32, "transformer layers (L)", ge=1)
+    hidden: int = opt(4096, "hidden size (h)", ge=1)
+    heads: int = opt(32, "attention heads (a)", ge=1)
+    vocab: int = opt(32000, "vocabulary size (V)", ge=1)
+    strategy: Literal["ddp", "zero1", "zero2", "zero3", "hsdp"] = opt(
+        "zero3", "per-GPU figure: zero3 = FSDP FULL_SHARD, zero2 = SHARD_GRAD_OP, hsdp = ZeRO-3 "
+        "over shard_size ranks, replicated across the groups"
+    )
+    shard_size: int = opt(8, "hsdp only: data-parallel ranks in one sharding group", ge=1)
+    offload: bool = opt(False, "per-GPU figure: CPU offload of the sharded parts (not for ddp)")
+    tp: int = opt(1, "tensor-parallel degree (t); GPUs = world_size * tp * pp", ge=1)
+    pp: int = opt(1, "pipeline-parallel degree (stages, 1F1B schedule)", ge=1)
+    sequence_parallel: bool = opt(True, "with tp > 1: norms and dropout sharded over the sequence")
+    precision: Literal["mixed", "autocast", "fp32"] = opt(
+        "mixed", "per-GPU figure: mixed = 2+2+12 bytes/param, bf16 activations; autocast = "
+        "fp32 params (4+4+8), bf16 activations; fp32 = 4+4+8, fp32 activations"
+    )
+    seq_len: int = opt(4096, "sequence length (s)", ge=1)
+    micro_batch: int = opt(1, "sequences per micro-batch on each GPU (b)", ge=1)
+    checkpointing: Literal["none", "selective", "full"] = opt(
+        "none", "activation checkpointing: selective recomputes attention, full keeps layer inputs"
+    )
+    flash_attention: bool = opt(True, "SDPA/flash attention: no s x s scores stored")
+    gpu_memory_gib: float = opt(80.0, "memory of one GPU in GiB (24, 40, 80, 141, ...)", gt=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model != "custom":  # the preset's shape wins over the single options
+            for name, value in MODEL_PRESETS[self.model].items():
+                setattr(self, name, value)
+        for name, divisor in (("layers", "pp"), ("heads", "tp")):
+            if getattr(self, name) % getattr(self, divisor):
+                raise RecipeError(
+                    f"{name}={getattr(self, name)} must divide by {divisor}="
+                    f"{getattr(self, divisor)}; pick a {divisor} that divides it"
+                )
+        if self.strategy == "hsdp" and self.world_size % self.shard_size:
+            raise RecipeError(
+                f"shard_size={self.shard_size} must divide world_size={self.world_size} "
+                "(hsdp replicates whole sharding groups)"
+            )
+        if self.offload and self.strategy == "ddp":
+            raise RecipeError("DDP has no CPU offload; use --no-offload or a zero strategy")
+
+
+# Published shapes (params, layers L, hidden h, heads a, vocab V): 100m is recipes.toy's benchmark
+# model; the others from their configs (GPT-2 XL; Llama 2 13B; Llama 3.1 8B/70B/405B).
+MODEL_PRESETS: dict[str, dict[str, float]] = {
+    "100m": dict(params=110_578_176, layers=12, hidden=768, heads=12, vocab=16384),
+    "gpt2-xl": dict(params=1.558e9, layers=48, hidden=1600, heads=25, vocab=50257),
+    "llama3-8b": dict(params=8.03e9, layers=32, hidden=4096, heads=32, vocab=128256),
+    "llama2-13b": dict(params=13.0e9, layers=40, hidden=5120, heads=40, vocab=32000),
+    "llama3-70b": dict(params=70.6e9, layers=80, hidden=8192, heads=64, vocab=128256),
+    "llama3-405b": dict(params=405.9e9, layers=126, hidden=16384, heads=128, vocab=128256),
+}
 
 
 @dataclass(frozen=True)
@@ -93,6 +180,10 @@ LAYOUTS: dict[str, OptimizerLayout] = {
 }
 
 UNITS = {"GB": 1e9, "GiB": 2.0**30}
+# precision -> (model-state layout, bytes per activation element)
+PRECISIONS: dict[str, tuple[str, int]] = {
+    "mixed": ("adam-mixed", 2), "autocast": ("adam-fp32", 2), "fp32": ("adam-fp32", 4),
+}
 
 
 @dataclass(frozen=True)
@@ -163,6 +254,52 @@ def model_state_per_rank(
 # --8<-- [end:stages]
 
 
+# --8<-- [start:activations]
+def activation_bytes(cfg: EstimateConfig) -> float:
+    """Peak activation bytes on one GPU for one micro-batch in flight per stage under 1F1B
+    (Korthikanti et al. 2022, section 4; see the module docstring)."""
+    s, b, h, a, t = cfg.seq_len, cfg.micro_batch, cfg.hidden, cfg.heads, cfg.tp
+    scale = PRECISIONS[cfg.precision][1] / 2  # the paper counts 16-bit activations
+    sp = cfg.sequence_parallel and t > 1
+    scores = 0.0 if cfg.flash_attention else 5 * a * s / (h * t)  # softmax, its dropout
+    linear = 34 / t if sp else (10 + 24 / t if t > 1 else 34)  # what TP (and SP) split
+    full_layer = s * b * h * (linear + scores) * scale
+    if cfg.checkpointing == "none":
+        per_layer, recompute = full_layer, 0.0
+    elif cfg.checkpointing == "selective":  # attention's scores recomputed: never stored
+        per_layer, recompute = s * b * h * linear * scale, 0.0
+    else:  # full: each layer keeps its input; one layer's activations live while recomputed
+        per_layer, recompute = 2 * s * b * h / (t if sp else 1) * scale, full_layer
+    layers_per_stage = cfg.layers // cfg.pp
+    logits = 4 * s * b * cfg.vocab / t  # fp32 logits for the loss, on the last stage
+    first = cfg.pp * layers_per_stage * per_layer + recompute  # 1F1B: pp micro-batches in flight
+    last = layers_per_stage * per_layer + recompute + logits
+    return max(first, last)
+
+
+def gpu_memory(cfg: EstimateConfig) -> dict[str, Any]:
+    """One strategy's bytes per GPU: model state after TP/PP and sharding, plus activations."""
+    layout_name, _ = PRECISIONS[cfg.precision]
+    stage = "zero3" if cfg.strategy == "hsdp" else cfg.strategy
+    shard_over = cfg.shard_size if cfg.strategy == "hsdp" else cfg.world_size
+    params_per_gpu = cfg.params / (cfg.tp * cfg.pp)  # TP and PP split the model before sharding
+    state = model_state_per_rank(
+        params_per_gpu, shard_over, stage, LAYOUTS[layout_name], offload=cfg.offload
+    )
+    device = {k: v for k, v in state["device"].items() if k != "total_bytes"}
+    device["activation_bytes"] = activation_bytes(cfg)
+    device["total_bytes"] = sum(device.values())
+    capacity = cfg.gpu_memory_gib * 2.0**30
+    return {
+        "strategy": cfg.strategy, "precision": cfg.precision, "optimizer": layout_name,
+        "gpus": cfg.world_size * cfg.tp * cfg.pp, "data_parallel": cfg.world_size,
+        "shard_over": shard_over, "params_per_gpu": params_per_gpu,
+        "device": device, "host_bytes": state["host"]["total_bytes"],
+        "gpu_bytes": capacity, "fits": device["total_bytes"] <= capacity,
+    }
+# --8<-- [end:activations]
+
+
 def estimate(cfg: EstimateConfig) -> dict[str, Any]:
     """Every (optimizer layout, stage, offload) row, as one JSON-able dict."""
     layouts = list(LAYOUTS) if cfg.optimizer == "both" else [cfg.optimizer]
@@ -190,6 +327,7 @@ def estimate(cfg: EstimateConfig) -> dict[str, Any]:
         "world_size": cfg.world_size,
         "layouts": {name: vars(LAYOUTS[name]) for name in layouts},
         "rows": rows,
+        "per_gpu": gpu_memory(cfg),
     }
 
 
@@ -232,6 +370,19 @@ def format_table(result: dict[str, Any], unit: str = "GB") -> str:
     for row in result["rows"]:
         if row["optimizer"] == next(iter(result["layouts"])):
             lines.append(f"  {_label(row):<30}{row['setting']}")
+    gpu = result["per_gpu"]
+    dev = gpu["device"]
+    lines += [
+        "",
+        (f"Per GPU with {gpu['strategy']} ({gpu['precision']} precision) on {gpu['gpus']} GPUs "
+         f"({gpu['data_parallel']} data-parallel, sharded over {gpu['shard_over']}), in {unit}:"),
+        "  " + ", ".join(f"{name} {dev[key] / scale:.2f}" for name, key in (
+            ("params", "param_bytes"), ("grads", "grad_bytes"), ("optim", "optimizer_bytes"),
+            ("activations", "activation_bytes"), ("total", "total_bytes"))),
+        (f"  of {gpu['gpu_bytes'] / scale:.2f} on the GPU: "
+         + ("fits" if gpu["fits"] else "does not fit")
+         + (f"; {gpu['host_bytes'] / scale:.2f} in host memory" if gpu["host_bytes"] else "")),
+    ]
     return "\n".join(lines)
 
 

@@ -752,3 +752,117 @@ def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_tim
     assert "/tmp" not in text and "None" not in text and "resumed_from" not in text
     assert "not shown: the load average was 9.0 on 2 cores" in text and "op_ms" in text
     assert "Model state per rank" in text and "KiB" in text and "MiB (rank 0;" not in text
+
+
+# The memory calculator (docs/assets/memory-calculator.js) is a port of recipes.memory_estimate's
+# gpu_memory: the page runs each configuration through its form (?check=[...]) and lists the bytes
+# it shows, which must be the Python function's. Every field is given, so the page's defaults do not
+# matter; `gpus` is world_size * tp * pp and `gpu` the GPU preset (or "custom" + gpu_memory_gib).
+CALCULATOR_BASE = dict(
+    model="custom", params="7.5e9", layers=32, hidden=4096, heads=32, vocab=32000, gpus=8,
+    strategy="zero3", shard_size=8, tp=1, pp=1, sequence_parallel=True, offload=False,
+    precision="mixed", seq_len=4096, micro_batch=1, checkpointing="none", flash_attention=True,
+    gpu="80", gpu_memory_gib="80",
+)
+CALCULATOR_CONFIGS = [
+    dict(gpus=64, strategy="ddp"),
+    dict(gpus=64, strategy="zero1", precision="autocast"),
+    dict(gpus=64, strategy="zero2", gpu="40"),
+    dict(model="llama3-8b", gpus=8, seq_len=8192, micro_batch=2, flash_attention=False),
+    dict(model="llama3-70b", gpus=128, tp=4, pp=2, seq_len=8192, checkpointing="full"),
+    dict(model="llama3-70b", gpus=64, tp=8, sequence_parallel=False, checkpointing="selective",
+         flash_attention=False),
+    dict(model="llama3-405b", gpus=512, strategy="hsdp", shard_size=16, tp=8, pp=2,
+         gpu="141"),
+    dict(model="100m", gpus=1, strategy="ddp", precision="fp32", seq_len=512, micro_batch=16,
+         gpu="24"),
+    dict(model="gpt2-xl", gpus=4, strategy="zero3", offload=True, precision="fp32",
+         seq_len=1024, micro_batch=4, checkpointing="full", gpu="custom", gpu_memory_gib="16"),
+    dict(model="llama2-13b", gpus=16, strategy="hsdp", shard_size=4, pp=4, micro_batch=4,
+         gpu="192"),
+    dict(params="3e9", layers=24, hidden=3072, heads=24, vocab=50000, gpus=6, tp=3,
+         strategy="zero2", offload=True, seq_len=2048, checkpointing="selective", gpu="48"),
+    dict(model="llama3-8b", gpus=2, strategy="zero1", precision="autocast", seq_len=131072,
+         flash_attention=False),
+]
+PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")
+
+
+def python_figures(ui: dict) -> dict:
+    from recipes.memory_estimate import EstimateConfig, gpu_memory
+
+    values = {k: v for k, v in ui.items() if k not in ("gpus", "gpu", "params", "gpu_memory_gib")}
+    result = gpu_memory(EstimateConfig(
+        **values, params=float(ui["params"]), world_size=ui["gpus"] // (ui["tp"] * ui["pp"]),
+        gpu_memory_gib=float(ui["gpu_memory_gib"] if ui["gpu"] == "custom" else ui["gpu"])))
+    return {**result["device"], "gpu_bytes": result["gpu_bytes"],
+            "host_bytes": result["host_bytes"], "fits": result["fits"]}
+
+
+def test_the_memory_calculator_shows_what_recipes_memory_estimate_computes(
+    served_site, chromium_binary, tmp_path
+):
+    from urllib.parse import quote
+
+    from recipes.memory_estimate import MODEL_PRESETS
+
+    configs = [{**CALCULATOR_BASE, **c} for c in CALCULATOR_CONFIGS]
+    bad = {**CALCULATOR_BASE, "gpus": 6, "tp": 3}  # 32 heads over 3 ranks: refused, as in Python
+    url = served_site + "recipes/memory_estimate/?check=" + quote(json.dumps([*configs, bad]))
+    browser = Chromium(chromium_binary, tmp_path / "profile")
+    try:
+        session = browser.open(url)
+        deadline, shown = time.monotonic() + 60, None
+        while shown is None and time.monotonic() < deadline and not script_errors(browser):
+            shown = browser.evaluate(session, "window.memoryCalculatorCheck || null")
+            time.sleep(0.1)
+        assert shown is not None, f"the calculator did not run: {script_errors(browser)}"
+        assert browser.evaluate(session, "window.memoryCalculatorPresets") == MODEL_PRESETS
+        assert len(shown) == len(configs) + 1
+        fits = set()
+        for ui, page in zip(configs, shown):
+            expected = python_figures(ui)
+            assert page["error"] is None, (ui, page["error"])
+            parts = PARTS + (("host_bytes",) if expected["host_bytes"] else ())
+            for part in parts + ("gpu_bytes",):
+                figure = page["figures"][part]
+                # The same doubles from the same operations, bit for bit; the text is GiB.
+                assert figure["bytes"] == expected[part], (ui, part)
+                assert float(figure["text"].split()[0]) == pytest.approx(
+                    expected[part] / 2**30, abs=0.0051), (ui, part, figure["text"])
+            assert ("host_bytes" in page["figures"]) == bool(expected["host_bytes"])
+            assert page["fits"] is expected["fits"], ui
+            fits.add(expected["fits"])
+        assert fits == {True, False}, "the configurations should include both verdicts"
+        assert "heads=32 must divide by tp=3" in shown[-1]["error"]
+
+        # Editing a field recomputes and writes the inputs into the address (a shareable link).
+        browser.evaluate(session, """(() => {
+            const gpus = document.querySelector('.memory-calculator [name=gpus]');
+            gpus.value = '16'; gpus.dispatchEvent(new Event('input', {bubbles: true}));})()""")
+        assert "gpus=16" in browser.evaluate(session, "location.search")
+
+        # 390 px (a phone): the fields stack in one column and nothing scrolls sideways.
+        out_dir = Path(os.environ.get("DOCS_SCREENSHOT_DIR", tmp_path))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for width in (1280, 390):
+            browser.send("Emulation.setDeviceMetricsOverride", {
+                "width": width, "height": 900, "deviceScaleFactor": 1, "mobile": width < 500},
+                session=session)
+            browser.evaluate(session, "document.querySelector('.memory-calculator')"
+                                      ".scrollIntoView()")
+            layout = browser.evaluate(session, """(() => {
+                const groups = [...document.querySelectorAll('.memory-calculator .mc-group')];
+                return {scroll: document.documentElement.scrollWidth,
+                        lefts: [...new Set(groups.map(
+                            g => Math.round(g.getBoundingClientRect().left)))]};
+            })()""")
+            assert layout["scroll"] <= width, (width, layout)
+            if width == 390:
+                assert len(layout["lefts"]) == 1, f"the fields do not stack at 390 px: {layout}"
+            screenshot = browser.send("Page.captureScreenshot", {"format": "png"},
+                                      session=session)["data"]
+            (out_dir / f"memory_calculator_{width}.png").write_bytes(base64.b64decode(screenshot))
+        assert not script_errors(browser), script_errors(browser)
+    finally:
+        browser.close()

@@ -1,6 +1,7 @@
 """memory_estimate: the ZeRO paper's formulas, its own example, and bytes measured on a real 2-rank world."""
 
 import json
+import typing
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from recipes.fsdp import apply_fsdp
 from recipes.fsdp2 import apply_fully_shard
-from recipes.memory_estimate import LAYOUTS, EstimateConfig, estimate, model_state_per_rank
+from recipes.memory_estimate import (
+    LAYOUTS, MODEL_PRESETS, EstimateConfig, activation_bytes, estimate, gpu_memory, model_state_per_rank,
+)
 from tests.helpers import PYTHON, last_json, run_cli
 
 GB = 1e9
@@ -177,3 +180,102 @@ def test_estimate_matches_bytes_measured_on_a_real_world_of_2():
             assert abs(per_rank["grad_bytes"] - estimate_of("zero3")["grad_bytes"]) <= pad_bytes, (strategy, per_rank)
             assert abs(per_rank["optimizer_bytes"] - estimate_of("zero3")["optimizer_bytes"]) <= 2 * pad_bytes + step_bytes
             assert per_rank["param_bytes"] <= measured["ddp"][0]["param_bytes"] / 2 + pad_bytes
+
+
+# ----------------------------------------------------------------------------------------------------
+# One strategy's bytes per GPU (gpu_memory, the docs' calculator): TP/PP, HSDP, activations.
+
+
+def _gpu(**kwargs):
+    return gpu_memory(EstimateConfig(**kwargs))
+
+
+def test_activations_follow_korthikanti_per_layer_formulas():
+    # Korthikanti et al. 2022, section 4: 16-bit activations per layer and micro-batch.
+    s, b, h, a, L, V = 2048, 2, 1024, 16, 8, 1000
+    shape = dict(seq_len=s, micro_batch=b, hidden=h, heads=a, layers=L, vocab=V, precision="mixed")
+    logits = 4 * s * b * V
+    none = s * b * h * (34 + 5 * a * s / h)
+    assert activation_bytes(EstimateConfig(**shape, flash_attention=False)) == pytest.approx(
+        L * none + logits)
+    # Flash attention and selective recomputation drop the s x s scores: 34 s b h per layer.
+    flash = activation_bytes(EstimateConfig(**shape))
+    assert flash == pytest.approx(L * 34 * s * b * h + logits)
+    assert activation_bytes(EstimateConfig(**shape, flash_attention=False,
+                                           checkpointing="selective")) == pytest.approx(flash)
+    # Full recomputation: 2 s b h per layer, plus one layer's activations while it is recomputed.
+    full = activation_bytes(EstimateConfig(**shape, checkpointing="full"))
+    assert full == pytest.approx(L * 2 * s * b * h + 34 * s * b * h + logits)
+    # TP over 4 ranks: without sequence parallel 10 + 24/t; with it 34/t; the logits split too.
+    t = 4
+    tp_only = activation_bytes(EstimateConfig(**shape, tp=t, sequence_parallel=False))
+    assert tp_only == pytest.approx(L * s * b * h * (10 + 24 / t) + logits / t)
+    tp_sp = activation_bytes(EstimateConfig(**shape, tp=t))
+    assert tp_sp == pytest.approx(L * s * b * h * 34 / t + logits / t)
+    # fp32 activations cost twice the 16-bit figure; the fp32 logits do not change.
+    fp32 = activation_bytes(EstimateConfig(**{**shape, "precision": "fp32"}))
+    assert fp32 == pytest.approx(2 * L * 34 * s * b * h + logits)
+
+
+def test_pipeline_stages_hold_pp_micro_batches_on_the_first_stage():
+    s, b, h, L, V = 1024, 1, 512, 8, 50000
+    shape = dict(seq_len=s, micro_batch=b, hidden=h, heads=8, layers=L, vocab=V)
+    per_layer, logits = 34 * s * b * h, 4 * s * b * V
+    # 1F1B: the first stage keeps pp micro-batches of its L/pp layers (= L layers' worth), the last
+    # stage one micro-batch and the logits: the larger is the GPU's peak.
+    for pp in (2, 4, 8):
+        first, last = pp * (L // pp) * per_layer, (L // pp) * per_layer + logits
+        assert activation_bytes(EstimateConfig(**shape, pp=pp)) == pytest.approx(max(first, last))
+    assert activation_bytes(EstimateConfig(**shape, pp=8)) == pytest.approx(per_layer + logits)
+    # The parameters are divided by the stages (and by TP) before the sharding divides them again.
+    psi = 8e9
+    for tp, pp, n in ((1, 1, 8), (2, 4, 2), (8, 2, 4)):
+        got = _gpu(params=psi, world_size=n, tp=tp, pp=pp, strategy="zero3", **shape)
+        assert got["device"]["param_bytes"] == pytest.approx(2 * psi / (tp * pp * n))
+        assert got["gpus"] == n * tp * pp and got["params_per_gpu"] == psi / (tp * pp)
+
+
+def test_each_strategy_per_gpu_matches_the_table_and_hsdp_shards_over_its_group():
+    psi, n = 7.5e9, 64
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        got = _gpu(params=psi, world_size=n, strategy=strategy, precision="mixed")
+        table = model_state_per_rank(psi, n, strategy, LAYOUTS["adam-mixed"])["device"]
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert got["device"][key] == table[key]
+        assert got["device"]["total_bytes"] == pytest.approx(
+            table["total_bytes"] + got["device"]["activation_bytes"])
+    # HSDP: ZeRO-3 inside a group of shard_size ranks, the groups replicate: 16 * psi / 8 each.
+    hsdp = _gpu(params=psi, world_size=n, strategy="hsdp", shard_size=8, precision="autocast")
+    assert hsdp["shard_over"] == 8
+    assert hsdp["device"]["param_bytes"] == 4 * psi / 8
+    assert sum(hsdp["device"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")) == (
+        pytest.approx(16 * psi / 8))
+    # Offload moves the sharded parts to the host; ZeRO-3 keeps no model state on the device.
+    off = _gpu(params=psi, world_size=n, strategy="zero3", offload=True)
+    assert off["host_bytes"] == pytest.approx(16 * psi / n)
+    assert off["device"]["total_bytes"] == off["device"]["activation_bytes"]
+
+
+def test_fits_compares_with_the_gpu_and_presets_set_the_shape():
+    cfg = EstimateConfig(model="llama3-70b", params=1.0, layers=1, world_size=8, strategy="ddp")
+    assert (cfg.params, cfg.layers, cfg.hidden, cfg.heads, cfg.vocab) == (
+        70.6e9, 80, 8192, 64, 128256)
+    assert not gpu_memory(cfg)["fits"]  # 16 bytes x 70.6e9 replicated
+    small = _gpu(model="100m", world_size=1, strategy="ddp", seq_len=512, gpu_memory_gib=24)
+    assert small["fits"] and small["gpu_bytes"] == 24 * 2**30
+    assert small["device"]["total_bytes"] < small["gpu_bytes"]
+    choices = typing.get_args(typing.get_type_hints(EstimateConfig)["model"])
+    assert set(choices) == {"custom", *MODEL_PRESETS}  # every preset can be asked for
+
+
+def test_per_gpu_inputs_that_do_not_divide_are_refused():
+    with pytest.raises(RecipeError, match="^heads=32 must divide by tp=3; pick a tp"):
+        EstimateConfig(tp=3)
+    with pytest.raises(RecipeError, match="^layers=32 must divide by pp=3; pick a pp"):
+        EstimateConfig(pp=3)
+    with pytest.raises(RecipeError, match="^shard_size=8 must divide world_size=12"):
+        EstimateConfig(world_size=12, strategy="hsdp")
+    with pytest.raises(RecipeError, match="^DDP has no CPU offload"):
+        EstimateConfig(strategy="ddp", offload=True)
+    with pytest.raises(RecipeError, match="unknown checkpointing='some'"):
+        EstimateConfig(checkpointing="some")
