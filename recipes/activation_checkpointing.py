@@ -144,8 +144,41 @@ def apply_activation_checkpointing(
     if policy is not None:  # checkpoint calls context_fn on every forward: a fresh cache each time
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, **options)
+        block.forward = checkpointed(block, options)
     return blocks
+
+
+# Keyword names under which Hugging Face blocks take a key/value cache.
+CACHE_ARGUMENTS = frozenset({"cache", "past_key_values", "past_key_value", "layer_past"})
+
+
+def checkpointed(block: nn.Module, options: dict) -> Callable:
+    """``block.forward`` under ``checkpoint``, refusing a key/value cache while gradients are on.
+
+    Pitfall: checkpoint replays the forward in backward with the same argument objects. A cache
+    the forward updated is not the one it saw: T5's decoder (built with use_cache=True) fills its
+    cross-attention cache, and the replay reuses those keys/values instead of computing them, so
+    backward fails with "A different number of tensors was saved during the original forward and
+    recomputation". torch's checkpoint_wrapper fails the same way; HF's own checkpointing drops
+    the cache inside checkpointed layers.
+    """
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():  # without gradients nothing is replayed: a cache is fine
+            named = [*((f"argument {i}", value) for i, value in enumerate(args)), *kwargs.items()]
+            for name, value in named:
+                if value is not None and (name in CACHE_ARGUMENTS
+                                          or type(value).__name__.endswith("Cache")):
+                    raise RecipeError(
+                        f"{type(block).__name__} got {name}={type(value).__name__} in a "
+                        "checkpointed forward: the replay in backward would see the cache it "
+                        "filled; call the model with use_cache=False (and no cache), or use its "
+                        "own model.gradient_checkpointing_enable()")
+        return checkpoint(forward, *args, **options, **kwargs)
+
+    return run
 # --8<-- [end:apply]
 
 

@@ -263,3 +263,35 @@ def test_tied_llama_under_tp_stays_tied_and_equals_one_process():
                                        reference.state_dict().items()}, atol=1e-5)
     assert ("untie the weight that model.embed_tokens and lm_head share" in got["refusal"]
             and "model.embed_tokens Shard(0), lm_head kept whole" in got["refusal"]), got["refusal"]
+
+
+def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
+    """T5's decoder blocks take a key/value cache and fill it in forward; checkpoint's replay then
+    reuses it and backward failed with "A different number of tensors was saved". Refused in the
+    forward, naming the fix; without a cache the checkpointed model's gradients are the plain's."""
+    from transformers.models.t5.modeling_t5 import T5Block, T5LayerFF
+
+    tokens = third_party.batch(0)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].contiguous()
+    model = third_party.build_t5()  # T5's default: use_cache=True
+    apply_activation_checkpointing(model, block_types=(T5Block,))
+    with pytest.raises(ValueError, match=r"^T5Block got cache=EncoderDecoderCache in a checkpointed "
+                                         r"forward.*use_cache=False.*gradient_checkpointing_enable"):
+        model(input_ids=inputs, labels=labels)
+    with torch.no_grad():  # without gradients nothing is replayed: the cache is allowed
+        model(input_ids=inputs, labels=labels)
+
+    grads, feed_forwards = [], []
+    for checkpointing in (False, True):
+        model = third_party.build_t5(use_cache=False)
+        if checkpointing:
+            assert len(apply_activation_checkpointing(model, block_types=(T5Block,))) == 4
+        calls = [0]
+        for module in model.modules():  # inside the blocks: the replay calls them again
+            if isinstance(module, T5LayerFF):
+                module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        model(input_ids=inputs, labels=labels).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+        feed_forwards.append(calls[0])
+    assert feed_forwards == [4, 8], "each checkpointed block's forward runs again in backward"
+    assert_states_close(grads[1], grads[0], atol=0.0)
