@@ -160,7 +160,10 @@ def checkpointed(block: nn.Module, options: dict) -> Callable:
     cross-attention cache, and the replay reuses those keys/values instead of computing them, so
     backward fails with "A different number of tensors was saved during the original forward and
     recomputation". torch's checkpoint_wrapper fails the same way; HF's own checkpointing drops
-    the cache inside checkpointed layers.
+    the cache inside checkpointed layers. GPT-2's self-attention cache grows to twice the sequence
+    in the replay and comes out exact only because torch's causal mask is top-left aligned (query
+    i still sees the first i keys, the forward's own); and a cache keeps every layer's keys and
+    values alive, what checkpointing was meant to free.
     """
     forward = block.forward
 
@@ -172,10 +175,10 @@ def checkpointed(block: nn.Module, options: dict) -> Callable:
                 if value is not None and (name in CACHE_ARGUMENTS
                                           or type(value).__name__.endswith("Cache")):
                     raise RecipeError(
-                        f"{type(block).__name__} got {name}={type(value).__name__} in a "
-                        "checkpointed forward: the replay in backward would see the cache it "
-                        "filled; call the model with use_cache=False (and no cache), or use its "
-                        "own model.gradient_checkpointing_enable()")
+                        f"{type(block).__name__}'s checkpointed forward got a key/value cache "
+                        f"({name}: {type(value).__name__}): the replay in backward would see "
+                        "what it filled; build or call the model with use_cache=False, or use "
+                        "its own model.gradient_checkpointing_enable()")
         return checkpoint(forward, *args, **options, **kwargs)
 
     return run

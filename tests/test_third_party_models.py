@@ -275,8 +275,9 @@ def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
     inputs, labels = tokens[:, :-1], tokens[:, 1:].contiguous()
     model = third_party.build_t5()  # T5's default: use_cache=True
     apply_activation_checkpointing(model, block_types=(T5Block,))
-    with pytest.raises(ValueError, match=r"^T5Block got cache=EncoderDecoderCache in a checkpointed "
-                                         r"forward.*use_cache=False.*gradient_checkpointing_enable"):
+    with pytest.raises(ValueError, match=r"^T5Block's checkpointed forward got a key/value "
+                                         r"cache \(cache: EncoderDecoderCache\).*use_cache=False"
+                                         r".*gradient_checkpointing_enable"):
         model(input_ids=inputs, labels=labels)
     with torch.no_grad():  # without gradients nothing is replayed: the cache is allowed
         model(input_ids=inputs, labels=labels)
