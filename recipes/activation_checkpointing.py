@@ -36,6 +36,10 @@ on CUDA; the result reports tokens/s and MFU (the recomputed forward is not coun
 FLOPs). The recipe also reports the bytes the forward leaves alive for backward, measured
 (``SavedTensorBytes``). It trains on one device; the same wrapping works under DDP and FSDP
 (apply it before wrapping the model in them, and before torch.compile).
+
+Length: about 320 lines, over the cookbook's ~300: the five modes share one file to be compared,
+and ``apply_activation_checkpointing`` carries the guard against a block that fills a key/value
+cache (a T5 or GPT-2 built with use_cache=True), which a user copies with it.
 """
 
 from __future__ import annotations
@@ -144,8 +148,44 @@ def apply_activation_checkpointing(
     if policy is not None:  # checkpoint calls context_fn on every forward: a fresh cache each time
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, **options)
+        block.forward = checkpointed(block, options)
     return blocks
+
+
+# Keyword names under which Hugging Face blocks take a key/value cache.
+CACHE_ARGUMENTS = frozenset({"cache", "past_key_values", "past_key_value", "layer_past"})
+
+
+def checkpointed(block: nn.Module, options: dict) -> Callable:
+    """``block.forward`` under ``checkpoint``, refusing a key/value cache while gradients are on.
+
+    Pitfall: checkpoint replays the forward in backward with the same argument objects. A cache
+    the forward updated is not the one it saw: T5's decoder (built with use_cache=True) fills its
+    cross-attention cache, and the replay reuses those keys/values instead of computing them, so
+    backward fails with "A different number of tensors was saved during the original forward and
+    recomputation". torch's checkpoint_wrapper fails the same way; HF's own checkpointing drops
+    the cache inside checkpointed layers. GPT-2's self-attention cache grows to twice the sequence
+    in the replay and comes out exact only because torch's causal mask is top-left aligned (query
+    i still sees the first i keys, the forward's own); and a cache keeps every layer's keys and
+    values alive, what checkpointing was meant to free.
+    """
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():  # without gradients nothing is replayed: a cache is fine
+            named = [*((f"argument {i}", value) for i, value in enumerate(args)), *kwargs.items()]
+            for name, value in named:
+                if value is not None and (name in CACHE_ARGUMENTS
+                                          or type(value).__name__.endswith("Cache")):
+                    raise RecipeError(
+                        f"{type(block).__name__}'s checkpointed forward got a key/value cache "
+                        f"({name}: {type(value).__name__}): the replay in backward would see "
+                        "what it filled; build or call the model with use_cache=False, or use "
+                        "its own model.gradient_checkpointing_enable()")
+        return checkpoint(forward, *args, **options, **kwargs)
+
+    return run
 # --8<-- [end:apply]
 
 

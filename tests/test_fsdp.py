@@ -1,6 +1,8 @@
 """fsdp: every classic-FSDP strategy and option trains like DDP; its pitfalls are real and guarded."""
 
 import pytest
+from torch.distributed.fsdp import BackwardPrefetch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from recipes import fsdp, zero
@@ -137,3 +139,23 @@ def test_three_ranks_uneven_shards_equal_ddp():
     for result in run_world(fsdp.train, 3, configs, deadline_s=300):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)
+
+
+def test_prefetch_options_reach_every_unit(monkeypatch):
+    """Prefetch changes when the all-gathers run, not what they compute: the parity above cannot
+    see it. So assert that every FSDP unit train() builds holds the options it was given."""
+    seen = []
+    real = fsdp.apply_fsdp
+
+    def spy(model, **kwargs):
+        wrapped = real(model, **kwargs)
+        seen.append({(unit.backward_prefetch, unit.forward_prefetch, unit.limit_all_gathers)
+                     for unit in FSDP.fsdp_modules(wrapped)})
+        return wrapped
+
+    monkeypatch.setattr(fsdp, "apply_fsdp", spy)
+    for name in ("prefetch", "prefetch_none", "full"):  # the world of 1 in this process
+        run_alone(fsdp.train, with_fields(RUNS[name], steps=1))
+    assert seen == [{(BackwardPrefetch.BACKWARD_POST, True, False)},  # every unit, root included
+                    {(None, False, True)},
+                    {(BackwardPrefetch.BACKWARD_PRE, False, True)}]

@@ -4,6 +4,7 @@ import pytest
 
 from recipes import fsdp2, zero
 from recipes.core.config import RecipeError
+from recipes.core.workload import MODEL_PRESETS, Block
 from tests.helpers import (
     BACKENDS,
     SHARDED_BF16_ATOL,
@@ -85,3 +86,28 @@ def test_three_ranks_uneven_shards_equal_ddp():
     for result in run_world(fsdp2.train, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], deadline_s=300):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)
+
+
+def test_explicit_prefetch_gives_each_block_its_neighbours(monkeypatch):
+    """Prefetch changes when the all-gathers run, not what they compute: the parity above cannot
+    see it. So assert the order fully_shard was given, read back from each block's FSDP state
+    (torch keeps it in _states_to_forward_prefetch / _states_to_backward_prefetch)."""
+    seen = []
+    real = fsdp2.apply_fully_shard
+
+    def spy(model, mesh, **kwargs):
+        model = real(model, mesh, **kwargs)
+        states = [block._get_fsdp_state() for block in model.modules() if isinstance(block, Block)]
+        index = {id(state): i for i, state in enumerate(states)}
+        seen.append(([[index[id(t)] for t in state._states_to_forward_prefetch] for state in states],
+                     [[index[id(t)] for t in state._states_to_backward_prefetch] for state in states]))
+        return model
+
+    monkeypatch.setattr(fsdp2, "apply_fully_shard", spy)
+    for explicit in (True, False):  # the world of 1 in this process runs the same train()
+        run_alone(fsdp2.train, with_fields(CFG, model="small", steps=1, explicit_prefetch=explicit))
+    n = MODEL_PRESETS["small"].n_layers
+    # Block i all-gathers block i+1 in forward; in backward (reverse order) block i+1 gathers i.
+    forward = [[i + 1] for i in range(n - 1)] + [[]]
+    backward = [[]] + [[i - 1] for i in range(1, n)]
+    assert seen == [(forward, backward), ([[]] * n, [[]] * n)]

@@ -227,3 +227,72 @@ def test_llama_under_tp_and_fully_shard_on_a_2d_mesh_equals_one_process():
     assert_states_close(state, {name: p.detach() for name, p in reference.state_dict().items()},
                         atol=1e-5)
 
+
+
+def tied_llama_under_tp() -> dict:
+    """A world of 2: the tiny Llama with tie_word_embeddings=True, split by apply_tp."""
+    with join_world("gloo", timeout_s=120) as world:
+        mesh = init_device_mesh("cpu", (world.world_size,))
+        # A plan that splits the embedding but leaves the head whole would untie the weight.
+        half_plan = {key: style for key, style in llama_plan().items() if key != "lm_head"}
+        try:
+            apply_tp(third_party.build("llama", tie_word_embeddings=True), mesh, plan=half_plan)
+            refusal = "accepted"
+        except ValueError as error:
+            refusal = str(error)
+        model = apply_tp(third_party.build("llama", tie_word_embeddings=True), mesh,
+                         plan=llama_plan())
+        still_tied = model.lm_head.weight is model.model.embed_tokens.weight
+        losses = train(model, rank=world.rank, world_size=world.world_size, shard_batch=False)
+        state, _ = full_state_on_rank0(model)
+        return {"losses": losses, "state": state, "still_tied": still_tied, "refusal": refusal}
+
+
+@pytest.mark.timeout(240)
+def test_tied_llama_under_tp_stays_tied_and_equals_one_process():
+    """The issue's failure: parallelize_module gave the embedding and the head a parameter each,
+    and training drifted from one process (1.6e-3 in the loss after 3 steps, 0.035 in weights)."""
+    got = spawn_world(tied_llama_under_tp, 2, deadline_s=200)
+    reference = third_party.build("llama", tie_word_embeddings=True)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight, "the model ties them"
+    assert got["still_tied"], "apply_tp untied lm_head from embed_tokens"
+    assert_losses_close(got["losses"], train(reference, rank=0, world_size=1, shard_batch=False),
+                        atol=1e-5)
+    # state_dict() holds the tied weight under both names; after the same training both match.
+    assert_states_close(got["state"], {name: p.detach() for name, p in
+                                       reference.state_dict().items()}, atol=1e-5)
+    assert ("untie the weight that model.embed_tokens and lm_head share" in got["refusal"]
+            and "model.embed_tokens Shard(0), lm_head kept whole" in got["refusal"]), got["refusal"]
+
+
+def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
+    """T5's decoder blocks take a key/value cache and fill it in forward; checkpoint's replay then
+    reuses it and backward failed with "A different number of tensors was saved". Refused in the
+    forward, naming the fix; without a cache the checkpointed model's gradients are the plain's."""
+    from transformers.models.t5.modeling_t5 import T5Block, T5LayerFF
+
+    tokens = third_party.batch(0)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].contiguous()
+    model = third_party.build_t5()  # T5's default: use_cache=True
+    apply_activation_checkpointing(model, block_types=(T5Block,))
+    with pytest.raises(ValueError, match=r"^T5Block's checkpointed forward got a key/value "
+                                         r"cache \(cache: EncoderDecoderCache\).*use_cache=False"
+                                         r".*gradient_checkpointing_enable"):
+        model(input_ids=inputs, labels=labels)
+    with torch.no_grad():  # without gradients nothing is replayed: the cache is allowed
+        model(input_ids=inputs, labels=labels)
+
+    grads, feed_forwards = [], []
+    for checkpointing in (False, True):
+        model = third_party.build_t5(use_cache=False)
+        if checkpointing:
+            assert len(apply_activation_checkpointing(model, block_types=(T5Block,))) == 4
+        calls = [0]
+        for module in model.modules():  # inside the blocks: the replay calls them again
+            if isinstance(module, T5LayerFF):
+                module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        model(input_ids=inputs, labels=labels).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+        feed_forwards.append(calls[0])
+    assert feed_forwards == [4, 8], "each checkpointed block's forward runs again in backward"
+    assert_states_close(grads[1], grads[0], atol=0.0)

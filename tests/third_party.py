@@ -18,11 +18,13 @@ VOCAB, SEQ = 128, 16
 KINDS = ["gpt2", "llama"]
 
 
-def build(kind: str, *, seed: int = 0, attn_implementation: str = "eager") -> nn.Module:
+def build(kind: str, *, seed: int = 0, attn_implementation: str = "eager",
+          tie_word_embeddings: bool = False) -> nn.Module:
     """The same weights for the same seed, in fp32, dropout off (so that runs compare exactly).
 
     eager attention: the same kernel in every process, and the one DTensor runs under TP. A
     pipeline stage passes no attention mask, and eager attention is causal only with one: "sdpa".
+    ``tie_word_embeddings``: Llama's head shares the embedding's weight, as many small Llamas ship.
     """
     torch.manual_seed(seed)
     if kind == "gpt2":
@@ -35,12 +37,23 @@ def build(kind: str, *, seed: int = 0, attn_implementation: str = "eager") -> nn
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                           num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, max_position_embeddings=32,
-                                          attn_implementation=attn_implementation)
+                                          attn_implementation=attn_implementation,
+                                          tie_word_embeddings=tie_word_embeddings)
         model = transformers.LlamaForCausalLM(config)
     else:
         raise ValueError(f"unknown model kind {kind!r}; valid: {', '.join(KINDS)}")
     model.config.use_cache = False
     return model.float().train()
+
+
+def build_t5(*, seed: int = 0, use_cache: bool = True) -> nn.Module:
+    """A tiny T5 encoder-decoder. Pitfall: its decoder keeps a copy of the config, so setting
+    ``model.config.use_cache = False`` afterwards does not reach it; ``use_cache`` here does."""
+    torch.manual_seed(seed)
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0, use_cache=use_cache)
+    return transformers.T5ForConditionalGeneration(config).float().train()
 
 
 def block_types(kind: str) -> tuple[type[nn.Module], ...]:
