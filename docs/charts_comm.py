@@ -36,7 +36,7 @@ def chart_comm_busbw(results_dir: Path, *, svg: Callable, text: Callable, figure
     x_lo, x_hi = math.log2(min(sizes)), math.log2(max(sizes))
     y_lo, y_hi = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
     y_hi = max(y_hi, y_lo + 1)
-    left, right, top, height = 70, 170, 16, 260
+    left, right, top, height = 70, 210, 16, 260
     plot_w = width - left - right
 
     def xy(size: float, value: float) -> tuple[float, float]:
@@ -72,7 +72,7 @@ def chart_comm_busbw(results_dir: Path, *, svg: Callable, text: Callable, figure
         best = max(v for _, v in points)
         body += [f'<line x1="{left + plot_w + 14}" y1="{ly}" x2="{left + plot_w + 34}" '
                  f'y2="{ly}" class="line {cls}"/>',
-                 text(left + plot_w + 40, ly + 4, f"{label} (max {best:.3g})", size=11)]
+                 text(left + plot_w + 40, ly + 4, f"{label} (max {best:.3g} GB/s)", size=11)]
     where = (f"{result['world_size']} ranks, {result['backend']} on {result['device']}, "
              f"{result.get('dtype', '')}, {machine['description']}, load average "
              f"{machine['load_average_1m']:.1f}")

@@ -109,6 +109,7 @@ def collective(op: str, numel: int, world: int, rank: int, dtype: torch.dtype,
     total = sent.sum(0)  # a sum over the ranks, which an exact reduction must equal
     mine = sent_values(rank, dtype, device).repeat(numel // PERIOD + 1)[:numel]
     if op == "all_reduce":  # in place: the buffer is both input and output
+        # (each timed call then sums the previous result: the values grow, the time does not)
         out = mine.clone()
         return (lambda: dist.all_reduce(out)), out, lambda i: total[i % PERIOD]
     if op == "all_gather":  # each rank sends one chunk (its first), every rank receives all n
@@ -263,6 +264,11 @@ def main(argv: list[str] | None = None) -> dict:
                                ("--factor", args.factor, 2)):
         if value < least:
             parser.error(f"{flag} {value}: use {least} or more")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.backend == "nccl" and gpus < local_ranks:
+        parser.error(f"--backend nccl needs a GPU per rank: {local_ranks} rank(s) on this node, "
+                     f"{gpus} GPU(s); use --backend gloo (or auto)")
     cfg = CommBenchConfig(ops=ops, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                           factor=args.factor, dtype=args.dtype, warmup_iters=args.warmup_iters,
                           iters=args.iters, backend=args.backend, json_path=args.json_path)

@@ -117,3 +117,14 @@ def test_torchrun_launch_prints_one_table_and_the_json_result():
     assert launched.stdout.count("# 2 rank(s), gloo on cpu") == 1  # rank 0 only
     result = last_json(launched.stdout)
     assert len(result["rows"]) == 8 and not any(r["wrong_elements"] for r in result["rows"])
+
+
+def test_nccl_without_a_gpu_per_rank_is_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4096")  # more ranks than any node has GPUs
+    with pytest.raises(SystemExit) as exit_info:
+        comm_bench.main(["--backend", "nccl"])
+    assert exit_info.value.code == 2
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --backend nccl needs a GPU per rank: 4096 rank(s) on this node, {gpus} GPU(s); "
+        "use --backend gloo (or auto)"]
