@@ -124,3 +124,18 @@ def test_the_command_line_compares_two_committed_results_files():
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["common_steps"] >= 2
+
+
+def test_a_copy_runs_alone_outside_the_package(tmp_path):
+    """Its docstring says: copy it alone. A copy in a folder where `recipes` cannot be imported,
+    run as a script, reads and compares as the module does."""
+    import shutil
+
+    copy = tmp_path / "loss_compare.py"
+    shutil.copy(f"{REPO_ROOT}/recipes/loss_compare.py", copy)
+    paths = write_formats(tmp_path)
+    proc = subprocess.run([sys.executable, "-I", str(copy), paths["CSV"], paths["log"],
+                           "--assert-equal"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["equal"] is True
