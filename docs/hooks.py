@@ -934,13 +934,23 @@ CHART_ORDER = ["ddp_torchrun", "zero", "fsdp", "fsdp2"]
 def render_chart(kind: str, **_: Any) -> str:
     charts = {"memory": chart_memory, "loss": chart_loss, "ladder": chart_ladder,
               "pipeline": chart_pipeline, "fsdp-units": chart_fsdp_units,
-              "tp-split": chart_tp_split}
+              "tp-split": chart_tp_split, "comm-busbw": chart_comm_busbw}
     if kind not in charts:
         raise MarkerError(f"chart: unknown kind {kind!r}; one of {', '.join(charts)}")
     try:
         return charts[kind]()
     except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
         raise MarkerError(f"chart {kind}: the data cannot be drawn ({type(exc).__name__}: {exc})")
+
+
+def chart_comm_busbw() -> str:
+    """comm_bench's busbw against size: drawn by docs/charts_comm.py with the helpers below."""
+    spec = importlib.util.spec_from_file_location("charts_comm", Path(__file__).with_name(
+        "charts_comm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.chart_comm_busbw(RESULTS_DIR, svg=_svg, text=_text, figure=_figure,
+                                   escape=_escape, width=CHART_WIDTH)
 
 
 def _figure(svg: str, caption: str, kind: str) -> str:
