@@ -5,7 +5,7 @@ the steps only one of them has.
     python -m recipes.loss_compare results/ddp_torchrun.json results/zero.json --assert-equal \\
         --atol 1e-5
 
-Copy it alone: it needs only the standard library (no torch, so it runs wherever the logs are).
+Copy with it: nothing. It needs only the standard library (no torch: it runs wherever the logs are).
 Modelled on torchtitan's scripts/loss_compare.py, which runs two commits and compares their logs;
 this one compares files you already have. Each of A and B may be, detected from its content:
 

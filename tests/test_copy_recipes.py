@@ -1,0 +1,153 @@
+"""A copyable recipe leaves the package: copied with the files its docstring names into a folder
+where the cookbook cannot be imported, it runs from a user's own script under torchrun (2 gloo
+ranks) and prints what it prints in the package (issue 21, item 4).
+
+A recipe is copyable when it imports nothing of the proof harness (``recipes.core``); its
+docstring then says what to copy with it, in one line: ``Copy with it: recipes/toy.py,
+recipes/dist_setup.py`` (or ``Copy with it: nothing``). The copy keeps the ``recipes/`` folder
+name, so the recipe's own ``from recipes.toy import ...`` lines work unchanged there.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.__main__ import recipe_modules
+from tests.helpers import PYTHON, REPO_ROOT
+
+RECIPES = Path(REPO_ROOT, "recipes")
+
+
+def is_copyable(name: str) -> bool:
+    tree = ast.parse((RECIPES / f"{name}.py").read_text())
+    return not any(name.startswith("recipes.core") for name in imported_modules(tree))
+
+
+def imported_modules(tree: ast.AST) -> list[str]:
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+    return names
+
+
+def copy_set(name: str) -> list[str]:
+    """The files the docstring says to copy with recipe ``name``."""
+    doc = ast.get_docstring(ast.parse((RECIPES / f"{name}.py").read_text())) or ""
+    line = re.search(r"^Copy with it: (.*)$", doc, re.M)
+    assert line, f"recipes/{name}.py: its docstring must say 'Copy with it: ...' (or 'nothing')"
+    return re.findall(r"recipes/(\w+)\.py", line[1])
+
+
+COPYABLE = [name for name in recipe_modules() if is_copyable(name)]
+
+# How each copyable recipe runs in the test: (launcher, arguments). Small and fast: the point is
+# that the copy runs and agrees, not how long it trains.
+RUNS = {
+    "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
+                                "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
+    "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
+                                "--assert-equal", "--atol", "1e-5"]),
+}
+
+
+def test_every_copyable_recipe_names_its_copy_set_and_imports_only_it():
+    """Static: every ``recipes.*`` module the recipe (or a file of its set) imports is in the set."""
+    assert {"comm_bench", "loss_compare"} <= set(COPYABLE), COPYABLE
+    for name in COPYABLE:
+        carried = copy_set(name)
+        for module in [name, *carried]:
+            tree = ast.parse((RECIPES / f"{module}.py").read_text())
+            ours = {m.split(".")[1] for m in imported_modules(tree)
+                    if m.startswith("recipes.") and m.count(".") >= 1}
+            missing = ours - set(carried) - {name}
+            assert not missing, (
+                f"recipes/{module}.py imports recipes.{sorted(missing)}: add them to "
+                f"recipes/{name}.py's 'Copy with it:' line, or stop importing them")
+        assert name in RUNS, f"tests/test_copy_recipes.py: add how to run the copy of {name}"
+
+
+def make_copy(name: str, where: Path) -> Path:
+    """A user's project: recipes/ with the recipe and its set, and a script of the user's own."""
+    project = where / "my_project"
+    (project / "recipes").mkdir(parents=True)
+    (project / "recipes" / "__init__.py").write_text("")
+    for module in [name, *copy_set(name)]:
+        shutil.copy(RECIPES / f"{module}.py", project / "recipes" / f"{module}.py")
+    (project / "train_mine.py").write_text(
+        f"from recipes.{name} import main\n\nif __name__ == '__main__':\n    main()\n")
+    return project
+
+
+def users_environment(project: Path) -> dict[str, str]:
+    """The user's environment: their project on the path, not ours; gloo on CPU.
+
+    Where this cookbook is pip-installed in editable mode (the README's set-up), setuptools' import
+    finder would still resolve ``recipes.core`` to this checkout, behind the copy's back. A
+    ``sitecustomize`` in a folder of its own takes that finder out, as if the cookbook were not
+    installed at all, which is the user's case."""
+    hide = project.parent / "without_the_cookbook"
+    hide.mkdir(exist_ok=True)
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'distributed_recipes' not in repr(f)]\n")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "RECIPES_BACKEND")}
+    env.update(PYTHONPATH=os.pathsep.join([str(project), str(hide)]), OMP_NUM_THREADS="1")
+    return env
+
+
+def run_copy(name: str, project: Path, timeout_s: float = 150) -> subprocess.CompletedProcess:
+    launcher, args = RUNS[name]
+    args = [arg.format(repo=REPO_ROOT) for arg in args]
+    prefix = ([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+              if launcher == "torchrun" else [PYTHON])
+    return subprocess.run(prefix + ["train_mine.py", *args], cwd=project,
+                          env=users_environment(project),
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.parametrize("name", COPYABLE)
+def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path):
+    project = make_copy(name, tmp_path)
+    # The cookbook is not importable there: only what was copied is.
+    probe = subprocess.run([PYTHON, "-c", "import recipes.core"], cwd=project,
+                           env=users_environment(project), capture_output=True, text=True,
+                           timeout=60)
+    assert probe.returncode != 0 and "No module named 'recipes.core'" in probe.stderr
+    proc = run_copy(name, project)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    CHECKS[name](proc.stdout)
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def check_comm_bench(stdout: str) -> None:
+    result = _last_json(stdout)
+    rows = result["rows"]
+    assert {row["op"] for row in rows} == {"all_reduce", "all_gather"}
+    assert all(row["wrong_elements"] == 0 and row["busbw_gb_per_s"] > 0 for row in rows), rows
+    assert result["world_size"] == 2
+
+
+def check_loss_compare(stdout: str) -> None:
+    # the same verdict as in the package: DDP and fsdp2 agree on all 6 steps
+    result = _last_json(stdout)
+    assert result["equal"] is True and result["common_steps"] == 6, result
+
+
+CHECKS = {"comm_bench": check_comm_bench, "loss_compare": check_loss_compare}
