@@ -46,6 +46,7 @@ class EvalConfig:
     batch_size: int = 8
     max_windows: int = 301  # of the val split: odd, so 2 ranks hold uneven shards
     sharded: bool = False  # evaluate under fully_shard (forward is a collective)
+    torchmetrics: bool = False  # also with torchmetrics' MeanMetric (its import takes ~2 s)
     seed: int = 0
 
 
@@ -132,10 +133,11 @@ def evaluate_with_torchmetrics(model, loader, device: torch.device) -> float:
 
 
 def run(cfg: EvalConfig) -> dict:
-    """The toy model's validation loss three ways: right, naive, torchmetrics (plain DDP only)."""
+    """The toy model's validation loss: right; and, on a replicated model, the naive way and
+    (``cfg.torchmetrics``) torchmetrics' way."""
     world = setup_distributed()
     try:
-        if world.rank == 0:
+        if world.rank == 0 and not (Path(cfg.data_dir) / "index.json").exists():
             prepare_shards(DataConfig(data_dir=cfg.data_dir, vocab_size=cfg.vocab_size))
         dist.barrier()
         index = json.loads((Path(cfg.data_dir) / "index.json").read_text())
@@ -160,6 +162,7 @@ def run(cfg: EvalConfig) -> dict:
             result["naive_val_loss"] = evaluate_naively(model, windows, world.rank,
                                                         world.world_size, cfg.batch_size,
                                                         world.device)
+        if cfg.torchmetrics:
             result["torchmetrics_val_loss"] = evaluate_with_torchmetrics(model, loader,
                                                                          world.device)
         return result
@@ -180,6 +183,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--batch-size", type=int, default=defaults.batch_size, help="windows per batch")
     add("--max-windows", type=int, default=defaults.max_windows, help="val windows evaluated")
     add("--sharded", action="store_true", help="evaluate under fully_shard (lockstep loop)")
+    add("--torchmetrics", action="store_true", help="also evaluate with torchmetrics' MeanMetric")
     add("--seed", type=int, default=defaults.seed, help="model init seed")
     return parser
 
