@@ -19,6 +19,9 @@ Copy it with recipes/toy.py (the model you replace) and recipes/dist_setup.py (t
   the middle of an epoch, with workers, continues with exactly the next batch.
 - Uneven inputs: DDP's ``Join``, or (what works under fully_shard too) ``all_ranks_have``: every
   step the ranks agree, with an all-reduce MIN, whether each has a batch, and stop together.
+
+Length: about 380 lines: preparing, loading, saving the position and stopping together are the one
+data pipeline a training job copies whole; each part is a section a page includes on its own.
 """
 
 from __future__ import annotations
@@ -128,14 +131,14 @@ def prepare_shards(cfg: DataConfig) -> dict:
         eot = tokenizer.token_to_id("<|endoftext|>")
         docs = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
     tokens = np.fromiter((t for doc in docs for t in (*doc, eot)), dtype=np.uint16)
-    n_val = int(len(tokens) * cfg.val_fraction)
+    split_at = len(tokens) - int(len(tokens) * cfg.val_fraction)  # the last tokens are held out
     index = {"settings": settings, "vocab_size": cfg.vocab_size, "eot": eot, "dtype": "uint16"}
-    for split, part in (("train", tokens[: len(tokens) - n_val]), ("val", tokens[-n_val:])):
+    for split, part in (("train", tokens[:split_at]), ("val", tokens[split_at:])):
         index[split] = []
         for i, start in enumerate(range(0, len(part), cfg.shard_tokens)):
-            name = f"{split}_{i:04d}.bin"
-            part[start : start + cfg.shard_tokens].tofile(out / name)
-            index[split].append({"file": name, "tokens": len(part[start:start + cfg.shard_tokens])})
+            shard, name = part[start : start + cfg.shard_tokens], f"{split}_{i:04d}.bin"
+            shard.tofile(out / name)
+            index[split].append({"file": name, "tokens": len(shard)})
     # written last, by rename: a run killed halfway leaves no index that looks complete
     (out / "index.json.tmp").write_text(json.dumps(index, indent=1))
     os.replace(out / "index.json.tmp", out / "index.json")
