@@ -162,6 +162,7 @@ def run(cfg: EvalConfig) -> dict:
             result["naive_val_loss"] = evaluate_naively(model, windows, world.rank,
                                                         world.world_size, cfg.batch_size,
                                                         world.device)
+            result["naive_error"] = result["naive_val_loss"] - result["val_loss"]
         if cfg.torchmetrics:
             result["torchmetrics_val_loss"] = evaluate_with_torchmetrics(model, loader,
                                                                          world.device)

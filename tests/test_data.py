@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from recipes import data
 from recipes.core.spawn import spawn_world
-from tests.helpers import PYTHON, run_cli
+from tests.helpers import PYTHON, last_json, run_cli, run_world
 
 # A corpus of a few hundred KB (the stdlib's first sources), a small vocab, small shards: several
 # shards per split, prepared in well under a second.
@@ -221,3 +221,44 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
                     "--data-dir", str(tmp_path / "out")])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: corpus {empty}: no UTF-8 text files found")
+
+
+def test_two_ranks_train_past_an_epoch_with_both_loaders(tmp_path):
+    """A corpus small enough that 10 steps cross an epoch boundary: the map loader reshuffles, the
+    stream restarts, and on 2 ranks both run the steps asked for (one world for both)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = "".join(data.read_texts(data.corpus_files(None, max_bytes=20_000)))[:6000]
+    assert len(text.encode()) == 6000
+    (corpus / "a.txt").write_text(text)  # ASCII: 6,000 tokens as bytes, 178 training windows
+    # num_workers=0: a spawned rank's default start method is forkserver, whose workers import
+    # torch afresh (~6 s a rank here); the tests above cover the workers
+    cfg = data.DataConfig(corpus=str(corpus), data_dir=str(tmp_path / "out"), vocab_size=256,
+                          seq_len=32, batch_size=16, steps=10, num_workers=0)
+    results = run_world(data.run, 2, [replace(cfg, loader=kind) for kind in ("map", "stream")],
+                        deadline_s=90)
+    for result in results:  # an epoch: 5 steps (map, drop_last), 6 (stream, partial batches)
+        assert result["windows"] == 178 and result["world_size"] == 2
+        assert result["steps"] == 10 and len(result["losses"]) == 10 and result["epoch"] == 1
+
+
+# Slow: torchrun launches (torchrun and its workers each import torch: ~10 s of CPU each). The same
+# code runs in spawned worlds above.
+@pytest.mark.slow
+def test_torchrun_launch_resumed_from_its_checkpoint_equals_a_straight_run(shards, tmp_path):
+    cfg = replace(shards, steps=6)
+    straight = spawn_world(data.run, 2, cfg, deadline_s=90)
+    args = ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.data",
+            "--data-dir", cfg.data_dir, "--max-bytes", str(cfg.max_bytes),
+            "--vocab-size", str(cfg.vocab_size), "--shard-tokens", str(cfg.shard_tokens),
+            "--seq-len", str(cfg.seq_len), "--batch-size", str(cfg.batch_size),
+            "--checkpoint", str(tmp_path / "ckpt")]
+    losses = []
+    for steps in (3, 6):
+        launched = run_cli(args + ["--steps", str(steps)], timeout_s=180)
+        assert launched.returncode == 0, launched.stderr[-2000:]
+        result = last_json(launched.stdout)
+        assert result["world_size"] == 2 and result["steps"] == steps
+        losses += result["losses"]
+    assert losses == pytest.approx(straight["losses"], abs=1e-6)
+    assert "[rank1]" not in launched.stdout
