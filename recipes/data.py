@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import sysconfig
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -218,10 +219,12 @@ def build_loader(windows: Dataset, *, kind: str, rank: int, world_size: int, bat
         dataset = windows
     else:
         sampler, dataset = None, TokenStream(windows, rank=rank, world_size=world_size)
-    loader = StatefulDataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=kind == "map",
-        num_workers=num_workers, persistent_workers=num_workers > 0,
-        pin_memory=device is not None and device.type == "cuda")  # pinned: async host->GPU
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in 2.13
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        loader = StatefulDataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=kind == "map",
+            num_workers=num_workers, persistent_workers=num_workers > 0,
+            pin_memory=device is not None and device.type == "cuda")  # pinned: async host->GPU
     return loader, sampler
 
 
@@ -263,7 +266,8 @@ def train_until_one_runs_out(model, optimizer, batches, device: torch.device) ->
 
 def train_with_join(ddp_model: DDP, optimizer, batches, device: torch.device) -> int:
     """Pattern 1, DDP only: a rank that runs out shadows the others' all-reduces with zeros until
-    every rank is done. Each rank uses all its batches; returns this rank's steps."""
+    every rank is done. Each rank uses all its batches; returns this rank's steps. The average
+    still divides by the whole world (``divide_by_initial_world_size``): a joined rank counts 0."""
     steps = 0
     with Join([ddp_model]):
         for inputs, targets in batches:
@@ -350,7 +354,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--seq-len", type=int, default=defaults.seq_len, help="tokens per training window")
     add("--batch-size", type=int, default=defaults.batch_size, help="windows per rank per step")
     add("--num-workers", type=int, default=defaults.num_workers, help="DataLoader worker processes")
-    add("--steps", type=int, default=defaults.steps, help="optimizer steps in all (with resume)")
+    add("--steps", type=int, default=defaults.steps,
+        help="optimizer steps in all, counting those before a resume; 0: prepare the shards only")
     add("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
     add("--seed", type=int, default=defaults.seed, help="model init and shuffle seed")
     add("--checkpoint", default=None, help="folder: resume from it if it holds one, save at end")
@@ -362,9 +367,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = DataConfig(**{k.replace("-", "_"): v for k, v in vars(parser.parse_args(argv)).items()})
     if cfg.corpus is not None and not Path(cfg.corpus).is_dir():
         parser.exit(2, f"error: --corpus {cfg.corpus}: not a folder; name a folder of text files\n")
-    for name in ("max_bytes", "seq_len", "batch_size", "steps", "shard_tokens"):
+    for name in ("max_bytes", "seq_len", "batch_size", "shard_tokens"):
         if getattr(cfg, name) < 1:
             parser.exit(2, f"error: --{name.replace('_', '-')} must be at least 1\n")
+    if cfg.steps < 0 or cfg.num_workers < 0:
+        parser.exit(2, "error: --steps and --num-workers must be at least 0\n")
     if not 256 <= cfg.vocab_size <= 65536 or not 0 < cfg.val_fraction < 1:
         parser.exit(2, "error: --vocab-size must be 256..65536 and --val-fraction in (0, 1)\n")
     try:
