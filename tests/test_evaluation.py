@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Subset
 from recipes import data, evaluation
 from recipes.core.spawn import spawn_world
 from recipes.toy import ModelConfig, build_model
-from tests.helpers import PYTHON, run_cli
+from tests.helpers import PYTHON, last_json, run_cli
 
 WINDOWS = 37  # 2 ranks: 19 and 18 windows; DistributedSampler pads rank 1 with window 0
 BATCH = 3  # 7 batches on rank 0, 6 on rank 1
@@ -124,3 +124,17 @@ def test_the_recipe_runs_alone_and_refuses_bad_input(shards):
     proc = run_cli([PYTHON, "-m", "recipes.evaluation", "--batch-size", "0"])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --batch-size must be at least 1"]
+
+
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+@pytest.mark.slow
+def test_torchrun_launch_under_fully_shard_equals_one_process(shards):
+    cfg = evaluation.EvalConfig(data_dir=shards, seq_len=SEQ_LEN, max_windows=WINDOWS)
+    alone = evaluation.run(cfg)
+    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
+                        "recipes.evaluation", "--data-dir", shards, "--seq-len", str(SEQ_LEN),
+                        "--max-windows", str(WINDOWS), "--sharded"], timeout_s=180)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    result = last_json(launched.stdout)
+    assert result["windows_per_rank"] == [19, 18]
+    assert result["val_loss"] == pytest.approx(alone["val_loss"], abs=1e-6)
