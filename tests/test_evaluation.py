@@ -1,0 +1,140 @@
+"""recipes/evaluation.py: on 2 ranks with uneven shards, the validation loss equals one process's
+(all-reduced sums and counts, no padded repeats), also under fully_shard with different numbers of
+batches per rank (no hang); the naive way (mean of means, DistributedSampler's padding) is off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset
+
+from recipes import data, evaluation
+from recipes.core.spawn import spawn_world
+from recipes.toy import ModelConfig, build_model
+from tests.helpers import PYTHON, last_json, run_cli
+
+WINDOWS = 37  # 2 ranks: 19 and 18 windows; DistributedSampler pads rank 1 with window 0
+BATCH = 3  # 7 batches on rank 0, 6 on rank 1
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    cfg = data.DataConfig(data_dir=str(tmp_path_factory.mktemp("shards")), max_bytes=200_000,
+                          vocab_size=300, shard_tokens=20_000)
+    data.prepare_shards(cfg)
+    return cfg.data_dir
+
+
+def model_and_windows(data_dir: str):
+    windows = Subset(data.TokenWindows(data_dir, "val", SEQ_LEN), range(WINDOWS))
+    model = build_model(ModelConfig(vocab_size=300, seq_len=SEQ_LEN, dim=32, n_layers=1,
+                                    n_heads=2), seed=1)
+    return model, windows
+
+
+def eval_world(data_dir: str, with_torchmetrics: bool = False) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from recipes.dist_setup import cleanup_distributed, setup_distributed
+
+    world = setup_distributed()
+    try:
+        model, windows = model_and_windows(data_dir)
+        shard = evaluation.eval_shard(windows, world.rank, world.world_size)
+        loader = DataLoader(shard, batch_size=BATCH)
+        out = {
+            "right": evaluation.evaluate(model, loader, world.device),
+            "naive": evaluation.evaluate_naively(model, windows, world.rank, world.world_size,
+                                                 BATCH, world.device),
+            "batches": len(loader),
+        }
+        if with_torchmetrics:  # its import costs ~2.4 s of CPU per rank: in the slow run only
+            out["torchmetrics"] = evaluation.evaluate_with_torchmetrics(model, loader,
+                                                                        world.device)
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)  # from here every forward all-gathers: the ranks must step together
+        out["sharded"] = evaluation.evaluate(model, loader, world.device, lockstep=True)
+        per_rank = [None] * world.world_size
+        torch.distributed.all_gather_object(per_rank, out)
+        return per_rank
+    finally:
+        cleanup_distributed()
+
+
+def single_process_loss(data_dir: str) -> float:
+    model, windows = model_and_windows(data_dir)
+    inputs = torch.stack([windows[i][0] for i in range(WINDOWS)])
+    targets = torch.stack([windows[i][1] for i in range(WINDOWS)])
+    with torch.no_grad():  # one process, one batch: the mean over every token
+        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).item()
+
+
+def test_the_validation_loss_on_2_uneven_ranks_equals_one_process_and_the_naive_one_does_not(
+        shards):
+    reference = single_process_loss(shards)
+    per_rank = spawn_world(eval_world, 2, shards, deadline_s=90)
+    assert [r["batches"] for r in per_rank] == [7, 6]  # different numbers of batches, no hang
+    for result in per_rank:
+        assert result["right"] == pytest.approx(reference, abs=1e-6)
+        assert result["sharded"] == pytest.approx(reference, abs=1e-6)
+    # The naive way: window 0 counted twice, short batches and the ranks' means weighed as equals
+    naive_error = abs(per_rank[0]["naive"] - reference)
+    assert naive_error > 1e-4 and naive_error > 100 * abs(per_rank[0]["right"] - reference)
+
+
+@pytest.mark.slow
+def test_torchmetrics_mean_metric_weighted_by_tokens_equals_one_process(shards):
+    reference = single_process_loss(shards)
+    per_rank = spawn_world(eval_world, 2, shards, True, deadline_s=120)
+    assert [r["torchmetrics"] for r in per_rank] == pytest.approx([reference] * 2, abs=1e-6)
+
+
+def test_the_padding_and_the_mean_of_means_each_move_the_number(shards):
+    """The two mistakes apart, in one process: the padded duplicate alone, the mean of batch
+    means alone (what each rank of the naive way computes)."""
+    model, windows = model_and_windows(shards)
+    with torch.no_grad():
+        losses = torch.stack([F.cross_entropy(model(x[None]).flatten(0, 1), y)
+                              for x, y in (windows[i] for i in range(WINDOWS))])
+    right = losses.mean()  # every window has SEQ_LEN tokens: the mean of windows is the token mean
+    with_duplicate = torch.cat([losses, losses[:1]]).mean()  # DistributedSampler's pad
+    ranks = [losses[0::2], losses[1::2]]  # 19 and 18 windows
+    mean_of_rank_means = torch.stack([r.mean() for r in ranks]).mean()
+    assert with_duplicate != pytest.approx(right.item(), abs=1e-6)
+    assert mean_of_rank_means != pytest.approx(right.item(), abs=1e-6)
+    sums_and_counts = sum(r.sum() for r in ranks) / sum(len(r) for r in ranks)
+    assert sums_and_counts.item() == pytest.approx(right.item(), abs=1e-6)
+
+
+def test_the_recipe_runs_alone_and_refuses_bad_input(shards):
+    result = evaluation.run(evaluation.EvalConfig(data_dir=shards, vocab_size=300, seq_len=SEQ_LEN,
+                                                  max_windows=WINDOWS))
+    assert result["windows_per_rank"] == [WINDOWS]
+    model = build_model(ModelConfig(vocab_size=300, seq_len=SEQ_LEN, dim=64, n_layers=2,
+                                    n_heads=4))  # the recipe's model
+    windows = data.TokenWindows(shards, "val", SEQ_LEN)
+    inputs, targets = (torch.stack(t) for t in zip(*(windows[i] for i in range(WINDOWS))))
+    with torch.no_grad():
+        reference = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).item()
+    assert result["val_loss"] == pytest.approx(reference, abs=1e-6)
+    assert abs(result["naive_val_loss"] - reference) > 1e-5  # 37 = 12 batches of 3 + 1
+    proc = run_cli([PYTHON, "-m", "recipes.evaluation", "--batch-size", "0"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: --batch-size must be at least 1"]
+
+
+# Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
+@pytest.mark.slow
+def test_torchrun_launch_under_fully_shard_equals_one_process(shards):
+    cfg = evaluation.EvalConfig(data_dir=shards, seq_len=SEQ_LEN, max_windows=WINDOWS)
+    alone = evaluation.run(cfg)
+    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
+                        "recipes.evaluation", "--data-dir", shards, "--seq-len", str(SEQ_LEN),
+                        "--max-windows", str(WINDOWS), "--sharded"], timeout_s=180)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    result = last_json(launched.stdout)
+    assert result["windows_per_rank"] == [19, 18]
+    assert result["val_loss"] == pytest.approx(alone["val_loss"], abs=1e-6)
