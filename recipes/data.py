@@ -5,7 +5,7 @@ position is part of the checkpoint.
     torchrun --standalone --nproc_per_node=2 -m recipes.data --loader stream   # streaming
     python -m recipes.data --corpus ~/my_texts --vocab-size 1024 --steps 50
 
-Copy it with recipes/toy.py (the model you replace) and recipes/dist_setup.py (the world). It needs
+Copy with it: recipes/toy.py (the model you replace) and recipes/dist_setup.py (the world). It needs
 ``tokenizers`` (a byte-level BPE trained here, on your text) and ``torchdata`` (StatefulDataLoader).
 
 - Prepare (``prepare_shards``): text files -> a BPE tokenizer -> np.uint16 token shards

@@ -4,7 +4,7 @@ repeats, no hang when ranks hold different numbers of batches.
     torchrun --standalone --nproc_per_node=2 -m recipes.evaluation
     torchrun --standalone --nproc_per_node=2 -m recipes.evaluation --sharded   # under fully_shard
 
-Copy it with recipes/data.py (the shards and ``TokenWindows``), recipes/toy.py and
+Copy with it: recipes/data.py (the shards and ``TokenWindows``), recipes/toy.py and
 recipes/dist_setup.py. ``torchmetrics`` is optional: ``evaluate_with_torchmetrics`` is the same sum
 with its ``MeanMetric``.
 

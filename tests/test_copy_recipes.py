@@ -45,7 +45,7 @@ def imported_modules(tree: ast.AST) -> list[str]:
 def copy_set(name: str) -> list[str]:
     """The files the docstring says to copy with recipe ``name``."""
     doc = ast.get_docstring(ast.parse((RECIPES / f"{name}.py").read_text())) or ""
-    line = re.search(r"^Copy with it: (.*)$", doc, re.M)
+    line = re.search(r"^Copy with it: (.*?)(?:\n\n|\Z)", doc, re.M | re.S)
     assert line, f"recipes/{name}.py: its docstring must say 'Copy with it: ...' (or 'nothing')"
     return re.findall(r"recipes/(\w+)\.py", line[1])
 
@@ -57,6 +57,8 @@ COPYABLE = [name for name in recipe_modules() if is_copyable(name)]
 RUNS = {
     "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
                                 "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
+    "data": ("torchrun", ["--steps", "3"]),
+    "evaluation": ("torchrun", []),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
 }
@@ -150,4 +152,19 @@ def check_loss_compare(stdout: str) -> None:
     assert result["equal"] is True and result["common_steps"] == 6, result
 
 
-CHECKS = {"comm_bench": check_comm_bench, "loss_compare": check_loss_compare}
+def check_data(stdout: str) -> None:
+    # the same losses as the package's own run (results/data.json: the defaults, 20 steps)
+    expected = json.loads(Path(REPO_ROOT, "results", "data.json").read_text())["result"]
+    losses = _last_json(stdout)["losses"]
+    assert losses == pytest.approx(expected["losses"][:3], abs=1e-6), (losses, expected)
+
+
+def check_evaluation(stdout: str) -> None:
+    expected = json.loads(Path(REPO_ROOT, "results", "evaluation.json").read_text())["result"]
+    result = _last_json(stdout)
+    assert result["val_loss"] == pytest.approx(expected["val_loss"], abs=1e-6)
+    assert result["windows_per_rank"] == expected["windows_per_rank"]
+
+
+CHECKS = {"comm_bench": check_comm_bench, "data": check_data, "evaluation": check_evaluation,
+          "loss_compare": check_loss_compare}
