@@ -1,15 +1,13 @@
 """Preflight: before a long job, check every rank's device, the rendezvous and the collectives.
 
     torchrun --standalone --nproc_per_node=2 -m recipes.preflight
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-endpoint=node0:29500 -m recipes.preflight
     srun --ntasks-per-node=8 python -m recipes.preflight --timeout-s 120   # Slurm, one task per GPU
 
 Copy it with recipes/dist_setup.py (``setup_distributed``). Run it as the job's first step, with the
 launcher, the nodes and the environment the training will use: in about ten seconds it says
 whether every rank can use its device, join the world and exchange tensors with the others, or
 which host and rank cannot. Model: stas00/ml-engineering's ``torch-distributed-gpu-test.py``
-(barrier and all_reduce on every rank); this adds values that are checked, a table per host, and a
-bound on every wait.
+(barrier and all_reduce); this adds checked values, a table per host, a bound on every wait.
 
 Checks, on every rank: the rendezvous (``setup_distributed``); the device (a matmul against its
 known value); a barrier; ``all_reduce``, ``all_gather`` and a ``send``/``recv`` ring, each against
@@ -17,6 +15,9 @@ its value. Rank 0 prints a row per host (ranks, device, free memory, torch / CUD
 distributed variables set there. Every verdict reaches every rank (``all_gather_object``): if one
 failed, all exit 1 and rank 0 names host, rank and check. A rank that never arrives, or a check
 that hangs, ends every waiting rank after ``--timeout-s`` naming the ranks that never got there.
+
+Length: about 310 lines, over 300 because naming who is missing (stage marks in the store, a
+watchdog thread) is the point of a preflight, not an extra.
 """
 
 from __future__ import annotations
@@ -65,11 +66,15 @@ class StageMarks:
     def _connect(self, timeout_s: float) -> None:
         needed = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
         while not all(name in os.environ for name in needed):
-            if self._stop.wait(0.05):
+            # Pitfall: a join faster than one poll sets _stop with the variables already there
+            if self._stop.wait(0.05) and not all(name in os.environ for name in needed):
                 return  # a world of one: no store to reach
         env = os.environ
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception:  # nobody hosts the store: the report says so (see why_stuck)
+            return
         # Pitfall: torchrun keeps one store for the whole job; a restart would see the last
         # attempt's keys and count its ranks as arrived. One namespace per attempt.
         attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -86,24 +91,24 @@ class StageMarks:
         if self.store is not None:
             self.store.set(f"{stage}/{os.environ['RANK']}", socket.gethostname())
 
-    def missing(self, stage: str) -> list[int]:
-        """Ranks whose key for ``stage`` is absent; [] when the store cannot tell."""
+    def why_stuck(self, stage: str) -> str:
+        """'; rank(s) 3, 5 never reached <stage>', or what the store cannot tell."""
         if self.store is None:
-            return []
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            return f"; no store answered at {where}" if stage == "arrived" else ""
         try:
-            return [r for r in range(self.world_size) if not self.store.check([f"{stage}/{r}"])]
+            missing = [r for r in range(self.world_size)
+                       if not self.store.check([f"{stage}/{r}"])]
         except Exception:  # the store's host is gone: nothing more to learn from it
-            return []
+            return ""
+        what = "arrived" if stage == "arrived" else f"reached {stage}"
+        return f"; rank(s) {', '.join(map(str, missing))} never {what}" if missing else ""
 
 
 class Watchdog:
-    """Ends the process with one line when the preflight has not finished by its deadline.
-
-    ``init_process_group`` can wait past its own timeout (the store's connect retries, gloo's
-    mesh), and a call blocked in C++ cannot be interrupted from Python: only another thread can end
-    the process. The process group's timeout is set a little longer, so that this speaks first,
-    while the store can still say who is missing.
-    """
+    """Ends the process with one line when the preflight has not finished by its deadline:
+    ``init_process_group`` can wait past its own timeout, and a call blocked in C++ cannot be
+    interrupted from Python; only another thread can end the process."""
 
     def __init__(self, timeout_s: float, marks: StageMarks):
         self.stage, self.marks, self.timeout_s = "arrived", marks, timeout_s
@@ -119,10 +124,7 @@ class Watchdog:
             return
         stage = self.stage
         what = "joining the world" if stage == "arrived" else stage
-        missing = self.marks.missing(stage)
-        never = (f"; rank(s) {', '.join(map(str, missing))} never "
-                 + ("arrived" if stage == "arrived" else f"reached {stage}")) if missing else ""
-        fail(f"{what} did not finish within {self.timeout_s:g} s{never}")
+        fail(f"{what} did not finish within {self.timeout_s:g} s{self.marks.why_stuck(stage)}")
 
     def stop(self) -> None:
         self._done.set()
@@ -132,10 +134,14 @@ class Watchdog:
 def fail(message: str) -> None:
     """One line naming this rank and host, then exit 1 at once: a rank blocked in a collective
     would otherwise hold the process (and its GPU) past the timeout."""
+    _FAILING.acquire()  # the watchdog and the main thread can fail at once: one line, the first
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     print(f"error: preflight: rank {rank} on {socket.gethostname()}: {message}", file=sys.stderr,
           flush=True)
     os._exit(1)
+
+
+_FAILING = threading.Lock()
 
 
 # --8<-- [start:checks]
@@ -144,9 +150,8 @@ def check_device(device: torch.device, size: int) -> str:
 
     Ones times twos: every entry is 2 * size, exact in fp32 and in TF32, so any other value is a
     broken device, not rounding."""
-    a = torch.ones(size, size, device=device)
-    b = torch.full((size, size), 2.0, device=device)
-    product = torch.matmul(a, b)
+    product = torch.matmul(torch.ones(size, size, device=device),
+                           torch.full((size, size), 2.0, device=device))
     wrong = int((product != 2.0 * size).sum())  # .sum() on the device, int() waits for it
     if wrong:
         return (f"device: matmul gave {product.flatten()[0].item():g} where {2.0 * size:g} was "
@@ -157,11 +162,11 @@ def check_device(device: torch.device, size: int) -> str:
 def check_collectives(rank: int, world_size: int, device: torch.device) -> list[str]:
     """all_reduce, all_gather and a send/recv ring, each against the value it must give."""
     problems = []
+    expected = world_size * (world_size + 1) / 2
     total = torch.full((4,), float(rank + 1), device=device)
     dist.all_reduce(total)  # 1 + 2 + ... + world_size
-    if not torch.all(total == world_size * (world_size + 1) / 2):
-        problems.append(f"all_reduce gave {total[0].item():g}, expected "
-                        f"{world_size * (world_size + 1) / 2:g}")
+    if not torch.all(total == expected):
+        problems.append(f"all_reduce gave {total[0].item():g}, expected {expected:g}")
     gathered = [torch.empty(4, device=device) for _ in range(world_size)]
     dist.all_gather(gathered, torch.full((4,), float(rank), device=device))
     if not all(torch.all(chunk == r) for r, chunk in enumerate(gathered)):
@@ -221,13 +226,17 @@ def run(cfg: PreflightConfig) -> dict:
         for problem in problems:  # said at once: the collectives below may never return
             print(f"error: preflight: rank {info.rank} on {socket.gethostname()}: {problem}",
                   file=sys.stderr, flush=True)
-        watchdog.enter("barrier")
-        dist.barrier()
-        watchdog.enter("collectives")
-        problems += check_collectives(info.rank, info.world_size, info.device)
-        watchdog.enter("report")
-        everyone = [None] * info.world_size
-        dist.all_gather_object(everyone, (describe_rank(info, info.device), problems))
+        try:
+            watchdog.enter("barrier")
+            dist.barrier()
+            watchdog.enter("collectives")
+            problems += check_collectives(info.rank, info.world_size, info.device)
+            watchdog.enter("report")
+            everyone = [None] * info.world_size
+            dist.all_gather_object(everyone, (describe_rank(info, info.device), problems))
+        except Exception as error:  # a peer died or reset the connection: one line, not a trace
+            fail(f"{watchdog.stage} failed: {type(error).__name__}: "
+                 f"{str(error).splitlines()[0]}{marks.why_stuck(watchdog.stage)}")
         watchdog.enter("done")
     finally:
         watchdog.stop()
