@@ -109,7 +109,8 @@ def _world_from_environment() -> tuple[int, int, int, int]:
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodes and "MASTER_ADDR" not in env:
             raise ValueError("Slurm set SLURM_PROCID but no SLURM_JOB_NODELIST: set MASTER_ADDR")
-        env.setdefault("MASTER_ADDR", first_slurm_host(nodes or ""))
+        if "MASTER_ADDR" not in env:  # a MASTER_ADDR set by the user wins over the node list
+            env["MASTER_ADDR"] = first_slurm_host(nodes)
         # the same port on every task of the job, different for jobs that share a node
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 10000))
         env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))

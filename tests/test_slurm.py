@@ -353,3 +353,16 @@ def test_tasks_on_this_node_come_from_the_per_node_list(per_node, node, count):
     ("node[1-2]", "node1"), ("gpu[03-05,9],cpu1", "gpu03"), ("a1", "a1"), ("b[7],c", "b7")])
 def test_the_rendezvous_host_is_the_first_of_the_node_list(nodelist, first):
     assert dist_setup.first_slurm_host(nodelist) == first
+
+
+def test_a_master_addr_the_user_set_wins_without_a_node_list(monkeypatch):
+    """MASTER_ADDR set by hand (a site whose node names do not resolve): no node list needed."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in slurm_env(SLURM_JOB_NODELIST=None).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.delenv("SLURM_NODELIST", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    assert dist_setup._world_from_environment() == (3, 4, 1, 2)
+    assert os.environ["MASTER_ADDR"] == "10.0.0.7"
