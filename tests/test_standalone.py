@@ -232,6 +232,7 @@ import standalone_speed as speed
 model = toy.build_model("tiny")
 speed.apply_compile(model, block_types=(toy.Block,), backend="eager")
 assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in model.layers.values())
+same_step(model)  # the blocks run compiled (Dynamo's eager backend: no compiler needed)
 refused(speed, "compile", lambda: speed.apply_compile(nn.Linear(2, 2), block_types=(toy.Block,)))
 
 import standalone_fsdp2 as fsdp2
