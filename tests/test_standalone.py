@@ -99,7 +99,8 @@ class Extraction:
             tree = ast.parse(source_path(module).read_text())
             _, imported = top_level_names(tree)
             for node in tree.body:
-                if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", "") != "__future__":
+                if (isinstance(node, (ast.Import, ast.ImportFrom))
+                        and getattr(node, "module", "") != "__future__"):
                     keep = [a for a in node.names
                             if bound_name(a) in self.wanted[module] and bound_name(a) in imported]
                     if keep:
@@ -116,7 +117,8 @@ class Extraction:
             tree = ast.parse(text)
             definitions, _ = top_level_names(tree)
             for node in tree.body:
-                names = [n for n, d in definitions.items() if d is node and n in self.wanted[module]]
+                names = [n for n, d in definitions.items()
+                         if d is node and n in self.wanted[module]]
                 if not names:
                     continue
                 for name in names:  # one namespace: two modules must not define a name twice
@@ -281,11 +283,13 @@ model = hybrid.apply_tp_and_fsdp(toy.build_model("tiny"), mesh_2d,
                                  plan=tp.transformer_lm_plan(), block_types=(toy.Block,))
 same_step(model)
 refused(hybrid, "hybrid", lambda: hybrid.apply_tp_and_fsdp(
-    toy.build_model("tiny"), mesh_2d, plan={"nowhere": ColwiseParallel()}, block_types=(toy.Block,)))
+    toy.build_model("tiny"), mesh_2d, plan={"nowhere": ColwiseParallel()},
+    block_types=(toy.Block,)))
 
 dist.destroy_process_group()
 print(json.dumps(messages))
 '''
+
 
 def extracted_sources() -> dict[str, Extraction]:
     return {module: extract(module, names) for module, names in COPYABLE.items()}
@@ -300,7 +304,8 @@ def test_each_copyable_function_extracts_without_our_package():
             r"^(?:from|import) ([\w.]+)", source, flags=re.M)}, source
         if module in ERRORS:  # the refusals' class sits beside the function, documented
             tree = ast.parse(source)
-            (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == ERRORS[module]]
+            (cls,) = [n for n in tree.body
+                      if isinstance(n, ast.ClassDef) and n.name == ERRORS[module]]
             assert [ast.unparse(b) for b in cls.bases] == ["ValueError"] and ast.get_docstring(cls)
 
 
