@@ -117,6 +117,13 @@ def save_matmul_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 # --8<-- [start:apply]
+class CheckpointingError(ValueError):
+    """apply_activation_checkpointing refused the model or its arguments: one line naming the fix.
+
+    A ValueError of this module's own, so that the function copies without the cookbook's package.
+    """
+
+
 def apply_activation_checkpointing(
         model: nn.Module, *, block_types: tuple[type[nn.Module], ...] | None = None,
         is_block: Callable[[nn.Module], bool] | None = None, every_k: int = 1,
@@ -133,17 +140,17 @@ def apply_activation_checkpointing(
     before torch.compile and DDP/FSDP wrap the model.
     """
     if (block_types is None) == (is_block is None):
-        raise RecipeError("apply_activation_checkpointing needs exactly one of "
-                          "block_types=(YourBlock,) or is_block=...")
+        raise CheckpointingError("apply_activation_checkpointing needs exactly one of "
+                                 "block_types=(YourBlock,) or is_block=...")
     if every_k < 1:
-        raise RecipeError(f"every_k must be >= 1, got {every_k}")
+        raise CheckpointingError(f"every_k must be >= 1, got {every_k}")
     matches = is_block or (lambda module: isinstance(module, block_types))
     blocks = [module for module in model.modules() if matches(module)][::every_k]
     if not blocks:
         found = sorted({type(module).__name__ for module in model.modules()})
-        raise RecipeError(f"apply_activation_checkpointing matched no block in "
-                          f"{type(model).__name__}; its module classes are: {', '.join(found)}; "
-                          "pass block_types=(TheBlockClass,)")
+        raise CheckpointingError(
+            f"apply_activation_checkpointing matched no block in {type(model).__name__}; its "
+            f"module classes are: {', '.join(found)}; pass block_types=(TheBlockClass,)")
     options: dict = {"use_reentrant": False}
     if policy is not None:  # checkpoint calls context_fn on every forward: a fresh cache each time
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
@@ -178,7 +185,7 @@ def checkpointed(block: nn.Module, options: dict) -> Callable:
             for name, value in named:
                 if value is not None and (name in CACHE_ARGUMENTS
                                           or type(value).__name__.endswith("Cache")):
-                    raise RecipeError(
+                    raise CheckpointingError(
                         f"{type(block).__name__}'s checkpointed forward got a key/value cache "
                         f"({name}: {type(value).__name__}): the replay in backward would see "
                         "what it filled; build or call the model with use_cache=False, or use "

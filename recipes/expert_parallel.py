@@ -80,12 +80,20 @@ class EPConfig(TrainConfig):
                               f"top_k different experts; use --top-k {self.num_experts} or less")
 
 
+class ExpertParallelError(ValueError):
+    """apply_ep refused the model: no MoE layer, or experts that do not split evenly over the ranks.
+
+    A ValueError of this module's own, so that apply_ep copies without the cookbook's package.
+    """
+
+
 def check_ep_fits(num_experts: int, ep_size: int) -> None:
+    """ExpertParallelError unless every rank gets the same number of whole experts."""
     if num_experts % ep_size:
         sizes = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
-        raise RecipeError(f"num_experts={num_experts} cannot be placed evenly on {ep_size} ranks; "
-                          f"use a multiple of {ep_size} experts, or an EP size of "
-                          f"{', '.join(map(str, sizes))}")
+        raise ExpertParallelError(
+            f"num_experts={num_experts} cannot be placed evenly on {ep_size} ranks; use a "
+            f"multiple of {ep_size} experts, or an EP size of {', '.join(map(str, sizes))}")
 
 
 # --8<-- [start:all_to_all]
@@ -183,7 +191,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[MoE]:
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         found = sorted({type(m).__name__ for m in model.modules()})
-        raise RecipeError(f"apply_ep found no MoE layer in the model; its modules: {found}")
+        raise ExpertParallelError(
+            f"apply_ep found no MoE layer in the model; its modules: {found}")
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for moe in moes:
         check_ep_fits(moe.num_experts, size)

@@ -147,6 +147,14 @@ def fsdp_mixed_precision(precision: str) -> MixedPrecision | None:
 
 
 # --8<-- [start:apply_fsdp]
+class FSDPWrapError(ValueError):
+    """apply_fsdp refused the model or its options: a wrap policy that wraps nothing or splits a
+    tied weight, a hybrid strategy without a 2-D mesh, CPU offload without a GPU.
+
+    A ValueError of this module's own, so that the function copies without the cookbook's package.
+    """
+
+
 def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callable | None,
                sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
                mixed_precision: MixedPrecision | None = None, cpu_offload: CPUOffload | None = None,
@@ -166,7 +174,7 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
     hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD,
                                    ShardingStrategy._HYBRID_SHARD_ZERO2)
     if hybrid and (mesh is None or mesh.ndim != 2):
-        raise RecipeError(f"{sharding_strategy.name} needs a 2-D device mesh (replicate, shard)")
+        raise FSDPWrapError(f"{sharding_strategy.name} needs a 2-D device mesh (replicate, shard)")
     if hybrid and mesh.size(1) == 1:
         # Pitfall (torch's FSDP, seen on 2.13): with one rank per shard group FSDP clamps the group
         # to NO_SHARD and never all-reduces across the replicas: each rank trains on its own
@@ -174,9 +182,9 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
         sharding_strategy, mesh = ShardingStrategy.NO_SHARD, None
     on_cpu = (device or next(model.parameters()).device).type == "cpu"
     if cpu_offload is not None and cpu_offload.offload_params and on_cpu:
-        raise RecipeError("cpu_offload needs a GPU: FSDP pins host memory for the copies to and "
-                          "from the device; on a CPU-only world the parameters already live in "
-                          "host memory: drop --cpu-offload")
+        raise FSDPWrapError("cpu_offload needs a GPU: FSDP pins host memory for the copies to "
+                            "and from the device; on a CPU-only world the parameters already live "
+                            "in host memory: drop --cpu-offload")
     if sync_module_states and on_cpu:
         # FSDP's own sync_module_states refuses CPU tensors (it broadcasts on the accelerator): on a
         # CPU-only world, broadcast rank 0's parameters and buffers by hand, before sharding.
@@ -227,7 +235,7 @@ def tied_parameters(model: nn.Module) -> list[list[nn.Module]]:
 
 
 def check_units(fsdp_model: FSDP, policy, tied: list[list[nn.Module]]) -> None:
-    """RecipeError if the policy wrapped nothing, or split a tied weight across units.
+    """FSDPWrapError if the policy wrapped nothing, or split a tied weight across units.
 
     A tied weight in two units is two flat shards that no longer share storage: the forward fails
     ("size mismatch ... vec (0)") or, worse, the two copies train apart.
@@ -245,14 +253,14 @@ def check_units(fsdp_model: FSDP, policy, tied: list[list[nn.Module]]) -> None:
     inner = fsdp_model.module
     if policy is not None and len(units) == 1:
         found = sorted({type(m).__name__ for m in inner.modules()})
-        raise RecipeError(f"the FSDP wrap policy matched nothing in {type(inner).__name__}, so the "
-                          f"whole model is one unit; pass your block classes, e.g. "
-                          f"ModuleWrapPolicy({{Block}}); its module classes are: "
-                          f"{', '.join(found)}")
+        raise FSDPWrapError(f"the FSDP wrap policy matched nothing in {type(inner).__name__}, so "
+                            f"the whole model is one unit; pass your block classes, e.g. "
+                            f"ModuleWrapPolicy({{Block}}); its module classes are: "
+                            f"{', '.join(found)}")
     names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
     for holders in tied:
         if len({id(unit_of[id(m)]) for m in holders}) > 1:
-            raise RecipeError(
+            raise FSDPWrapError(
                 "the FSDP wrap policy puts a tied weight's modules ("
                 + ", ".join(names.get(id(m), type(m).__name__) for m in holders)
                 + ") in different units; wrap only the blocks (ModuleWrapPolicy({Block})) so that "

@@ -139,6 +139,13 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 # --8<-- [start:apply_fully_shard]
+class ShardingError(ValueError):
+    """apply_fully_shard refused the model: one line naming the block classes it has.
+
+    A ValueError of this module's own, so that the function copies without the cookbook's package.
+    """
+
+
 def apply_fully_shard(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -159,7 +166,7 @@ def apply_fully_shard(
     blocks = [module for module in model.modules() if isinstance(module, block_types)]
     if not blocks:
         found = sorted({type(m).__name__ for m in model.modules()})
-        raise RecipeError(
+        raise ShardingError(
             f"apply_fully_shard found no {', '.join(t.__name__ for t in block_types)} in "
             f"{type(model).__name__}; its module classes are: {', '.join(found)}"
         )

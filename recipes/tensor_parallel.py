@@ -113,6 +113,14 @@ def check_tp_fits(model_cfg: ModelConfig, tp_size: int) -> None:
 
 
 # --8<-- [start:apply_tp]
+class TPPlanError(ValueError):
+    """apply_tp (or a check beside it) refused the plan: a key that names no module, a split that
+    is uneven or would untie a tied weight, heads that do not divide over the ranks.
+
+    A ValueError of this module's own, so that apply_tp copies without the cookbook's package.
+    """
+
+
 class ReplicateParallel(ParallelStyle):
     """Parameters become Replicate DTensors; the module takes and returns plain tensors
     (torchtitan's NoParallel). For the norms without sequence parallel: every parameter is then a
@@ -146,7 +154,7 @@ def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Modul
 
 
 def check_tp_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: int) -> None:
-    """RecipeError unless every plan key names modules of ``model`` that its style can split evenly.
+    """TPPlanError unless every plan key names modules of ``model`` that its style can split evenly.
 
     ``parallelize_module`` itself only warns about a key that matches nothing and skips it: the
     model would silently stay replicated where the plan says split.
@@ -156,31 +164,31 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: 
         if not found:
             paths = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", name)
                             for name, _ in model.named_modules()})
-            raise RecipeError(
+            raise TPPlanError(
                 f"TP plan key {pattern!r} matches no module of {type(model).__name__}; its modules "
                 f"are: {', '.join(p for p in paths if p)}")
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
         for name, module in found:
             if not isinstance(module, (nn.Linear, nn.Embedding)):
-                raise RecipeError(
+                raise TPPlanError(
                     f"{type(style).__name__} splits nn.Linear and nn.Embedding only; {name} is a "
                     f"{type(module).__name__}: leave it out of the plan (or replicate it)")
             # The split dimension: Linear weights are [out, in], Embedding weights [rows, dim].
             colwise = isinstance(style, ColwiseParallel)
             size = module.weight.shape[0 if colwise == isinstance(module, nn.Linear) else 1]
             if size % tp_size:
-                raise RecipeError(
+                raise TPPlanError(
                     f"{type(style).__name__} on {name} splits a dimension of {size} over {tp_size} "
                     f"ranks; use a tensor-parallel size that divides {size}")
 
 
 def check_heads_divide(tp_size: int, *, n_heads: int, n_kv_heads: int | None = None) -> None:
-    """RecipeError unless every rank gets whole attention heads (column-wise q/k/v split them)."""
+    """TPPlanError unless every rank gets whole attention heads (column-wise q/k/v split them)."""
     for what, count in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
         if count is not None and count % tp_size:
             fits = [n for n in range(1, count + 1) if count % n == 0]
-            raise RecipeError(f"{count} {what} do not split over {tp_size} tensor-parallel ranks; "
+            raise TPPlanError(f"{count} {what} do not split over {tp_size} tensor-parallel ranks; "
                               f"use a tensor-parallel size of {', '.join(map(str, fits))}")
 
 
@@ -229,7 +237,7 @@ def weight_split(model: nn.Module, plan: Mapping[str, ParallelStyle], path: str)
 
 def check_ties_split_alike(model: nn.Module, plan: Mapping[str, ParallelStyle],
                            tied: list[list[tuple[str, str]]]) -> None:
-    """RecipeError unless the holders of each tied weight get the same split.
+    """TPPlanError unless the holders of each tied weight get the same split.
 
     Pitfall: ``parallelize_module`` gives each module its own new parameter, so a tied weight
     silently becomes two that drift apart (1.6e-3 in the loss after 3 steps on a tied Llama).
@@ -241,7 +249,7 @@ def check_ties_split_alike(model: nn.Module, plan: Mapping[str, ParallelStyle],
         splits = {path: weight_split(model, plan, path) for path, _ in users}
         if len(set(splits.values())) > 1:
             said = ", ".join(f"{path} {split}" for path, split in splits.items())
-            raise RecipeError(
+            raise TPPlanError(
                 f"apply_tp would untie the weight that {' and '.join(splits)} share: the plan "
                 f"splits it {said}; give them the same split (RowwiseParallel on the embedding, "
                 "ColwiseParallel on the head: both Shard(0)) or untie them in the model")
@@ -256,7 +264,7 @@ def retie(model: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
             mine = getattr(module, name)
             placements = [getattr(p, "placements", None) for p in (shared, mine)]
             if placements[0] != placements[1]:  # a custom style the check could not foresee
-                raise RecipeError(f"apply_tp split the weight that {first_path} and {path} share "
+                raise TPPlanError(f"apply_tp split the weight that {first_path} and {path} share "
                                   f"as {placements[0]} and {placements[1]}; give them one split")
             module.register_parameter(name, shared)
 

@@ -55,7 +55,7 @@ from recipes import (
     tensor_parallel,
     zero,
 )
-from recipes.core.config import RecipeError  # noqa: E402
+from recipes.core.config import is_user_error  # noqa: E402
 from recipes.core.throughput import peak_flops  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("RECIPES_BACKEND") != "gloo"
@@ -255,9 +255,9 @@ def measure(label: str, train, cfg) -> dict:
     }
     try:
         result = train(cfg)
-    except RecipeError as exc:  # this machine cannot run the row (tf32 on CPU, pinned memory...)
-        return {**row, "skipped": str(exc)}
     except Exception as exc:  # noqa: BLE001 - one broken row must not lose the others' numbers
+        if is_user_error(exc):  # this machine cannot run the row (tf32 on CPU, pinned memory...)
+            return {**row, "skipped": str(exc)}
         traceback.print_exc()
         return {**row, "failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     bf16_peak = peak_flops(torch.device("cuda", 0), "bf16") if ON_GPU else None

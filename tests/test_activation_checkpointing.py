@@ -191,10 +191,11 @@ def test_bf16_trains_like_fp32_and_checkpointing_stays_exact(runs):
 
 def test_apply_needs_a_block_that_matches_and_names_what_it_found():
     model = build_model("tiny", seed=0)
-    with pytest.raises(RecipeError, match=r"matched no block in TransformerLM; its module classes "
-                                          r"are: .*Attention, Block, .*TransformerLM"):
+    with pytest.raises(ac.CheckpointingError,
+                       match=r"matched no block in TransformerLM; its module classes "
+                             r"are: .*Attention, Block, .*TransformerLM"):
         ac.apply_activation_checkpointing(model, block_types=(torch.nn.Conv2d,))
-    with pytest.raises(RecipeError, match="exactly one of block_types"):
+    with pytest.raises(ac.CheckpointingError, match="exactly one of block_types"):
         ac.apply_activation_checkpointing(model)
     blocks = ac.apply_activation_checkpointing(model, is_block=lambda m: isinstance(m, Block))
     assert blocks == list(model.layers.values())

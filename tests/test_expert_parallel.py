@@ -95,12 +95,14 @@ def test_experts_on_2_ranks_equal_the_one_process_moe():
 
 
 def test_layouts_that_cannot_be_placed_fail_in_one_line():
-    with pytest.raises(RecipeError, match=r"num_experts=6 cannot be placed evenly on 4 ranks; use "
-                                          r"a multiple of 4 experts, or an EP size of 1, 2, 3, 6"):
+    with pytest.raises(expert_parallel.ExpertParallelError,
+                       match=r"num_experts=6 cannot be placed evenly on 4 ranks; use "
+                             r"a multiple of 4 experts, or an EP size of 1, 2, 3, 6"):
         expert_parallel.check_ep_fits(6, 4)
     with pytest.raises(RecipeError, match=r"top_k=5 > num_experts=4.*use --top-k 4 or less"):
         expert_parallel.EPConfig(top_k=5)
-    with pytest.raises(RecipeError, match=r"apply_ep found no MoE layer.*Linear"):
+    with pytest.raises(expert_parallel.ExpertParallelError,
+                       match=r"apply_ep found no MoE layer.*Linear"):
         expert_parallel.apply_ep(nn.Sequential(nn.Linear(2, 2)), None)
 
 
@@ -126,3 +128,19 @@ def test_bad_command_line_is_one_line_and_exit_code_2(capsys):
     assert capsys.readouterr().err.strip().splitlines() == [(
         "error: top_k=5 > num_experts=4: a token needs top_k different experts; use --top-k 4 "
         "or less")]
+
+
+def test_a_refusal_of_a_copyable_function_is_one_line_and_exit_code_2(capsys):
+    """apply_ep raises ExpertParallelError (a ValueError of its module, so that it copies alone):
+    run_cli treats it as it treats RecipeError. A ValueError from outside the recipes is a bug and
+    keeps its traceback."""
+    def run(cfg):
+        expert_parallel.apply_ep(nn.Sequential(nn.Linear(2, 2)), None)
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_cli(run, expert_parallel.EPConfig, None, [])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: apply_ep found no MoE layer in the model; its modules: ['Linear', 'Sequential']"]
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        cli.run_cli(lambda cfg: int("two"), expert_parallel.EPConfig, None, [])

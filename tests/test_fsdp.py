@@ -126,8 +126,13 @@ def test_bad_options_fail_in_one_line():
 
 @pytest.mark.skipif(CUDA_DEVICES > 0, reason="on a GPU host cpu_offload is valid (the NCCL run above covers it)")
 def test_cpu_offload_on_a_cpu_only_world_says_why_it_cannot_run():
-    with pytest.raises(RecipeError, match="cpu_offload needs a GPU"):
+    with pytest.raises(fsdp.FSDPWrapError, match="cpu_offload needs a GPU"):
         run_alone(fsdp.train, with_fields(CFG, cpu_offload=True))
+    # From the command line: FSDPWrapError is defined in __main__ there, and is still one line.
+    proc = run_cli([PYTHON, "-m", "recipes.fsdp", "--cpu-offload", "--backend", "gloo"],
+                   timeout_s=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: cpu_offload needs a GPU: ")
 
 
 @pytest.mark.slow

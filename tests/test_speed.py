@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from recipes import amp, ddp_torchrun, fsdp2, tensor_parallel
 from recipes.core.config import RecipeError
-from recipes.core.speed import apply_compile, setup_precision
+from recipes.core.speed import CompileTargetError, apply_compile, setup_precision
 from recipes.core.throughput import PEAK_TFLOPS, Workload, flops_per_token, peak_flops
 from recipes.core.workload import MODEL_PRESETS, Block, build_model
 from tests.helpers import (
@@ -84,12 +84,12 @@ def test_apply_compile_keeps_names_and_refuses_a_model_without_the_block():
     apply_compile(model, block_types=(Block,), backend="eager")
     assert [name for name, _ in model.named_parameters()] == names  # checkpoints stay loadable
     with pytest.raises(
-        RecipeError,
+        CompileTargetError,
         match=r"matched no block in Sequential; its module classes are: Linear, "
         r"Sequential; pass block_types",
     ):
         apply_compile(nn.Sequential(nn.Linear(2, 2)), block_types=(Block,))
-    with pytest.raises(RecipeError, match="exactly one of block_types"):
+    with pytest.raises(CompileTargetError, match="exactly one of block_types"):
         apply_compile(model)
 
 

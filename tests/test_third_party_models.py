@@ -17,17 +17,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recipes.activation_checkpointing import apply_activation_checkpointing
-from recipes.core.config import RecipeError
+from recipes.activation_checkpointing import CheckpointingError, apply_activation_checkpointing
 from recipes.core.memory import model_state_bytes
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import Block, lm_loss
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
-from recipes.fsdp import apply_fsdp, wrap_policy_for
-from recipes.fsdp2 import apply_fully_shard
-from recipes.tensor_parallel import (apply_tp, check_heads_divide, check_tp_plan, llama_plan,
-                                     transformer_lm_plan)
+from recipes.fsdp import FSDPWrapError, apply_fsdp, wrap_policy_for
+from recipes.fsdp2 import ShardingError, apply_fully_shard
+from recipes.tensor_parallel import (TPPlanError, apply_tp, check_heads_divide, check_tp_plan,
+                                     llama_plan, transformer_lm_plan)
 from tests import third_party
 from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, run_cli
 
@@ -113,7 +112,7 @@ def strategies_world(kind: str) -> dict:
             apply_fsdp(third_party.build(kind), device=world.device,
                        auto_wrap_policy=wrap_policy_for("module", block_types=(Block,)))
             results["module_policy"] = "accepted"
-        except RecipeError as error:
+        except FSDPWrapError as error:
             results["module_policy"] = str(error)
         return results
 
@@ -158,9 +157,10 @@ def test_every_strategy_equals_one_process(kind):
 def test_a_block_class_that_matches_nothing_is_refused():
     model = third_party.build("gpt2")
     mesh = None  # refused before any sharding: no world needed
-    with pytest.raises(RecipeError, match=r"found no Block in GPT2LMHeadModel.*GPT2Block"):
+    with pytest.raises(ShardingError, match=r"found no Block in GPT2LMHeadModel.*GPT2Block"):
         apply_fully_shard(model, mesh, block_types=(Block,))
-    with pytest.raises(RecipeError, match=r"matched no block in GPT2LMHeadModel.*GPT2Block"):
+    with pytest.raises(CheckpointingError,
+                       match=r"matched no block in GPT2LMHeadModel.*GPT2Block"):
         apply_activation_checkpointing(model, block_types=(Block,))
 
 
@@ -168,19 +168,19 @@ def test_gpt2_tp_plan_is_refused():
     """GPT-2's Conv1D layers are not nn.Linear: Colwise/RowwiseParallel would not split them."""
     model = third_party.build("gpt2")
     plan = {"transformer.h.*.attn.c_attn": llama_plan()["model.layers.*.self_attn.q_proj"]}
-    with pytest.raises(RecipeError, match=r"transformer.h.0.attn.c_attn is a Conv1D"):
+    with pytest.raises(TPPlanError, match=r"transformer.h.0.attn.c_attn is a Conv1D"):
         check_tp_plan(model, plan, 2)
 
 
 def test_tp_plan_naming_a_missing_module_is_refused():
     """torch's parallelize_module only warns and skips such a key: the model stays replicated."""
-    with pytest.raises(RecipeError, match=r"'tok_embeddings' matches no module of "
+    with pytest.raises(TPPlanError, match=r"'tok_embeddings' matches no module of "
                                           r"LlamaForCausalLM.*model.layers.\*.self_attn.q_proj"):
         check_tp_plan(third_party.build("llama"), transformer_lm_plan(), 2)
 
 
 def test_heads_that_do_not_divide_are_refused():
-    with pytest.raises(RecipeError, match="2 key/value heads do not split over 4 tensor-parallel "
+    with pytest.raises(TPPlanError, match="2 key/value heads do not split over 4 tensor-parallel "
                                           "ranks; use a tensor-parallel size of 1, 2"):
         check_heads_divide(4, n_heads=4, n_kv_heads=2)
 

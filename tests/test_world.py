@@ -30,6 +30,15 @@ def raise_on_rank(bad_rank):
         dist.barrier()
 
 
+def refuse_a_model_on_rank(bad_rank):
+    from recipes.fsdp2 import apply_fully_shard
+
+    with join_world("gloo", timeout_s=30) as world:
+        if world.rank == bad_rank:
+            apply_fully_shard(torch.nn.Linear(2, 2), None, block_types=(torch.nn.Conv2d,))
+        dist.barrier()
+
+
 def skip_a_collective(timeout_s):
     # Joining may be slow on a loaded machine, so only the group under test gets the short timeout.
     with join_world("gloo", timeout_s=120) as world:
@@ -96,6 +105,15 @@ def test_failing_rank_is_reraised_with_its_number_and_traceback():
     assert info.value.rank == 1
     assert "rank 1 failed: ZeroDivisionError: bad arithmetic on purpose" in str(info.value)
     assert "raise_on_rank" in info.value.remote_traceback  # the failing rank's own frames
+
+
+def test_a_copyable_functions_refusal_in_a_rank_is_bad_input_not_a_crash():
+    """apply_fully_shard raises ShardingError (its module's ValueError, so that it copies alone):
+    spawn_world reports it as RecipeError, one line, as it does RecipeError itself."""
+    with pytest.raises(RecipeError) as info:
+        spawn_world(refuse_a_model_on_rank, 2, 1, deadline_s=60)
+    assert str(info.value) == ("rank 1: apply_fully_shard found no Conv2d in Linear; its module "
+                               "classes are: Linear")
 
 
 def test_a_skipped_collective_times_out_naming_rank_and_operation():

@@ -15,7 +15,7 @@ import sys
 import traceback
 from typing import Callable, Iterator, NoReturn, Sequence, TypeVar
 
-from recipes.core.config import RecipeError, exit_with, parse_config
+from recipes.core.config import exit_with, is_user_error, parse_config
 from recipes.core.log import current_rank, get_logger
 from recipes.core.result import RecipeResult
 from recipes.core.world import (
@@ -46,7 +46,12 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         raise
     try:
         result = run(cfg)
-    except RecipeError as exc:
+    except ValueError as exc:
+        # RecipeError, or a ValueError class a recipe defines beside a function a user copies
+        # (apply_fully_shard's ShardingError...); any other ValueError is a bug: its traceback.
+        if not is_user_error(exc):
+            _record_unexpected(exc)
+            raise
         # Every rank hits the same bad input: say it once, from rank 0, and exit non-zero
         # everywhere. Every rank writes the error file: torchrun may name any of them.
         write_torchrun_error_file(str(exc))
@@ -61,9 +66,7 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         write_torchrun_error_file(exc.args[0])
         exit_with(exc.args[0], 1)
     except Exception as exc:
-        if is_collective_failure(exc):
-            _collective_failed(exc)
-        write_torchrun_error_file(f"{type(exc).__name__}: {exc}")
+        _record_unexpected(exc)
         raise
     release_ended_groups()  # the run's models are gone: free them, then their process groups
     if result is not None and current_rank() == 0:
@@ -105,6 +108,14 @@ def _tee_stderr(copy: io.StringIO) -> Iterator[None]:
         yield
     finally:
         sys.stderr = real
+
+
+def _record_unexpected(exc: BaseException) -> None:
+    """A failure that is not bad input: a broken collective ends the process with one line naming
+    the peer; anything else goes into torchrun's error file, and the caller re-raises it."""
+    if is_collective_failure(exc):
+        _collective_failed(exc)
+    write_torchrun_error_file(f"{type(exc).__name__}: {exc}")
 
 
 def _collective_failed(exc: BaseException) -> NoReturn:

@@ -19,12 +19,26 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence, TypeVar
 
-__all__ = ["RecipeError", "Config", "TrainConfig", "CompileOption", "parse_config",
+__all__ = ["RecipeError", "is_user_error", "Config", "TrainConfig", "CompileOption", "parse_config",
            "per_rank_batch_size", "opt", "range_text"]
 
 
 class RecipeError(ValueError):
     """Bad input that the user can fix: the message is one line and names the fix."""
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Bad input the user can fix: a RecipeError, or a ValueError subclass that a recipe module
+    defines beside the function a user copies (``ShardingError`` beside ``apply_fully_shard``...):
+    those functions stand alone, so they cannot raise RecipeError. A recipe run as ``python -m
+    recipes.X`` defines its classes in ``__main__``: its import name comes from ``__spec__``."""
+    if isinstance(exc, RecipeError):
+        return True
+    if not isinstance(exc, ValueError):
+        return False
+    module_name = type(exc).__module__
+    spec = getattr(sys.modules.get(module_name), "__spec__", None)
+    return (getattr(spec, "name", None) or module_name).startswith("recipes.")
 
 
 # The bounds a number can declare, as opt's keywords, with how they read and how they are checked.

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recipes.core.config import RecipeError
+from recipes.core.config import RecipeError, is_user_error
 from recipes.core.world import (RankError, WorldTimeoutError, _first_line, _write_atomically,
                                 collective_in_frames, release_ended_groups)
 
@@ -149,7 +149,7 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
             "time": getattr(exc, "failed_at", time.time()), "type": type(exc).__name__,
             "message": _first_line(str(exc)),
             "traceback": traceback.format_exc(), "operation": collective_in_frames(frames[::-1]),
-            "is_recipe_error": isinstance(exc, RecipeError),
+            "is_recipe_error": is_user_error(exc),
         }
         _write_atomically(os.path.join(workdir, f"error{rank}.pkl"), pickle.dumps(report))
         sys.stdout.flush()

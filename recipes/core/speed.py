@@ -142,6 +142,13 @@ def make_adamw(
 
 
 # --8<-- [start:apply_compile]
+class CompileTargetError(ValueError):
+    """apply_compile was not told which blocks to compile, or they match nothing in the model.
+
+    A ValueError of this module's own, so that the function copies without the cookbook's package.
+    """
+
+
 def apply_compile(
     model: nn.Module,
     *,
@@ -160,14 +167,14 @@ def apply_compile(
     before fully_shard / DDP (which then wrap compiled blocks).
     """
     if (block_types is None) == (is_block is None):
-        raise RecipeError(
+        raise CompileTargetError(
             "apply_compile needs exactly one of block_types=(YourBlock,) or is_block=..."
         )
     matches = is_block or (lambda module: isinstance(module, block_types))
     blocks = [module for module in model.modules() if matches(module)]
     if not blocks:
         found = sorted({type(m).__name__ for m in model.modules()})
-        raise RecipeError(
+        raise CompileTargetError(
             f"apply_compile matched no block in {type(model).__name__}; its module classes "
             f"are: {', '.join(found)}; pass block_types=(TheBlockClass,)"
         )
