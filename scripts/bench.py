@@ -164,7 +164,8 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
              perf(**b64, **compiled, compile_scope="model")),
             ("bare loop + compile (whole model + loss), CUDA graphs", performance.train,
              perf(**b64, **compiled, compile_scope="model", compile_mode="reduce-overhead")),
-            ("ddp_torchrun + compile", ddp_torchrun.train, ddp_torchrun.DDPConfig(**b64, **compiled)),
+            ("ddp_torchrun + compile", ddp_torchrun.train,
+             ddp_torchrun.DDPConfig(**b64, **compiled)),
             ("fsdp2 + compile", fsdp2.train, fsdp2.FSDP2Config(**b64, **compiled)),
             ("tensor_parallel (compiled: its GPU default)", tensor_parallel.train,
              tensor_parallel.TPConfig(**b64, compile_backend=compile_backend)),
@@ -229,7 +230,8 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
                 logger.removeHandler(handler)
     events = prof.key_averages()
     text = [f"## {label} (batch {cfg.global_batch_size}): {active} steps profiled\n"]
-    text.append(events.table(sort_by="self_cpu_time_total", row_limit=limit, max_name_column_width=60))
+    text.append(events.table(sort_by="self_cpu_time_total", row_limit=limit,
+                             max_name_column_width=60))
     if ON_GPU:
         text.append(events.table(sort_by="self_cuda_time_total", row_limit=limit,
                                  max_name_column_width=60))

@@ -65,7 +65,7 @@ RUNS = {
 
 
 def test_every_copyable_recipe_names_its_copy_set_and_imports_only_it():
-    """Static: every ``recipes.*`` module the recipe (or a file of its set) imports is in the set."""
+    """Static: every ``recipes.*`` module the recipe (or a file of its set) imports is in it."""
     assert {"comm_bench", "loss_compare"} <= set(COPYABLE), COPYABLE
     for name in COPYABLE:
         carried = copy_set(name)
