@@ -10,8 +10,9 @@ from pathlib import Path
 import recipes
 
 
-# What recipes share and a user copies with them: the toy model/data and the world set-up.
-SHARED_MODULES = ("toy", "dist_setup")
+# What recipes share and a user copies with them: the toy model/data, the world set-up and the
+# functions that parallelize a model.
+SHARED_MODULES = ("toy", "dist_setup", "parallelize")
 
 
 def recipe_modules() -> list[str]:

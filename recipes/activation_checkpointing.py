@@ -37,9 +37,8 @@ FLOPs). The recipe also reports the bytes the forward leaves alive for backward,
 (``SavedTensorBytes``). It trains on one device; the same wrapping works under DDP and FSDP
 (apply it before wrapping the model in them, and before torch.compile).
 
-Length: about 320 lines, over the cookbook's ~300: the five modes share one file to be compared,
-and ``apply_activation_checkpointing`` carries the guard against a block that fills a key/value
-cache (a T5 or GPT-2 built with use_cache=True), which a user copies with it.
+``apply_activation_checkpointing`` itself lives in recipes/parallelize.py with the other functions
+that parallelize a model (each copies alone); this recipe compares the modes.
 """
 
 from __future__ import annotations
@@ -47,14 +46,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint_sequential
 
 from recipes.core.cli import run_cli
 from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
@@ -67,6 +65,8 @@ from recipes.core.throughput import Workload
 from recipes.core.workload import (MODEL_PRESETS, Block, TransformerLM, build_model,
                                    distributed_loader, iterate_steps, lm_loss, make_dataset)
 from recipes.core.world import join_world
+from recipes.parallelize import (  # noqa: F401  (copyable: it lives with the others)
+    CACHE_ARGUMENTS, CheckpointingError, apply_activation_checkpointing)
 
 log = get_logger(__name__)
 aten = torch.ops.aten
@@ -114,86 +114,6 @@ def save_matmul_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """
     return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 # --8<-- [end:policy]
-
-
-# --8<-- [start:apply]
-class CheckpointingError(ValueError):
-    """apply_activation_checkpointing refused the model or its arguments: one line naming the fix.
-
-    A ValueError of this module's own, so that the function copies without the cookbook's package.
-    """
-
-
-def apply_activation_checkpointing(
-        model: nn.Module, *, block_types: tuple[type[nn.Module], ...] | None = None,
-        is_block: Callable[[nn.Module], bool] | None = None, every_k: int = 1,
-        policy: Callable[..., CheckpointPolicy] | list | None = None) -> list[nn.Module]:
-    """Checkpoint blocks 0, k, 2k, ... of ``model`` in place and return them.
-
-    Name the blocks by class (``block_types=(Block,)``) or by a predicate (``is_block``), in
-    ``model.modules()`` order; match no module that sits inside another match. ``policy`` (a
-    function like ``save_matmul_outputs``, or a list of ops to keep) turns on op-level selective
-    checkpointing; without it a block keeps only its input. Each block's ``forward`` becomes
-    ``checkpoint(original_forward, x, use_reentrant=False, ...)``: no wrapper module is inserted, so
-    parameter names (state dicts, optimizer states, checkpoints on disk) stay as they were, where
-    torch's ``checkpoint_wrapper`` adds a ``_checkpoint_wrapped_module.`` prefix. Call it once,
-    before torch.compile and DDP/FSDP wrap the model.
-    """
-    if (block_types is None) == (is_block is None):
-        raise CheckpointingError("apply_activation_checkpointing needs exactly one of "
-                                 "block_types=(YourBlock,) or is_block=...")
-    if every_k < 1:
-        raise CheckpointingError(f"every_k must be >= 1, got {every_k}")
-    matches = is_block or (lambda module: isinstance(module, block_types))
-    blocks = [module for module in model.modules() if matches(module)][::every_k]
-    if not blocks:
-        found = sorted({type(module).__name__ for module in model.modules()})
-        raise CheckpointingError(
-            f"apply_activation_checkpointing matched no block in {type(model).__name__}; its "
-            f"module classes are: {', '.join(found)}; pass block_types=(TheBlockClass,)")
-    options: dict = {"use_reentrant": False}
-    if policy is not None:  # checkpoint calls context_fn on every forward: a fresh cache each time
-        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
-    for block in blocks:
-        block.forward = checkpointed(block, options)
-    return blocks
-
-
-# Keyword names under which Hugging Face blocks take a key/value cache.
-CACHE_ARGUMENTS = frozenset({"cache", "past_key_values", "past_key_value", "layer_past"})
-
-
-def checkpointed(block: nn.Module, options: dict) -> Callable:
-    """``block.forward`` under ``checkpoint``, refusing a key/value cache while gradients are on.
-
-    Pitfall: checkpoint replays the forward in backward with the same argument objects. A cache
-    the forward updated is not the one it saw: T5's decoder (built with use_cache=True) fills its
-    cross-attention cache, and the replay reuses those keys/values instead of computing them, so
-    backward fails with "A different number of tensors was saved during the original forward and
-    recomputation". torch's checkpoint_wrapper fails the same way; HF's own checkpointing drops
-    the cache inside checkpointed layers. GPT-2's self-attention cache grows to twice the sequence
-    in the replay and comes out exact only because torch's causal mask is top-left aligned (query
-    i still sees the first i keys, the forward's own); and a cache keeps every layer's keys and
-    values alive, what checkpointing was meant to free.
-    """
-    forward = block.forward
-
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        if torch.is_grad_enabled():  # without gradients nothing is replayed: a cache is fine
-            named = [*((f"argument {i}", value) for i, value in enumerate(args)), *kwargs.items()]
-            for name, value in named:
-                if value is not None and (name in CACHE_ARGUMENTS
-                                          or type(value).__name__.endswith("Cache")):
-                    raise CheckpointingError(
-                        f"{type(block).__name__}'s checkpointed forward got a key/value cache "
-                        f"({name}: {type(value).__name__}): the replay in backward would see "
-                        "what it filled; build or call the model with use_cache=False, or use "
-                        "its own model.gradient_checkpointing_enable()")
-        return checkpoint(forward, *args, **options, **kwargs)
-
-    return run
-# --8<-- [end:apply]
 
 
 # --8<-- [start:sequential]

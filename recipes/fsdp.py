@@ -29,28 +29,21 @@ needs ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds u
 the optimizer is built after wrapping; activation checkpointing goes inside the FSDP unit; the full
 state dict is gathered on every rank's call but kept on rank 0 only.
 
-Length: about 370 lines, over the cookbook's ~300, because classic FSDP's options are the
-lesson: sharding strategies including HSDP's mesh, wrap policies and the tied-weight check that
-guards them, mixed precision, offload, prefetch, the sharded scaler, each where a user sets it.
+``apply_fsdp`` (with the tied-weight check that guards its wrap policy) lives in
+recipes/parallelize.py with the other functions that parallelize a model; each copies alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
@@ -73,6 +66,8 @@ from recipes.core.workload import (
     make_dataset,
 )
 from recipes.core.world import join_world
+from recipes.parallelize import (  # noqa: F401  (re-exported: copyable, with the others)
+    FSDPWrapError, apply_fsdp, check_units, tied_modules)
 
 log = get_logger(__name__)
 
@@ -144,128 +139,6 @@ def fsdp_mixed_precision(precision: str) -> MixedPrecision | None:
     if low is None:
         return None
     return MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
-
-
-# --8<-- [start:apply_fsdp]
-class FSDPWrapError(ValueError):
-    """apply_fsdp refused the model or its options: a wrap policy that wraps nothing or splits a
-    tied weight, a hybrid strategy without a 2-D mesh, CPU offload without a GPU.
-
-    A ValueError of this module's own, so that the function copies without the cookbook's package.
-    """
-
-
-def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callable | None,
-               sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
-               mixed_precision: MixedPrecision | None = None, cpu_offload: CPUOffload | None = None,
-               backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-               forward_prefetch: bool = False, limit_all_gathers: bool = True,
-               sync_module_states: bool = True,
-               checkpoint_block_types: tuple[type[nn.Module], ...] = (),
-               device: torch.device | None = None, mesh: DeviceMesh | None = None) -> FSDP:
-    """Wrap ``model`` in classic FSDP, one unit per module that ``auto_wrap_policy`` picks.
-
-    ``auto_wrap_policy``: e.g. ``ModuleWrapPolicy({GPT2Block})``, your model's block classes; None
-    makes the whole model one unit. A policy that wraps nothing, or that puts the two users of a
-    tied weight (GPT-2's ``wte`` and ``lm_head``) in different units, is refused. ``mesh``: 2-D
-    ("replicate", "shard") for HYBRID_SHARD, else optional 1-D. ``checkpoint_block_types``:
-    recompute these blocks' activations in backward (activation checkpointing inside each unit).
-    """
-    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD,
-                                   ShardingStrategy._HYBRID_SHARD_ZERO2)
-    if hybrid and (mesh is None or mesh.ndim != 2):
-        raise FSDPWrapError(f"{sharding_strategy.name} needs a 2-D device mesh (replicate, shard)")
-    if hybrid and mesh.size(1) == 1:
-        # Pitfall (torch's FSDP, seen on 2.13): with one rank per shard group FSDP clamps the group
-        # to NO_SHARD and never all-reduces across the replicas: each rank trains on its own
-        # gradient. One rank per node means replication, which is NO_SHARD over the whole world.
-        sharding_strategy, mesh = ShardingStrategy.NO_SHARD, None
-    on_cpu = (device or next(model.parameters()).device).type == "cpu"
-    if cpu_offload is not None and cpu_offload.offload_params and on_cpu:
-        raise FSDPWrapError("cpu_offload needs a GPU: FSDP pins host memory for the copies to "
-                            "and from the device; on a CPU-only world the parameters already live "
-                            "in host memory: drop --cpu-offload")
-    if sync_module_states and on_cpu:
-        # FSDP's own sync_module_states refuses CPU tensors (it broadcasts on the accelerator): on a
-        # CPU-only world, broadcast rank 0's parameters and buffers by hand, before sharding.
-        with torch.no_grad():
-            for tensor in itertools.chain(model.parameters(), model.buffers()):
-                dist.broadcast(tensor, src=0)
-        sync_module_states = False
-    tied = tied_parameters(model)  # before wrapping: FSDP flattens them away
-    fsdp_model = FSDP(
-        model,
-        sharding_strategy=sharding_strategy,
-        auto_wrap_policy=auto_wrap_policy,
-        mixed_precision=mixed_precision,  # e.g. fsdp_mixed_precision("bf16"); None = fp32
-        cpu_offload=cpu_offload,
-        backward_prefetch=backward_prefetch,
-        forward_prefetch=forward_prefetch,
-        limit_all_gathers=limit_all_gathers,
-        sync_module_states=sync_module_states,
-        # use_orig_params: parameters keep their names and shapes for the optimizer (per-parameter
-        # groups, weight-decay rules) and for torch.compile; gradients are views into the flat
-        # shard.
-        use_orig_params=True,
-        # Pitfall: without device_id FSDP looks for an accelerator and refuses a CPU-only host.
-        device_id=device,
-        device_mesh=mesh,
-    )
-    check_units(fsdp_model, auto_wrap_policy, tied)
-    if checkpoint_block_types:
-        # Order: wrap with FSDP FIRST, then checkpoint, so each unit is
-        # FSDP(CheckpointWrapper(Block)): the recomputation in backward runs inside the unit while
-        # its parameters are all-gathered. Non-reentrant: the reentrant variant runs a nested
-        # backward that FSDP's hooks do not expect.
-        apply_activation_checkpointing(
-            fsdp_model, check_fn=lambda module: isinstance(module, checkpoint_block_types),
-            checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-    return fsdp_model
-
-
-def tied_parameters(model: nn.Module) -> list[list[nn.Module]]:
-    """For each parameter that several modules share (a tied embedding and output layer), the
-    modules that hold it."""
-    holders: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            holders.setdefault(id(param), []).append(module)
-    return [modules for modules in holders.values() if len(modules) > 1]
-
-
-def check_units(fsdp_model: FSDP, policy, tied: list[list[nn.Module]]) -> None:
-    """FSDPWrapError if the policy wrapped nothing, or split a tied weight across units.
-
-    A tied weight in two units is two flat shards that no longer share storage: the forward fails
-    ("size mismatch ... vec (0)") or, worse, the two copies train apart.
-    """
-    unit_of: dict[int, nn.Module] = {}
-
-    def visit(module: nn.Module, unit: nn.Module) -> None:
-        unit = module if isinstance(module, FSDP) else unit
-        unit_of[id(module)] = unit
-        for child in module.children():
-            visit(child, unit)
-
-    visit(fsdp_model, fsdp_model)
-    units = {id(unit) for unit in unit_of.values()}
-    inner = fsdp_model.module
-    if policy is not None and len(units) == 1:
-        found = sorted({type(m).__name__ for m in inner.modules()})
-        raise FSDPWrapError(f"the FSDP wrap policy matched nothing in {type(inner).__name__}, so "
-                            f"the whole model is one unit; pass your block classes, e.g. "
-                            f"ModuleWrapPolicy({{Block}}); its module classes are: "
-                            f"{', '.join(found)}")
-    names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
-    for holders in tied:
-        if len({id(unit_of[id(m)]) for m in holders}) > 1:
-            raise FSDPWrapError(
-                "the FSDP wrap policy puts a tied weight's modules ("
-                + ", ".join(names.get(id(m), type(m).__name__) for m in holders)
-                + ") in different units; wrap only the blocks (ModuleWrapPolicy({Block})) so that "
-                  "they stay together in the root unit")
-# --8<-- [end:apply_fsdp]
 
 
 def hybrid_mesh(world, ranks_per_node: int) -> DeviceMesh:

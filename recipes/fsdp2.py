@@ -60,10 +60,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
-                                    fully_shard)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from recipes.core.cli import run_cli
@@ -85,6 +83,7 @@ from recipes.core.workload import (
     make_dataset,
 )
 from recipes.core.world import join_world
+from recipes.parallelize import ShardingError, apply_fully_shard  # noqa: F401  (re-exported)
 
 log = get_logger(__name__)
 
@@ -136,57 +135,6 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     if low is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-
-
-# --8<-- [start:apply_fully_shard]
-class ShardingError(ValueError):
-    """apply_fully_shard refused the model: one line naming the block classes it has.
-
-    A ValueError of this module's own, so that the function copies without the cookbook's package.
-    """
-
-
-def apply_fully_shard(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    block_types: tuple[type[nn.Module], ...],
-    reshard_after_forward: bool | int = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
-    explicit_prefetch: bool = False,
-) -> nn.Module:
-    """Shard each block, then the root, over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
-
-    ``block_types``: your model's repeated block classes (``(Block,)`` here, ``(GPT2Block,)`` for
-    Hugging Face GPT-2). A model with none of them is refused, naming the classes it has: one unit
-    for the whole model would silently gather every parameter at once.
-    """
-    precision, offload = mp_policy or MixedPrecisionPolicy(), offload_policy or OffloadPolicy()
-    blocks = [module for module in model.modules() if isinstance(module, block_types)]
-    if not blocks:
-        found = sorted({type(m).__name__ for m in model.modules()})
-        raise ShardingError(
-            f"apply_fully_shard found no {', '.join(t.__name__ for t in block_types)} in "
-            f"{type(model).__name__}; its module classes are: {', '.join(found)}"
-        )
-    # Order: bottom-up. Each call groups the parameters not yet claimed by an inner call, so the
-    # Blocks go first and the root call collects the rest (embeddings, final norm, output).
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=precision, offload_policy=offload)
-    # The root keeps fully_shard's default (None -> not resharded after forward): backward needs
-    # its parameters (the output layer) first, so freeing them would only re-gather them at once.
-    fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)
-    if explicit_prefetch:
-        # Default: each group all-gathers when its own forward / backward starts (after the previous
-        # one is issued). Explicit: Block i issues Block i+1's all-gather in forward and Block i-1's
-        # in backward, so the communication runs under Block i's compute.
-        for previous, following in zip(blocks, blocks[1:]):
-            previous.set_modules_to_forward_prefetch([following])
-            following.set_modules_to_backward_prefetch([previous])
-    return model
-# --8<-- [end:apply_fully_shard]
 
 
 def data_parallel_mesh(world, hsdp_replicas: int) -> DeviceMesh:

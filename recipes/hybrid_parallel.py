@@ -36,7 +36,6 @@ from typing import Literal
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from recipes import pipeline_parallel as pp_recipe
@@ -59,10 +58,11 @@ from recipes.core.workload import (
     make_dataset,
 )
 from recipes.core.world import join_world
-from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
+from recipes.fsdp2 import mixed_precision_policy
+from recipes.parallelize import (apply_tp_and_fsdp, matching_modules,  # noqa: F401 (re-exported)
+                                 transformer_lm_plan)
 from recipes.process_groups import rank_grid
-from recipes.tensor_parallel import (apply_tp, check_tp_fits, matching_modules,
-                                     transformer_lm_plan)
+from recipes.tensor_parallel import check_tp_fits
 
 log = get_logger(__name__)
 
@@ -88,25 +88,6 @@ def build_mesh(world, *, pp: int, tp: int) -> DeviceMesh:
     if pp == 1:
         return init_device_mesh(world.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh(world.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-
-
-# --8<-- [start:parallelize]
-def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, plan: Mapping[str, ParallelStyle],
-                      block_types: tuple[type[nn.Module], ...], in_pipeline: bool = False,
-                      mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Tensor parallel over mesh["tp"] as ``plan`` says, then fully_shard over mesh["dp"], one
-    group per ``block_types`` block: the 2-D part of every layout."""
-    apply_tp(module, mesh["tp"], plan=plan)
-    # In a pipeline every micro-batch runs the stage's forward: resharding after each forward would
-    # all-gather the parameters once per micro-batch. Keep them (ZeRO-2 style) until the backward.
-    return apply_fully_shard(
-        module,
-        mesh["dp"],
-        block_types=block_types,
-        reshard_after_forward=not in_pipeline,
-        mp_policy=mp_policy,
-    )
-# --8<-- [end:parallelize]
 
 
 def plan_for_stage(stage: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:

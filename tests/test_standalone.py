@@ -30,28 +30,31 @@ import torch.nn as nn
 
 from tests.helpers import REPO_ROOT
 
-# Module to extract from -> the copyable functions (and ready-made values) in it.
-COPYABLE: dict[str, tuple[str, ...]] = {
-    "recipes.activation_checkpointing": ("apply_activation_checkpointing",),
-    "recipes.fsdp2": ("apply_fully_shard",),
-    "recipes.fsdp": ("apply_fsdp",),
-    "recipes.tensor_parallel": ("apply_tp", "transformer_lm_plan", "llama_plan",
-                                "check_heads_divide"),
-    "recipes.core.speed": ("apply_compile",),
-    "recipes.expert_parallel": ("apply_ep", "MoE", "check_ep_fits"),
-    "recipes.float8": ("apply_float8", "float8_filter"),
-    "recipes.hybrid_parallel": ("apply_tp_and_fsdp",),
+# Each copyable function, with the ready-made values beside it: label -> (module, names). Those in
+# recipes/parallelize.py are extracted one group at a time, not as the whole module: each copies
+# alone.
+PARALLELIZE = "recipes.parallelize"
+COPYABLE: dict[str, tuple[str, tuple[str, ...]]] = {
+    "activation_checkpointing": (PARALLELIZE, ("apply_activation_checkpointing",)),
+    "fsdp2": (PARALLELIZE, ("apply_fully_shard",)),
+    "fsdp": (PARALLELIZE, ("apply_fsdp",)),
+    "tensor_parallel": (PARALLELIZE, ("apply_tp", "transformer_lm_plan", "llama_plan",
+                                      "check_heads_divide")),
+    "speed": (PARALLELIZE, ("apply_compile",)),
+    "expert_parallel": ("recipes.expert_parallel", ("apply_ep", "MoE", "check_ep_fits")),
+    "float8": ("recipes.float8", ("apply_float8", "float8_filter")),
+    "hybrid_parallel": (PARALLELIZE, ("apply_tp_and_fsdp",)),
 }
 # The error class each one defines beside itself (checked to be there, a ValueError, documented).
 ERRORS = {
-    "recipes.activation_checkpointing": "CheckpointingError",
-    "recipes.fsdp2": "ShardingError",
-    "recipes.fsdp": "FSDPWrapError",
-    "recipes.tensor_parallel": "TPPlanError",
-    "recipes.core.speed": "CompileTargetError",
-    "recipes.expert_parallel": "ExpertParallelError",
+    "activation_checkpointing": "CheckpointingError",
+    "fsdp2": "ShardingError",
+    "fsdp": "FSDPWrapError",
+    "tensor_parallel": "TPPlanError",
+    "speed": "CompileTargetError",
+    "expert_parallel": "ExpertParallelError",
 }
-COMPOSABLE = {name for names in COPYABLE.values() for name in names}
+COMPOSABLE = {name for _, names in COPYABLE.values() for name in names}
 
 
 def source_path(module: str) -> Path:
@@ -292,7 +295,7 @@ print(json.dumps(messages))
 
 
 def extracted_sources() -> dict[str, Extraction]:
-    return {module: extract(module, names) for module, names in COPYABLE.items()}
+    return {label: extract(module, names) for label, (module, names) in COPYABLE.items()}
 
 
 def test_each_copyable_function_extracts_without_our_package():
@@ -317,8 +320,8 @@ def test_a_package_import_is_found():
 
 @pytest.mark.timeout(180)
 def test_extracted_functions_run_alone(tmp_path):
-    for module, extraction in extracted_sources().items():
-        name = "standalone_" + module.split(".")[-1]
+    for label, extraction in extracted_sources().items():
+        name = "standalone_" + label
         (tmp_path / f"{name}.py").write_text(extraction.source())
     shutil.copy(Path(REPO_ROOT) / "recipes" / "toy.py", tmp_path / "toy.py")
     (tmp_path / "driver.py").write_text(DRIVER)

@@ -25,9 +25,9 @@ import contextlib
 from typing import Any, Callable, Iterable, Literal
 
 import torch
-import torch.nn as nn
 
 from recipes.core.config import RecipeError
+from recipes.parallelize import CompileTargetError, apply_compile  # noqa: F401  (re-exported)
 
 __all__ = [
     "Precision",
@@ -139,56 +139,6 @@ def make_adamw(
     On CPU the default keeps the parity tests bit-exact against the textbook loop.
     """
     return torch.optim.AdamW(params, lr=lr, fused=True if device.type == "cuda" else None)
-
-
-# --8<-- [start:apply_compile]
-class CompileTargetError(ValueError):
-    """apply_compile was not told which blocks to compile, or they match nothing in the model.
-
-    A ValueError of this module's own, so that the function copies without the cookbook's package.
-    """
-
-
-def apply_compile(
-    model: nn.Module,
-    *,
-    block_types: tuple[type[nn.Module], ...] | None = None,
-    is_block: Callable[[nn.Module], bool] | None = None,
-    backend: str = "inductor",
-) -> nn.Module:
-    """``torch.compile`` each block of ``model`` in place; returns ``model``.
-
-    Name the blocks by class (``block_types``) or by a predicate (``is_block``). Compiling the
-    repeated block, not the whole model, compiles once and reuses the code for every layer, and
-    keeps the sharding hooks between blocks out of the graph. Compiling ``forward`` in place
-    changes no parameter name, so checkpoints and tensor-parallel plans stay valid.
-
-    Order: after activation checkpointing (so the checkpointed region is compiled as a whole) and
-    before fully_shard / DDP (which then wrap compiled blocks).
-    """
-    if (block_types is None) == (is_block is None):
-        raise CompileTargetError(
-            "apply_compile needs exactly one of block_types=(YourBlock,) or is_block=..."
-        )
-    matches = is_block or (lambda module: isinstance(module, block_types))
-    blocks = [module for module in model.modules() if matches(module)]
-    if not blocks:
-        found = sorted({type(m).__name__ for m in model.modules()})
-        raise CompileTargetError(
-            f"apply_compile matched no block in {type(model).__name__}; its module classes "
-            f"are: {', '.join(found)}; pass block_types=(TheBlockClass,)"
-        )
-    for block in blocks:
-        # The block's forward, not the module call: hooks that wrappers put on the block
-        # (fully_shard's all-gather and reduce-scatter) then run eagerly around the graph
-        # instead of breaking it.
-        # On an H200 (100m, bf16, batch 64) fully_shard + compile ran 80.5 ms a step with
-        # Module.compile() and 60.5 ms this way; the unsharded compiled loop, 54.6 ms.
-        block.forward = torch.compile(block.forward, backend=backend)
-    return model
-
-
-# --8<-- [end:apply_compile]
 
 
 def compile_loss(loss_fn: Callable[..., torch.Tensor], *, backend: str = "inductor"
