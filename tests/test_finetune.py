@@ -252,6 +252,21 @@ def test_bad_command_line_fails_in_one_line(args, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_a_file_where_the_checkpoint_folder_goes_fails_in_one_line(tmp_path):
+    """Refused before training (it failed in makedirs after it, in a traceback), on every rank."""
+    a_file = tmp_path / "trained"
+    a_file.write_text("a file, not a folder")
+    proc = run_cli([PYTHON, "-m", "recipes.finetune", "--steps", "1", "--checkpoint-dir",
+                    str(a_file)], timeout_s=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --checkpoint-dir {a_file} is a file, not a folder; name a folder (created if "
+        "missing)"]
+    assert "] step " not in proc.stdout  # no training happened first
+    with pytest.raises(RecipeError, match=f"--checkpoint-dir {a_file}/run: {a_file} is a file"):
+        finetune.train(with_fields(CFG, checkpoint_dir=str(a_file / "run"), backend="gloo"))
+
+
 # Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
 # The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
 # and test_multinode cover the launch path itself there.
