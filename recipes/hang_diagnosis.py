@@ -49,6 +49,7 @@ import torch.distributed as dist
 from recipes.core.cli import run_cli
 from recipes.core.config import Config, RecipeError, opt, per_rank_batch_size
 from recipes.core.log import get_logger
+from recipes.core.paths import output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.workload import (
     build_model,
@@ -232,6 +233,7 @@ def train_steps(cfg: HangConfig, world: World, stack_file: object) -> list[float
 
 # --8<-- [start:run]
 def run(cfg: HangConfig) -> RecipeResult:
+    refuse(output_dir_problem(cfg.trace_dir, "--trace-dir"))  # every rank writes there
     enable_flight_recorder(cfg.trace_dir, cfg.buffer_size)
     if cfg.mode == "detail":  # = TORCH_DISTRIBUTED_DEBUG=DETAIL, read when the group is created
         dist.set_debug_level(dist.DebugLevel.DETAIL)

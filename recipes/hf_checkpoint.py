@@ -149,7 +149,7 @@ def safetensors_files(hf_dir: str) -> dict[str, str]:
 
 
 def check_hf_dir(hf_dir: str) -> None:
-    problem = input_dir_problem(hf_dir, "--hf-dir", "the folder save_pretrained wrote")
+    problem = input_dir_problem(hf_dir, "--hf-dir", "the directory save_pretrained wrote")
     if problem:
         raise RecipeError(problem)
     config = os.path.join(hf_dir, "config.json")

@@ -260,8 +260,7 @@ def test_a_file_where_the_checkpoint_folder_goes_fails_in_one_line(tmp_path):
                     str(a_file)], timeout_s=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        f"error: --checkpoint-dir {a_file} is a file, not a folder; name a folder (created if "
-        "missing)"]
+        f"error: --checkpoint-dir {a_file} is a file; name a directory (created if missing)"]
     assert "] step " not in proc.stdout  # no training happened first
     with pytest.raises(RecipeError, match=f"--checkpoint-dir {a_file}/run: {a_file} is a file"):
         finetune.train(with_fields(CFG, checkpoint_dir=str(a_file / "run"), backend="gloo"))

@@ -251,16 +251,16 @@ def test_a_broken_folder_or_file_fails_in_one_line_naming_it(tmp_path):
                    "model-00001-of-00002.safetensors"}}, f)
     out = str(tmp_path / "out")
     cases = [
-        ({"hf_dir": str(a_file)}, f"--hf-dir {a_file} is a file, not a folder; pass the folder "
-                                  "save_pretrained wrote"),
-        ({"hf_dir": str(tmp_path / "nowhere")}, "does not exist; pass the folder save_pretrained"),
+        ({"hf_dir": str(a_file)}, f"--hf-dir {a_file} is a file, not a directory; pass the "
+                                  "directory save_pretrained wrote"),
+        ({"hf_dir": str(tmp_path / "nowhere")}, "does not exist; pass the directory save_pretrained"),
         ({"hf_dir": not_config}, f"{not_config}/config.json is not a model config (Expecting "),
         ({"hf_dir": truncated}, f"{truncated}/model.safetensors is not a readable safetensors file "
                                 "(Error while deserializing header: incomplete metadata, file not "
                                 "fully covered); it may be truncated: save or download it again"),
         ({"hf_dir": sharded}, f"{hf.INDEX} in '{sharded}' names {missing}, which is missing; "
                               "copy every file the index lists"),
-        ({"out_dir": str(a_file)}, f"--out-dir {a_file} is a file, not a folder; name a folder"),
+        ({"out_dir": str(a_file)}, f"--out-dir {a_file} is a file; name a directory"),
         ({"out_dir": str(a_file / "run")}, f"--out-dir {a_file}/run: {a_file} is a file, so "
                                            "nothing can be created under it"),
     ]

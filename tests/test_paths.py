@@ -27,13 +27,13 @@ def test_output_folders_and_files(places):
     assert output_dir_problem(str(a_dir / "new" / "deeper"), "--out") is None  # created later
     assert not (a_dir / "new").exists()  # looking creates nothing
     assert output_dir_problem(str(a_file), "--out") == (
-        f"--out {a_file} is a file, not a folder; name a folder (created if missing)")
+        f"--out {a_file} is a file; name a directory (created if missing)")
     assert output_dir_problem(str(a_file / "run"), "--out") == (
         f"--out {a_file}/run: {a_file} is a file, so nothing can be created under it; name a "
-        "folder you can write to")
+        "directory you can write to")
     assert output_file_problem(str(a_dir / "model.pt"), "--to") is None
     assert output_file_problem(str(a_dir), "--to") == (
-        f"--to {a_dir} is a folder; name a file, e.g. {a_dir}/model.pt")
+        f"--to {a_dir} is a directory; name a file, e.g. {a_dir}/model.pt")
     assert output_file_problem(str(a_file / "model.pt"), "--to").startswith(
         f"--to {a_file}/model.pt: {a_file} is a file")
 
@@ -43,20 +43,20 @@ def test_a_folder_that_cannot_be_written_is_tried_not_guessed():
     # Writing is tried: mode bits would say yes to root, and /proc refuses even root.
     problem = output_dir_problem("/proc/recipes-run", "--out")
     assert problem.startswith("--out /proc/recipes-run: cannot write in /proc (")
-    assert problem.endswith("); name a folder you can write to")
+    assert problem.endswith("); name a directory you can write to")
 
 
 def test_input_folders_and_files(places):
     a_file, a_dir = places
-    what = "the folder save_pretrained wrote"
+    what = "the directory save_pretrained wrote"
     assert input_dir_problem(str(a_dir), "--in", what) is None
     assert input_dir_problem(str(a_file), "--in", what) == (
-        f"--in {a_file} is a file, not a folder; pass {what}")
+        f"--in {a_file} is a file, not a directory; pass {what}")
     assert input_dir_problem(str(a_dir / "gone"), "--in", what) == (
         f"--in {a_dir}/gone does not exist; pass {what}")
     assert input_file_problem(str(a_file), "--ckpt", "a .ckpt file") is None
     assert input_file_problem(str(a_dir), "--ckpt", "a .ckpt file") == (
-        f"--ckpt {a_dir} is a folder, not a file; pass a .ckpt file")
+        f"--ckpt {a_dir} is a directory, not a file; pass a .ckpt file")
     assert input_file_problem(str(a_dir / "gone.ckpt"), "--ckpt", "a .ckpt file") == (
         f"--ckpt {a_dir}/gone.ckpt does not exist; pass a .ckpt file")
 
@@ -84,3 +84,27 @@ def test_every_rank_stops_on_a_problem_any_rank_found():
     with pytest.raises(RecipeError, match="^first$"):  # no world: this process's first problem
         refuse(None, "first", "second")
     refuse(None, None)
+
+
+def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
+    """The recipes whose output path failed only when written (after training, or in makedirs, in
+    a traceback): each is refused up front, in the line that names the option."""
+    from recipes import ddp_spawn, hang_diagnosis, meta_init
+
+    a_file, a_dir = places
+    cases = [
+        (ddp_spawn.launch, ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(a_dir)),
+         f"--checkpoint-path {a_dir} is a directory; name a file, e.g. {a_dir}/model.pt"),
+        (ddp_spawn.launch, ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(a_file / "c.pt")),
+         f"--checkpoint-path {a_file}/c.pt: {a_file} is a file, so nothing can be created"),
+        (hang_diagnosis.run, hang_diagnosis.HangConfig(trace_dir=str(a_file)),
+         f"--trace-dir {a_file} is a file; name a directory (created if missing)"),
+        (meta_init.run, meta_init.MetaInitConfig(create_seed_checkpoint=True,
+                                                  seed_checkpoint_dir=str(a_file)),
+         f"--seed-checkpoint-dir {a_file} is a file; name a directory (created if missing)"),
+    ]
+    for run, cfg, message in cases:
+        with pytest.raises(RecipeError) as caught:
+            run(cfg)
+        assert str(caught.value).startswith(message), str(caught.value)
+    assert sorted(os.listdir(tmp_path)) == ["a_dir", "a_file"] and not os.listdir(a_dir)

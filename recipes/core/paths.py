@@ -40,17 +40,17 @@ def _unwritable(path: str) -> str | None:
 def output_dir_problem(path: str, flag: str) -> str | None:
     """A folder the run creates if missing and writes into."""
     if os.path.exists(path) and not os.path.isdir(path):
-        return f"{flag} {path} is a file, not a folder; name a folder (created if missing)"
+        return f"{flag} {path} is a file; name a directory (created if missing)"
     why = _unwritable(path)
-    return f"{flag} {path}: {why}; name a folder you can write to" if why else None
+    return f"{flag} {path}: {why}; name a directory you can write to" if why else None
 
 
 def output_file_problem(path: str, flag: str) -> str | None:
     """A file the run writes (its folder is created if missing)."""
     if os.path.isdir(path):
-        return f"{flag} {path} is a folder; name a file, e.g. {os.path.join(path, 'model.pt')}"
+        return f"{flag} {path} is a directory; name a file, e.g. {os.path.join(path, 'model.pt')}"
     why = _unwritable(os.path.dirname(os.path.abspath(path)))
-    return f"{flag} {path}: {why}; name a file in a folder you can write to" if why else None
+    return f"{flag} {path}: {why}; name a file in a directory you can write to" if why else None
 
 
 def input_dir_problem(path: str, flag: str, what: str) -> str | None:
@@ -59,7 +59,7 @@ def input_dir_problem(path: str, flag: str, what: str) -> str | None:
     if not os.path.exists(path):
         return f"{flag} {path} does not exist; pass {what}"
     if not os.path.isdir(path):
-        return f"{flag} {path} is a file, not a folder; pass {what}"
+        return f"{flag} {path} is a file, not a directory; pass {what}"
     if not os.access(path, os.R_OK | os.X_OK):
         return f"{flag} {path} cannot be read by this user; pass {what} that you can read"
     return None
@@ -70,7 +70,7 @@ def input_file_problem(path: str, flag: str, what: str) -> str | None:
     if not os.path.exists(path):
         return f"{flag} {path} does not exist; pass {what}"
     if os.path.isdir(path):
-        return f"{flag} {path} is a folder, not a file; pass {what}"
+        return f"{flag} {path} is a directory, not a file; pass {what}"
     if not os.access(path, os.R_OK):
         return f"{flag} {path} cannot be read by this user; pass {what} that you can read"
     return None
