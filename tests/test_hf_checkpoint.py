@@ -253,7 +253,7 @@ def test_a_broken_folder_or_file_fails_in_one_line_naming_it(tmp_path):
     cases = [
         ({"hf_dir": str(a_file)}, f"--hf-dir {a_file} is a file, not a directory; pass the "
                                   "directory save_pretrained wrote"),
-        ({"hf_dir": str(tmp_path / "nowhere")}, "does not exist; pass the directory save_pretrained"),
+        ({"hf_dir": str(tmp_path / "nowhere")}, "does not exist; pass the directory "),
         ({"hf_dir": not_config}, f"{not_config}/config.json is not a model config (Expecting "),
         ({"hf_dir": truncated}, f"{truncated}/model.safetensors is not a readable safetensors file "
                                 "(Error while deserializing header: incomplete metadata, file not "
