@@ -74,6 +74,7 @@ from recipes.core.lightning import (
     tensorboard_available,
 )
 from recipes.core.log import get_logger
+from recipes.core.paths import input_file_problem, output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import lightning_precision
 from recipes.core.throughput import Workload
@@ -499,6 +500,10 @@ def train(cfg: LightningConfig) -> RecipeResult:
         return _fit(cfg, world, devices=devices, num_nodes=num_nodes)
 
 
+def _exists_problem(path: str, flag: str, what: str) -> str | None:
+    return None if os.path.exists(path) else f"{flag} {path} does not exist; pass {what}"
+
+
 def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) -> RecipeResult:
     accelerator = "cuda" if world.device.type == "cuda" else "cpu"
     precision, core_precision = lightning_precision(cfg.precision, world.device)
@@ -527,6 +532,12 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
                 "state_dict_type 'full' crashes torch's FSDP on CPU (a segfault offloading the "
                 "gathered state to CPU); use --state-dict-type sharded on CPU, full on GPUs"
             )
+    # Before fit: a file where --output-dir goes failed in makedirs; a missing --resume-from in
+    # Lightning's traceback. DDP's checkpoint is one file; FSDP's sharded one is a directory.
+    resume_what = "a .ckpt file (or the FSDP checkpoint directory) that an earlier run wrote"
+    refuse(output_dir_problem(cfg.output_dir, "--output-dir"),
+           cfg.resume_from and (input_file_problem if cfg.strategy in ("ddp", "ddp_spawn") else
+                                _exists_problem)(cfg.resume_from, "--resume-from", resume_what))
     timer = StepTimer(world.device)
     module = LMModule(cfg.model, lr=cfg.lr, seed=cfg.seed)
     data = LMDataModule(cfg.model, cfg.global_batch_size, seed=cfg.seed)

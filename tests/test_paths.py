@@ -1,6 +1,7 @@
 """recipes/core/paths.py: a path option that cannot work is named, with the fix, before any work;
 under a world every rank stops on the problem any rank found (no rank left waiting)."""
 
+import importlib.util
 import os
 import sys
 
@@ -103,6 +104,22 @@ def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
                                                   seed_checkpoint_dir=str(a_file)),
          f"--seed-checkpoint-dir {a_file} is a file; name a directory (created if missing)"),
     ]
+    if importlib.util.find_spec("lightning") is not None:  # an optional dependency
+        from recipes import lightning_fabric, lightning_trainer
+
+        cases += [
+            (lightning_fabric.train, lightning_fabric.FabricConfig(resume_from=str(a_dir)),
+             f"--resume-from {a_dir} is a directory, not a file; pass a step-N.ckpt file"),
+            (lightning_fabric.train, lightning_fabric.FabricConfig(
+                checkpoint_every_n_steps=1, checkpoint_dir=str(a_file)),
+             f"--checkpoint-dir {a_file} is a file; name a directory"),
+            (lightning_trainer.train, lightning_trainer.LightningConfig(
+                output_dir=str(a_file), resume_from=str(a_dir / "gone.ckpt")),
+             f"--output-dir {a_file} is a file; name a directory"),
+            (lightning_trainer.train, lightning_trainer.LightningConfig(
+                output_dir=str(a_dir), resume_from=str(a_dir / "gone.ckpt")),
+             f"--resume-from {a_dir}/gone.ckpt does not exist; pass a .ckpt file"),
+        ]
     for run, cfg, message in cases:
         with pytest.raises(RecipeError) as caught:
             run(cfg)
