@@ -1,5 +1,6 @@
-"""recipes/core/paths.py: a path option that cannot work is named, with the fix, before any work;
-under a world every rank stops on the problem any rank found (no rank left waiting)."""
+"""Bad input that recipes let through, refused before any work in one line that names the option and
+the fix: path options (recipes/core/paths.py; under a world every rank stops on the problem any
+rank found, no rank left waiting) and numbers that are accepted but would do nothing."""
 
 import importlib.util
 import os
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from recipes.core.config import RecipeError
+from recipes.core.config import RecipeError, check_step_reached
 from recipes.core.paths import (input_dir_problem, input_file_problem, output_dir_problem,
                                 output_file_problem, refuse)
 from recipes.core.spawn import spawn_world
@@ -125,3 +126,42 @@ def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
             run(cfg)
         assert str(caught.value).startswith(message), str(caught.value)
     assert sorted(os.listdir(tmp_path)) == ["a_dir", "a_file"] and not os.listdir(a_dir)
+
+
+def test_a_step_option_past_the_last_step_is_refused():
+    """A fault injected, or an all_reduce skipped, at a step the run never reaches: the run passed
+    as a clean one, and looked like the demonstration it was not."""
+    from recipes import amp, fsdp, fsdp2, hang_diagnosis
+
+    check_step_reached("skip_step", 3, 4)  # the last step is fine
+    cases = [
+        (lambda: amp.AMPConfig(precision="fp16", steps=4, overflow_at_step=4),
+         "overflow_at_step=4 is never reached: the steps are 0 to 3; use --overflow-at-step 3 or "
+         "less, or --steps 5 or more"),
+        (lambda: fsdp.FSDPConfig(steps=4, inject_inf_step=7), "inject_inf_step=7 is never reached"),
+        (lambda: fsdp2.FSDP2Config(steps=4, inject_inf_step=4), "inject_inf_step=4 is never"),
+        (lambda: hang_diagnosis.HangConfig(steps=4, skip_rank=1, skip_step=4),
+         "skip_step=4 is never reached: the steps are 0 to 3; use --skip-step 3 or less"),
+    ]
+    for make, message in cases:
+        with pytest.raises(RecipeError) as caught:
+            make()
+        assert str(caught.value).startswith(message), str(caught.value)
+    hang_diagnosis.HangConfig(steps=4, skip_step=9)  # no --skip-rank: --skip-step is not used
+    # A rank this world does not have never injects either.
+    for train, config in ((fsdp.train, fsdp.FSDPConfig), (fsdp2.train, fsdp2.FSDP2Config)):
+        with pytest.raises(RecipeError, match=r"^inject_inf_rank=1 is not a rank of this world of "
+                                              r"1; use 0 to 0$"):
+            train(config(steps=2, inject_inf_step=1, inject_inf_rank=1, backend="gloo"))
+
+
+def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
+    from recipes import amp
+    from recipes.core.cli import run_cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(amp.train, amp.AMPConfig, None, ["--precision", "fp16", "--overflow-at-step", "6"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: overflow_at_step=6 is never reached: the steps are 0 to 5; use --overflow-at-step "
+        "5 or less, or --steps 7 or more"]
