@@ -91,6 +91,13 @@ class FabricConfig(TrainConfig):
         "", "checkpoint to resume from (fabric.load): training goes on at its step"
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
+            raise RecipeError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
+                              f"steps={self.steps}: no checkpoint would be written; use "
+                              f"--checkpoint-every-n-steps {self.steps} or less (0 = none)")
+
 
 # --8<-- [start:train]
 def train(cfg: FabricConfig) -> RecipeResult:

@@ -154,6 +154,10 @@ class LightningConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
+            raise RecipeError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
+                              f"steps={self.steps}: no checkpoint would be written; use "
+                              f"--checkpoint-every-n-steps {self.steps} or less (0 = none)")
         if self.logger == "tensorboard" and not tensorboard_available():
             raise RecipeError(
                 "logger 'tensorboard' needs the tensorboard package: pip install tensorboard, "

@@ -165,3 +165,15 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: overflow_at_step=6 is never reached: the steps are 0 to 5; use --overflow-at-step "
         "5 or less, or --steps 7 or more"]
+
+
+def test_a_checkpoint_interval_longer_than_the_run_is_refused():
+    lightning = pytest.importorskip("recipes.lightning_fabric", reason="needs lightning")
+    from recipes import lightning_trainer
+
+    for config in (lightning.FabricConfig, lightning_trainer.LightningConfig):
+        with pytest.raises(RecipeError, match=r"^checkpoint_every_n_steps=7 > steps=6: no "
+                                              r"checkpoint would be written; use "
+                                              r"--checkpoint-every-n-steps 6 or less \(0 = none\)$"):
+            config(steps=6, checkpoint_every_n_steps=7)
+        config(steps=6, checkpoint_every_n_steps=6)  # saves once, at the end
