@@ -206,7 +206,8 @@ def test_bad_checkpoints_fail_in_one_line(tmp_path):
                     "--out-dir", str(tmp_path / "out")], timeout_s=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: no config.json in {str(tmp_path / 'none')!r}; pass a save_pretrained directory")
+        f"error: --hf-dir {tmp_path / 'none'} does not exist; pass the directory save_pretrained "
+        "wrote")
 
 
 # Slow: a torchrun launch of 2 fresh interpreters that import transformers; the same run() is
@@ -254,6 +255,8 @@ def test_a_broken_folder_or_file_fails_in_one_line_naming_it(tmp_path):
         ({"hf_dir": str(a_file)}, f"--hf-dir {a_file} is a file, not a directory; pass the "
                                   "directory save_pretrained wrote"),
         ({"hf_dir": str(tmp_path / "nowhere")}, "does not exist; pass the directory "),
+        ({"hf_dir": str(tmp_path)}, f"no config.json in {str(tmp_path)!r}; pass a save_pretrained "
+                                    "directory"),
         ({"hf_dir": not_config}, f"{not_config}/config.json is not a model config (Expecting "),
         ({"hf_dir": truncated}, f"{truncated}/model.safetensors is not a readable safetensors file "
                                 "(Error while deserializing header: incomplete metadata, file not "
@@ -276,4 +279,4 @@ def test_a_broken_folder_or_file_fails_in_one_line_naming_it(tmp_path):
                     "--out-dir", out], timeout_s=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")] \
-        == [f"error: {cases[3][1]}"]
+        == [f"error: {cases[4][1]}"]
