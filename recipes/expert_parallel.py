@@ -84,8 +84,10 @@ class EPConfig(TrainConfig):
 
 
 def capacity_problem(capacity_factor: float) -> str:
-    return (f"capacity_factor must be > 0, got {capacity_factor:g}: an expert would take no token "
-            "and every token would be dropped; leave it out (inf: none dropped) or use e.g. 1.25")
+    why = ": an expert would take no token and every token would be dropped" * (
+        capacity_factor == 0)
+    return (f"capacity_factor must be > 0, got {capacity_factor:g}{why}; leave it out (inf: none "
+            "dropped) or use e.g. 1.25")
 
 
 def check_ep_fits(num_experts: int, ep_size: int) -> None:
