@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 
 from recipes.core.cli import run_cli
-from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
+from recipes.core.config import CompileOption, RecipeError, TrainConfig, check_step_reached, opt
 from recipes.core.log import get_logger
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import full_state_on_cpu
@@ -86,6 +86,8 @@ class AMPConfig(CompileOption, TrainConfig):
                 "an "
                 f"overflowing step); got --precision {self.precision}"
             )
+        if self.overflow_at_step >= 0:
+            check_step_reached("overflow_at_step", self.overflow_at_step, self.steps)
 
 
 def pick_device(requested: str) -> torch.device:

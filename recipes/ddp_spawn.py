@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
+from recipes.core.paths import output_file_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result, param_checksum
 from recipes.core.state import full_state_on_cpu, mean_over_ranks
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
@@ -149,6 +150,7 @@ def save_on_rank0_and_load_everywhere(
             "optimizer": optimizer.state_dict(),
             "step": step,
         }
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)  # readers never see a half-written file
     dist.barrier()  # nobody reads before rank 0 has finished writing
@@ -204,6 +206,8 @@ def launch(cfg: DDPSpawnConfig) -> RecipeResult:
     resolve_backend(cfg.backend, cfg.nprocs)
     if cfg.nprocs < 1:
         raise RecipeError(f"nprocs must be >= 1, got {cfg.nprocs}")
+    if cfg.checkpoint_path:  # a folder in the file's place failed only after training
+        refuse(output_file_problem(cfg.checkpoint_path, "--checkpoint-path"))
     if os.environ.get("MASTER_PORT"):
         master_port = int(os.environ["MASTER_PORT"])
         check_port_free(master_port)

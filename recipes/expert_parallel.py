@@ -22,11 +22,12 @@ batch (the counts are summed over the EP group), so it is the one-process loss; 
 share to its backward. Expert gradients come home through the all-to-alls; the other parameters
 are replicated and their gradients are summed across ranks.
 
-Capacity is explicit: ``--capacity-factor 0`` (the default) drops no token, so EP is exactly the
-one-process MoE. With c > 0 each expert takes at most ceil(c * tokens * top_k / E) of a rank's
-tokens, in token order; the rest are dropped (their MoE output is zero, the residual carries them)
-and counted in ``dropped_tokens``. The result reports ``tokens_per_expert`` of the last step: the
-assignments the router sent to each expert of each layer, over the whole batch, before any drop.
+Capacity is explicit: ``--capacity-factor inf`` (the default) drops no token, so EP is exactly the
+one-process MoE; 0 is refused (it would drop every token). With a finite c > 0 each expert takes at
+most ceil(c * tokens * top_k / E) of a rank's tokens, in token order; the rest are dropped (their
+MoE output is zero, the residual carries them) and counted in ``dropped_tokens``. The result
+reports ``tokens_per_expert`` of the last step: the assignments the router sent to each expert of
+each layer, over the whole batch, before any drop.
 
 Proven by tests/test_expert_parallel.py on gloo (torch 2.13): outputs, input, router and expert
 gradients and the token counts equal the one-process MoE; training equals one process.
@@ -67,17 +68,26 @@ log = get_logger(__name__)
 class EPConfig(TrainConfig):
     num_experts: int = opt(4, "experts per MoE layer, placed evenly on the ranks", ge=1)
     top_k: int = opt(2, "experts each token is routed to", ge=1)
-    capacity_factor: float = opt(0.0, "0: no token is dropped (exact parity); c > 0: an expert "
-                                      "takes at most ceil(c * tokens * top_k / experts) of a "
-                                      "rank's tokens", ge=0)
+    capacity_factor: float = opt(math.inf, "inf: no token is dropped (exact parity); c > 0: an "
+                                           "expert takes at most ceil(c * tokens * top_k / "
+                                           "experts) of a rank's tokens", gt=0, finite=False)
     aux_loss_coef: float = opt(0.01, "weight of the load-balancing loss E * sum_e f_e * P_e",
                                ge=0)
 
     def __post_init__(self) -> None:
+        if self.capacity_factor == 0:  # read as "no capacity" by some, as "room for 0" by others
+            raise RecipeError(capacity_problem(self.capacity_factor))
         super().__post_init__()
         if self.top_k > self.num_experts:
             raise RecipeError(f"top_k={self.top_k} > num_experts={self.num_experts}: a token needs "
                               f"top_k different experts; use --top-k {self.num_experts} or less")
+
+
+def capacity_problem(capacity_factor: float) -> str:
+    why = ": an expert would take no token and every token would be dropped" * (
+        capacity_factor == 0)
+    return (f"capacity_factor must be > 0, got {capacity_factor:g}{why}; leave it out (inf: none "
+            "dropped) or use e.g. 1.25")
 
 
 class ExpertParallelError(ValueError):
@@ -121,8 +131,10 @@ class MoE(nn.Module):
     is here (the one-process MoE); else this rank holds experts [r*E/N, (r+1)*E/N) (apply_ep)."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int,
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = math.inf):
         super().__init__()
+        if not capacity_factor > 0:  # nan too
+            raise ExpertParallelError(capacity_problem(capacity_factor))
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.w_in = nn.Parameter(torch.randn(num_experts, dim, hidden) / math.sqrt(dim))
@@ -142,7 +154,7 @@ class MoE(nn.Module):
         expert_of, token_of = experts.flatten()[order], order // k
         routed = torch.bincount(expert_of, minlength=num_experts)
         counts = routed
-        if self.capacity_factor > 0:  # keep the first `capacity` tokens of each expert
+        if math.isfinite(self.capacity_factor):  # keep the first `capacity` tokens of each expert
             capacity = math.ceil(self.capacity_factor * len(x) * k / num_experts)
             start = (routed.cumsum(0) - routed)[expert_of]
             kept = torch.arange(len(order), device=x.device) - start < capacity
@@ -285,7 +297,8 @@ def train(cfg: EPConfig) -> RecipeResult:
             keep_final_state=state if cfg.keep_final_state else None,
             workload=Workload(active, cfg.global_batch_size, precision),
             ep_size=ep_size, experts_per_rank=cfg.num_experts // ep_size, top_k=cfg.top_k,
-            capacity_factor=cfg.capacity_factor, aux_losses=aux_losses,
+            capacity_factor=cfg.capacity_factor if math.isfinite(cfg.capacity_factor) else None,
+            aux_losses=aux_losses,
             tokens_per_expert=[moe.tokens_per_expert for moe in moes],
             dropped_tokens=[moe.dropped_tokens for moe in moes],
         )

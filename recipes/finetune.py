@@ -46,6 +46,7 @@ from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
+from recipes.core.paths import output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
 from recipes.core.state import all_ranks, full_state_on_rank0, mean_over_ranks
@@ -308,6 +309,9 @@ def _step(cfg, wrapped, optimizer, scaler, batch, world, precision) -> torch.Ten
 def train(cfg: FinetuneConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
+        # Rank 0 writes the checkpoint: a file in the folder's place fails now, not after training.
+        refuse(output_dir_problem(cfg.checkpoint_dir, "--checkpoint-dir")
+               if cfg.checkpoint_dir and world.is_main else None)
         precision = setup_precision(cfg.precision, world.device)
         mesh = data_parallel_mesh(world, 1) if cfg.strategy == "fully_shard" else None
         data = MODEL_PRESETS[cfg.model] if cfg.arch == "cookbook" else HF_DATA

@@ -48,7 +48,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
+from recipes.core.config import (RecipeError, TrainConfig, check_step_reached, opt,
+                                 per_rank_batch_size)
 from recipes.core.log import get_logger
 from recipes.core.memory import inject_inf_gradient, measure_last_forward
 from recipes.core.result import RecipeResult, StepTimer, make_result
@@ -113,6 +114,11 @@ class FSDPConfig(TrainConfig):
         "-1 = never", ge=-1)
     inject_inf_rank: int = opt(1, "the rank that injects the inf (see --inject-inf-step)", ge=0)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.inject_inf_step >= 0:
+            check_step_reached("inject_inf_step", self.inject_inf_step, self.steps)
+
 
 # The command line's names for torch's enums; apply_fsdp itself takes the enums.
 STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
@@ -169,6 +175,9 @@ def train(cfg: FSDPConfig) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size,
                                              cfg.micro_batches)
+        if cfg.inject_inf_step >= 0 and cfg.inject_inf_rank >= world.world_size:  # never injected
+            raise RecipeError(f"inject_inf_rank={cfg.inject_inf_rank} is not a rank of this world "
+                              f"of {world.world_size}; use 0 to {world.world_size - 1}")
         mesh = hybrid_mesh(world, cfg.ranks_per_node) if cfg.sharding_strategy == "hybrid" else None
         precision = setup_precision(cfg.precision, world.device)
         model = build_model(cfg.model, seed=cfg.seed, device=world.device)

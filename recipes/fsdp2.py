@@ -65,7 +65,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from recipes.core.cli import run_cli
-from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt, per_rank_batch_size
+from recipes.core.config import (CompileOption, RecipeError, TrainConfig, check_step_reached,
+                                 opt, per_rank_batch_size)
 from recipes.core.log import get_logger
 from recipes.core.memory import inject_inf_gradient, measure_last_forward
 from recipes.core.result import RecipeResult, StepTimer, make_result
@@ -126,6 +127,8 @@ class FSDP2Config(CompileOption, TrainConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_reshard_after_forward(self.reshard_after_forward)
+        if self.inject_inf_step >= 0:
+            check_step_reached("inject_inf_step", self.inject_inf_step, self.steps)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -152,6 +155,9 @@ def train(cfg: FSDP2Config) -> RecipeResult:
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size,
                                              cfg.micro_batches)
+        if cfg.inject_inf_step >= 0 and cfg.inject_inf_rank >= world.world_size:  # never injected
+            raise RecipeError(f"inject_inf_rank={cfg.inject_inf_rank} is not a rank of this world "
+                              f"of {world.world_size}; use 0 to {world.world_size - 1}")
         mesh = data_parallel_mesh(world, cfg.hsdp_replicas)
         shard_size = mesh.size(mesh.ndim - 1)
         reshard = parse_reshard_after_forward(cfg.reshard_after_forward)

@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 
 from recipes.core.cli import run_cli
-from recipes.core.config import Config, RecipeError, opt, per_rank_batch_size
+from recipes.core.config import Config, RecipeError, check_step_reached, opt, per_rank_batch_size
 from recipes.core.log import get_logger
+from recipes.core.paths import output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.workload import (
     build_model,
@@ -83,6 +84,11 @@ class HangConfig(Config):
                                     "0 = half of --timeout-s", ge=0)
     backend: Literal["auto", "gloo", "nccl"] = opt("auto", "process-group backend (see core.world)")
     seed: int = opt(0, "seed for model init and data order", ge=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.skip_rank >= 0:  # a skip past the last step: a clean run that looks diagnosed
+            check_step_reached("skip_step", self.skip_step, self.steps)
 
 
 # --8<-- [start:recorder]
@@ -232,6 +238,7 @@ def train_steps(cfg: HangConfig, world: World, stack_file: object) -> list[float
 
 # --8<-- [start:run]
 def run(cfg: HangConfig) -> RecipeResult:
+    refuse(output_dir_problem(cfg.trace_dir, "--trace-dir"))  # every rank writes there
     enable_flight_recorder(cfg.trace_dir, cfg.buffer_size)
     if cfg.mode == "detail":  # = TORCH_DISTRIBUTED_DEBUG=DETAIL, read when the group is created
         dist.set_debug_level(dist.DebugLevel.DETAIL)

@@ -23,6 +23,10 @@ one name; ``from_pretrained`` ties the other back. Here the names of one paramet
 ``named_parameters(remove_duplicate=False)``: the load accepts a file without the alias, and the
 export writes the first name only, as ``save_pretrained`` does. A file whose names do not match the
 model's is refused before anything is read, in one line naming the missing and unexpected keys.
+
+Length: about 335 lines, over the cookbook's ~300: a user's folder is checked before any rank reads
+it (a file in its place, a config.json that is not one, a missing or truncated safetensors file),
+so that bad input is one line naming the file, not a crash on one rank and a hang on the others.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from recipes.core.cli import run_cli
 from recipes.core.config import Config, RecipeError, opt, per_rank_batch_size
 from recipes.core.log import get_logger
+from recipes.core.paths import input_dir_problem, output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import all_ranks, mean_over_ranks
 from recipes.core.workload import (
@@ -110,25 +115,55 @@ def aliases(model: nn.Module) -> dict[str, str]:
 
 # --8<-- [start:files]
 def safetensors_files(hf_dir: str) -> dict[str, str]:
-    """{tensor name: file} from the index, or from the one ``model.safetensors``."""
-    from safetensors import safe_open
+    """{tensor name: file} from the index, or from the one ``model.safetensors``. Every file's
+    header is read: a missing or truncated file is named now, not as a rank's crash in the load."""
+    from safetensors import SafetensorError, safe_open
 
     index = os.path.join(hf_dir, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
-    single = os.path.join(hf_dir, "model.safetensors")
-    if not os.path.exists(single):
-        raise RecipeError(f"no model.safetensors or {INDEX} in {hf_dir!r}; pass a directory "
-                          "that save_pretrained wrote")
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RecipeError(f"{index} is not an index save_pretrained writes ({exc!r}); "
+                              "save the model again, or remove the index") from None
+        files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+    else:
+        single = os.path.join(hf_dir, "model.safetensors")
+        if not os.path.exists(single):
+            raise RecipeError(f"no model.safetensors or {INDEX} in {hf_dir!r}; pass a directory "
+                              "that save_pretrained wrote")
+        files = {}
+    names = {}
+    for path in sorted(set(files.values())) or [single]:
+        if not os.path.isfile(path):
+            raise RecipeError(f"{INDEX} in {hf_dir!r} names {os.path.basename(path)}, which is "
+                              "missing; copy every file the index lists")
+        try:
+            with safe_open(path, framework="pt") as f:
+                names[path] = list(f.keys())
+        except (OSError, SafetensorError) as exc:
+            raise RecipeError(f"{path} is not a readable safetensors file ({exc}); it may be "
+                              "truncated: save or download it again") from None
+    return files or dict.fromkeys(names[single], single)
 
 
 def check_hf_dir(hf_dir: str) -> None:
-    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+    problem = input_dir_problem(hf_dir, "--hf-dir", "the directory save_pretrained wrote")
+    if problem:
+        raise RecipeError(problem)
+    config = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(config):
         raise RecipeError(f"no config.json in {hf_dir!r}; pass a save_pretrained directory")
+    try:
+        with open(config) as f:
+            json.load(f)
+        from transformers import AutoConfig
+        AutoConfig.from_pretrained(hf_dir)
+    except (OSError, ValueError, KeyError) as exc:  # not JSON; JSON that names no known model
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(f"{config} is not a model config ({first_line}); save it again with "
+                          "model.config.save_pretrained") from None
     safetensors_files(hf_dir)
 
 
@@ -234,12 +269,15 @@ def build_hf_sharded(hf_config, mesh, device: torch.device) -> nn.Module:
 
 # --8<-- [start:run]
 def run(cfg: HFCheckpointConfig) -> RecipeResult:
-    if cfg.hf_dir:  # bad input fails here, before a world or transformers is started
+    if cfg.hf_dir:  # bad input fails here, before a world is started
         check_hf_dir(cfg.hf_dir)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
         per_rank = per_rank_batch_size(cfg.global_batch_size, world.world_size)
+        # Every rank writes under --out-dir (its DCP shards): each looks, all stop together.
+        refuse(*(output_dir_problem(path, "--out-dir") for path in (
+            cfg.out_dir, *(os.path.join(cfg.out_dir, sub) for sub in ("initial", "dcp", "hf")))))
         hf_dir = cfg.hf_dir or os.path.join(cfg.out_dir, "initial")
         if not cfg.hf_dir and world.is_main:  # a from_pretrained-style start, as users have one
             torch.manual_seed(cfg.seed)

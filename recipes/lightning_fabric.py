@@ -49,6 +49,7 @@ import torch
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
+from recipes.core.paths import input_file_problem, output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import full_state_on_cpu
 from recipes.core.speed import lightning_precision, make_adamw
@@ -90,6 +91,13 @@ class FabricConfig(TrainConfig):
         "", "checkpoint to resume from (fabric.load): training goes on at its step"
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
+            raise RecipeError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
+                              f"steps={self.steps}: no checkpoint would be written; use "
+                              f"--checkpoint-every-n-steps {self.steps} or less (0 = none)")
+
 
 # --8<-- [start:train]
 def train(cfg: FabricConfig) -> RecipeResult:
@@ -104,6 +112,12 @@ def train(cfg: FabricConfig) -> RecipeResult:
             )
         k = cfg.accumulate_grad_batches
         micro_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size, micro_batches=k)
+        # Every rank reads --resume-from; rank 0 writes the checkpoints: before any step, not at
+        # the first save or in fabric.load's traceback.
+        refuse(cfg.resume_from and input_file_problem(
+                   cfg.resume_from, "--resume-from", "a step-N.ckpt file that fabric.save wrote"),
+               cfg.checkpoint_every_n_steps and world.is_main
+               and output_dir_problem(cfg.checkpoint_dir, "--checkpoint-dir"))
         fabric = L.Fabric(
             accelerator="cuda" if world.device.type == "cuda" else "cpu",
             devices=world.local_world_size,

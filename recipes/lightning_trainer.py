@@ -81,6 +81,7 @@ from recipes.core.lightning import (
     tensorboard_available,
 )
 from recipes.core.log import get_logger
+from recipes.core.paths import input_file_problem, output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.speed import lightning_precision
 from recipes.core.throughput import Workload
@@ -160,6 +161,10 @@ class LightningConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
+            raise RecipeError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
+                              f"steps={self.steps}: no checkpoint would be written; use "
+                              f"--checkpoint-every-n-steps {self.steps} or less (0 = none)")
         if self.logger == "tensorboard" and not tensorboard_available():
             raise RecipeError(
                 "logger 'tensorboard' needs the tensorboard package: pip install tensorboard, "
@@ -506,6 +511,10 @@ def train(cfg: LightningConfig) -> RecipeResult:
         return _fit(cfg, world, devices=devices, num_nodes=num_nodes)
 
 
+def _exists_problem(path: str, flag: str, what: str) -> str | None:
+    return None if os.path.exists(path) else f"{flag} {path} does not exist; pass {what}"
+
+
 def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) -> RecipeResult:
     accelerator = "cuda" if world.device.type == "cuda" else "cpu"
     precision, core_precision = lightning_precision(cfg.precision, world.device)
@@ -534,6 +543,12 @@ def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) ->
                 "state_dict_type 'full' crashes torch's FSDP on CPU (a segfault offloading the "
                 "gathered state to CPU); use --state-dict-type sharded on CPU, full on GPUs"
             )
+    # Before fit: a file where --output-dir goes failed in makedirs; a missing --resume-from in
+    # Lightning's traceback. DDP's checkpoint is one file; FSDP's sharded one is a directory.
+    resume_what = "a .ckpt file (or the FSDP checkpoint directory) that an earlier run wrote"
+    refuse(output_dir_problem(cfg.output_dir, "--output-dir"),
+           cfg.resume_from and (input_file_problem if cfg.strategy in ("ddp", "ddp_spawn") else
+                                _exists_problem)(cfg.resume_from, "--resume-from", resume_what))
     timer = StepTimer(world.device)
     module = LMModule(cfg.model, lr=cfg.lr, seed=cfg.seed)
     data = LMDataModule(cfg.model, cfg.global_batch_size, seed=cfg.seed)

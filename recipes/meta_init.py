@@ -52,6 +52,7 @@ from recipes.core.cli import run_cli
 from recipes.core.config import Config, RecipeError, opt
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
+from recipes.core.paths import output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import all_ranks, full_state_on_rank0, mean_over_ranks
 from recipes.core.workload import (
@@ -172,6 +173,7 @@ def full_model_bytes(model: nn.Module) -> int:
 def run(cfg: MetaInitConfig) -> RecipeResult:
     model_cfg = MODEL_PRESETS[cfg.model]
     if cfg.create_seed_checkpoint:  # one process, the one full build of the seed_checkpoint method
+        refuse(output_dir_problem(cfg.seed_checkpoint_dir, "--seed-checkpoint-dir"))
         write_seed_checkpoint(build_model(cfg.model, seed=cfg.seed), cfg.seed_checkpoint_dir)
         log.info("seed checkpoint of %s (seed %d) written to %s", cfg.model, cfg.seed,
                  cfg.seed_checkpoint_dir)

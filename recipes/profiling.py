@@ -41,6 +41,7 @@ from torch.profiler import ProfilerActivity, record_function
 from recipes.core.cli import run_cli
 from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
 from recipes.core.log import get_logger
+from recipes.core.paths import output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
 from recipes.core.state import full_state_on_cpu
 from recipes.core.speed import (autocast, check_autocast, make_adamw, make_grad_scaler,
@@ -157,8 +158,8 @@ def shared_trace_dir(requested: str) -> str:
     fresh = not requested and dist.get_rank() == 0
     path = [tempfile.mkdtemp(prefix="recipes-profile-") if fresh else requested]
     dist.broadcast_object_list(path, src=0)  # before profiling: this collective is not in the trace
-    if os.path.exists(path[0]) and not os.path.isdir(path[0]):
-        raise RecipeError(f"--trace-dir {path[0]} is a file; name a directory (or leave it out)")
+    # Every rank writes its trace there: a file in its place, or above it, stops every rank.
+    refuse(output_dir_problem(path[0], "--trace-dir"))
     os.makedirs(path[0], exist_ok=True)  # on other nodes, rank 0's temporary name is created anew
     return path[0]
 

@@ -1,6 +1,8 @@
 """expert_parallel: the MoE with its experts on 2 ranks computes what the one-process MoE does
 (outputs, gradients, token counts, training); capacity drops are explicit; bad layouts fail."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,10 +43,10 @@ def layer_differences(world, capacity_factor: float) -> dict:
                                                                            generator=generator)
     share = TOKENS // world.world_size
     mine = slice(world.rank * share, (world.rank + 1) * share)
-    x_whole = (x if capacity_factor == 0 else x[mine]).clone().requires_grad_()
+    x_whole = (x if capacity_factor == math.inf else x[mine]).clone().requires_grad_()
     x_mine = x[mine].clone().requires_grad_()
     y_whole, y_mine = whole(x_whole), split(x_mine)
-    if capacity_factor > 0:  # EP reports the group's drops: sum the one-process runs' drops
+    if capacity_factor < math.inf:  # EP reports the group's drops: sum the one-process runs' drops
         dropped = torch.tensor(whole.dropped_tokens)
         dist.all_reduce(dropped)
         return {"output": (y_mine - y_whole).abs().max().item(),
@@ -67,7 +69,7 @@ def layer_differences(world, capacity_factor: float) -> dict:
 
 def ep_world(configs):
     with join_world("gloo", timeout_s=120) as world:
-        layers = [layer_differences(world, capacity) for capacity in (0.0, 0.5)]
+        layers = [layer_differences(world, capacity) for capacity in (math.inf, 0.5)]
         return layers, [expert_parallel.train(cfg) for cfg in configs]
 
 
@@ -121,13 +123,23 @@ def test_torchrun_launch_equals_one_process():
     assert launched.stdout.count("] step ") == STEPS and "[rank1]" not in launched.stdout
 
 
-def test_bad_command_line_is_one_line_and_exit_code_2(capsys):
+@pytest.mark.parametrize("args, line", [
+    (["--top-k", "5"], "error: top_k=5 > num_experts=4: a token needs top_k different experts; "
+                       "use --top-k 4 or less"),
+    # 0 reads as "no capacity" to some and as "room for no token" to others: refused, naming both.
+    (["--capacity-factor", "0"], "error: capacity_factor must be > 0, got 0: an expert would take "
+                                 "no token and every token would be dropped; leave it out (inf: "
+                                 "none dropped) or use e.g. 1.25"),
+    (["--capacity-factor", "-1"], "error: capacity_factor must be > 0, got -1"),
+])
+def test_bad_command_line_is_one_line_and_exit_code_2(capsys, args, line):
     with pytest.raises(SystemExit) as exit_info:
-        cli.run_cli(expert_parallel.train, expert_parallel.EPConfig, None, ["--top-k", "5"])
+        cli.run_cli(expert_parallel.train, expert_parallel.EPConfig, None, args)
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [(
-        "error: top_k=5 > num_experts=4: a token needs top_k different experts; use --top-k 4 "
-        "or less")]
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+    with pytest.raises(expert_parallel.ExpertParallelError,
+                       match="capacity_factor must be > 0, got 0: an expert"):
+        expert_parallel.MoE(8, 16, 4, 2, capacity_factor=0.0)  # the layer a user copies, too
 
 
 def test_a_refusal_of_a_copyable_function_is_one_line_and_exit_code_2(capsys):

@@ -206,7 +206,8 @@ def test_bad_checkpoints_fail_in_one_line(tmp_path):
                     "--out-dir", str(tmp_path / "out")], timeout_s=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: no config.json in {str(tmp_path / 'none')!r}; pass a save_pretrained directory")
+        f"error: --hf-dir {tmp_path / 'none'} does not exist; pass the directory save_pretrained "
+        "wrote")
 
 
 # Slow: a torchrun launch of 2 fresh interpreters that import transformers; the same run() is
@@ -221,3 +222,61 @@ def test_torchrun_launch_exports_what_from_pretrained_loads(tmp_path):
     extras = last_json(proc.stdout)["extras"]
     assert extras["export_logits_max_abs_diff"] <= 1e-6
     assert extras["files"] == ["config.json", "model.safetensors"]
+
+
+def test_a_broken_folder_or_file_fails_in_one_line_naming_it(tmp_path):
+    """Each bad input stops before training with the file named and the fix: a file given as a
+    folder, a config.json that is not one, a truncated safetensors file (its header no longer
+    covers the file), an index naming a missing file; --out-dir a file, or under one."""
+    import shutil
+
+    good = str(tmp_path / "good")
+    save_tiny("gpt2", good)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    truncated, not_config, sharded = (str(tmp_path / n) for n in ("trunc", "config", "sharded"))
+    shutil.copytree(good, truncated)
+    with open(os.path.join(good, "model.safetensors"), "rb") as f:
+        data = f.read()
+    with open(os.path.join(truncated, "model.safetensors"), "wb") as f:
+        f.write(data[:len(data) // 2])  # an interrupted download
+    shutil.copytree(good, not_config)
+    with open(os.path.join(not_config, "config.json"), "w") as f:
+        f.write("{\"model\": ")
+    shutil.copytree(good, sharded)  # as save_pretrained(max_shard_size=...) writes, one file lost
+    missing = "model-00002-of-00002.safetensors"
+    os.replace(os.path.join(sharded, "model.safetensors"),
+               os.path.join(sharded, "model-00001-of-00002.safetensors"))
+    with open(os.path.join(sharded, hf.INDEX), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {"transformer.wte.weight": missing, "lm_head":
+                   "model-00001-of-00002.safetensors"}}, f)
+    out = str(tmp_path / "out")
+    cases = [
+        ({"hf_dir": str(a_file)}, f"--hf-dir {a_file} is a file, not a directory; pass the "
+                                  "directory save_pretrained wrote"),
+        ({"hf_dir": str(tmp_path / "nowhere")}, "does not exist; pass the directory "),
+        ({"hf_dir": str(tmp_path)}, f"no config.json in {str(tmp_path)!r}; pass a save_pretrained "
+                                    "directory"),
+        ({"hf_dir": not_config}, f"{not_config}/config.json is not a model config (Expecting "),
+        ({"hf_dir": truncated}, f"{truncated}/model.safetensors is not a readable safetensors file "
+                                "(Error while deserializing header: incomplete metadata, file not "
+                                "fully covered); it may be truncated: save or download it again"),
+        ({"hf_dir": sharded}, f"{hf.INDEX} in '{sharded}' names {missing}, which is missing; "
+                              "copy every file the index lists"),
+        ({"out_dir": str(a_file)}, f"--out-dir {a_file} is a file; name a directory"),
+        ({"out_dir": str(a_file / "run")}, f"--out-dir {a_file}/run: {a_file} is a file, so "
+                                           "nothing can be created under it"),
+    ]
+    for changes, message in cases:
+        cfg = hf.HFCheckpointConfig(**{"hf_dir": good, "out_dir": out, "steps": 1,
+                                       "backend": "gloo", **changes})
+        with pytest.raises(RecipeError) as caught:
+            hf.run(cfg)
+        assert message in str(caught.value), (changes, str(caught.value))
+    assert not os.path.exists(out)  # refused before anything was written
+    # The command line: that line alone on stderr, exit 2.
+    proc = run_cli([PYTHON, "-m", "recipes.hf_checkpoint", "--hf-dir", truncated,
+                    "--out-dir", out], timeout_s=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")] \
+        == [f"error: {cases[4][1]}"]

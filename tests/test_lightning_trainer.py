@@ -347,7 +347,7 @@ def test_fsdp_yaml_config_is_valid(capsys):
                                          "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
-    assert "FSDPStrategy" in printed and "recipes.core.workload.Block" in printed
+    assert "FSDPStrategy" in printed and "recipes.toy.Block" in printed
     assert "state_dict_type: sharded" in printed
 
 

@@ -173,11 +173,12 @@ def test_shared_fields_refuse_values_outside_their_range(changes, message):
         TrainConfig(**changes)
 
 
-def _outside(bound_name: str, bound: float, kind: type) -> list:
-    """Values just outside one declared bound (and nan and inf for a finite float)."""
+def _outside(bound_name: str, bound: float, kind: type, finite: bool = True) -> list:
+    """Values just outside one declared bound (and nan, and inf for a finite float: a float field
+    with finite=False takes inf, e.g. expert_parallel's --capacity-factor inf = no capacity)."""
     step = 1 if kind is int else 0.5
     edge = {"ge": bound - step, "gt": bound, "le": bound + step, "lt": bound}[bound_name]
-    return [kind(edge)] + ([float("nan"), float("inf")] if kind is float else [])
+    return [kind(edge)] + ([float("nan")] + [float("inf")] * finite if kind is float else [])
 
 
 def test_every_numeric_option_of_every_recipe_declares_a_range_that_is_enforced():
@@ -201,7 +202,8 @@ def test_every_numeric_option_of_every_recipe_declares_a_range_that_is_enforced(
                 if not f.metadata.get("bounds"):  # a field redefined in a subclass: redeclare it
                     missing.append(f"{cls.__name__}.{f.name}")
                 for bound_name, bound in f.metadata.get("bounds", {}).items():
-                    for value in _outside(bound_name, bound, hints[f.name]):
+                    finite = f.metadata.get("finite", True)
+                    for value in _outside(bound_name, bound, hints[f.name], finite):
                         with pytest.raises(RecipeError, match=rf"^{f.name} must be .*, got "):
                             cls(**{f.name: value})
                         checked += 1

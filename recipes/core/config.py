@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence, TypeVar
 
 __all__ = ["RecipeError", "is_user_error", "Config", "TrainConfig", "CompileOption", "parse_config",
-           "per_rank_batch_size", "opt", "range_text"]
+           "per_rank_batch_size", "check_step_reached", "opt", "range_text"]
 
 
 class RecipeError(ValueError):
@@ -176,6 +176,15 @@ def per_rank_batch_size(global_batch_size: int, world_size: int, micro_batches: 
             f"use a multiple of {parts}, e.g. {lower} or {lower + parts}"
         )
     return global_batch_size // parts
+
+
+def check_step_reached(name: str, step: int, steps: int) -> None:
+    """A step option (steps count from 0) at or past ``steps`` would never act, and the run would
+    pass for one where it did: a RecipeError that names the steps there are."""
+    if step >= steps:
+        flag = "--" + name.replace("_", "-")
+        raise RecipeError(f"{name}={step} is never reached: the steps are 0 to {steps - 1}; use "
+                          f"{flag} {steps - 1} or less, or --steps {step + 1} or more")
 
 
 C = TypeVar("C")

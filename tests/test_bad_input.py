@@ -1,0 +1,179 @@
+"""Bad input that recipes let through, refused before any work in one line that names the option and
+the fix: path options (recipes/core/paths.py; under a world every rank stops on the problem any
+rank found, no rank left waiting) and numbers that are accepted but would do nothing."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from recipes.core.config import RecipeError, check_step_reached
+from recipes.core.paths import (input_dir_problem, input_file_problem, output_dir_problem,
+                                output_file_problem, refuse)
+from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
+
+
+@pytest.fixture
+def places(tmp_path):
+    a_file, a_dir = tmp_path / "a_file", tmp_path / "a_dir"
+    a_file.write_text("x")
+    a_dir.mkdir()
+    return a_file, a_dir
+
+
+def test_output_folders_and_files(places):
+    a_file, a_dir = places
+    assert output_dir_problem(str(a_dir), "--out") is None
+    assert output_dir_problem(str(a_dir / "new" / "deeper"), "--out") is None  # created later
+    assert not (a_dir / "new").exists()  # looking creates nothing
+    assert output_dir_problem(str(a_file), "--out") == (
+        f"--out {a_file} is a file; name a directory (created if missing)")
+    assert output_dir_problem(str(a_file / "run"), "--out") == (
+        f"--out {a_file}/run: {a_file} is a file, so nothing can be created under it; name a "
+        "directory you can write to")
+    assert output_file_problem(str(a_dir / "model.pt"), "--to") is None
+    assert output_file_problem(str(a_dir), "--to") == (
+        f"--to {a_dir} is a directory; name a file, e.g. {a_dir}/model.pt")
+    assert output_file_problem(str(a_file / "model.pt"), "--to").startswith(
+        f"--to {a_file}/model.pt: {a_file} is a file")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc is Linux's read-only filesystem")
+def test_a_folder_that_cannot_be_written_is_tried_not_guessed():
+    # Writing is tried: mode bits would say yes to root, and /proc refuses even root.
+    problem = output_dir_problem("/proc/recipes-run", "--out")
+    assert problem.startswith("--out /proc/recipes-run: cannot write in /proc (")
+    assert problem.endswith("); name a directory you can write to")
+
+
+def test_input_folders_and_files(places):
+    a_file, a_dir = places
+    what = "the directory save_pretrained wrote"
+    assert input_dir_problem(str(a_dir), "--in", what) is None
+    assert input_dir_problem(str(a_file), "--in", what) == (
+        f"--in {a_file} is a file, not a directory; pass {what}")
+    assert input_dir_problem(str(a_dir / "gone"), "--in", what) == (
+        f"--in {a_dir}/gone does not exist; pass {what}")
+    assert input_file_problem(str(a_file), "--ckpt", "a .ckpt file") is None
+    assert input_file_problem(str(a_dir), "--ckpt", "a .ckpt file") == (
+        f"--ckpt {a_dir} is a directory, not a file; pass a .ckpt file")
+    assert input_file_problem(str(a_dir / "gone.ckpt"), "--ckpt", "a .ckpt file") == (
+        f"--ckpt {a_dir}/gone.ckpt does not exist; pass a .ckpt file")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file whatever its mode bits")
+def test_an_unreadable_input_is_named(places):
+    a_file, _ = places
+    a_file.chmod(0)
+    assert input_file_problem(str(a_file), "--ckpt", "a .ckpt file") == (
+        f"--ckpt {a_file} cannot be read by this user; pass a .ckpt file that you can read")
+
+
+def one_rank_sees_a_problem():
+    """Only rank 1 finds a problem (a file on its node where rank 0 has none): both must stop."""
+    with join_world("gloo", timeout_s=30) as world:
+        try:
+            refuse(None, "only rank 1 sees this" if world.rank == 1 else None)
+        except RecipeError as exc:
+            return world.rank, str(exc)
+        return world.rank, None
+
+
+def test_every_rank_stops_on_a_problem_any_rank_found():
+    assert spawn_world(one_rank_sees_a_problem, 2, deadline_s=60) == (0, "only rank 1 sees this")
+    with pytest.raises(RecipeError, match="^first$"):  # no world: this process's first problem
+        refuse(None, "first", "second")
+    refuse(None, None)
+
+
+def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
+    """The recipes whose output path failed only when written (after training, or in makedirs, in
+    a traceback): each is refused up front, in the line that names the option."""
+    from recipes import ddp_spawn, hang_diagnosis, meta_init
+
+    a_file, a_dir = places
+    cases = [
+        (ddp_spawn.launch, ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(a_dir)),
+         f"--checkpoint-path {a_dir} is a directory; name a file, e.g. {a_dir}/model.pt"),
+        (ddp_spawn.launch, ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(a_file / "c.pt")),
+         f"--checkpoint-path {a_file}/c.pt: {a_file} is a file, so nothing can be created"),
+        (hang_diagnosis.run, hang_diagnosis.HangConfig(trace_dir=str(a_file)),
+         f"--trace-dir {a_file} is a file; name a directory (created if missing)"),
+        (meta_init.run, meta_init.MetaInitConfig(create_seed_checkpoint=True,
+                                                  seed_checkpoint_dir=str(a_file)),
+         f"--seed-checkpoint-dir {a_file} is a file; name a directory (created if missing)"),
+    ]
+    if importlib.util.find_spec("lightning") is not None:  # an optional dependency
+        from recipes import lightning_fabric, lightning_trainer
+
+        cases += [
+            (lightning_fabric.train, lightning_fabric.FabricConfig(resume_from=str(a_dir)),
+             f"--resume-from {a_dir} is a directory, not a file; pass a step-N.ckpt file"),
+            (lightning_fabric.train, lightning_fabric.FabricConfig(
+                checkpoint_every_n_steps=1, checkpoint_dir=str(a_file)),
+             f"--checkpoint-dir {a_file} is a file; name a directory"),
+            (lightning_trainer.train, lightning_trainer.LightningConfig(
+                output_dir=str(a_file), resume_from=str(a_dir / "gone.ckpt")),
+             f"--output-dir {a_file} is a file; name a directory"),
+            (lightning_trainer.train, lightning_trainer.LightningConfig(
+                output_dir=str(a_dir), resume_from=str(a_dir / "gone.ckpt")),
+             f"--resume-from {a_dir}/gone.ckpt does not exist; pass a .ckpt file"),
+        ]
+    for run, cfg, message in cases:
+        with pytest.raises(RecipeError) as caught:
+            run(cfg)
+        assert str(caught.value).startswith(message), str(caught.value)
+    assert sorted(os.listdir(tmp_path)) == ["a_dir", "a_file"] and not os.listdir(a_dir)
+
+
+def test_a_step_option_past_the_last_step_is_refused():
+    """A fault injected, or an all_reduce skipped, at a step the run never reaches: the run passed
+    as a clean one, and looked like the demonstration it was not."""
+    from recipes import amp, fsdp, fsdp2, hang_diagnosis
+
+    check_step_reached("skip_step", 3, 4)  # the last step is fine
+    cases = [
+        (lambda: amp.AMPConfig(precision="fp16", steps=4, overflow_at_step=4),
+         "overflow_at_step=4 is never reached: the steps are 0 to 3; use --overflow-at-step 3 or "
+         "less, or --steps 5 or more"),
+        (lambda: fsdp.FSDPConfig(steps=4, inject_inf_step=7), "inject_inf_step=7 is never reached"),
+        (lambda: fsdp2.FSDP2Config(steps=4, inject_inf_step=4), "inject_inf_step=4 is never"),
+        (lambda: hang_diagnosis.HangConfig(steps=4, skip_rank=1, skip_step=4),
+         "skip_step=4 is never reached: the steps are 0 to 3; use --skip-step 3 or less"),
+    ]
+    for make, message in cases:
+        with pytest.raises(RecipeError) as caught:
+            make()
+        assert str(caught.value).startswith(message), str(caught.value)
+    hang_diagnosis.HangConfig(steps=4, skip_step=9)  # no --skip-rank: --skip-step is not used
+    # A rank this world does not have never injects either.
+    for train, config in ((fsdp.train, fsdp.FSDPConfig), (fsdp2.train, fsdp2.FSDP2Config)):
+        with pytest.raises(RecipeError, match=r"^inject_inf_rank=1 is not a rank of this world of "
+                                              r"1; use 0 to 0$"):
+            train(config(steps=2, inject_inf_step=1, inject_inf_rank=1, backend="gloo"))
+
+
+def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
+    from recipes import amp
+    from recipes.core.cli import run_cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(amp.train, amp.AMPConfig, None, ["--precision", "fp16", "--overflow-at-step", "6"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: overflow_at_step=6 is never reached: the steps are 0 to 5; use --overflow-at-step "
+        "5 or less, or --steps 7 or more"]
+
+
+def test_a_checkpoint_interval_longer_than_the_run_is_refused():
+    lightning = pytest.importorskip("recipes.lightning_fabric", reason="needs lightning")
+    from recipes import lightning_trainer
+
+    for config in (lightning.FabricConfig, lightning_trainer.LightningConfig):
+        with pytest.raises(RecipeError, match=r"^checkpoint_every_n_steps=7 > steps=6: no "
+                                              r"checkpoint would be written; use "
+                                              r"--checkpoint-every-n-steps 6 or less \(0 = none\)$"):
+            config(steps=6, checkpoint_every_n_steps=7)
+        config(steps=6, checkpoint_every_n_steps=6)  # saves once, at the end
