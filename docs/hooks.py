@@ -449,8 +449,8 @@ def results_markdown(data: dict, name: str) -> str:
         f"\n\nReproduce them with `python scripts/collect_results.py {name}`.\n")
 
 
-TIMING_KEY = re.compile(r"(_ms\b|_ms_|seconds|per_second|tflops|^mfu$|idle_fraction_measured|"
-                        r"timeline)")
+TIMING_KEY = re.compile(r"(_ms\b|_ms_|_us\b|seconds|per_second|_per_s\b|tflops|^mfu$|"
+                        r"idle_fraction_measured|timeline)")
 
 
 def _without_timings(value: Any) -> Any:

@@ -791,6 +791,39 @@ def test_the_pipeline_chart_simulates_the_bubble_of_gpipe_and_1f1b():
         assert all(len(actions) == 16 for actions in timeline)
 
 
+def test_the_loss_chart_labels_each_recipe_with_its_largest_difference_from_ddp():
+    series, _ = hooks().loss_series()
+    reference = dict(series)["ddp_torchrun"]
+    svg = hooks().render_chart("loss")
+    for name, losses in series:
+        if name == "ddp_torchrun":
+            continue
+        steps = min(len(losses), len(reference))
+        delta = max(abs(a - b) for a, b in zip(losses[:steps], reference[:steps]))
+        label = "identical" if delta == 0 else f"{delta:.0e}"
+        # each recipe named once, directly beside its own value: no legend to match colours with
+        assert re.search(rf">{name}</text>.*?>{label}[^<]*</text>", svg), name
+    assert "lie on top of each other" not in svg
+
+
+def test_the_pipeline_chart_draws_measured_times_only_from_an_idle_machine(monkeypatch, tmp_path):
+    data = json.loads((ROOT / "results" / "pipeline_parallel.json").read_text())
+    (tmp_path / "pipeline_parallel.json").write_text(json.dumps(
+        {**data, "machine": {**data["machine"], "load_average_1m": 30.0, "cpu_cores": 2}}))
+    module = hooks()
+    monkeypatch.setattr(module, "RESULTS_DIR", tmp_path)
+    loaded = module.render_chart("pipeline")
+    assert loaded.count("<figure") == 2 and "computed from the schedule, not timed" in loaded
+    assert "load average of 30.0 on 2 cores" in loaded
+    (tmp_path / "pipeline_parallel.json").write_text(json.dumps(
+        {**data, "machine": {**data["machine"], "load_average_1m": 0.5, "cpu_cores": 2}}))
+    idle = module.render_chart("pipeline")
+    schedules = [row["schedule"] for row in data["result"]["extras"]["schedule_table"]]
+    assert idle.count("<figure") == len(schedules) and "load average 0.5" in idle
+    # one caption per schedule, each naming its own
+    assert all(f"<strong>{name}</strong>, measured on" in idle for name in schedules)
+
+
 def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_timings():
     data = json.loads((ROOT / "results" / "ddp_torchrun.json").read_text())
     data["machine"] = {**data["machine"], "load_average_1m": 9.0, "cpu_cores": 2, "gpus": []}
