@@ -1141,7 +1141,9 @@ def chart_memory() -> str:
     caption = (
         f"Model-state bytes held by rank 0 (parameters, gradients, AdamW state; activations "
         f"not included), measured by <code>recipes.core.memory.model_state_bytes</code> "
-        f"after the last step on {', '.join(map(str, worlds))} ranks, against the ZeRO "
+        f"after the last step of each recipe's default command on "
+        f"{', '.join(map(str, worlds))} CPU ranks (gloo, the cookbook's tiny model; "
+        f"results/*.json: bytes, which the machine's load does not change), against the ZeRO "
         f"paper's estimate for fp32 AdamW (4 + 4 + 8 bytes per parameter; "
         f"<code>recipes.memory_estimate</code>). Measured optimizer state includes AdamW's "
         f"step counters; FSDP's includes the padding that makes each flat buffer divide."
