@@ -117,8 +117,8 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
 
 
 # Pitfalls fold: each `- **Title.** detail` item of a "## Pitfalls" section becomes a collapsed
-# block (pymdownx.details) whose one-line summary is the title and the tests that prove it, so that
-# the section reads as a short list; the detail opens on a click.
+# block (pymdownx.details) whose one-line summary is the title and numbered links to the tests that
+# prove it, so that the section reads as a short list; the detail opens on a click.
 PITFALL = re.compile(r"^- \*\*(.+?)\*\*\s*(.*)$")
 
 
@@ -140,7 +140,9 @@ def _fold_pitfalls(markdown: str) -> str:
             i += 1
         tests = list(dict.fromkeys(TEST_NAME.findall("\n".join(body))))
         title = match.group(1).replace('"', "&quot;")
-        proof = f" ({', '.join(f'`{t}`' for t in tests)})" if tests else ""
+        # numbered links, each titled with its test's name: the summary stays one short line
+        proof = (" (proven by " + " ".join(f'[{k}](#{t}){{ title="{t}" }}'
+                                           for k, t in enumerate(tests, 1)) + ")") if tests else ""
         out += ["", f'??? warning "{title}{proof}"', "",
                 *[("    " + b) if b.strip() else "" for b in body], ""]
     return "\n".join(out)
