@@ -34,6 +34,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import os
 import pkgutil
 import pprint
@@ -82,7 +83,7 @@ def on_pre_build(config: Any) -> None:
 
 def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> str:
     out, fence, linked = [], None, set()
-    markdown = _run_command_on_top(markdown, page)
+    markdown = _fold_pitfalls(_run_command_on_top(markdown, page))
     mermaid = False
     for line in markdown.split("\n"):
         opening = FENCE.match(line)
@@ -113,6 +114,38 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
             log.warning("%s: %s", page.file.src_uri, exc)
             out.append(f'!!! failure "Generated content missing"\n    {_escape(str(exc))}\n')
     return _append_proofs("\n".join(out))
+
+
+# Pitfalls fold: each `- **Title.** detail` item of a "## Pitfalls" section becomes a collapsed
+# block (pymdownx.details) whose one-line summary is the title and numbered links to the tests that
+# prove it, so that the section reads as a short list; the detail opens on a click.
+PITFALL = re.compile(r"^- \*\*(.+?)\*\*\s*(.*)$")
+
+
+def _fold_pitfalls(markdown: str) -> str:
+    lines, out, i, in_pitfalls = markdown.split("\n"), [], 0, False
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            in_pitfalls = line.strip() == "## Pitfalls"
+        match = PITFALL.match(line) if in_pitfalls else None
+        if match is None:
+            out.append(line)
+            i += 1
+            continue
+        body, i = [match.group(2)], i + 1
+        while i < len(lines) and (lines[i].startswith("  ") or (
+                not lines[i].strip() and i + 1 < len(lines) and lines[i + 1].startswith("  "))):
+            body.append(lines[i][2:])
+            i += 1
+        tests = list(dict.fromkeys(TEST_NAME.findall("\n".join(body))))
+        title = match.group(1).replace('"', "&quot;")
+        # numbered links, each titled with its test's name: the summary stays one short line
+        proof = (" (proven by " + " ".join(f'[{k}](#{t}){{ title="{t}" }}'
+                                           for k, t in enumerate(tests, 1)) + ")") if tests else ""
+        out += ["", f'??? warning "{title}{proof}"', "",
+                *[("    " + b) if b.strip() else "" for b in body], ""]
+    return "\n".join(out)
 
 
 # In a sequence diagram, a collective that every rank takes part in is drawn with arrows at both
@@ -363,14 +396,11 @@ def results_markdown(data: dict, name: str) -> str:
     elif "world_size" in result:
         rows.append(("World size", str(result["world_size"])))
     losses = result.get("losses") or []
-    if "seconds_per_step" in result and losses:
-        if timing_ok:
-            rows.append(("Time per step", f"{_milliseconds(result['seconds_per_step'])} "
-                                          "(rank 0, median over the steps after the first)"))
-        else:
-            rows.append(("Time per step", f"not shown: the load average was {load:.1f} on "
-                                          f"{cores} cores, so the time would measure the other "
-                                          "processes (GPU figures: below, where a GPU run exists)"))
+    # A CPU time taken while other jobs held the cores measures them, not the recipe: such a row is
+    # left out (never a row that says why it is empty); the GPU table below has the real figure.
+    if "seconds_per_step" in result and losses and timing_ok:
+        rows.append(("Time per step", f"{_milliseconds(result['seconds_per_step'])} "
+                                      "(rank 0, median over the steps after the first)"))
     extras = {**{k: v for k, v in result.items() if k not in _SHOWN},
               **(result.get("extras") or {})}
     memory = extras.pop("memory_per_rank", None)
@@ -391,12 +421,8 @@ def results_markdown(data: dict, name: str) -> str:
     if losses:
         rows.append(("Loss", f"{_number(losses[0])} at the first step, {_number(losses[-1])} "
                              f"after {len(losses)} steps"))
-    timings = [k for k in extras if TIMING_KEY.search(k)]
-    if timings and not timing_ok:
-        for key in timings:
-            del extras[key]
-        rows.append(("Timings", f"{', '.join(f'`{k}`' for k in timings)} not shown: measured "
-                                f"under a load average of {load:.1f} on {cores} cores"))
+    if not timing_ok:  # the same for every timing in the extras and in their tables
+        extras = _without_timings(extras)
     tables = []
     special = SPECIAL_TABLES.get(name)
     if special:
@@ -418,15 +444,24 @@ def results_markdown(data: dict, name: str) -> str:
     ]
     table = "| Figure | Value |\n|---|---|\n" + "\n".join(
         f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows)
-    parts_md = [table, *tables]
+    # The GPU figure first, where one exists: it is the one that measures speed.
     gpu = _bench_rows(name)
-    if gpu:
-        parts_md.append(gpu)
+    parts_md = [gpu, table, *tables] if gpu else [table, *tables]
     return "\n\n".join(parts_md) + (
         f"\n\nReproduce them with `python scripts/collect_results.py {name}`.\n")
 
 
-TIMING_KEY = re.compile(r"(_ms\b|_ms_|seconds|per_second|tflops|^mfu$)")
+TIMING_KEY = re.compile(r"(_ms\b|_ms_|_us\b|seconds|per_second|_per_s\b|tflops|^mfu$|"
+                        r"idle_fraction_measured|timeline)")
+
+
+def _without_timings(value: Any) -> Any:
+    """The extras without a timing anywhere in them (keys named like TIMING_KEY, in records too)."""
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if not TIMING_KEY.search(str(k))}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
 
 
 def _memory_estimate_table(result: dict) -> str:
@@ -493,12 +528,20 @@ def _figures(extras: dict) -> list[tuple[str, str]]:
             out.append((key, _records_table(value)))
         elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
             out.append((key, _records_table([{"": k, **v} for k, v in value.items()])))
-        else:
-            text = _number(value)
-            if len(text) > 300:
-                text = text[:300] + " ..."
-            out.append((key, text))
+        elif not _raw_list(value):
+            out.append((key, _number(value)))
     return out
+
+
+def _raw_list(value: Any) -> bool:
+    """A list too long or too deep to read in a table cell (a timeline, every step's value): it
+    stays in the results file, and a chart or a scalar on the page shows it."""
+    if isinstance(value, dict):
+        return any(_raw_list(v) for v in value.values())
+    if not isinstance(value, (list, tuple)):
+        return False
+    return len(value) > 8 or len(_number(value)) > 80 or any(
+        isinstance(v, (list, tuple)) and _raw_list(v) for v in value)
 
 
 def _records_table(records: list[dict]) -> str:
@@ -512,7 +555,7 @@ def _records_table(records: list[dict]) -> str:
                 row[key] = value
         flat.append(row)
     columns = [c for c in dict.fromkeys(k for row in flat for k in row)
-               if any(not isinstance(row.get(c), list) or len(row.get(c)) < 8 for row in flat)]
+               if not any(_raw_list(row.get(c)) for row in flat)]
     lines = ["| " + " | ".join(f"`{c}`" if c else "" for c in columns) + " |",
              "|---" * len(columns) + "|"]
     for row in flat[:60]:
@@ -526,8 +569,6 @@ def _cell(value: Any, column: str = "") -> str:
         if value < 1024:
             return f"{value:g} B"
         return _kib(value) if value < 2**30 else f"{value / 1e9:,.2f} GB"
-    if isinstance(value, list) and len(value) > 8:
-        return f"({len(value)} values)"
     return _escape(_number(value)).replace("|", "\\|")
 
 
@@ -539,12 +580,14 @@ def _bench_rows(name: str) -> str:
             data = json.loads(path.read_text())
         except ValueError:
             continue
-        rows = [(batch, row) for batch, group in (data.get("recipes") or {}).items()
+        rows = [("recipes", row) for batch, group in (data.get("recipes") or {}).items()
                 for row in group if row.get("recipe") == name and row.get("ms_per_step")]
         rows += [("ladder", row) for row in data.get("ladder") or []
                  if row.get("recipe") == name and row.get("ms_per_step")]
         if not rows:
             continue
+        measured = data.get("measured") or {}
+        dates = sorted({str(measured.get(part, data["date"]))[:10] for part, _ in rows})
         lines = ["| Run | Global batch | Precision | Time per step | Tokens/s | MFU (bf16 peak) "
                  "| Peak memory |", "|---|---|---|---|---|---|---|"]
         for _, row in rows:
@@ -554,10 +597,14 @@ def _bench_rows(name: str) -> str:
                          f"{row.get('tokens_per_second', 0):,.0f} | "
                          f"{'' if mfu is None else f'{mfu:.0%}'} | "
                          f"{row.get('peak_memory_gib', 0):.1f} GiB |")
+        # Every benchmark row is a world of 1: say what that measures, so that a DDP or FSDP row is
+        # not read as a multi-GPU figure.
         parts.append(f"**On a GPU: {_escape(data['device'])}, torch {data['torch']}**, model "
-                     f"`{data['model']}`, one device, measured {data['date'][:10]} by "
-                     f"`python scripts/bench.py` (all rows: [Performance](performance.md)):\n\n"
-                     + "\n".join(lines))
+                     f"`{data['model']}`, measured {' and '.join(dates)} by "
+                     f"`python scripts/bench.py`. One process on one GPU (a world of 1): what "
+                     "this recipe's code costs against the bare loop, with nothing to "
+                     "communicate; multi-GPU speed is not measured here. All rows: "
+                     "[Performance](performance.md).\n\n" + "\n".join(lines))
     return "\n\n".join(parts)
 
 
@@ -962,10 +1009,18 @@ def _figure(svg: str, caption: str, kind: str) -> str:
     )
 
 
+MIN_TEXT_PX = 9.5  # a chart never shrinks below this: on a phone its figure scrolls instead
+
+
 def _svg(width: int, height: int, body: list[str], label: str) -> str:
+    # The SVG shrinks with the column (max-width: 100%) down to the width at which its smallest
+    # text is MIN_TEXT_PX; narrower, its figure scrolls sideways (overflow-x: auto in extra.css).
+    sizes = [float(m) for m in re.findall(r'font-size="([0-9.]+)"', "".join(body))] or [12.0]
+    min_width = min(width, math.ceil(width * MIN_TEXT_PX / min(sizes)))
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" aria-label="{_attr(label)}">'
+        f'width="{width}" height="{height}" style="min-width: {min_width}px" role="img" '
+        f'aria-label="{_attr(label)}">'
         f"<title>{_escape(label)}</title>{''.join(body)}</svg>"
     )
 
@@ -1088,7 +1143,9 @@ def chart_memory() -> str:
     caption = (
         f"Model-state bytes held by rank 0 (parameters, gradients, AdamW state; activations "
         f"not included), measured by <code>recipes.core.memory.model_state_bytes</code> "
-        f"after the last step on {', '.join(map(str, worlds))} ranks, against the ZeRO "
+        f"after the last step of each recipe's default command on "
+        f"{', '.join(map(str, worlds))} CPU ranks (gloo, the cookbook's tiny model; "
+        f"results/*.json: bytes, which the machine's load does not change), against the ZeRO "
         f"paper's estimate for fp32 AdamW (4 + 4 + 8 bytes per parameter; "
         f"<code>recipes.memory_estimate</code>). Measured optimizer state includes AdamW's "
         f"step counters; FSDP's includes the padding that makes each flat buffer divide."
@@ -1099,10 +1156,15 @@ def chart_memory() -> str:
 def memory_table(rows: list[dict]) -> str:
     ddp = next((r for r in rows if r["recipe"] == "ddp_torchrun"), None)
     ddp_total = sum(ddp["measured"][k] for k in PART_LABELS) if ddp else None
-    lines = [
-        "| Recipe | Ranks | Parameters | Gradients | Optimizer | Total per rank | vs DDP "
-        "| Estimated total |",
-        "|---|---|---|---|---|---|---|---|",
+    # One world size for every row (the usual case) goes above the table: a column fewer, so that
+    # the table fits the column at 1280 px.
+    worlds = {row["world_size"] for row in rows}
+    ranks_column = len(worlds) > 1
+    lines = [] if ranks_column else [f"Per rank of {worlds.pop()} ranks:", ""]
+    lines += [
+        "| Recipe |" + (" Ranks |" if ranks_column else "") + " Parameters | Gradients "
+        "| Optimizer | Total per rank | vs DDP | Estimated total |",
+        "|---|" + ("---|" if ranks_column else "") + "---|---|---|---|---|---|",
     ]
     for row in rows:
         m = row["measured"]
@@ -1110,8 +1172,9 @@ def memory_table(rows: list[dict]) -> str:
         est = row["estimated"]
         est_text = f"{_kib(sum(est[k] for k in PART_LABELS))} ({row['stage']})" if est else ""
         vs = f"{total / ddp_total:.2f} x" if ddp_total else ""
+        ranks = f" {row['world_size']} |" if ranks_column else ""
         lines.append(
-            f"| [{row['recipe']}][] | {row['world_size']} | {_kib(m['param_bytes'])} | "
+            f"| [{row['recipe']}][] |{ranks} {_kib(m['param_bytes'])} | "
             f"{_kib(m['grad_bytes'])} | {_kib(m['optimizer_bytes'])} | {_kib(total)} | "
             f"{vs} | {est_text} |"
         )
@@ -1135,80 +1198,81 @@ def loss_series() -> tuple[list[tuple[str, list[float]]], list[str]]:
     return series, other
 
 
+# Why a run's loss differs from DDP's by more than float rounding: what its default command trains.
+LOSS_DIFFERENCE_REASONS = {
+    "amp": "bf16 autocast rounds",
+    "finetune": "LoRA: only adapters train",
+    "sharded_accumulation": "ragged samples, 25 % padding",
+    "grad_clipping": "SGD with clipping",
+}
+ROUNDING = 1e-5  # float32 summation order moves a loss near 4 by a few 1e-7
+
+
 def chart_loss() -> str:
+    """Each run's largest difference from ddp_torchrun's loss, on a log scale, labelled directly:
+    17 curves on one plot would lie on top of each other and hide the ones that do not."""
     series, other = loss_series()
     if len(series) < 2:
         raise MarkerError("chart loss: fewer than two results with losses on the reference run")
-    steps = max(len(v) for _, v in series)
-    lo = min(min(v) for _, v in series)
-    hi = max(max(v) for _, v in series)
-    pad = (hi - lo) * 0.1 or 0.01
-    lo, hi = lo - pad, hi + pad
-    left, right, top, height = 60, 290, 16, 260
+    reference = dict(series).get("ddp_torchrun")
+    if reference is None:
+        raise MarkerError("chart loss: results/ddp_torchrun.json has no losses")
+    rows = []
+    for name, losses in series:
+        if name == "ddp_torchrun":
+            continue
+        steps = min(len(losses), len(reference))
+        delta = max(abs(a - b) for a, b in zip(losses[:steps], reference[:steps]))
+        rows.append((delta, name, steps))
+    rows.sort()
+    lo_exp, hi_exp = -8, -1  # 1e-8 .. 1e-1: float32 rounding up to a different training run
+    left, right, top, bar_h, gap = 170, 230, 34, 16, 6
     plot_w = CHART_WIDTH - left - right
 
-    def xy(step: int, value: float) -> tuple[float, float]:
-        return (left + plot_w * step / max(steps - 1, 1), top + height * (hi - value) / (hi - lo))
+    def x_of(delta: float) -> float:
+        if delta <= 0:
+            return left
+        e = min(max(math.log10(delta), lo_exp), hi_exp)
+        return left + plot_w * (e - lo_exp) / (hi_exp - lo_exp)
 
-    body = [
-        f'<line x1="{left}" y1="{top + height}" x2="{left + plot_w}" y2="{top + height}" '
-        f'class="axis"/>',
-        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + height}" class="axis"/>',
-    ]
-    for k in range(5):
-        value = lo + (hi - lo) * k / 4
-        body.append(_text(left - 6, xy(0, value)[1] + 4, f"{value:.3f}", anchor="end", size=11))
-    for step in range(steps):
-        body.append(_text(xy(step, lo)[0], top + height + 16, str(step), anchor="middle", size=11))
-    body.append(_text(left + plot_w / 2, top + height + 32, "optimizer step", anchor="middle"))
-    reference = dict(series).get("ddp_torchrun", series[0][1])
-    for i, (name, losses) in enumerate(series):
-        points = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(s, v) for s, v in enumerate(losses)))
-        cls = f"s{i % 8}"
-        body.append(
-            f'<polyline points="{points}" class="line {cls}" '
-            f'stroke-dasharray="{_dash(i)}"><title>{_escape(name)}</title></polyline>'
-        )
-        for s, v in enumerate(losses):
-            x, y = xy(s, v)
-            body.append(
-                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{2 + (i % 3)}" class="dot {cls}">'
-                f"<title>{_escape(name)} step {s}: {v:.6f}</title></circle>"
-            )
-        delta = max(abs(a - b) for a, b in zip(losses, reference))
-        ly = top + 4 + i * 16
-        body += [
-            f'<line x1="{left + plot_w + 14}" y1="{ly}" x2="{left + plot_w + 34}" y2="{ly}" '
-            f'class="line {cls}" stroke-dasharray="{_dash(i)}"/>',
-            _text(left + plot_w + 40, ly + 4, f"{name} ({_difference(delta)})", size=11),
-        ]
-    svg = _svg(
-        CHART_WIDTH,
-        max(top + height + 40, 24 + 16 * len(series)),
-        body,
-        "Loss per step of every strategy",
-    )
+    height = top + len(rows) * (bar_h + gap) + 4
+    body = [f'<line x1="{left}" y1="{top - 4}" x2="{left}" y2="{height}" class="axis"/>']
+    for e in range(lo_exp, hi_exp + 1):
+        x = x_of(10.0**e)
+        body += [f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{height}" class="grid"/>',
+                 _text(x, top - 10, f"1e{e}", anchor="middle", size=11)]
+    x = x_of(ROUNDING)
+    body.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{height}" class="limit"/>')
+    y = top
+    for delta, name, steps in rows:
+        same = delta <= ROUNDING
+        note = "identical" if delta == 0 else f"{delta:.0e}"
+        if steps < len(reference):
+            note += f", {steps} steps"
+        if not same:
+            note += f": {LOSS_DIFFERENCE_REASONS.get(name, 'trains something else')}"
+        body.append(_text(left - 8, y + 12, name, anchor="end", size=12))
+        if delta > 0:
+            body.append(_rect(left, y, x_of(delta) - left, bar_h, "c1" if same else "c0",
+                              f"{name}: largest difference {delta:.3g}"))
+        body.append(_text(max(x_of(delta), left) + 6, y + 12, note, size=11))
+        y += bar_h + gap
+    svg = _svg(CHART_WIDTH, height, body, "Largest loss difference from ddp_torchrun, per recipe")
+    same = [n for d, n, _ in rows if d <= ROUNDING]
+    dates = sorted({_load_results()[n]["date"][:10] for _, n, _ in rows})
     caption = (
-        "The loss at every step of every recipe that trains the reference model on the "
-        "reference data (results/*.json, each run with its default command): the curves lie "
-        "on top of each other, which is what the parity tests assert; the legend gives each "
-        "one's largest difference from ddp_torchrun."
+        "The largest difference, over the steps both ran, between each recipe's loss and "
+        "ddp_torchrun's, each run with its default command on CPU (gloo, torch "
+        f"{_escape(_load_results()['ddp_torchrun']['torch'])}; results/*.json, measured "
+        f"{dates[0]} to {dates[-1]}), on a log scale. {len(same)} of {len(rows)} equal DDP "
+        "to within float32 rounding (blue, left of the red line at 1e-5: a different "
+        "summation order), most of them exactly; the orange ones train something else by "
+        "default, named beside the bar."
     )
     if other:
-        caption += (
-            " Left out because they train another model or precision by default: "
-            + ", ".join(other)
-            + "."
-        )
+        caption += (" Left out because they train another model or precision by default: "
+                    + ", ".join(other) + ".")
     return _figure(svg, caption, "loss")
-
-
-def _difference(delta: float) -> str:
-    return "identical" if delta == 0 else f"max diff {delta:.0e}"
-
-
-def _dash(i: int) -> str:
-    return ["none", "6 3", "2 3", "8 3 2 3", "1 2", "10 4", "4 2 1 2", "3 6"][i % 8]
 
 
 def chart_ladder() -> str:
@@ -1355,51 +1419,47 @@ def _timeline_svg(title: str, per_rank: list[list], unit: str) -> str:
 
 
 def chart_pipeline() -> str:
+    """The measured timelines when the machine was idle enough for times to mean something (one
+    chart per schedule, each caption naming its schedule, machine and load); otherwise GPipe's and
+    1F1B's order computed for the measured shape, said to be computed."""
     path = RESULTS_DIR / "pipeline_parallel.json"
     if not path.exists():
         raise MarkerError("chart pipeline: no results/pipeline_parallel.json")
     data = json.loads(path.read_text())
-    extras = _extras(data)
+    extras, machine = _extras(data), data["machine"]
+    load, cores = machine["load_average_1m"], machine.get("cpu_cores") or 1
+    where = f"{_escape(machine['description'])}, torch {_escape(data['torch'])}"
     parts = []
-    for schedule, per_rank, _ in _timelines(extras):
-        svg = _timeline_svg(f"Pipeline schedule {schedule}, measured", per_rank, "ms")
-        parts.append(
-            _figure(
-                svg,
-                (
-                    f"<strong>{_escape(schedule)}</strong>, measured: the last training step's "
-                    "forward (F), "
-                    "backward (B) and weight-gradient (W) actions of every rank, labelled with "
-                    "their "
-                    "micro-batch; grey is idle, the pipeline bubble. From "
-                    "results/pipeline_parallel.json "
-                    f"(<code>{_escape(data['command'])}</code>)."
-                ),
-                "pipeline",
-            )
-        )
+    if load <= cores or machine.get("gpus"):
+        for schedule, per_rank, _ in _timelines(extras):
+            svg = _timeline_svg(f"Pipeline schedule {schedule}, measured", per_rank, "ms")
+            ranks = len(per_rank)
+            parts.append(_figure(svg, (
+                f"<strong>{_escape(schedule)}</strong>, measured on {where} (load average "
+                f"{load:.1f} when the run started), {ranks} ranks: the last training step's "
+                "forward (F), backward (B) and weight-gradient (W) actions of each rank, "
+                "labelled with their micro-batch, in milliseconds; grey is idle, the bubble. "
+                f"From results/pipeline_parallel.json (<code>{_escape(data['command'])}</code>)."
+            ), "pipeline"))
     if not parts:
         pp, micro = int(extras["pp_size"]), int(extras["microbatches"])
+        measured = ""
+        if _timelines(extras):
+            measured = (f" The measured timelines are in results/pipeline_parallel.json, but "
+                        f"they were taken under a load average of {load:.1f} on {cores} cores, "
+                        "so their times would show the other processes: not drawn.")
         for schedule in ("gpipe", "1f1b"):
             per_rank = simulated_schedule(schedule, pp, micro)
             end = max(a[4] for actions in per_rank for a in actions)
             busy = sum(a[4] - a[3] for actions in per_rank for a in actions)
             svg = _timeline_svg(f"Pipeline schedule {schedule}, {pp} ranks", per_rank, "time units")
-            parts.append(
-                _figure(
-                    svg,
-                    (
-                        f"<strong>{schedule}</strong> on {pp} ranks with {micro} micro-batches "
-                        "(the "
-                        "measured run's shape), forward = 1 time unit, backward = 2: the order "
-                        "each rank "
-                        "runs its actions in, computed from the schedule, not timed. Grey is the "
-                        "bubble: "
-                        f"{1 - busy / (end * pp):.0%} of the ranks' time here."
-                    ),
-                    "pipeline",
-                )
-            )
+            parts.append(_figure(svg, (
+                f"<strong>{schedule}</strong> on {pp} ranks with {micro} micro-batches (the "
+                "measured run's shape), computed from the schedule, not timed: forward = 1 "
+                "time unit, backward = 2, each rank running its actions in the schedule's "
+                f"order. Grey is the bubble: {1 - busy / (end * pp):.0%} of the ranks' time "
+                f"here.{measured if schedule == '1f1b' else ''}"
+            ), "pipeline"))
     return "\n".join(parts)
 
 
@@ -1628,10 +1688,12 @@ def _append_proofs(markdown: str) -> str:
         return markdown
     out = ["", "## Proven by", "",
            "Each test this page names, with its assertions, included from the test file at "
-           "build time.", "", '<div class="proofs" markdown>', ""]
+           "build time: open one to read them.", "", '<div class="proofs" markdown>', ""]
     for name in names:
         path, checks = _test_index()[name]
-        out += [f"### `{name}` {{ #{name} }}", "", f"In `{path}`:", ""]
+        # a collapsed block with the test's name as its id: the page's links land on it
+        out += [f'<details class="note" id="{name}" markdown>',
+                f'<summary><code>{name}</code> in <code>{path}</code></summary>', ""]
         shown = checks[:6]
         if shown:
             out += ["```python", *"\n".join(shown).splitlines(), "```"]
@@ -1639,7 +1701,7 @@ def _append_proofs(markdown: str) -> str:
                 out.append(f"\n... and {len(checks) - len(shown)} more assertions.")
         else:
             out.append("(its assertions are in the helpers it calls)")
-        out.append("")
+        out += ["", "</details>", ""]
     out += ["</div>", ""]
     return "\n".join(lines + out)
 

@@ -661,14 +661,47 @@ def built_pages(site: Path) -> list[str]:
                   for path in site.rglob("index.html"))
 
 
-def test_every_page_in_a_browser_at_1280_px(served_site, site, chromium_binary, tmp_path):
-    """Every page of the built site at 1280 px: no code block scrolls sideways, every mermaid
-    diagram renders (a syntax error builds fine and shows an error box: only a browser sees it),
-    every chart drawn from results/ is there with its caption, and no script fails."""
+# At 1280 px no table and no chart may be wider than the column (a scrolling table hides columns);
+# at 390 px a chart may scroll, but its text must stay readable: the rendered size of its smallest
+# text, font-size x (drawn width / viewBox width), at least 9 px.
+WIDE_AT_1280_JS = """[...document.querySelectorAll(
+    '.md-typeset__scrollwrap, .md-typeset__table, figure.recipe-chart, div.mermaid')]
+  .filter(e => e.scrollWidth > e.clientWidth + 1)
+  .map(e => e.tagName === 'FIGURE' ? 'chart ' + e.dataset.chart
+            : e.classList.contains('mermaid') ? 'diagram'
+            : 'table ' + (e.querySelector('th') || e).textContent.trim().slice(0, 40))"""
+CHART_TEXT_PX_JS = """[...document.querySelectorAll('figure.recipe-chart svg')].map(svg => {
+  const scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+  const sizes = [...svg.querySelectorAll('text')].map(t => parseFloat(t.getAttribute('font-size')));
+  return [svg.closest('figure').dataset.chart, Math.min(...sizes) * scale];
+})"""
+MERMAID_FONT_PX = 16  # mkdocs-material's mermaid theme: every label at 16 px in the SVG's units
+
+
+def mermaid_text_px(browser: Chromium, session: str, svgs: list[dict]) -> list[float]:
+    """The rendered size of each diagram's 16 px text: its drawn width over its viewBox width."""
+    sizes = []
+    for svg in svgs:
+        attributes = dict(zip(*[iter(svg.get("attributes", []))] * 2))
+        view_width = float(attributes.get("viewBox", "0 0 0 0").split()[2])
+        quad = browser.send("DOM.getBoxModel", {"nodeId": svg["nodeId"]},
+                            session=session)["model"]["content"]
+        if view_width:
+            sizes.append(MERMAID_FONT_PX * (quad[2] - quad[0]) / view_width)
+    return sizes
+
+
+def test_every_page_in_a_browser_at_1280_and_390_px(served_site, site, chromium_binary, tmp_path):
+    """Every page of the built site, loaded once in one browser and laid out at 1280 px, then at
+    390 px (a phone). At 1280: no code block, table or chart scrolls sideways, every mermaid diagram
+    renders (a syntax error builds fine and shows an error box: only a browser sees it), every chart
+    drawn from results/ is there with its caption, and no script fails. At 390 (the pages with a
+    chart or a diagram): no chart or diagram text is drawn under 9 px (they scroll instead)."""
     pages = built_pages(site)
     assert len(pages) >= 20, pages
     browser = Chromium(chromium_binary, tmp_path / "profile")
-    failures: dict[str, list[str]] = {"code": [], "mermaid": [], "figures": [], "scripts": []}
+    failures: dict[str, list[str]] = {"code": [], "mermaid": [], "figures": [], "scripts": [],
+                                      "wide at 1280 px": [], "text under 9 px at 390 px": []}
     try:
         for page in pages:
             browser.events.clear()
@@ -678,21 +711,36 @@ def test_every_page_in_a_browser_at_1280_px(served_site, site, chromium_binary, 
             name = page or "home"
             if rendered != expected:
                 failures["mermaid"].append(f"{name}: {rendered} of {expected} rendered")
+            svgs = []
             if expected:
                 root = browser.send("DOM.getDocument", {"depth": -1, "pierce": True},
                                     session=session)["root"]
-                errors = [svg for svg in shadow_svgs(root) if ("aria-roledescription", "error")
+                svgs = shadow_svgs(root)
+                errors = [svg for svg in svgs if ("aria-roledescription", "error")
                           in zip(*[iter(svg.get("attributes", []))] * 2)]
                 if errors:
                     failures["mermaid"].append(f"{name}: {len(errors)} syntax-error diagram(s)")
             wide = browser.evaluate(session, CODE_OVERFLOW_JS) or []
             failures["code"] += [f"{name}: {line.strip()[:60]!r}... ({len(line)} chars)"
                                  for line in wide]
+            failures["wide at 1280 px"] += [f"{name}: {what}" for what in
+                                            browser.evaluate(session, WIDE_AT_1280_JS) or []]
             html = (site / page / "index.html").read_text()
             charts = browser.evaluate(session, FIGURES_JS) or []
             if len(charts) != html.count('class="recipe-chart"') or not all(
                     drawn and caption for _, drawn, caption in charts):
                 failures["figures"].append(f"{name}: {charts}")
+            # The same page at 390 px: the layout follows the new viewport, no reload needed. A
+            # page without a chart or diagram has nothing to shrink there: its relayout is saved.
+            if charts or svgs:
+                browser.send("Emulation.setDeviceMetricsOverride",
+                             {"width": 390, "height": 844, "deviceScaleFactor": 1,
+                              "mobile": False}, session=session)
+                small = [f"chart {kind}: {px:.1f} px" for kind, px in
+                         browser.evaluate(session, CHART_TEXT_PX_JS) or [] if px < 9]
+                small += [f"diagram: {px:.1f} px" for px in
+                          mermaid_text_px(browser, session, svgs) if px < 9]
+                failures["text under 9 px at 390 px"] += [f"{name}: {s}" for s in small]
             if script_errors(browser):
                 failures["scripts"].append(f"{name}: {script_errors(browser)}")
             browser.close_page(session)
@@ -700,10 +748,13 @@ def test_every_page_in_a_browser_at_1280_px(served_site, site, chromium_binary, 
         browser.close()
     report = {kind: found for kind, found in failures.items() if found}
     assert not report, (
-        "pages that fail in a browser at 1280 px. code: a line too wide for the column (keep "
+        "pages that fail in a browser. code: a line too wide for the column (keep "
         "source and docs lines within 100 characters); mermaid: in a label ';' ends the statement "
         "and '#' starts an entity code (reword or quote it); figures: a chart marker whose SVG or "
-        "caption is missing:\n" + "\n".join(f"{k}: {v}" for k, v in report.items()))
+        "caption is missing; wide: a table or chart that scrolls sideways at 1280 px (fewer or "
+        "narrower columns); text under 9 px: a chart or diagram shrunk on a phone (give its SVG a "
+        "min-width and let its container scroll):\n"
+        + "\n".join(f"{k}: {v}" for k, v in report.items()))
 
 
 def test_every_chart_kind_is_on_a_page_and_draws_from_results():
@@ -742,6 +793,39 @@ def test_the_pipeline_chart_simulates_the_bubble_of_gpipe_and_1f1b():
         assert all(len(actions) == 16 for actions in timeline)
 
 
+def test_the_loss_chart_labels_each_recipe_with_its_largest_difference_from_ddp():
+    series, _ = hooks().loss_series()
+    reference = dict(series)["ddp_torchrun"]
+    svg = hooks().render_chart("loss")
+    for name, losses in series:
+        if name == "ddp_torchrun":
+            continue
+        steps = min(len(losses), len(reference))
+        delta = max(abs(a - b) for a, b in zip(losses[:steps], reference[:steps]))
+        label = "identical" if delta == 0 else f"{delta:.0e}"
+        # each recipe named once, directly beside its own value: no legend to match colours with
+        assert re.search(rf">{name}</text>.*?>{label}[^<]*</text>", svg), name
+    assert "lie on top of each other" not in svg
+
+
+def test_the_pipeline_chart_draws_measured_times_only_from_an_idle_machine(monkeypatch, tmp_path):
+    data = json.loads((ROOT / "results" / "pipeline_parallel.json").read_text())
+    (tmp_path / "pipeline_parallel.json").write_text(json.dumps(
+        {**data, "machine": {**data["machine"], "load_average_1m": 30.0, "cpu_cores": 2}}))
+    module = hooks()
+    monkeypatch.setattr(module, "RESULTS_DIR", tmp_path)
+    loaded = module.render_chart("pipeline")
+    assert loaded.count("<figure") == 2 and "computed from the schedule, not timed" in loaded
+    assert "load average of 30.0 on 2 cores" in loaded
+    (tmp_path / "pipeline_parallel.json").write_text(json.dumps(
+        {**data, "machine": {**data["machine"], "load_average_1m": 0.5, "cpu_cores": 2}}))
+    idle = module.render_chart("pipeline")
+    schedules = [row["schedule"] for row in data["result"]["extras"]["schedule_table"]]
+    assert idle.count("<figure") == len(schedules) and "load average 0.5" in idle
+    # one caption per schedule, each naming its own
+    assert all(f"<strong>{name}</strong>, measured on" in idle for name in schedules)
+
+
 def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_timings():
     data = json.loads((ROOT / "results" / "ddp_torchrun.json").read_text())
     data["machine"] = {**data["machine"], "load_average_1m": 9.0, "cpu_cores": 2, "gpus": []}
@@ -750,8 +834,19 @@ def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_tim
         "op_ms": {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}}}
     text = hooks().results_markdown(data, "ddp_torchrun")
     assert "/tmp" not in text and "None" not in text and "resumed_from" not in text
-    assert "not shown: the load average was 9.0 on 2 cores" in text and "op_ms" in text
+    # a timing taken under load is left out, with no row saying why it is empty
+    assert "not shown" not in text and "op_ms" not in text
+    assert "\n| Time per step |" not in text
     assert "Model state per rank" in text and "KiB" in text and "MiB (rank 0;" not in text
+    # On an idle machine the time is shown, but never a raw list: a timeline stays in the JSON.
+    timeline = [[["F", 0, m, m * 1.5, m * 1.5 + 1.0] for m in range(8)] for _ in range(2)]
+    data["machine"]["load_average_1m"] = 0.5
+    data["result"]["extras"] = {**data["result"]["extras"], "timeline_per_rank": timeline,
+                                "schedule_table": [{"schedule": "gpipe", "bubble": 0.2,
+                                                    "timeline_per_rank": timeline}]}
+    text = hooks().results_markdown(data, "ddp_torchrun")
+    assert "\n| Time per step |" in text and "op_ms" in text and "gpipe" in text
+    assert "[F" not in text and "timeline" not in text, text
 
 
 # The memory calculator (docs/assets/memory-calculator.js) is a port of recipes.memory_estimate's
