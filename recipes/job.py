@@ -379,6 +379,15 @@ def train(cfg: JobConfig) -> dict:
                     if cfg.precision == "bf16" and cfg.parallelism == "ddp"
                     else contextlib.nullcontext())
         losses, val_losses, times, waits, last_val = [], [], [], [], None
+
+        def validation_loss() -> float:
+            # DDP: the module itself (DDP's forward may broadcast buffers: a collective that
+            # uneven shards would hang); fully_shard and TP step together (lockstep)
+            bare = model.module if isinstance(model, DDP) else model
+            return evaluate(bare, val_loader, world.device, lockstep=not isinstance(model, DDP))
+
+        if step == 0:  # the untrained model's loss: where the curve starts
+            val_losses.append([0, validation_loss()])
         batches = iter(loader)
         while step < cfg.steps:
             started = time.perf_counter()
@@ -429,9 +438,7 @@ def train(cfg: JobConfig) -> dict:
                           f"{record['data_wait']:.0%}", file=sys.stderr, flush=True)
             save_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
             if step % cfg.eval_every == 0 or save_now:  # every checkpoint has its val loss
-                last_val = evaluate(model.module if isinstance(model, DDP) else model,
-                                    val_loader, world.device,
-                                    lockstep=not isinstance(model, DDP))
+                last_val = validation_loss()
                 val_losses.append([step, last_val])
                 if world.rank == 0:
                     print(f"step {step} val_loss {last_val:.4f}", file=sys.stderr, flush=True)
