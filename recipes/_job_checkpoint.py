@@ -91,7 +91,7 @@ def save(root: Path, step: int, model, optimizer, rank_state: dict, *, val_loss:
 
 
 def write_atomically(path: Path, obj) -> None:
-    """Write to ``path.tmp``, flush it to disk, rename: a reader sees the old file or the new one."""
+    """Write ``path.tmp``, flush it to disk, rename: a reader sees the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         if path.suffix == ".json":
