@@ -21,7 +21,7 @@ checkpoint stood: the weights, AdamW, the schedule, each rank's data position, t
 Configuration: the defaults below < a YAML file (``--config``) < flags (``--lr 3e-4``). An unknown
 key, a wrong type, a layout the world cannot hold, a missing data folder: one line, exit 2.
 
-Length: about 520 lines with the checkpoint part in recipes/_job_checkpoint.py: the
+Length: about 560 lines with the checkpoint part in recipes/_job_checkpoint.py: the
 configuration, the layouts, the data order and the loop are one job, each a section the page
 includes on its own.
 """
@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from recipes import _job_checkpoint as checkpoint
+import recipes._job_checkpoint as checkpoint
 from recipes.activation_checkpointing import apply_activation_checkpointing
 from recipes.data import DataConfig, TokenWindows, prepare_shards
 from recipes.dist_setup import cleanup_distributed, setup_distributed
@@ -329,11 +329,13 @@ def flops_per_token(model_cfg) -> int:
     return 6 * matmul + 12 * model_cfg.n_layers * model_cfg.dim * model_cfg.seq_len
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    if device.type != "cuda" or precision != "bf16":
+def mfu(tokens_per_s: float, model_cfg, world, precision: str) -> float | None:
+    """Model FLOPs per second over the world's peak; None on a CPU or an unknown device."""
+    if world.device.type != "cuda" or precision != "bf16":
         return None  # no made-up number for a CPU
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in BF16_PEAK.items() if key in name), None)
+    name = torch.cuda.get_device_name(world.device)
+    peak = next((peak for key, peak in BF16_PEAK.items() if key in name), None)
+    return tokens_per_s * flops_per_token(model_cfg) / (world.world_size * peak) if peak else None
 
 
 # --8<-- [start:train]
@@ -438,12 +440,14 @@ def train(cfg: JobConfig) -> dict:
             if world.rank == 0:
                 tokens_per_s = cfg.global_batch_size * cfg.seq_len / times[-1]
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                          "tokens_per_s": tokens_per_s, "data_wait": waited / times[-1]}
+                          "tokens_per_s": tokens_per_s, "data_wait": waited / times[-1],
+                          "mfu": mfu(tokens_per_s, model_cfg, world, cfg.precision)}
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 if writer:
-                    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                        writer.add_scalar(f"train/{key}", record[key], step)
+                    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "data_wait", "mfu"):
+                        if record[key] is not None:
+                            writer.add_scalar(f"train/{key}", record[key], step)
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     print(f"step {step}/{cfg.steps} loss {loss:.4f} lr {lr:.2e} grad_norm "
                           f"{record['grad_norm']:.3f} {tokens_per_s:,.0f} tok/s data_wait "
@@ -489,7 +493,6 @@ def summary(cfg, model, model_cfg, world, losses, val_losses, times, waits, resu
     timed = times[1:] or times  # the first step pays for warm-up (compile, workers, allocator)
     seconds = sum(timed) / max(len(timed), 1)
     tokens_per_s = cfg.global_batch_size * cfg.seq_len / seconds if seconds else 0.0
-    peak = peak_flops(world.device, cfg.precision)
     return {
         "world_size": world.world_size, "dp_size": dp_size, "tp_size": tp,
         "parallelism": cfg.parallelism, "resumed_from": resumed_from,
@@ -499,8 +502,7 @@ def summary(cfg, model, model_cfg, world, losses, val_losses, times, waits, resu
         "weights_sha256": digest.hexdigest() if full else None,
         "weights_abs_sum": abs_sum if full else None,
         "seconds_per_step": seconds, "tokens_per_second": tokens_per_s,
-        "mfu": tokens_per_s * flops_per_token(model_cfg) / (world.world_size * peak)
-        if peak else None,
+        "mfu": mfu(tokens_per_s, model_cfg, world, cfg.precision),
         "data_wait_fraction": sum(waits[1:] or waits) / max(sum(timed), 1e-12),
     }
 
