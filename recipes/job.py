@@ -261,24 +261,12 @@ class GlobalBatches(Sampler):
             yield order[b * self.size:(b + 1) * self.size][self.dp_rank::self.dp_size].tolist()
 
 
-def die_with_the_rank(worker_id: int) -> None:
-    """Pitfall: a rank killed with SIGKILL leaves its DataLoader workers running (they poll for
-    their parent every 5 s), holding the sockets they inherited from it; a torchrun restart then
-    failed to connect gloo. Linux: the kernel kills the worker with its parent."""
-    if sys.platform == "linux":
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
 def build_loader(windows, sampler: GlobalBatches, num_workers: int, device: torch.device):
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in 2.13
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(windows, batch_sampler=sampler, num_workers=num_workers,
                                   persistent_workers=num_workers > 0,
-                                  pin_memory=device.type == "cuda",
-                                  worker_init_fn=die_with_the_rank)
+                                  pin_memory=device.type == "cuda")
 
 
 def restore_position(loader, sampler: GlobalBatches, data: dict, *, same_world: bool,
