@@ -981,7 +981,8 @@ CHART_ORDER = ["ddp_torchrun", "zero", "fsdp", "fsdp2"]
 def render_chart(kind: str, **_: Any) -> str:
     charts = {"memory": chart_memory, "loss": chart_loss, "ladder": chart_ladder,
               "pipeline": chart_pipeline, "fsdp-units": chart_fsdp_units,
-              "tp-split": chart_tp_split, "comm-busbw": chart_comm_busbw}
+              "tp-split": chart_tp_split, "comm-busbw": chart_comm_busbw,
+              "job-loss": chart_job_loss}
     if kind not in charts:
         raise MarkerError(f"chart: unknown kind {kind!r}; one of {', '.join(charts)}")
     try:
@@ -998,6 +999,16 @@ def chart_comm_busbw() -> str:
     spec.loader.exec_module(module)
     return module.chart_comm_busbw(RESULTS_DIR, svg=_svg, text=_text, figure=_figure,
                                    escape=_escape, width=CHART_WIDTH)
+
+
+def chart_job_loss() -> str:
+    """The job's validation loss against the step: drawn by docs/charts_job.py."""
+    spec = importlib.util.spec_from_file_location("charts_job", Path(__file__).with_name(
+        "charts_job.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.chart_job_loss(RESULTS_DIR, svg=_svg, text=_text, figure=_figure,
+                                 escape=_escape, width=CHART_WIDTH)
 
 
 def _figure(svg: str, caption: str, kind: str) -> str:

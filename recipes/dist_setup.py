@@ -68,8 +68,15 @@ def setup_distributed(backend: str = "auto", *, timeout_s: float = 300.0) -> Dis
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     else:
+        # Pitfall: torchrun --max-restarts keeps ONE store for the whole job and torch adds no
+        # per-restart prefix: a restarted rank reads the dead attempt's gloo addresses
+        # ("Gloo connectFullMesh failed ... Connection refused") or hangs. Each attempt (and
+        # world size, after a membership change) gets a namespace of its own.
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
+            backend, store=dist.PrefixStore(f"attempt{attempt}/world{world_size}", store),
+            rank=rank, world_size=world_size, timeout=timeout,
             device_id=device if backend == "nccl" else None,  # NCCL: connect eagerly, one GPU
         )
     _OWNED.append(True)

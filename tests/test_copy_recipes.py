@@ -59,6 +59,8 @@ RUNS = {
                                 "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
     "data": ("torchrun", ["--steps", "3"]),
     "evaluation": ("torchrun", []),
+    "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
+                         "--tensorboard", "false"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
 }
@@ -166,5 +168,13 @@ def check_evaluation(stdout: str) -> None:
     assert result["windows_per_rank"] == expected["windows_per_rank"]
 
 
+def check_job(stdout: str) -> None:
+    # the default layout (fully_shard over 2 ranks), 3 steps that learn, and their checkpoint
+    result = _last_json(stdout)
+    assert result["world_size"] == 2 and result["parameter_type"] == "DTensor", result
+    assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0], result
+    assert result["val_losses"][-1][0] == 3 and result["weights_sha256"], result
+
+
 CHECKS = {"comm_bench": check_comm_bench, "data": check_data, "evaluation": check_evaluation,
-          "loss_compare": check_loss_compare}
+          "job": check_job, "loss_compare": check_loss_compare}

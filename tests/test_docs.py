@@ -759,7 +759,8 @@ def test_every_page_in_a_browser_at_1280_and_390_px(served_site, site, chromium_
 
 def test_every_chart_kind_is_on_a_page_and_draws_from_results():
     """Each chart hooks.py can draw appears on some page, and renders from the committed data."""
-    kinds = ["memory", "loss", "ladder", "pipeline", "fsdp-units", "tp-split", "comm-busbw"]
+    kinds = ["memory", "loss", "ladder", "pipeline", "fsdp-units", "tp-split", "comm-busbw",
+             "job-loss"]
     pages = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
     for kind in kinds:
         assert f"<!-- chart: {kind} -->" in pages, f"no page shows the {kind} chart"

@@ -1,0 +1,279 @@
+"""recipes/job.py: a job killed at a random step (one rank, SIGKILL) and restarted, by rerunning
+the command or by torchrun --max-restarts, equals the uninterrupted run bit for bit (fp32, gloo:
+every step's loss, the final weights); a checkpoint written on 2 ranks continues on 3 and on 1
+with the same global sample order; the four layouts agree; bad configurations are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from recipes import _job_checkpoint, job
+from recipes.core.spawn import spawn_world
+from tests.helpers import PYTHON, REPO_ROOT
+
+STEPS = 8
+# 12 windows a step: 6 per rank on 2 ranks, 4 on 3, 12 on 1; 2 micro-batches each. The corpus
+# holds 7 global batches: step 8 starts the second epoch.
+ARGS = ["--model", "tiny", "--seq-len", "16", "--steps", str(STEPS), "--global-batch-size", "12",
+        "--accumulation", "2", "--warmup-steps", "2", "--eval-every", "4", "--eval-windows", "8",
+        "--checkpoint-every", "2", "--num-workers", "1", "--prepare", "false"]
+# What a test kills with: a sitecustomize that the ranks import at start (PYTHONPATH). It wraps
+# the LR scheduler's step, called once per optimizer step, and SIGKILLs the chosen rank after
+# step N, once: the marker file keeps the restarted rank alive. Nothing of it is in the recipe.
+KILLER = """
+import os
+if os.environ.get("JOB_KILL_AT_STEP") and os.environ.get("RANK") == os.environ["JOB_KILL_RANK"]:
+    import signal
+    import torch.optim.lr_scheduler as schedulers
+
+    step_once = schedulers.LRScheduler.step
+
+    def step(self, *args, **kwargs):
+        step_once(self, *args, **kwargs)
+        marker = os.environ["JOB_KILL_MARKER"]
+        if self.last_epoch == int(os.environ["JOB_KILL_AT_STEP"]) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    schedulers.LRScheduler.step = step
+"""
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    from recipes.data import DataConfig, prepare_shards
+
+    where = tmp_path_factory.mktemp("job")
+    corpus = where / "corpus"
+    corpus.mkdir()
+    text = Path(job.__file__).read_text()[:1500]  # 1425 train tokens (bytes): 89 windows of 16
+    (corpus / "text.txt").write_text(text)
+    prepare_shards(DataConfig(corpus=str(corpus), data_dir=str(where / "shards"),
+                              max_bytes=10_000, vocab_size=256))
+    return where / "shards"
+
+
+def launch(nproc: int, args: list[str], *, restarts: int = 0, env: dict | None = None,
+           timeout_s: float = 150) -> subprocess.CompletedProcess:
+    launcher = ([PYTHON, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
+                 "--monitor-interval=0.1"] if nproc > 1 else [PYTHON])
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [run_env.pop("PYTHONPATH", ""),
+                                                          REPO_ROOT]))
+    # a session of its own: on a timeout the whole tree goes (torchrun, ranks, loader workers)
+    proc = subprocess.Popen([*launcher, "-m", "recipes.job", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=run_env, cwd=REPO_ROOT,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"recipes.job did not finish in {timeout_s} s: {stderr[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def result_of(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def losses_by_step(out: Path) -> dict[int, list[float]]:
+    """Every loss metrics.jsonl holds for each step: a restart writes again the steps it redoes."""
+    seen: dict[int, list[float]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        seen.setdefault(record["step"], []).append(record["loss"])
+    return seen
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory) -> dict:
+    """The uninterrupted run on 2 ranks, every checkpoint kept."""
+    out = tmp_path_factory.mktemp("reference")
+    result = result_of(launch(2, [*ARGS, "--data-dir", str(shards), "--out-dir", str(out),
+                                  "--keep", "100"]))
+    return {"result": result, "out": out}
+
+
+def test_the_reference_run_learns_logs_and_checkpoints(reference):
+    result, out = reference["result"], reference["out"]
+    assert result["first_step"] == 1 and len(result["losses"]) == STEPS
+    assert result["parameter_type"] == "DTensor" and result["dp_size"] == 2
+    assert result["losses"][-1] < result["losses"][0]
+    assert [s for s, _ in _job_checkpoint.published(out / "checkpoints")] == [2, 4, 6, 8]
+    best = json.loads((out / "checkpoints" / "best.json").read_text())
+    assert best["val_loss"] == min(v for s, v in result["val_losses"] if s in (2, 4, 6, 8))
+    # TensorBoard: one event file, rank 0's
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # warmup over 2 steps to the peak, where the cosine starts (step 3 still uses the peak)
+    assert lrs[0] < lrs[1] == lrs[2] == pytest.approx(job.JobConfig.lr)
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] > job.JobConfig.min_lr
+
+
+def kill_env(where: Path, at: int, rank: int) -> dict:
+    (where / "killer").mkdir()
+    (where / "killer" / "sitecustomize.py").write_text(KILLER)
+    return {"PYTHONPATH": str(where / "killer"), "JOB_KILL_AT_STEP": str(at),
+            "JOB_KILL_RANK": str(rank), "JOB_KILL_MARKER": str(where / "killed")}
+
+
+def check_equal_to_reference(reference, out: Path, final: dict, at: int) -> None:
+    expected = reference["result"]
+    seen = losses_by_step(out)
+    assert sorted(seen) == list(range(1, STEPS + 1))
+    for step, losses in seen.items():  # the redone steps too: bit for bit, every time
+        assert losses == [expected["losses"][step - 1]] * len(losses), (step, losses)
+    assert final["weights_sha256"] == expected["weights_sha256"]
+    # killed after step `at`, before its checkpoint: the restart continued from the one before
+    assert final["resumed_from"] == (2 * ((at - 1) // 2) or None)
+    # crash-safe: nothing half-written left, the last 3 kept, and the best
+    checkpoints = out / "checkpoints"
+    assert not list(checkpoints.glob("tmp-*"))
+    best = json.loads((checkpoints / "best.json").read_text())
+    kept = {s for s, _ in _job_checkpoint.published(checkpoints)}
+    assert kept == {4, 6, 8} | {best["step"]}
+
+
+def kill_and_restart(reference, shards, where: Path, *, at: int, rank: int, by: str) -> None:
+    out = where / "out"
+    args = [*ARGS, "--data-dir", str(shards), "--out-dir", str(out), "--tensorboard", "false"]
+    env = kill_env(where, at, rank)
+    if by == "torchrun":  # torchrun restarts the whole group from the latest checkpoint
+        final = result_of(launch(2, args, restarts=1, env=env))
+    else:
+        killed = launch(2, args, env=env)
+        assert killed.returncode != 0, "the rank was not killed"
+        final = result_of(launch(2, args, env=env))  # the same command again
+    assert (where / "killed").exists(), f"rank {rank} was not killed at step {at}"
+    check_equal_to_reference(reference, out, final, at)
+
+
+def test_killed_at_a_random_step_and_restarted_by_torchrun_equals_the_uninterrupted_run(
+        reference, shards, tmp_path):
+    at, rank = random.randint(1, STEPS - 1), random.randint(0, 1)
+    print(f"killing rank {rank} after step {at}")
+    kill_and_restart(reference, shards, tmp_path, at=at, rank=rank, by="torchrun")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(4))
+def test_killed_at_random_steps_and_restarted_equals_the_uninterrupted_run(
+        reference, shards, tmp_path, trial):
+    at, rank = random.Random(trial).randint(1, STEPS - 1), trial % 2
+    kill_and_restart(reference, shards, tmp_path, at=at, rank=rank,
+                     by="rerun" if trial % 2 == 0 else "torchrun")
+
+
+@pytest.mark.parametrize("nproc", [3, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_checkpoint_of_2_ranks_continues_on_another_world_size(reference, shards, tmp_path,
+                                                                 nproc):
+    """DCP re-shards the model and AdamW; the data continue from the global position (epoch,
+    global batches done): the same windows in the same order, split 3 ways or not at all."""
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copytree(reference["out"] / "checkpoints" / "step_00000004",
+                    tmp_path / "checkpoints" / "step_00000004")
+    args = [*ARGS, "--data-dir", str(shards), "--out-dir", str(tmp_path), "--tensorboard",
+            "false"]
+    result = result_of(launch(nproc, args))
+    expected = reference["result"]
+    assert result["world_size"] == nproc and result["resumed_from"] == 4
+    assert result["losses"] == pytest.approx(expected["losses"][4:], abs=1e-5)
+    assert result["val_losses"][-1][1] == pytest.approx(expected["val_losses"][-1][1], abs=1e-5)
+    assert result["weights_abs_sum"] == pytest.approx(expected["weights_abs_sum"], rel=1e-5)
+
+
+def layouts(shards: str, out: str) -> dict:
+    import torch.distributed as dist
+
+    # One group for the four runs: train() uses a group that exists and leaves it open.
+    dist.init_process_group("gloo")
+    results = {}
+    for name, extra in (("ddp", {}), ("fsdp", {}), ("hsdp", {"dp_replicate": 2}),
+                        ("tp_fsdp", {"tp": 2})):
+        cfg = job.JobConfig(model="tiny", seq_len=16, steps=3, global_batch_size=8,
+                            eval_every=3, eval_windows=4, checkpoint_every=3, data_dir=shards,
+                            prepare=False, num_workers=0, tensorboard=False, parallelism=name,
+                            out_dir=f"{out}/{name}", **extra)
+        results[name] = job.train(cfg)
+    dist.destroy_process_group()
+    return results
+
+
+def test_ddp_fsdp_hsdp_and_tp_fsdp_train_alike(shards, tmp_path):
+    results = spawn_world(layouts, 2, str(shards), str(tmp_path), deadline_s=150)
+    assert results["ddp"]["parameter_type"] == "Parameter"
+    assert {name: (r["parameter_type"], r["dp_size"], r["tp_size"])
+            for name, r in results.items() if name != "ddp"} == {
+        "fsdp": ("DTensor", 2, 1), "hsdp": ("DTensor", 2, 1), "tp_fsdp": ("DTensor", 1, 2)}
+    for name, result in results.items():
+        assert result["losses"] == pytest.approx(results["ddp"]["losses"], abs=1e-5), name
+
+
+def test_a_partial_checkpoint_is_never_the_latest(tmp_path):
+    for name, complete in (("step_00000004", True), ("step_00000006", False),
+                           ("tmp-step_00000008", True)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank_00000.pt").write_bytes(b"")
+        if complete:
+            (tmp_path / name / "meta.json").write_text("{}")
+    assert [step for step, _ in _job_checkpoint.published(tmp_path)] == [4]
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        job.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and err.startswith("error: "), err
+    return err
+
+
+def test_bad_configurations_are_one_line_naming_the_fix(capsys, tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: 0.1\n")
+    assert "unknown key 'learning_rate'; valid keys: model" in one_line_error(
+        capsys, ["--config", str(bad)])
+    bad.write_text("steps: ten\n")
+    assert "steps must be int, got 'ten'" in one_line_error(capsys, ["--config", str(bad)])
+    bad.write_text("parallelism: zero3\n")
+    assert "use one of ddp, fsdp, hsdp, tp_fsdp" in one_line_error(capsys, ["--config", str(bad)])
+    assert "--steps: invalid int value" in one_line_error(capsys, ["--steps", "ten"])
+    assert "unrecognized arguments: --learning-rate" in one_line_error(
+        capsys, ["--learning-rate", "1"])
+    layout = one_line_error(capsys, ["--parallelism", "tp_fsdp", "--tp", "2"])  # a world of 1
+    assert "does not divide the world size 1; run on a multiple of 2 ranks" in layout
+    missing = one_line_error(capsys, ["--data-dir", str(tmp_path / "none"), "--prepare", "false"])
+    assert "no shards (index.json) there; run python -m recipes.data --steps 0" in missing
+    assert "not a folder" in one_line_error(capsys, ["--corpus", str(tmp_path / "none")])
+    assert "not a multiple of 1 data-parallel ranks x accumulation=3" in one_line_error(
+        capsys, ["--global-batch-size", "8", "--accumulation", "3"])
+
+
+def test_the_shipped_configurations_load(capsys):
+    for path in sorted(Path(REPO_ROOT, "configs", "job").glob("*.yaml")):
+        cfg = job.load_config(str(path), {})
+        assert cfg.steps >= 1, path
+    full = job.load_config(str(Path(REPO_ROOT, "configs", "job", "fsdp_full.yaml")), {})
+    assert (full.parallelism, full.activation_checkpointing, full.accumulation, full.precision,
+            full.clip, full.keep, full.tensorboard) == ("fsdp", True, 2, "bf16", 1.0, 3, True)
+    assert job.load_config(None, {}) == job.JobConfig()  # tiny.yaml is the default
+    tiny = job.load_config(str(Path(REPO_ROOT, "configs", "job", "tiny.yaml")), {})
+    assert dataclass_diff(tiny, job.JobConfig()) == {"out_dir"}
+
+
+def dataclass_diff(a, b) -> set[str]:
+    from dataclasses import asdict
+
+    return {k for k, v in asdict(a).items() if asdict(b)[k] != v}
