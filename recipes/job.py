@@ -6,8 +6,7 @@
     python -m recipes.job --config configs/job/learn.yaml --out-dir runs/learn   # one process
 
 Copy with it: recipes/_job_checkpoint.py, recipes/toy.py, recipes/dist_setup.py, recipes/data.py,
-recipes/evaluation.py, recipes/fsdp2.py, recipes/tensor_parallel.py, recipes/hybrid_parallel.py,
-recipes/activation_checkpointing.py
+recipes/evaluation.py and recipes/parallelize.py (each imports torch and these only).
 
 What it does, as torchtitan's and nanoGPT's train.py do: the token shards of recipes/data.py in a
 global order that does not depend on the world size; the toy model under DDP, fully_shard, HSDP
@@ -53,13 +52,11 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import recipes._job_checkpoint as checkpoint
-from recipes.activation_checkpointing import apply_activation_checkpointing
 from recipes.data import DataConfig, TokenWindows, prepare_shards
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.evaluation import eval_shard, evaluate
-from recipes.fsdp2 import apply_fully_shard
-from recipes.hybrid_parallel import apply_tp_and_fsdp
-from recipes.tensor_parallel import transformer_lm_plan
+from recipes.parallelize import (apply_activation_checkpointing, apply_compile,
+                                 apply_fully_shard, apply_tp_and_fsdp, transformer_lm_plan)
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss
 
 
@@ -202,9 +199,8 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, world, tp: int):
         if bf16 else None
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, block_types=(Block,))
-    if cfg.compile:  # what apply_compile does: each block's forward, hooks stay outside
-        for block in model.layers.values():
-            block.forward = torch.compile(block.forward)
+    if cfg.compile:  # each block's forward: the sharding hooks stay outside the graphs
+        apply_compile(model, block_types=(Block,))
     if cfg.parallelism == "ddp":
         return DDP(model), world.rank, world.world_size
     if cfg.parallelism == "tp_fsdp":
@@ -342,6 +338,8 @@ def train(cfg: JobConfig) -> dict:
                                         seq_len=cfg.seq_len)
         model = build_model(model_cfg, seed=cfg.seed, device=world.device)
         model, dp_rank, dp_size = parallelize(model, cfg, world, tp)
+        # compiled, the loss's fp32 cast, log-softmax and gradient fuse over the wide logits
+        loss_fn = torch.compile(lm_loss) if cfg.compile else lm_loss
         optimizer, scheduler = build_optimizer(model, cfg, world.device)
         sampler = GlobalBatches(len(windows), cfg.global_batch_size, dp_rank=dp_rank,
                                 dp_size=dp_size, seed=cfg.seed)
@@ -406,7 +404,7 @@ def train(cfg: JobConfig) -> dict:
             for i in range(cfg.accumulation):
                 part = slice(i * micro, (i + 1) * micro)
                 with no_gradient_sync(model, i == cfg.accumulation - 1), autocast:
-                    loss = lm_loss(model(inputs[part]), targets[part])
+                    loss = loss_fn(model(inputs[part]), targets[part])
                 (loss / cfg.accumulation).backward()  # the mean over the micro-batches
                 loss_sum += loss.detach()
             # One norm over every parameter, DTensor shards included: clip_grad_norm_ reduces it
@@ -522,7 +520,6 @@ def parse_bool(text: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser()
     explicit = make_parser()  # the same flags without defaults: what the command line gave
     for action in explicit._actions:
         if action.dest != "help":

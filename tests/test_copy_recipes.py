@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +58,7 @@ RUNS = {
                                 "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
     "data": ("torchrun", ["--steps", "3"]),
     "evaluation": ("torchrun", []),
+    "preflight": ("torchrun", ["--timeout-s", "60"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
@@ -176,5 +176,9 @@ def check_job(stdout: str) -> None:
     assert result["val_losses"][-1][0] == 3 and result["weights_sha256"], result
 
 
-CHECKS = {"comm_bench": check_comm_bench, "data": check_data, "evaluation": check_evaluation,
-          "job": check_job, "loss_compare": check_loss_compare}
+def check_preflight(stdout: str) -> None:
+    assert "preflight: 2 rank(s) on 1 host(s), gloo: every check passed" in stdout, stdout
+
+
+CHECKS = {"preflight": check_preflight, "comm_bench": check_comm_bench, "data": check_data,
+          "evaluation": check_evaluation, "job": check_job, "loss_compare": check_loss_compare}
