@@ -147,11 +147,15 @@ def run(cfg: EvalConfig) -> dict:
                                         dim=64, n_layers=2, n_heads=4), seed=cfg.seed,
                             device=world.device)
         if cfg.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            # Pitfall: without a mesh fully_shard builds one on the accelerator torch finds: on a
+            # GPU host whose ranks run gloo on CPU, that is a CUDA device a rank may not have.
+            mesh = init_device_mesh(world.device.type, (world.world_size,))
             for block in model.layers.values():
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         loader = DataLoader(eval_shard(windows, world.rank, world.world_size),
                             batch_size=cfg.batch_size)
         result = {"val_loss": evaluate(model, loader, world.device, lockstep=cfg.sharded),

@@ -167,6 +167,7 @@ def test_distributed_sampler_pads_with_repeats_unless_drop_last():
 # Uneven inputs in a real 2-rank world: rank 0 has 3 batches, rank 1 has 5.
 
 def uneven_world(seq_len: int) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -182,7 +183,7 @@ def uneven_world(seq_len: int) -> list[dict]:
         join_steps = data.train_with_join(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1),
                                           batches, world.device)
         sharded = build_model(model_cfg)
-        fully_shard(sharded)
+        fully_shard(sharded, mesh=init_device_mesh(world.device.type, (world.world_size,)))
         min_steps = data.train_until_one_runs_out(
             sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), batches, world.device)
         out = [None, None]

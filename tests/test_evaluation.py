@@ -35,6 +35,7 @@ def model_and_windows(data_dir: str):
 
 
 def eval_world(data_dir: str, with_torchmetrics: bool = False) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from recipes.dist_setup import cleanup_distributed, setup_distributed
@@ -53,9 +54,11 @@ def eval_world(data_dir: str, with_torchmetrics: bool = False) -> dict:
         if with_torchmetrics:  # its import costs ~2.4 s of CPU per rank: in the slow run only
             out["torchmetrics"] = evaluation.evaluate_with_torchmetrics(model, loader,
                                                                         world.device)
+        # the world's device: a GPU host's default mesh would be CUDA under these gloo ranks
+        mesh = init_device_mesh(world.device.type, (world.world_size,))
         for block in model.layers.values():
-            fully_shard(block)
-        fully_shard(model)  # from here every forward all-gathers: the ranks must step together
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # from here every forward all-gathers: ranks step together
         out["sharded"] = evaluation.evaluate(model, loader, world.device, lockstep=True)
         per_rank = [None] * world.world_size
         torch.distributed.all_gather_object(per_rank, out)

@@ -83,7 +83,7 @@ def test_a_rank_whose_check_fails_is_named_and_every_rank_exits_1():
 
 def test_a_rank_that_never_arrives_is_named_within_the_timeout():
     # A world of 2 under Slurm's variables in which only rank 0 is started.
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
            "SLURM_JOB_NODELIST": "localhost",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     start = time.monotonic()
@@ -122,7 +122,7 @@ def test_a_check_that_hangs_is_named_with_the_ranks_that_never_got_past_it(tmp_p
     procs: dict[int, object] = {}
 
     def rank_main(rank: int) -> None:
-        env = {**os.environ, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
+        env = {**os.environ, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
                "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "2",
                "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
