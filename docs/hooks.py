@@ -353,12 +353,30 @@ def render_results(name: str, **_: Any) -> str:
             f"and commit `results/{name}.json`; the figures then appear here.\n"
         )
     try:
-        return results_markdown(json.loads(path.read_text()), name)
+        return _gpu_runs(name) + results_markdown(json.loads(path.read_text()), name)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise MarkerError(
             f"results: results/{name}.json is not a results file ({type(exc).__name__}: {exc}); "
             f"rerun python scripts/collect_results.py {name}"
         ) from None
+
+
+def _gpu_runs(name: str) -> str:
+    """A recipe's own GPU runs, from results/bench/<device>-<name>.json (the job's): device, torch
+    and date first, then one row per run."""
+    parts = []
+    for path in sorted((RESULTS_DIR / "bench").glob(f"*-{name}.json")):
+        data = json.loads(path.read_text())
+        rows = ["| run | ms/step | tokens/s | MFU (bf16 peak) | waiting for data |",
+                "|---|---|---|---|---|"]
+        for run, record in data["runs"].items():
+            result = record["result"]
+            rows.append(f"| `{run}` | {1e3 * result['seconds_per_step']:.1f} | "
+                        f"{result['tokens_per_second']:,.0f} | {100 * result['mfu']:.1f}% | "
+                        f"{100 * result['data_wait_fraction']:.2f}% |")
+        parts.append(f"**On one {data['device']}** (torch {data['torch']}, {data['date']}): "
+                     f"{_escape(data['what'])}.\n\n" + "\n".join(rows) + "\n\n")
+    return "".join(parts)
 
 
 # The fields of RecipeResult that get a row of their own; any other field of the result gets a plain
@@ -920,7 +938,9 @@ def render_bench(_: str | None = None, **__: Any) -> str:
     spec = importlib.util.spec_from_file_location("bench", REPO_ROOT / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    files = sorted((RESULTS_DIR / "bench").glob("*.json"))
+    # <device>.json: the benchmark; <device>-<recipe>.json: a recipe's own GPU runs (its page)
+    files = [path for path in sorted((RESULTS_DIR / "bench").glob("*.json"))
+             if "model" in json.loads(path.read_text())]
     if not files:
         return (
             '!!! note "Not measured on a GPU yet"\n    Run `python scripts/bench.py` on a GPU '
@@ -1287,7 +1307,9 @@ def chart_loss() -> str:
 
 
 def chart_ladder() -> str:
-    files = sorted((RESULTS_DIR / "bench").glob("*.json"))
+    # <device>.json: the benchmark; <device>-<recipe>.json: a recipe's own GPU runs (its page)
+    files = [path for path in sorted((RESULTS_DIR / "bench").glob("*.json"))
+             if "model" in json.loads(path.read_text())]
     if not files:
         raise MarkerError("chart ladder: no results/bench/*.json (run python scripts/bench.py)")
     parts = []
