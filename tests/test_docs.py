@@ -182,10 +182,13 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
                  "torch.save(ddp_model.module.state_dict()", "dist.destroy_process_group()"):
         assert line in text, f"{line!r} missing from the page's code"
     assert "--8<--" not in text
-    # No measuring in the code a reader copies: the harness measures from outside.
+    # No measuring in the code a reader copies (the pattern and the whole file, up to "How to
+    # run"): the harness measures from outside. (How to run names its command, Proven by the tests.)
     source = (site / "recipes" / "ddp_torchrun" / "index.html").read_text()
+    code_section = source[source.index('id="the-code"'):source.index('id="how-to-run"')]
     blocks = [html.unescape(re.sub(r"<[^>]+>", "", block)) for block in
-              re.findall(r'<div class="highlight">(.*?)</div>', source, re.S)]
+              re.findall(r'<div class="highlight">(.*?)</div>', code_section, re.S)]
+    assert len(blocks) == 2, f"expected the pattern and the whole file, found {len(blocks)}"
     assert any("dist.init_process_group(" in block for block in blocks), "no code block found"
     for plumbing in ("recipes.core", "RecipeResult", "StepTimer", "make_result",
                      "model_state_bytes", "param_checksum", "to_json"):
