@@ -230,7 +230,8 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
                 logger.removeHandler(handler)
     events = prof.key_averages()
     text = [f"## {label} (batch {cfg.global_batch_size}): {active} steps profiled\n"]
-    text.append(events.table(sort_by="self_cpu_time_total", row_limit=limit, max_name_column_width=60))
+    text.append(events.table(sort_by="self_cpu_time_total", row_limit=limit,
+                             max_name_column_width=60))
     if ON_GPU:
         text.append(events.table(sort_by="self_cuda_time_total", row_limit=limit,
                                  max_name_column_width=60))
