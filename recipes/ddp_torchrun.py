@@ -4,6 +4,8 @@
     python -m recipes.ddp_torchrun                      # a world of 1: no torchrun needed
     python -m recipes.ddp_torchrun --model 100m --global-batch-size 64 --compile   # on a GPU: fast
 
+Copy with it: recipes/toy.py (the model and data you replace).
+
 Multi-node: run the same command on every node; they meet at node 0's address.
 
     # static: each node knows its rank (node 1 runs the same with --node_rank=1)
@@ -13,124 +15,202 @@ Multi-node: run the same command on every node; they meet at node 0's address.
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_id=job42 --rdzv_backend=c10d \\
         --rdzv_endpoint=node0:29500 -m recipes.ddp_torchrun
 
-torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process it starts;
-``join_world`` reads them. Each rank trains on global_batch_size / world_size sequences per step and
-DDP averages the gradients, so with the same seed and global batch the losses are the same on any
-number of ranks (tests/test_ddp_torchrun.py asserts it for worlds of 1, 2 and 3).
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process it
+starts. Each rank trains on global_batch_size / world_size sequences per step and DDP averages the
+gradients, so with the same seed and global batch the losses are the same on any number of ranks
+(tests/test_ddp_torchrun.py asserts it for worlds of 1, 2 and 3). It prints one line per step
+from rank 0: the step and the loss of the whole global batch.
 
-Fast by default: on a GPU ``--precision auto`` trains in bf16 autocast with fp32 master
-weights, AdamW is fused, and ``--compile`` compiles each block before DDP wraps the model
-(recipes/core/speed.py). The result reports global tokens/s and MFU. ``--precision fp32`` is the
-exact reference the tests pin.
+Fast by default: on a GPU, bf16 autocast with fp32 master weights, fused AdamW, and ``--compile``
+compiles each block before DDP wraps the model. ``--precision fp32`` is the exact reference.
 
-Pitfalls named where they bite below: ``sampler.set_epoch``, DDP's ``.module``, saving from rank 0
-only.
+Pitfalls, each named where it bites below: ``torch.cuda.set_device`` before anything touches the
+GPU; the same seed on every rank; ``sampler.set_epoch`` every epoch; rank 0's loss is only its
+share of the batch; save ``ddp_model.module`` from rank 0 only, then a barrier;
+``destroy_process_group`` in a ``finally``.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import math
+import os
+import sys
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import CompileOption, TrainConfig, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.memory import model_state_bytes
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import (
-    apply_compile,
-    autocast,
-    compile_loss,
-    make_adamw,
-    make_grad_scaler,
-    setup_precision,
-)
-from recipes.core.state import all_ranks, full_state_on_cpu, mean_over_ranks
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    Block,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import join_world
-
-log = get_logger(__name__)
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 
 @dataclass
-class DDPConfig(CompileOption, TrainConfig):
-    """The shared fields and --compile: this recipe is the baseline the others are compared with."""
+class DDPConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    compile: bool = False
+    compile_backend: str = "inductor"
+    backend: str = "auto"  # auto: nccl with CUDA, else gloo
+    timeout_s: float = 300.0
+    save_path: str | None = None  # rank 0 saves the trained weights here
 
 
 # --8<-- [start:train]
-def train(cfg: DDPConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
-        precision = setup_precision(cfg.precision, world.device)  # auto: bf16 on a GPU, fp32 on CPU
-        # Same seed on every rank -> same initial weights; DDP also broadcasts rank 0's at
-        # construction.
-        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
-        # before DDP: DDP then wraps compiled blocks, its hooks stay outside the graphs
-        if cfg.compile:
-            apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
-        # --compile also fuses the loss (recipes.core.speed.compile_loss)
-        loss_fn = compile_loss(lm_loss, backend=cfg.compile_backend) if cfg.compile else lm_loss
-        ddp_model = DDP(
-            model, device_ids=[world.device.index] if world.device.type == "cuda" else None
-        )
-        optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)
-        scaler = make_grad_scaler(world.device, precision)  # a pass-through unless fp16
+def train(cfg: DDPConfig, observer=None) -> list[float]:
+    """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # set by torchrun, 0 when alone
+    use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    backend = "nccl" if use_cuda else "gloo"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        # Pitfall: without set_device every rank's NCCL work and allocations land on cuda:0
+        torch.cuda.set_device(device)
+    # timeout: a collective that a peer never joins fails after this long instead of hanging
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if "RANK" in os.environ:  # torchrun: meet at MASTER_ADDR:MASTER_PORT (init_method env://)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+    else:  # alone: a world of 1, which needs no rendezvous
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if cfg.global_batch_size % world_size:
+            lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
+                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+        per_rank_batch = cfg.global_batch_size // world_size
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
+                                           and torch.cuda.is_bf16_supported())
+        if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+        # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
+        # rank 0's weights at construction, but a model built differently still diverges)
+        model = build_model(cfg.model, seed=cfg.seed, device=device)
+        loss_fn = lm_loss
+        if cfg.compile:  # each block's forward, before DDP: DDP's hooks stay out of the graphs
+            for block in [m for m in model.modules() if isinstance(m, Block)]:
+                block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
+            loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
+        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
+        if observer: observer.model_ready(ddp_model, optimizer)
+
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(
-            dataset,
-            rank=world.rank,
-            world_size=world.world_size,
-            per_rank_batch_size=per_rank_batch,
-            seed=cfg.seed,
-        )
-        log.info(
-            "DDP on %d rank(s), backend %s, %s, %d sequences per rank per step",
-            world.world_size,
-            world.backend,
-            precision,
-            per_rank_batch,
-        )
+        # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+        # at step s is one process's batch s. drop_last keeps every global batch full.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                            pin_memory=use_cuda)
 
-        losses, timer = [], StepTimer(world.device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):  # calls set_epoch
-            with timer:
-                inputs, targets = inputs.to(world.device), targets.to(world.device)
-                with autocast(world.device, precision):  # forward and loss only; backward follows
-                    # the mean over this rank's sequences
-                    loss = loss_fn(ddp_model(inputs), targets)
+        losses, step, epoch = [], 0, 0
+        while step < cfg.steps:
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                if step == cfg.steps:
+                    break
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                # DDP averages gradients here, overlapped with backward
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)  # every rank applies the same averaged gradient
-                scaler.update()
-            losses.append(mean_over_ranks(loss))  # the global batch's loss, for logging only
-            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = loss_fn(ddp_model(inputs), targets)  # this rank's sequences' mean
+                loss.backward()  # DDP averages the gradients here, overlapped with backward
+                optimizer.step()  # every rank applies the same averaged gradient
+                # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
+                global_loss = loss.detach().float().clone()
+                dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+                losses.append(global_loss.item())
+                if rank == 0:
+                    print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+                if observer: observer.step_end(step, losses[-1])
+                step += 1
+            epoch += 1
 
-        # Pitfall: the trained weights live in ddp_model.module; save that (from rank 0 only), so
-        # the checkpoint loads into a plain model without "module." prefixes.
-        return make_result(
-            "ddp_torchrun",
-            world,
-            losses,
-            model.parameters(),
-            timer,
-            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            # the baseline of the sharding recipes' "1/N": every rank holds all of it
-            memory_per_rank=all_ranks(model_state_bytes(ddp_model, optimizer)),
-        )
+        if cfg.save_path:
+            # Pitfall: save ddp_model.module, the model itself: ddp_model.state_dict() prefixes
+            # every key with "module." and no longer loads into a plain model. Only rank 0
+            # writes (the replicas are identical; N writers would clobber one file).
+            if rank == 0:
+                torch.save(ddp_model.module.state_dict(), cfg.save_path)
+            dist.barrier()  # no rank reads the file or exits before it is complete
+        return losses
+    finally:
+        dist.destroy_process_group()  # every way out: NCCL's communicators are freed, not leaked
 # --8<-- [end:train]
 
 
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = DDPConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.ddp_torchrun", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    add("--precision", choices=["auto", "fp32", "bf16"], default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
+    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
+        help="torch.compile each transformer block (and the loss) before DDP")
+    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with CUDA, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    add("--save-path", default=defaults.save_path,
+        help="rank 0 saves the trained model's state_dict here (torch.save)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = DDPConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input every rank sees (a batch that does not divide)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, DDPConfig, __doc__)
+    main()

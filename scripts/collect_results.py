@@ -6,6 +6,10 @@
     python scripts/collect_results.py ddp_torchrun \\
         --command "torchrun --standalone --nproc_per_node=4 -m recipes.ddp_torchrun"
 
+A copyable recipe that prints no result of its own (ddp_torchrun: one line per step) runs under
+the harness instead, with the same options: `-m recipes.ddp_torchrun` becomes
+`-m recipes.core.prove ddp_torchrun`, which measures it from outside and prints the JSON line.
+
 Each recipe runs the command its module docstring opens with (the one `python -m recipes` prints and
 its page shows: the default config on a small world, e.g. `torchrun --standalone --nproc_per_node=2
 -m recipes.X`), under a timeout, in a fresh temporary directory with the repository on PYTHONPATH: a
@@ -54,6 +58,13 @@ def recipe_command(name: str) -> str:
     from recipes.__main__ import describe
 
     return describe(name)[1]
+
+
+def measured_command(name: str, command: str) -> str:
+    """``command`` as it is measured: through the harness for a recipe it proves from outside."""
+    from recipes.core.prove import PROVABLE, prove_command
+
+    return prove_command(command, name) if name in PROVABLE else command
 
 
 def runnable(command: str) -> list[str]:
@@ -169,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     failed = []
     for name in names:
-        command = args.command or recipe_command(name)
+        command = measured_command(name, args.command or recipe_command(name))
         print(f"{name}: {command}", flush=True)
         try:
             record = measure(name, command, args.timeout_s)

@@ -48,7 +48,8 @@ def run_world(train_fn, world_size: int, configs, *, backend: str = "gloo", dead
 
 @functools.cache
 def single_process_reference(*, steps: int | None = None, keep_final_state: bool = True):
-    """The DDP recipe on one process, fp32, computed once per test process (each xdist worker).
+    """The DDP recipe on one process, fp32, measured by the harness (``prove``): computed once per
+    test process (each xdist worker).
 
     It is what every parity test compares with; callers must not modify the result. ``steps=None``
     keeps the recipe's default (what a CLI run without --steps does).
@@ -56,8 +57,23 @@ def single_process_reference(*, steps: int | None = None, keep_final_state: bool
     from recipes import ddp_torchrun
 
     fields = {"steps": steps} if steps is not None else {}
-    return run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(
-        keep_final_state=keep_final_state, precision="fp32", **fields))
+    return run_alone(ddp_result if keep_final_state else ddp_result_only,
+                     ddp_torchrun.DDPConfig(precision="fp32", **fields))
+
+
+def ddp_result(cfg, *, keep_final_state: bool = True):
+    """recipes.ddp_torchrun.train(cfg) measured by the harness: a RecipeResult with its final
+    state (the copyable recipe itself returns its losses only). Module-level: spawn_world can
+    pickle it."""
+    from recipes import ddp_torchrun
+    from recipes.core.observe import prove
+
+    return prove(ddp_torchrun.train, cfg, name="ddp_torchrun", keep_final_state=keep_final_state)
+
+
+def ddp_result_only(cfg):
+    """``ddp_result`` without the final state."""
+    return ddp_result(cfg, keep_final_state=False)
 
 
 def run_alone(train_fn, cfg):

@@ -16,12 +16,16 @@ def collect(command: str, out_dir, timeout_s: float) -> subprocess.CompletedProc
 
 
 def test_collect_results_writes_what_the_measured_section_renders(tmp_path):
+    # ddp_torchrun prints one line per step and no result: the script measures it through the
+    # harness (recipes.core.prove), and stores the command it ran.
     command = "python -m recipes.ddp_torchrun --steps 3"
     proc = collect(command, tmp_path, timeout_s=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "ddp_torchrun.json").read_text())
     result = data["result"]
+    command = "python -m recipes.core.prove ddp_torchrun --steps 3"
     assert data["command"] == command and result["world_size"] == 1 and len(result["losses"]) == 3
+    assert len(result["extras"]["memory_per_rank"]) == 1 and result["tokens_per_second"] > 0
     assert data["machine"]["cpu_cores"] >= 1 and data["torch"] and data["python"]
     table = docs_hooks().results_markdown(data, "ddp_torchrun")
     # gloo on CPU here; NCCL on cuda:0 where a GPU is

@@ -14,6 +14,7 @@ from recipes.core.config import RecipeError
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from tests.helpers import (
+    ddp_result,
     CUDA_DEVICES,
     assert_losses_close,
     assert_states_close,
@@ -97,8 +98,8 @@ def check_attention(attention):
 
 def reference(backend="gloo"):
     """Single-process training; on gloo it runs on CPU like the ring worlds, even on a GPU host."""
-    return run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(
-        steps=STEPS, keep_final_state=True, precision="fp32", backend=backend))
+    return run_alone(ddp_result, ddp_torchrun.DDPConfig(
+        steps=STEPS, precision="fp32", backend=backend))
 
 
 def test_ring_attention_and_training_equal_one_process_on_2_ranks():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import recipe_modules
-from tests.helpers import PYTHON, REPO_ROOT
+from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, single_process_reference
 
 RECIPES = Path(REPO_ROOT, "recipes")
 
@@ -57,6 +57,8 @@ RUNS = {
     "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
                                 "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
     "data": ("torchrun", ["--steps", "3"]),
+    # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
+    "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
     "evaluation": ("torchrun", []),
     "preflight": ("torchrun", ["--timeout-s", "60"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
@@ -180,5 +182,14 @@ def check_preflight(stdout: str) -> None:
     assert "preflight: 2 rank(s) on 1 host(s), gloo: every check passed" in stdout, stdout
 
 
+def check_ddp_torchrun(stdout: str) -> None:
+    # one line per step from rank 0, each the loss the package's own run has at that step
+    printed = re.findall(r"^step (\d+) loss (\d+\.\d{4})$", stdout, re.M)
+    reference = single_process_reference()  # the package's recipe, one process, the defaults
+    assert [int(step) for step, _ in printed] == list(range(len(reference.losses))), stdout
+    assert_losses_close([float(loss) for _, loss in printed], reference.losses, atol=6e-5)
+
+
 CHECKS = {"preflight": check_preflight, "comm_bench": check_comm_bench, "data": check_data,
-          "evaluation": check_evaluation, "job": check_job, "loss_compare": check_loss_compare}
+          "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
+          "loss_compare": check_loss_compare}

@@ -19,7 +19,7 @@ from tests.helpers import (
     single_process_reference,
 )
 
-REFERENCE = ddp_torchrun.DDPConfig(steps=4, keep_final_state=True, precision="fp32")
+REFERENCE = ddp_torchrun.DDPConfig(steps=4, precision="fp32")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,7 +8,7 @@ import pytest
 from recipes import ddp_torchrun, grad_accumulation
 from recipes.core.config import RecipeError
 from recipes.core.spawn import spawn_world
-from tests.helpers import BACKENDS, assert_losses_close, assert_states_close, run_alone, run_world
+from tests.helpers import ddp_result, BACKENDS, assert_losses_close, assert_states_close, run_alone, run_world
 
 STEPS = 4
 
@@ -17,8 +17,8 @@ STEPS = 4
 @pytest.mark.parametrize("world_size, micro_batches", [(2, 3), (3, 2)])
 def test_no_sync_communicates_once_per_step_and_matches_the_whole_batch(world_size, micro_batches,
                                                                         backend):
-    whole_batch = run_alone(ddp_torchrun.train, ddp_torchrun.DDPConfig(
-        steps=STEPS, keep_final_state=True, precision="fp32"))
+    whole_batch = run_alone(ddp_result, ddp_torchrun.DDPConfig(
+        steps=STEPS, precision="fp32"))
     config = functools.partial(grad_accumulation.GradAccumulationConfig, steps=STEPS,
                                micro_batches=micro_batches, keep_final_state=True,
                                precision="fp32")

@@ -16,11 +16,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from recipes import ddp_torchrun, lightning_fabric
 from recipes.core.config import RecipeError
 from recipes.core.spawn import spawn_world
-from tests.helpers import (CUDA_DEVICES, assert_losses_close, assert_states_close, in_one_world, last_json,
+from tests.helpers import (ddp_result, CUDA_DEVICES, assert_losses_close, assert_states_close, in_one_world, last_json,
                            run_alone, run_cli)
 
 STEPS = 6
-REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
+REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 
 
 def fabric_cfg(**changes) -> lightning_fabric.FabricConfig:
@@ -53,7 +53,7 @@ def _train_counting_grad_syncs(cfg):
 def _run_phase(phase):
     name, cfg = phase
     if name == "raw_ddp":
-        return ddp_torchrun.train(cfg)
+        return ddp_result(cfg)
     if name.startswith("count"):
         return _train_counting_grad_syncs(cfg)
     return lightning_fabric.train(cfg)
@@ -113,7 +113,7 @@ def test_torchrun_launch_equals_raw_and_logs_from_rank_zero_only():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["world_size"] == 2
-    assert_losses_close(result["losses"], run_alone(ddp_torchrun.train, REFERENCE).losses, atol=1e-5)
+    assert_losses_close(result["losses"], run_alone(ddp_result, REFERENCE).losses, atol=1e-5)
     assert proc.stdout.count("] step ") == STEPS and "[rank1]" not in proc.stdout
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
 

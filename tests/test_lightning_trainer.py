@@ -21,7 +21,7 @@ from recipes.core.cli import run_cli as core_run_cli
 from recipes.core.config import RecipeError
 from recipes.core.workload import build_model
 from recipes.core.spawn import spawn_world
-from tests.helpers import (CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, in_one_world,
+from tests.helpers import (ddp_result, CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, in_one_world,
                            last_json, run_alone, run_cli)
 
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
@@ -34,7 +34,7 @@ TENSORBOARD = lightning_trainer.tensorboard_available()
 needs_jsonargparse = pytest.mark.skipif(
     importlib.util.find_spec("jsonargparse") is None,
     reason="LightningCLI needs jsonargparse: pip install 'jsonargparse[signatures]' (or lightning[pytorch-extra])")
-REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
+REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 
 
 def lightning_cfg(out: str, **changes) -> lightning_trainer.LightningConfig:
@@ -89,7 +89,7 @@ def _run_phase(phase):
     if name == "classic_fsdp":
         return fsdp.train(cfg)
     if name == "raw_ddp":
-        return ddp_torchrun.train(cfg)
+        return ddp_result(cfg)
     if name == "fabric_clip":
         return lightning_fabric.train(cfg)
     if name.startswith("plain_loader"):
@@ -279,7 +279,7 @@ def test_bf16_mixed_trains_close_to_fp32(world):
 # this one checks that spawn returns rank 0's weights.
 @pytest.mark.slow
 def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
-    reference = run_alone(ddp_torchrun.train, REFERENCE)
+    reference = run_alone(ddp_result, REFERENCE)
     # ddp_spawn sets MASTER_PORT & co. in this process: restore the environment for the tests after it.
     with mock.patch.dict(os.environ):
         result = lightning_trainer.train(lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2))
@@ -297,7 +297,7 @@ def test_torchrun_launch_prints_readable_logs_and_the_result(tmp_path):
                     "--output-dir", str(tmp_path)], timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
-    assert_losses_close(result["losses"], run_alone(ddp_torchrun.train, REFERENCE).losses, atol=1e-5)
+    assert_losses_close(result["losses"], run_alone(ddp_result, REFERENCE).losses, atol=1e-5)
     # One log line per step, from rank 0 only; no progress-bar carriage returns in a non-terminal log.
     assert proc.stdout.count("] step ") == STEPS and "[rank1]" not in proc.stdout and "\r" not in proc.stdout
     # No warnings: the known-harmless ones are filtered in the recipe, each with its reason.
@@ -319,7 +319,7 @@ def test_lightning_cli_yaml_config_runs_ddp_with_lightnings_launcher(tmp_path):
     with open(os.path.join(version, "metrics.csv")) as f:
         rows = list(csv.DictReader(f))
     train_losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
-    assert_losses_close(train_losses, run_alone(ddp_torchrun.train, REFERENCE).losses, atol=1e-5)
+    assert_losses_close(train_losses, run_alone(ddp_result, REFERENCE).losses, atol=1e-5)
     assert any(row.get("val_loss") for row in rows), "validation ran (val_check_interval: 3)"
     assert sorted(os.listdir(os.path.join(version, "checkpoints"))) == ["step=3.ckpt", "step=6.ckpt"]
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]

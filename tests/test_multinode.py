@@ -29,7 +29,7 @@ import uuid
 import pytest
 
 from recipes import ddp_torchrun
-from tests.helpers import REPO_ROOT, assert_losses_close
+from tests.helpers import REPO_ROOT, assert_losses_close, ddp_result
 
 STEPS, GLOBAL_BATCH = 4, 8
 PORT = 29511  # inside fresh namespaces every port is free
@@ -65,8 +65,14 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
 
 
+# What the nodes run: the canonical recipe measured by the harness (its JSON result), or, for the
+# failure tests, a recipe built on the harness's world (join_world names a lost peer).
+PROVE_DDP = ("recipes.core.prove", "ddp_torchrun")
+HARNESS_DDP = ("recipes.grad_accumulation",)
+
+
 def launch_node(host, node_rank: int, master_address: str, rendezvous: str, tmp_path,
-                *extra: str) -> subprocess.Popen:
+                *extra: str, module: tuple[str, ...] = HARNESS_DDP) -> subprocess.Popen:
     namespace, interface, address = host
     if rendezvous == "static":
         joining = [f"--node-rank={node_rank}", f"--master-addr={master_address}",
@@ -79,7 +85,7 @@ def launch_node(host, node_rank: int, master_address: str, rendezvous: str, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface}
     env.pop("RANK", None)
     command = ["ip", "netns", "exec", namespace, "torchrun", "--nnodes=2", "--nproc_per_node=2",
-               *joining, "-m", "recipes.ddp_torchrun", "--backend", "gloo",
+               *joining, "-m", *module, "--backend", "gloo",
                "--global-batch-size", str(GLOBAL_BATCH), "--precision", "fp32", *extra]
     out = open(tmp_path / f"node{node_rank}.out", "w+")
     err = open(tmp_path / f"node{node_rank}.err", "w+")
@@ -130,7 +136,8 @@ def wait_all(nodes: list[subprocess.Popen], tmp_path, timeout_s: float) -> None:
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_two_hosts_train_like_one_process(two_hosts, rendezvous, tmp_path):
     master = two_hosts[0][2]
-    nodes = [launch_node(host, n, master, rendezvous, tmp_path, "--steps", str(STEPS))
+    nodes = [launch_node(host, n, master, rendezvous, tmp_path, "--steps", str(STEPS),
+                         module=PROVE_DDP)
              for n, host in enumerate(two_hosts)]
     try:
         wait_all(nodes, tmp_path, 240)
@@ -140,7 +147,7 @@ def test_two_hosts_train_like_one_process(two_hosts, rendezvous, tmp_path):
         assert node.returncode == 0, read(tmp_path, n, "err")[-4000:]
     result = json.loads(read(tmp_path, 0, "out").strip().splitlines()[-1])
     assert result["world_size"] == 4
-    reference = ddp_torchrun.train(ddp_torchrun.DDPConfig(
+    reference = ddp_result(ddp_torchrun.DDPConfig(
         steps=STEPS, global_batch_size=GLOBAL_BATCH, precision="fp32"))
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
 

@@ -261,8 +261,9 @@ def result_line(output: str) -> dict:
 @pytest.mark.parametrize("script", ["configs/slurm/task_per_gpu.sh",
                                     "configs/slurm/torchrun_per_node.sh"])
 def test_sbatch_script_trains_on_two_nodes_like_one_process(cluster, script):
+    # the scripts' default recipe, ddp_torchrun, measured by the harness: its JSON result line
     job = cluster.submit(script, "--backend", "gloo", "--precision", "fp32", "--steps", str(STEPS),
-                         env={"PYTHONPATH": REPO_ROOT})
+                         env={"PYTHONPATH": REPO_ROOT, "RECIPE": "recipes.core.prove ddp_torchrun"})
     fields = cluster.wait(job, 240)
     output = cluster.output(job)
     assert fields["JobState"] == "COMPLETED", output[-4000:]
@@ -298,8 +299,10 @@ def test_lightning_slurm_script_trains_on_two_nodes_like_one_process(cluster, tm
 def test_a_bad_option_on_one_node_ends_the_job_with_its_one_line_error(cluster, inject_dir,
                                                                        script):
     timeout_s = 200  # what node 1's ranks would wait for the missing peer without -K
+    # a recipe built on the harness's world and config checks (its one-line error, exit 2)
     job = cluster.submit(script, "--backend", "gloo", "--timeout-s", str(timeout_s),
-                         env={"PYTHONPATH": f"{inject_dir}:{REPO_ROOT}"})
+                         env={"PYTHONPATH": f"{inject_dir}:{REPO_ROOT}",
+                              "RECIPE": "recipes.grad_accumulation"})
     started = time.monotonic()
     fields = cluster.wait(job, 240)
     took = time.monotonic() - started

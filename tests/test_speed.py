@@ -10,6 +10,7 @@ from recipes.core.speed import CompileTargetError, apply_compile, setup_precisio
 from recipes.core.throughput import PEAK_TFLOPS, Workload, flops_per_token, peak_flops
 from recipes.core.workload import MODEL_PRESETS, Block, build_model
 from tests.helpers import (
+    ddp_result,
     assert_losses_close,
     assert_states_close,
     run_alone,
@@ -69,7 +70,7 @@ def test_precision_sets_tf32_from_the_flag_every_time():
 def test_a_result_reports_tokens_per_second_from_its_step_time():
     # gloo: on CPU, where no peak is known, on every machine (an H200 has an fp32 peak: MFU is a number)
     cfg = ddp_torchrun.DDPConfig(steps=3, precision="fp32", backend="gloo")
-    result = run_alone(ddp_torchrun.train, cfg)
+    result = run_alone(ddp_result, cfg)
     tokens_per_step = 12 * MODEL_PRESETS["tiny"].seq_len  # the default global batch, 12 sequences
     assert result.precision == "fp32" and result.mfu is None
     assert result.tokens_per_second == pytest.approx(tokens_per_step / result.seconds_per_step)
@@ -125,7 +126,8 @@ def test_compile_keeps_sharded_training_equal_on_fsdp2_and_tp():
 
 def test_compile_keeps_ddp_and_amp_bf16_equal():
     for train, cfg in (
-        (ddp_torchrun.train, ddp_torchrun.DDPConfig(**COMPILED, backend="gloo")),
+        (ddp_result, ddp_torchrun.DDPConfig(
+            **{k: v for k, v in COMPILED.items() if k != "keep_final_state"}, backend="gloo")),
         (amp.train, amp.AMPConfig(**{**COMPILED, "precision": "bf16"}, device="cpu")),
     ):
         eager, compiled = run_alone(train, with_fields(cfg, compile=False)), run_alone(train, cfg)

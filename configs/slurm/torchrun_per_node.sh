@@ -3,6 +3,7 @@
 #
 #   sbatch configs/slurm/torchrun_per_node.sh                 # recipes.ddp_torchrun's defaults
 #   sbatch configs/slurm/torchrun_per_node.sh --model 100m --steps 200   # options go to the recipe
+#   RECIPE=recipes.fsdp2 sbatch configs/slurm/torchrun_per_node.sh       # another recipe
 #
 # The same torchrun command on every node: c10d rendezvous at the first host of the node list,
 # which hosts the store; torchrun numbers the nodes and sets RANK, WORLD_SIZE and LOCAL_RANK.
@@ -28,4 +29,4 @@ srun --kill-on-bad-exit=1 torchrun \
     --nnodes="$SLURM_NNODES" --nproc-per-node="$procs_per_node" \
     --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d \
     --rdzv-endpoint="$head_node:$(( 20000 + SLURM_JOB_ID % 10000 ))" \
-    -m recipes.ddp_torchrun "$@"
+    -m ${RECIPE:-recipes.ddp_torchrun} "$@"

@@ -1,0 +1,70 @@
+"""Run a copyable recipe measured by the harness, and print its result as JSON on rank 0.
+
+    torchrun --standalone --nproc_per_node=2 -m recipes.core.prove ddp_torchrun
+    python -m recipes.core.prove ddp_torchrun --steps 20        # a world of 1
+
+The recipe's own command line (its ``make_parser()``) follows its name; its function runs with an
+``Observer`` (``recipes.core.observe``), and the last stdout line is the same ``RecipeResult`` JSON
+that ``run_cli`` prints for the harness-built recipes: what ``scripts/collect_results.py`` stores
+in results/. The recipe's own output (one line per step from rank 0) comes first, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from typing import Sequence
+
+from recipes.core.config import exit_with
+from recipes.core.log import current_rank, get_logger
+from recipes.core.observe import prove
+from recipes.core.world import write_torchrun_error_file
+
+__all__ = ["PROVABLE", "main", "prove_command"]
+
+# The copyable recipes whose function takes an observer (model_ready, step_end).
+PROVABLE = ("ddp_torchrun",)
+
+
+def prove_command(command: str, name: str) -> str:
+    """A recipe's command (``... -m recipes.NAME ...``) as the harness runs it."""
+    return command.replace(f"-m recipes.{name}", f"-m recipes.core.prove {name}", 1)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in PROVABLE:
+        given = repr(argv[0]) if argv else "no recipe"
+        exit_with(f"python -m recipes.core.prove: {given}; name one of {', '.join(PROVABLE)} "
+                  "first, then its options", 2)
+    name, options = argv[0], argv[1:]
+    module = importlib.import_module(f"recipes.{name}")
+    parser = module.make_parser()
+    parser.prog = f"python -m recipes.core.prove {name}"
+    config_cls = inspect.signature(module.train).parameters["cfg"].annotation
+    if isinstance(config_cls, str):  # from __future__ import annotations
+        config_cls = getattr(module, config_cls)
+    cfg = config_cls(**vars(parser.parse_args(options)))
+    try:
+        result = prove(module.train, cfg, name=name)
+    except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
+        write_torchrun_error_file(str(exc))
+        if current_rank() == 0:
+            exit_with(str(exc), 2)
+        raise SystemExit(2) from None
+    if current_rank() != 0:
+        return
+    mfu = f"{100 * result.mfu:.1f}%" if result.mfu is not None else "n/a (no known peak)"
+    get_logger("recipes").info(
+        "done: %d steps on %d rank(s) (%s, %s, %s): loss %.4f -> %.4f, %.1f ms/step, "
+        "%.0f tokens/s, MFU %s, peak memory %.0f MiB",
+        len(result.losses), result.world_size, result.backend, result.device, result.precision,
+        result.losses[0], result.losses[-1], result.seconds_per_step * 1e3,
+        result.tokens_per_second, mfu, result.peak_memory_bytes / 2**20,
+    )
+    print(result.to_json(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
