@@ -257,9 +257,15 @@ def result_line(output: str) -> dict:
     return json.loads(lines[0])
 
 
+# Each sbatch job costs 10-30 s on 2 cores: one of them in the default run (a real Slurm job,
+# one task per node, equal to one process), the others in the slow set, which CI runs too.
+SLOW_JOB = pytest.mark.slow
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("script", ["configs/slurm/task_per_gpu.sh",
-                                    "configs/slurm/torchrun_per_node.sh"])
+@pytest.mark.parametrize("script", [
+    "configs/slurm/task_per_gpu.sh",
+    pytest.param("configs/slurm/torchrun_per_node.sh", marks=SLOW_JOB)])
 def test_sbatch_script_trains_on_two_nodes_like_one_process(cluster, script):
     # the scripts' default recipe, ddp_torchrun, measured by the harness: its JSON result line
     job = cluster.submit(script, "--backend", "gloo", "--precision", "fp32", "--steps", str(STEPS),
@@ -275,6 +281,7 @@ def test_sbatch_script_trains_on_two_nodes_like_one_process(cluster, script):
     assert_losses_close(result["losses"], single_process_reference(steps=STEPS).losses, atol=1e-5)
 
 
+@SLOW_JOB
 @pytest.mark.timeout(300)
 def test_lightning_slurm_script_trains_on_two_nodes_like_one_process(cluster, tmp_path):
     pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse")
@@ -294,8 +301,9 @@ def test_lightning_slurm_script_trains_on_two_nodes_like_one_process(cluster, tm
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("script", ["configs/slurm/task_per_gpu.sh",
-                                    "configs/slurm/torchrun_per_node.sh"])
+@pytest.mark.parametrize("script", [
+    "configs/slurm/task_per_gpu.sh",
+    pytest.param("configs/slurm/torchrun_per_node.sh", marks=SLOW_JOB)])
 def test_a_bad_option_on_one_node_ends_the_job_with_its_one_line_error(cluster, inject_dir,
                                                                        script):
     timeout_s = 200  # what node 1's ranks would wait for the missing peer without -K
