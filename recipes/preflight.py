@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.preflight
     srun --ntasks-per-node=8 python -m recipes.preflight --timeout-s 120   # Slurm, one task per GPU
 
-Copy with it: recipes/dist_setup.py (``setup_distributed``). Run it as the job's first step, with the
-launcher, the nodes and the environment the training will use: in about ten seconds it says
+Copy with it: recipes/dist_setup.py (``setup_distributed``). Run it as the job's first step, with
+the launcher, the nodes and the environment the training will use: in about ten seconds it says
 whether every rank can use its device, join the world and exchange tensors with the others, or
 which host and rank cannot. Model: stas00/ml-engineering's ``torch-distributed-gpu-test.py``
 (barrier and all_reduce); this adds checked values, a table per host, a bound on every wait.
