@@ -334,7 +334,11 @@ def slurm_env(**changes) -> dict:
 
 def test_a_task_srun_started_joins_the_world_slurm_describes(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        # set, then deleted: monkeypatch then restores it (absent included) after the test.
+        # delenv alone records nothing for an absent key, and the RANK=3 that
+        # _world_from_environment sets would stay in this process for the tests after it.
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     for key, value in slurm_env().items():
         monkeypatch.setenv(key, value)
     assert dist_setup._world_from_environment() == (3, 4, 1, 2)
@@ -346,7 +350,8 @@ def test_a_task_srun_started_joins_the_world_slurm_describes(monkeypatch):
 def test_the_batch_script_itself_is_a_world_of_one(monkeypatch):
     """sbatch's script has SLURM_PROCID=0 and SLURM_NTASKS=N too, but no SLURM_STEP_ID."""
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # restored after the test (see above)
+        monkeypatch.delenv(key)
     for key, value in slurm_env(SLURM_PROCID="0", SLURM_STEP_ID=None).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
