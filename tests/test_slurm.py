@@ -374,7 +374,8 @@ def test_the_rendezvous_host_is_the_first_of_the_node_list(nodelist, first):
 def test_a_master_addr_the_user_set_wins_without_a_node_list(monkeypatch):
     """MASTER_ADDR set by hand (a site whose node names do not resolve): no node list needed."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # restored after the test (see above)
+        monkeypatch.delenv(key)
     for key, value in slurm_env(SLURM_JOB_NODELIST=None).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
