@@ -57,7 +57,7 @@ class DDPConfig:
     precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
     compile: bool = False
     compile_backend: str = "inductor"
-    backend: str = "auto"  # auto: nccl with CUDA, else gloo
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
     timeout_s: float = 300.0
     save_path: str | None = None  # rank 0 saves the trained weights here
 
@@ -66,7 +66,11 @@ class DDPConfig:
 def train(cfg: DDPConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # set by torchrun, 0 when alone
-    use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    # auto: NCCL when this node has a GPU for each of its ranks, else gloo on CPU
+    gpus_needed = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    use_cuda = cfg.backend == "nccl" or (
+        cfg.backend == "auto" and torch.cuda.is_available()
+        and torch.cuda.device_count() >= gpus_needed)
     backend = "nccl" if use_cuda else "gloo"
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -194,7 +198,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
         default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
     add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with CUDA, else gloo")
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
     add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
         help="seconds a collective waits for its peers before failing")
     add("--save-path", default=defaults.save_path,

@@ -107,9 +107,12 @@ def test_bad_input_is_one_line_and_exit_2():
 STUCK_RANK_1 = """
 import os, time
 from recipes import preflight
-if os.environ["SLURM_PROCID"] == "1":  # injected by the test: rank 1's device check never returns
+stuck = os.environ["SLURM_PROCID"] == "1"
+if stuck:  # injected by the test: rank 1's device check never returns
     preflight.check_device = lambda *args: time.sleep(120)
-preflight.main(["--timeout-s", "3"])
+# rank 1 waits longer: its own watchdog, had it fired first at the same 3 s, would have ended it,
+# and rank 0 would report the connection rank 1 closed instead of where rank 1 stopped
+preflight.main(["--timeout-s", "8" if stuck else "3"])
 """
 
 
@@ -141,7 +144,7 @@ def test_a_check_that_hangs_is_named_with_the_ranks_that_never_got_past_it(tmp_p
                                        "finish within 3 s; rank(s) 1 never reached barrier")
     # (before it, torch may log that the store's host, rank 0, has gone: it exited first)
     assert procs[1].stderr.strip().splitlines()[-1] == (
-        f"error: preflight: rank 1 on {HOST}: device check did not finish within 3 s")
+        f"error: preflight: rank 1 on {HOST}: device check did not finish within 8 s")
     # the line itself says the watchdog fired at 3 s (torch's own timeout, 5 s later, words it
     # otherwise); the wall time adds start-up, which on 2 shared cores under load can take long
-    assert elapsed < 3 + 30, f"took {elapsed:.1f} s"
+    assert elapsed < 8 + 30, f"took {elapsed:.1f} s"
