@@ -1,0 +1,55 @@
+"""recipes/dist_setup.py: the set-up a copied recipe calls joins the world its launcher describes,
+alone as a world of 1, reuses a group its caller made, and destroys only what it created.
+(Slurm's variables: tests/test_slurm.py; a restarted torchrun attempt: tests/test_job.py.)"""
+
+import pytest
+import torch.distributed as dist
+
+from recipes import dist_setup
+from recipes.core.spawn import spawn_world
+
+
+def test_alone_it_is_a_world_of_one_and_cleanup_destroys_it(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID"):
+        monkeypatch.setenv(key, "")  # restored after the test
+        monkeypatch.delenv(key)
+    info = dist_setup.setup_distributed("gloo")
+    try:
+        assert (info.rank, info.world_size, info.backend, info.device.type) == (0, 1, "gloo", "cpu")
+        assert info.is_main and dist.is_initialized()
+    finally:
+        dist_setup.cleanup_distributed()
+    assert not dist.is_initialized()
+
+
+def test_an_unknown_backend_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("RANK", "")
+    monkeypatch.delenv("RANK")
+    with pytest.raises(ValueError, match=r"^backend 'mpi': use 'auto', 'gloo' or 'nccl'$"):
+        dist_setup.setup_distributed("mpi")
+
+
+def _two_ranks() -> tuple:
+    import torch
+
+    info = dist_setup.setup_distributed("gloo", timeout_s=60)
+    try:
+        tensor = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(tensor)  # 1 + 2 on every rank
+        joined = (info.rank, info.world_size, float(tensor))
+    finally:
+        dist_setup.cleanup_distributed()
+    destroyed = not dist.is_initialized()
+    # a group its caller made first is used as it is, and left for that caller to destroy
+    dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(
+        seconds=60))
+    reused = dist_setup.setup_distributed("gloo")
+    dist_setup.cleanup_distributed()
+    kept = dist.is_initialized()
+    dist.destroy_process_group()
+    return joined, destroyed, (reused.rank, reused.world_size), kept
+
+
+def test_under_a_launcher_every_rank_joins_and_a_collective_sums():
+    # spawn_world sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun does
+    assert spawn_world(_two_ranks, 2, deadline_s=60) == ((0, 2, 3.0), True, (0, 2), True)
