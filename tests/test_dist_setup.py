@@ -2,6 +2,11 @@
 alone as a world of 1, reuses a group its caller made, and destroys only what it created.
 (Slurm's variables: tests/test_slurm.py; a restarted torchrun attempt: tests/test_job.py.)"""
 
+import datetime
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
@@ -40,9 +45,12 @@ def _two_ranks() -> tuple:
     finally:
         dist_setup.cleanup_distributed()
     destroyed = not dist.is_initialized()
-    # a group its caller made first is used as it is, and left for that caller to destroy
-    dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(
-        seconds=60))
+    # a group its caller made first is used as it is, and left for that caller to destroy. Its
+    # own store: on env:// again, rank 1 could reach rank 0's first store server while it closes
+    # (seen once under load: "Failed to recv, got 0 bytes" in init_process_group).
+    store_file = Path(tempfile.gettempdir(), f"dist_setup_test_{os.environ['MASTER_PORT']}")
+    dist.init_process_group("gloo", store=dist.FileStore(str(store_file), 2), rank=info.rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
     reused = dist_setup.setup_distributed("gloo")
     dist_setup.cleanup_distributed()
     kept = dist.is_initialized()
