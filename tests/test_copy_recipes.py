@@ -6,6 +6,9 @@ A recipe is copyable when it imports nothing of the proof harness (``recipes.cor
 docstring then says what to copy with it, in one line: ``Copy with it: recipes/toy.py,
 recipes/dist_setup.py`` (or ``Copy with it: nothing``). The copy keeps the ``recipes/`` folder
 name, so the recipe's own ``from recipes.toy import ...`` lines work unchanged there.
+
+The copies that run under torchrun share one launch (tests/copy_launcher.py): each still runs as
+its own world of 2 gloo ranks with torchrun's variables, forked from the rank torchrun started.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import recipe_modules
+from recipes.core.spawn import free_port
 from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, single_process_reference
 
 RECIPES = Path(REPO_ROOT, "recipes")
+
+# One worker runs this module, so that the torchrun launch all the copies share runs once.
+pytestmark = pytest.mark.xdist_group("copy_recipes")
 
 
 def is_copyable(name: str) -> bool:
@@ -115,24 +122,67 @@ def users_environment(project: Path) -> dict[str, str]:
 
 
 def run_copy(name: str, project: Path, timeout_s: float = 150) -> subprocess.CompletedProcess:
-    launcher, args = RUNS[name]
-    args = [arg.format(repo=REPO_ROOT) for arg in args]
-    prefix = ([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-              if launcher == "torchrun" else [PYTHON])
-    return subprocess.run(prefix + ["train_mine.py", *args], cwd=project,
-                          env=users_environment(project),
+    """A copy run alone by its own launcher (``python train_mine.py ...``)."""
+    _, args = RUNS[name]
+    return subprocess.run([PYTHON, "train_mine.py", *[arg.format(repo=REPO_ROOT) for arg in args]],
+                          cwd=project, env=users_environment(project),
                           capture_output=True, text=True, timeout=timeout_s)
 
 
+TORCHRUN_COPIES = [name for name in COPYABLE if RUNS.get(name, ("",))[0] == "torchrun"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every copy that runs under torchrun, each in its own project, from ONE torchrun launch (2
+    gloo ranks): tests/copy_launcher.py forks each rank's copy from the rank torchrun started, so
+    torch is imported twice in all instead of twice per copy (each launch costs ~5 s of CPU on 2
+    cores). Each copy still meets its peers through ``env://`` with torchrun's variables, on a
+    port of its own. {name: what its two ranks printed, as torchrun would have shown it}."""
+    where = tmp_path_factory.mktemp("copies")
+    copies = []
+    for name in TORCHRUN_COPIES:
+        project = make_copy(name, where / name)
+        args = [arg.format(repo=REPO_ROOT) for arg in RUNS[name][1]]
+        copies.append({"name": name, "project": str(project), "args": args,
+                       "port": free_port(), "timeout_s": 120})
+    plan = where / "plan.json"
+    plan.write_text(json.dumps({"copies": copies, "out": str(where / "out")}))
+    launcher = where / "copy_launcher.py"  # beside no cookbook: it imports none of it
+    shutil.copy(Path(REPO_ROOT, "tests", "copy_launcher.py"), launcher)
+    env = users_environment(where / "launcher")
+    env["PYTHONPATH"] = str(where / "without_the_cookbook")
+    proc = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(launcher), str(plan)], cwd=where, env=env, capture_output=True, text=True,
+        timeout=sum(copy["timeout_s"] for copy in copies) + 60)
+    results = {}
+    for copy in copies:
+        out = where / "out" / copy["name"]
+        read = [(out / f"rank{rank}.{kind}").read_text(errors="replace")
+                if (out / f"rank{rank}.{kind}").exists() else ""
+                for rank in (0, 1) for kind in ("stdout", "stderr", "json")]
+        exits = [json.loads(status)["exit"] if status else "never ran" for status in read[2::3]]
+        code = 0 if exits == [0, 0] else 1
+        results[copy["name"]] = subprocess.CompletedProcess(
+            copy["name"], code, read[0] + read[3],
+            read[1] + read[4] + (f"\nexit codes of ranks 0 and 1: {exits}; launcher: "
+                                 f"{proc.returncode} {proc.stderr[-1500:]}" if code else ""))
+    return results
+
+
 @pytest.mark.parametrize("name", COPYABLE)
-def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path):
+def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, request):
     project = make_copy(name, tmp_path)
+    if name in TORCHRUN_COPIES:  # ran in the fixture, from a copy made the same way
+        proc = request.getfixturevalue("torchrun_copies")[name]
+    else:
+        proc = run_copy(name, project)
     # The cookbook is not importable there: only what was copied is.
     probe = subprocess.run([PYTHON, "-c", "import recipes.core"], cwd=project,
                            env=users_environment(project), capture_output=True, text=True,
                            timeout=60)
     assert probe.returncode != 0 and "No module named 'recipes.core'" in probe.stderr
-    proc = run_copy(name, project)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     CHECKS[name](proc.stdout)

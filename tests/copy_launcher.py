@@ -1,0 +1,84 @@
+"""Run several copied recipes from one torchrun launch: the launcher script of
+tests/test_copy_recipes.py.
+
+    torchrun --standalone --nproc_per_node=2 copy_launcher.py PLAN.json
+
+Every copy runs as it would under its own ``torchrun ... train_mine.py ARGS``: in a process of
+this torchrun rank (forked from it, so torch is imported once per rank instead of once per copy
+and rank), in the copy's project folder, with the copy's folder first on ``sys.path``, torchrun's
+variables, and the copy's own ``train_mine.py`` run as ``__main__``. Two things differ, because
+one launch hosts several worlds one after the other: each copy meets on a port of its own
+(``MASTER_PORT`` from the plan), with rank 0's copy hosting the store
+(``TORCHELASTIC_USE_AGENT_STORE=False``): a second ``init_process_group`` on torchrun's own store
+would read the first world's keys. Each rank writes what its copy printed and its exit code to
+``OUT/NAME/rank{R}.{stdout,stderr,json}``. This file imports nothing of the cookbook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+import torch  # noqa: F401  (imported once here; every copy's process inherits it)
+
+
+def run_copy(copy: dict, rank: int, out_dir: str) -> None:
+    """The copy's process: ``python train_mine.py ARGS`` in its project folder, then exit."""
+    os.makedirs(out_dir, exist_ok=True)
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        opened = os.open(os.path.join(out_dir, f"rank{rank}.{stream}"),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
+    os.environ.update(MASTER_PORT=str(copy["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
+    os.chdir(copy["project"])
+    sys.path.insert(0, copy["project"])
+    sys.argv = ["train_mine.py", *copy["args"]]
+    code = 0
+    try:
+        runpy.run_path("train_mine.py", run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        if not isinstance(exit_.code, (int, type(None))):
+            print(exit_.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - what the interpreter does: the traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    plan = json.loads(open(sys.argv[1], encoding="utf-8").read())
+    rank = int(os.environ["RANK"])
+    for copy in plan["copies"]:
+        out_dir = os.path.join(plan["out"], copy["name"])
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            run_copy(copy, rank, out_dir)
+        deadline = started + copy["timeout_s"]
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:  # a hung copy: killed, reported, the next one runs
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                code = "timeout"
+                break
+            time.sleep(0.05)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump({"exit": code, "seconds": round(time.monotonic() - started, 2)}, f)
+
+
+if __name__ == "__main__":
+    main()
