@@ -8,7 +8,9 @@ this torchrun rank (forked from it, so torch is imported once per rank instead o
 and rank), in the copy's project folder, with the copy's folder first on ``sys.path``, torchrun's
 variables, and the copy's own ``train_mine.py`` run as ``__main__``. Two things differ, because
 one launch hosts several worlds one after the other: each copy meets on a port of its own
-(``MASTER_PORT`` from the plan), with rank 0's copy hosting the store
+(``MASTER_PORT``: rank 0 picks a free one just before the copy starts and tells rank 1 through
+torchrun's store; picked earlier, another test's world could take it meanwhile), with rank 0's
+copy hosting the store
 (``TORCHELASTIC_USE_AGENT_STORE=False``): a second ``init_process_group`` on torchrun's own store
 would read the first world's keys. Each rank writes what its copy printed and its exit code to
 ``OUT/NAME/rank{R}.{stdout,stderr,json}``. This file imports nothing of the cookbook.
@@ -16,14 +18,17 @@ would read the first world's keys. Each rank writes what its copy printed and it
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import runpy
+import socket
 import sys
 import time
 import traceback
 
-import torch  # noqa: F401  (imported once here; every copy's process inherits it)
+import torch  # imported once here; every copy's process inherits it
+import torch.distributed as dist
 
 
 def run_copy(copy: dict, rank: int, out_dir: str) -> None:
@@ -55,11 +60,24 @@ def run_copy(copy: dict, rank: int, out_dir: str) -> None:
     os._exit(code)
 
 
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main() -> None:
     plan = json.loads(open(sys.argv[1], encoding="utf-8").read())
     rank = int(os.environ["RANK"])
+    # torchrun's own store (its agent hosts it): where rank 0 posts each copy's port
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=300))
     for copy in plan["copies"]:
         out_dir = os.path.join(plan["out"], copy["name"])
+        key = f"copy_launcher/port/{copy['name']}"
+        if rank == 0:
+            store.set(key, str(free_port()))
+        copy = {**copy, "port": int(store.get(key))}
         started = time.monotonic()
         pid = os.fork()
         if pid == 0:

@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import recipe_modules
-from recipes.core.spawn import free_port
 from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, single_process_reference
 
 RECIPES = Path(REPO_ROOT, "recipes")
@@ -144,8 +143,7 @@ def torchrun_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     for name in TORCHRUN_COPIES:
         project = make_copy(name, where / name)
         args = [arg.format(repo=REPO_ROOT) for arg in RUNS[name][1]]
-        copies.append({"name": name, "project": str(project), "args": args,
-                       "port": free_port(), "timeout_s": 120})
+        copies.append({"name": name, "project": str(project), "args": args, "timeout_s": 120})
     plan = where / "plan.json"
     plan.write_text(json.dumps({"copies": copies, "out": str(where / "out")}))
     launcher = where / "copy_launcher.py"  # beside no cookbook: it imports none of it

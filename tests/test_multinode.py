@@ -132,8 +132,11 @@ def wait_all(nodes: list[subprocess.Popen], tmp_path, timeout_s: float) -> None:
         pytest.fail(f"the nodes did not end within {timeout_s:g}s\n{printed}")
 
 
+# static in the slow set (CI runs it): the default run still crosses the two hosts with static
+# rendezvous in the vanishing-host test below, which trains before the cut; this parity run of
+# ~16 s of CPU would repeat c10d's on the 4-minute suite.
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+@pytest.mark.parametrize("rendezvous", [pytest.param("static", marks=pytest.mark.slow), "c10d"])
 def test_two_hosts_train_like_one_process(two_hosts, rendezvous, tmp_path):
     master = two_hosts[0][2]
     nodes = [launch_node(host, n, master, rendezvous, tmp_path, "--steps", str(STEPS),

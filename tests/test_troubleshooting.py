@@ -165,20 +165,27 @@ def collective_timeout(rank: int) -> dict:
     return seen
 
 
+def agreed_ports(rank: int, count: int) -> list[int]:
+    """``count`` distinct ports, free a moment ago: rank 0 picks them just before they are used
+    (picked earlier, another test's world could take one meanwhile) and every rank gets them."""
+    ports = set()
+    while rank == 0 and len(ports) < count:
+        ports.add(free_port())
+    box = [sorted(ports)]
+    dist.broadcast_object_list(box)
+    return box[0]
+
+
 def in_a_world_of_two() -> dict:
     """Every world entry, in one world (the collective timeout last: it leaves a group broken)."""
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     try:
-        ports = set()
-        while rank == 0 and len(ports) < 4:  # four distinct ports, free a moment ago
-            ports.add(free_port())
-        box = [sorted(ports)]
-        dist.broadcast_object_list(box)
-        ports = box[0]
-        return {"ddp": ddp_unused_parameters(), "fsdp": fsdp_mixed_requires_grad(),
-                "rendezvous": rendezvous_timeout(rank, ports[:3]),
-                "mesh": stale_store(rank, ports[3]), "timeout": collective_timeout(rank)}
+        seen = {"ddp": ddp_unused_parameters(), "fsdp": fsdp_mixed_requires_grad()}
+        seen["rendezvous"] = rendezvous_timeout(rank, agreed_ports(rank, 3))
+        seen["mesh"] = stale_store(rank, agreed_ports(rank, 1)[0])
+        seen["timeout"] = collective_timeout(rank)
+        return seen
     finally:
         dist.destroy_process_group()
 
