@@ -5,6 +5,8 @@ with the same global sample order; the four layouts agree; bad configurations ar
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -82,6 +84,24 @@ def launch(nproc: int, args: list[str], *, restarts: int = 0, env: dict | None =
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+def job_in_a_rank(argv: list[str]) -> dict | None:
+    """``python -m recipes.job ARGV`` on one rank of a spawned world (forked from a process that
+    has imported torch: no launcher to start, no imports to repeat); rank 0's JSON result."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        job.main(argv)
+    lines = [line for line in printed.getvalue().splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def in_a_world(nproc: int, args: list[str]) -> dict:
+    """The job on ``nproc`` ranks of a spawned world with torchrun's variables: what the runs that
+    need no launcher of their own use (the kill tests use torchrun: its restarts are the point)."""
+    result = spawn_world(job_in_a_rank, nproc, args, deadline_s=150)
+    assert result is not None, "rank 0 printed no result"
+    return result
+
+
 def result_of(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
@@ -100,8 +120,8 @@ def losses_by_step(out: Path) -> dict[int, list[float]]:
 def reference(shards, tmp_path_factory) -> dict:
     """The uninterrupted run on 2 ranks, every checkpoint kept."""
     out = tmp_path_factory.mktemp("reference")
-    result = result_of(launch(2, [*ARGS, "--data-dir", str(shards), "--out-dir", str(out),
-                                  "--keep", "100"]))
+    result = in_a_world(2, [*ARGS, "--data-dir", str(shards), "--out-dir", str(out),
+                            "--keep", "100"])
     return {"result": result, "out": out}
 
 
@@ -185,7 +205,7 @@ def test_a_checkpoint_of_2_ranks_continues_on_another_world_size(reference, shar
                     tmp_path / "checkpoints" / "step_00000004")
     args = [*ARGS, "--data-dir", str(shards), "--out-dir", str(tmp_path), "--tensorboard",
             "false"]
-    result = result_of(launch(nproc, args))
+    result = in_a_world(nproc, args)
     expected = reference["result"]
     assert result["world_size"] == nproc and result["resumed_from"] == 4
     assert result["losses"] == pytest.approx(expected["losses"][4:], abs=1e-5)
