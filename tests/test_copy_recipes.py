@@ -69,6 +69,7 @@ RUNS = {
     "preflight": ("torchrun", ["--timeout-s", "60"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
+    "single_gpu": ("python", ["--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
 }
@@ -238,6 +239,13 @@ def check_ddp_torchrun(stdout: str) -> None:
     assert_losses_close([float(loss) for _, loss in printed], reference.losses, atol=6e-5)
 
 
-CHECKS = {"preflight": check_preflight, "comm_bench": check_comm_bench, "data": check_data,
+def check_single_gpu(stdout: str) -> None:
+    # one line per step, each the loss of ddp_torchrun on one process (the same loop, bit for bit)
+    printed = re.findall(r"^step (\d+) loss (\d+\.\d{4})$", stdout, re.M)
+    reference = single_process_reference()
+    assert [float(loss) for _, loss in printed] == [round(x, 4) for x in reference.losses], stdout
+
+
+CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight, "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare}

@@ -60,8 +60,11 @@ class Observer:
     def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._model, self._optimizer = model, optimizer
         self.device = next(model.parameters()).device
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.backend = dist.get_backend()
+        if dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.backend = dist.get_backend()
+        else:  # a recipe without torch.distributed (single_gpu): one process
+            self.rank, self.world_size, self.backend = 0, 1, "none"
         self._hook = model.register_forward_hook(self._record_dtype)
         self._restart_clock()
 
@@ -70,7 +73,8 @@ class Observer:
         self.durations.append(time.perf_counter() - self._last)
         if step == 0:  # after optimizer.step(), before the next zero_grad: gradients present
             # the baseline of the sharding recipes' "1/N": every rank holds all of it
-            self.memory_per_rank = all_ranks(model_state_bytes(self._model, self._optimizer))
+            held = model_state_bytes(self._model, self._optimizer)
+            self.memory_per_rank = all_ranks(held) if dist.is_initialized() else [held]
         if step == self.steps - 1:  # the last step: the recipe's group still exists
             self.param_checksum = param_checksum(self._model.parameters())
             if self.keep_final_state:
@@ -137,7 +141,8 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
           keep_final_state: bool = False) -> RecipeResult:
     """``train_fn(cfg, observer=...)`` measured from outside; the result every rank returns.
 
-    ``cfg`` needs ``steps``, ``model`` (a MODEL_PRESETS key) and ``global_batch_size``.
+    ``cfg`` needs ``steps``, ``model`` (a MODEL_PRESETS key) and ``global_batch_size`` (or
+    ``batch_size``, for one process).
     ``keep_final_state``: the final parameters on CPU in ``final_state`` (tests compare them).
     """
     observer = Observer(cfg.steps, keep_final_state=keep_final_state)
@@ -147,7 +152,8 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
         raise RuntimeError(f"{name}: the recipe never called observer.step_end for its last step "
                            f"({cfg.steps - 1}); it ran {len(observer.durations)} step(s)")
     devices = observer.world_size if observer.device.type == "cuda" else 1
-    workload = Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, observer.precision)
+    batch = getattr(cfg, "global_batch_size", None) or cfg.batch_size  # single_gpu: batch_size
+    workload = Workload(MODEL_PRESETS[cfg.model], batch, observer.precision)
     return RecipeResult(
         recipe=name,
         world_size=observer.world_size,
