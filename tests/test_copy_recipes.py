@@ -59,6 +59,9 @@ RUNS = {
     "data": ("torchrun", ["--steps", "3"]),
     # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
     "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
+    # both options: every collective the split has (reduce-scatter, all-gather, the sharded loss)
+    "tensor_parallel": ("torchrun", ["--backend", "gloo", "--precision", "fp32",
+                                     "--sequence-parallel", "--loss-parallel"]),
     "evaluation": ("torchrun", []),
     "preflight": ("torchrun", ["--timeout-s", "60"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
@@ -190,6 +193,12 @@ def check_ddp_torchrun(stdout: str) -> None:
     assert_losses_close([float(loss) for _, loss in printed], reference.losses, atol=6e-5)
 
 
+def check_tensor_parallel(stdout: str) -> None:
+    # split over 2 ranks, the same losses as one process's unsplit training: the package's
+    # recipe equals it (tests/test_tensor_parallel.py), so the copy must too
+    check_ddp_torchrun(stdout)
+
+
 CHECKS = {"preflight": check_preflight, "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
-          "loss_compare": check_loss_compare}
+          "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel}
