@@ -7,7 +7,7 @@
 A rank joins a world of 512 through torch's ``fake`` process-group backend (``FakeStore``; the
 backend hallucinates every collective: right shapes, meaningless values), builds the 3-D DeviceMesh,
 builds only its pipeline stage's layers on the ``meta`` device (shapes, no storage), applies tensor
-parallel (``recipes.tensor_parallel.apply_tp``) and then ``fully_shard`` over "dp"
+parallel (``recipes.parallelize.apply_tp``) and then ``fully_shard`` over "dp"
 (``recipes.fsdp2.apply_fully_shard``) exactly as a real run would. What it then holds is read off
 its DTensors' local shards. Per rank it reports:
 
@@ -55,7 +55,7 @@ from recipes.core.config import Config, RecipeError, opt
 from recipes.core.result import RecipeResult
 from recipes.core.workload import MODEL_PRESETS, Block, ModelConfig, TransformerLM
 from recipes.memory_estimate import LAYOUTS, model_state_per_rank
-from recipes.tensor_parallel import apply_tp, check_tp_fits, transformer_lm_plan
+from recipes.parallelize import TPPlanError, apply_tp, check_tp_fits, transformer_lm_plan
 
 # Large shapes for the cookbook's GPT-style TransformerLM (MLP 4x, learned positions).
 PRESETS: dict[str, ModelConfig] = {
@@ -91,7 +91,11 @@ def check_layout(cfg: ModelConfig, world_size: int, pp: int, dp: int, tp: int) -
         fits = [n for n in range(1, cfg.n_layers + 1) if cfg.n_layers % n == 0]
         raise RecipeError(f"{cfg.n_layers} layers do not split into pp={pp} equal stages; use "
                           f"pp in {', '.join(map(str, fits))}")
-    check_tp_fits(cfg, tp)
+    try:
+        check_tp_fits(tp, n_heads=cfg.n_heads, mlp_width=cfg.mlp_ratio * cfg.dim,
+                      vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    except TPPlanError as exc:  # a config's refusal is a RecipeError: parse_config prints it
+        raise RecipeError(str(exc)) from None
 
 
 # --8<-- [start:stage]

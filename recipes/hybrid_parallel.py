@@ -12,7 +12,7 @@ The world is one mesh; each parallelism takes one named dimension of it, from th
 own
   share of the batch, parameters are sharded across the dp ranks and all-gathered per block;
 - ``tp`` (innermost: consecutive ranks, i.e. one node's NVLink): tensor parallel
-  (recipes.tensor_parallel's ``apply_tp``), collectives inside every layer.
+  (recipes.parallelize's ``apply_tp``), collectives inside every layer.
 
 With 8 ranks as pp 2 x dp 2 x tp 2, rank 5 is stage 1, data shard 0, tensor slice 1. The rank layout
 is logged as a grid (recipes.process_groups explains how mesh dims map to process groups). The
@@ -59,10 +59,9 @@ from recipes.core.workload import (
 )
 from recipes.core.world import join_world
 from recipes.fsdp2 import mixed_precision_policy
-from recipes.parallelize import (apply_tp_and_fsdp, matching_modules,  # noqa: F401 (re-exported)
-                                 transformer_lm_plan)
+from recipes.parallelize import (apply_tp_and_fsdp, check_tp_fits,  # noqa: F401 (re-exported)
+                                 matching_modules, transformer_lm_plan)
 from recipes.process_groups import rank_grid
-from recipes.tensor_parallel import check_tp_fits
 
 log = get_logger(__name__)
 
@@ -102,7 +101,10 @@ def train(cfg: HybridConfig) -> RecipeResult:
         precision = setup_precision(cfg.precision, world.device)
         # bf16/fp16: fully_shard's own policy (low-precision compute, fp32 reduction), no autocast.
         mp_policy = mixed_precision_policy(precision)
-        check_tp_fits(MODEL_PRESETS[cfg.model], cfg.tp)
+        model_cfg = MODEL_PRESETS[cfg.model]
+        check_tp_fits(cfg.tp, n_heads=model_cfg.n_heads,
+                      mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
+                      vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
         plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
         dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         microbatches = cfg.microbatches if cfg.pp > 1 else 1
@@ -118,7 +120,6 @@ def train(cfg: HybridConfig) -> RecipeResult:
             apply_tp_and_fsdp(model, mesh, plan=plan, block_types=(Block,), mp_policy=mp_policy)
             modules = [model]
         else:
-            model_cfg = MODEL_PRESETS[cfg.model]
             pp_recipe.check_pipeline_fits(schedule=cfg.schedule, pp_size=cfg.pp,
                                           n_layers=model_cfg.n_layers,
                                           microbatches=cfg.microbatches,

@@ -318,7 +318,7 @@ class LMDataModule(L.LightningDataModule):
 # --8<-- [start:tensor_parallel]
 def apply_block_tp(model: torch.nn.Module, tp_mesh) -> None:
     """Megatron-style tensor parallelism inside each Block: q/k/v and w_in split by columns, wo
-    and w_out by rows. Not ``recipes.tensor_parallel.apply_tp``: that one takes a plan for the
+    and w_out by rows. Not ``recipes.parallelize.apply_tp``: that one takes a plan for the
     whole model; this one is the smallest plan that Lightning's ModelParallelStrategy needs.
 
     Attention infers its local head count from wq's output size, so heads split across ranks

@@ -49,7 +49,8 @@ __all__ = [
     "CompileTargetError", "apply_compile",
     "ShardingError", "apply_fully_shard",
     "FSDPWrapError", "apply_fsdp", "check_units", "tied_modules",
-    "TPPlanError", "apply_tp", "check_tp_plan", "check_heads_divide", "matching_modules",
+    "TPPlanError", "apply_tp", "check_tp_plan", "check_heads_divide", "check_tp_fits",
+    "matching_modules",
     "transformer_lm_plan", "llama_plan", "ReplicateParallel",
     "apply_tp_and_fsdp",
 ]
@@ -436,6 +437,19 @@ def check_heads_divide(tp_size: int, *, n_heads: int, n_kv_heads: int | None = N
             fits = [n for n in range(1, count + 1) if count % n == 0]
             raise TPPlanError(f"{count} {what} do not split over {tp_size} tensor-parallel ranks; "
                               f"use a tensor-parallel size of {', '.join(map(str, fits))}")
+
+
+def check_tp_fits(tp_size: int, **sizes: int) -> None:
+    """TPPlanError unless every size the plan splits divides by ``tp_size``, naming the sizes that
+    would: ``check_tp_fits(3, n_heads=4, mlp_width=128, vocab_size=64, seq_len=16)``. Before the
+    model exists (a config check, a dry run): DTensor could shard unevenly; equal shards keep the
+    heads whole and the collectives simple."""
+    bad = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
+    if bad:
+        fits = [n for n in range(1, min(sizes.values()) + 1)
+                if all(size % n == 0 for size in sizes.values())]
+        raise TPPlanError(f"tensor parallel over {tp_size} ranks cannot split {', '.join(bad)}; "
+                          f"use a tensor-parallel size of {', '.join(map(str, fits))}")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *,

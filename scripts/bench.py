@@ -111,7 +111,7 @@ def recipes_at_world_1(
             fsdp2.train,
             fsdp2.FSDP2Config(**common, reshard_after_forward="false"),
         ),
-        ("tensor_parallel", tensor_parallel.train, tensor_parallel.TPConfig(**common)),
+        ("tensor_parallel", tensor_parallel_proven, tp_config(**common)),
         (
             "pipeline_parallel (1 stage)",
             pipeline_parallel.train,
@@ -167,8 +167,8 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
              perf(**b64, **compiled, compile_scope="model", compile_mode="reduce-overhead")),
             ("ddp_torchrun + compile", ddp_torchrun_proven, ddp_config(**b64, **compiled)),
             ("fsdp2 + compile", fsdp2.train, fsdp2.FSDP2Config(**b64, **compiled)),
-            ("tensor_parallel (compiled: its GPU default)", tensor_parallel.train,
-             tensor_parallel.TPConfig(**b64, compile_backend=compile_backend)),
+            ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
+             tp_config(**b64, compile_backend=compile_backend)),
             ("lightning_trainer", lightning_trainer.train,
              lightning_trainer.LightningConfig(**b64, output_dir=out, logger="none")),
             ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**b64)),
@@ -187,10 +187,9 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
             ("fsdp2, no reshard + compile", fsdp2.train,
              fsdp2.FSDP2Config(**b32, **compiled, reshard_after_forward="false")),
             ("fsdp (classic)", fsdp.train, fsdp.FSDPConfig(**b32)),
-            ("tensor_parallel --eager", tensor_parallel.train,
-             tensor_parallel.TPConfig(**b32, eager=True)),
-            ("tensor_parallel (compiled: its GPU default)", tensor_parallel.train,
-             tensor_parallel.TPConfig(**b32, compile_backend=compile_backend)),
+            ("tensor_parallel --eager", tensor_parallel_proven, tp_config(**b32, eager=True)),
+            ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
+             tp_config(**b32, compile_backend=compile_backend)),
         ],
     }
 
@@ -246,6 +245,16 @@ def ddp_torchrun_proven(cfg):
 def ddp_config(**fields) -> ddp_torchrun.DDPConfig:
     """ddp_torchrun picks NCCL whenever CUDA is there: --device cpu says gloo to it directly."""
     return ddp_torchrun.DDPConfig(**fields, backend="auto" if ON_GPU else "gloo")
+
+
+def tensor_parallel_proven(cfg):
+    """recipes.tensor_parallel returns its losses only: the harness measures it from outside."""
+    return prove(tensor_parallel.train, cfg, name="tensor_parallel")
+
+
+def tp_config(**fields) -> tensor_parallel.TPConfig:
+    """As ``ddp_config``: gloo said directly where the GPU is not to be used."""
+    return tensor_parallel.TPConfig(**fields, backend="auto" if ON_GPU else "gloo")
 
 
 def cfg_recipe(cfg) -> str:

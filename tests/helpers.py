@@ -76,6 +76,22 @@ def ddp_result_only(cfg):
     return ddp_result(cfg, keep_final_state=False)
 
 
+def tp_result(cfg, *, keep_final_state: bool = True):
+    """recipes.tensor_parallel.train(cfg) measured by the harness, as ``ddp_result`` measures DDP:
+    its RecipeResult with the full final state (all-gathered) and the split's figures in extras
+    (recipes.core.observe.TensorParallelObserver). Module-level: spawn_world can pickle it."""
+    from recipes import tensor_parallel
+    from recipes.core.observe import prove
+
+    return prove(tensor_parallel.train, cfg, name="tensor_parallel",
+                 keep_final_state=keep_final_state)
+
+
+def tp_result_only(cfg):
+    """``tp_result`` without the final state."""
+    return tp_result(cfg, keep_final_state=False)
+
+
 def run_alone(train_fn, cfg):
     """The single-process reference: a world of 1 in this very process."""
     return train_fn(cfg)

@@ -65,6 +65,9 @@ RUNS = {
     "data": ("torchrun", ["--steps", "3"]),
     # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
     "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
+    # both options: every collective the split has (reduce-scatter, all-gather, the sharded loss)
+    "tensor_parallel": ("torchrun", ["--backend", "gloo", "--precision", "fp32",
+                                     "--sequence-parallel", "--loss-parallel"]),
     "evaluation": ("torchrun", []),
     "preflight": ("torchrun", ["--timeout-s", "60"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
@@ -246,6 +249,13 @@ def check_single_gpu(stdout: str) -> None:
     assert [float(loss) for _, loss in printed] == [round(x, 4) for x in reference.losses], stdout
 
 
-CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight, "comm_bench": check_comm_bench, "data": check_data,
+def check_tensor_parallel(stdout: str) -> None:
+    # split over 2 ranks, the same losses as one process's unsplit training: the package's
+    # recipe equals it (tests/test_tensor_parallel.py), so the copy must too
+    check_ddp_torchrun(stdout)
+
+
+CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
+          "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
-          "loss_compare": check_loss_compare}
+          "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel}

@@ -7,12 +7,13 @@ import warnings
 import pytest
 from torch.distributed.tensor import DTensor
 
-from recipes import hybrid_parallel, pipeline_parallel, tensor_parallel
+from recipes import hybrid_parallel, pipeline_parallel
 from recipes.core.config import RecipeError
 from recipes.core.pipeline import TRANSFORMER_LM, even_split
 from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
+from recipes.parallelize import transformer_lm_plan
 from tests.helpers import (
     BACKENDS,
     assert_losses_close,
@@ -36,7 +37,7 @@ def reference():
 def gradient_difference(world, cfg) -> float:
     """One step of the hybrid layout on the whole batch; largest |full gradient - unsplit gradient|."""
     mesh = hybrid_parallel.build_mesh(world, pp=cfg.pp, tp=cfg.tp)
-    plan = tensor_parallel.transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
+    plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     dataset = make_dataset("tiny", 12, seed=1)
     inputs, targets = dataset.tokens[:12, :-1], dataset.tokens[:12, 1:]

@@ -15,6 +15,7 @@ from tests.helpers import (
     assert_states_close,
     run_alone,
     run_world,
+    tp_result,
     with_fields,
 )
 
@@ -110,12 +111,13 @@ def test_compile_keeps_sharded_training_equal_on_fsdp2_and_tp():
     # Two ranks, where compiling meets the sharding: fully_shard's hooks around the compiled forward,
     # and DTensor ops traced inside it. (DDP and amp compile in one process below: cheaper.)
     configs = []
-    for module, config_cls in (
-        (fsdp2, fsdp2.FSDP2Config),
-        (tensor_parallel, tensor_parallel.TPConfig),
+    # tensor_parallel returns its losses: the harness (tp_result) measures its final state
+    tp_fields = {k: v for k, v in COMPILED.items() if k != "keep_final_state"}
+    for train, eager in (
+        (fsdp2.train, fsdp2.FSDP2Config(**{**COMPILED, "compile": False})),
+        (tp_result, tensor_parallel.TPConfig(**{**tp_fields, "compile": False})),
     ):
-        eager = config_cls(**{**COMPILED, "compile": False})
-        configs += [(module.train, eager), (module.train, with_fields(eager, compile=True))]
+        configs += [(train, eager), (train, with_fields(eager, compile=True))]
     results = run_world(train_with, 2, configs, deadline_s=170)
     for eager, compiled in zip(results[::2], results[1::2]):
         assert compiled.recipe == eager.recipe
@@ -161,10 +163,14 @@ def test_compile_scopes_and_checkpointing_under_compile_keep_training_equal():
 
 
 def test_tensor_parallel_compiles_by_default_on_a_gpu_only():
-    """On CPU (this run) the default stays eager; --compile turns it on, and the result says which
-    ran. On a GPU --eager is the way out of the default (recipes/tensor_parallel.py says why)."""
+    """On CPU the default stays eager; --compile turns it on, and the result says which ran (the
+    harness looks at the blocks). On a GPU (where there is one) the default compiles and --eager is
+    the way out of it (recipes/tensor_parallel.py says why)."""
     cfg = tensor_parallel.TPConfig(steps=1, precision="fp32", backend="gloo")
-    assert run_alone(tensor_parallel.train, cfg).extras["compiled"] is False
-    compiled = run_alone(tensor_parallel.train,
-                         with_fields(cfg, compile=True, compile_backend="aot_eager"))
+    assert run_alone(tp_result, cfg).extras["compiled"] is False
+    compiled = run_alone(tp_result, with_fields(cfg, compile=True, compile_backend="aot_eager"))
     assert compiled.extras["compiled"] is True
+    if torch.cuda.is_available():
+        on_gpu = with_fields(cfg, backend="nccl", compile_backend="aot_eager")
+        assert run_alone(tp_result, on_gpu).extras["compiled"] is True
+        assert run_alone(tp_result, with_fields(on_gpu, eager=True)).extras["compiled"] is False

@@ -39,7 +39,7 @@ COPYABLE: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsdp2": (PARALLELIZE, ("apply_fully_shard",)),
     "fsdp": (PARALLELIZE, ("apply_fsdp",)),
     "tensor_parallel": (PARALLELIZE, ("apply_tp", "transformer_lm_plan", "llama_plan",
-                                      "check_heads_divide")),
+                                      "check_heads_divide", "check_tp_fits")),
     "speed": (PARALLELIZE, ("apply_compile",)),
     "expert_parallel": ("recipes.expert_parallel", ("apply_ep", "MoE", "check_ep_fits")),
     "float8": ("recipes.float8", ("apply_float8", "float8_filter")),
@@ -263,6 +263,7 @@ assert "lm_head" in tp.llama_plan()
 refused(tp, "tp", lambda: tp.apply_tp(toy.build_model("tiny"), mesh,
                                       plan={"nowhere": ColwiseParallel()}))
 refused(tp, "heads", lambda: tp.check_heads_divide(2, n_heads=3))
+refused(tp, "fits", lambda: tp.check_tp_fits(3, n_heads=4, mlp_width=128, seq_len=15))
 
 import standalone_expert_parallel as ep
 torch.manual_seed(0)
@@ -353,3 +354,5 @@ def test_extracted_functions_run_alone(tmp_path):
     assert messages["hybrid"][1] == messages["tp"][1]
     assert messages["heads"][1] == ("3 attention heads do not split over 2 tensor-parallel ranks; "
                                     "use a tensor-parallel size of 1, 3")
+    assert messages["fits"] == ["TPPlanError", "tensor parallel over 3 ranks cannot split "
+                                "n_heads=4, mlp_width=128; use a tensor-parallel size of 1"]

@@ -14,6 +14,12 @@ the precision the forward ran in, and at the last step, while the recipe's proce
 exists, the parameters' checksum and (if asked) the full state on CPU. ``prove`` runs the recipe's
 function with one and returns the same ``RecipeResult`` as the harness-built recipes: losses,
 checksum, seconds per step, peak memory, tokens/s and MFU (``Workload``), ``memory_per_rank``.
+Parameters that are DTensors (tensor parallel, fully_shard) are all-gathered for the checksum and
+the final state: every rank calls ``step_end``, so every rank joins.
+
+What one recipe adds to the result comes from an ``Observer`` subclass registered under its name
+in ``OBSERVERS``: it measures from the same two calls (and hooks it registers at ``model_ready``)
+and returns its figures from ``extras()``, which ``prove`` puts beside ``memory_per_rank``.
 """
 
 from __future__ import annotations
@@ -26,15 +32,16 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, param_checksum, peak_memory_bytes
-from recipes.core.state import all_ranks, full_state_on_cpu
+from recipes.core.state import all_ranks
 from recipes.core.throughput import Workload
-from recipes.core.workload import MODEL_PRESETS
+from recipes.core.workload import MODEL_PRESETS, Block
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["Observer", "prove"]
+__all__ = ["Observer", "TensorParallelObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -76,12 +83,19 @@ class Observer:
             held = model_state_bytes(self._model, self._optimizer)
             self.memory_per_rank = all_ranks(held) if dist.is_initialized() else [held]
         if step == self.steps - 1:  # the last step: the recipe's group still exists
-            self.param_checksum = param_checksum(self._model.parameters())
+            self.param_checksum = param_checksum(map(_whole, self._model.parameters()))
             if self.keep_final_state:
-                self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
+                model = getattr(self._model, "module", self._model)  # DDP's .module unwrapped
+                # gathered where it lives, then copied: NCCL cannot gather a DTensor moved to CPU
+                self.final_state = {name: _whole(p.detach()).cpu().clone()
+                                    for name, p in model.named_parameters()}
             self._hook.remove()
             self._model = self._optimizer = None  # the recipe's teardown frees them
         self._restart_clock()  # the measuring above is not the next step's time
+
+    def extras(self) -> dict[str, Any]:
+        """The figures this recipe adds to ``RecipeResult.extras`` (a subclass's)."""
+        return {}
 
     @property
     def precision(self) -> str:
@@ -108,6 +122,67 @@ class Observer:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (an all-gather: every rank calls it), a plain tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class TensorParallelObserver(Observer):
+    """recipes/tensor_parallel.py: the split, measured on the model it trains.
+
+    ``tp_size``: the ranks its parameters are split over; ``sequence_parallel``: the final norm
+    runs on sequence shards (its input is a Shard(1) DTensor), and ``residual_seq_len_per_rank``
+    is the sequence length of the residual stream the first block receives (1/N of it with
+    sequence parallel); ``loss_parallel``: the logits come out as a DTensor split over the
+    vocabulary; ``compiled``: the blocks run torch.compile'd code; ``param_bytes_per_rank``,
+    ``param_bytes_unsplit`` (the whole model's), their fraction and ``optimizer_bytes_per_rank``:
+    this rank's, after the first step.
+    """
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        params = list(model.parameters())
+        blocks = [m for m in model.modules() if isinstance(m, Block)]
+        meshes = {p.device_mesh.size() for p in params if isinstance(p, DTensor)}
+        self.figures: dict[str, Any] = {
+            "tp_size": meshes.pop() if len(meshes) == 1 else None,
+            "param_bytes_unsplit": sum(p.numel() * p.element_size() for p in params),  # global
+            "compiled": all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks),
+        }
+        # Registered after apply_tp's own hooks: these see the inputs as the split made them.
+        self._tp_hooks = [blocks[0].register_forward_pre_hook(self._record_residual),
+                          model.norm.register_forward_pre_hook(self._record_norm_input),
+                          model.register_forward_hook(self._record_logits)]
+
+    def step_end(self, step: int, loss: float) -> None:
+        if step == 0:
+            for hook in self._tp_hooks:  # the first forward showed all there is to see
+                hook.remove()
+        super().step_end(step, loss)
+
+    def extras(self) -> dict[str, Any]:
+        mine, unsplit = self.memory_per_rank[self.rank], self.figures["param_bytes_unsplit"]
+        return {**self.figures, "param_bytes_per_rank": mine["param_bytes"],
+                "param_fraction_per_rank": mine["param_bytes"] / unsplit,
+                "optimizer_bytes_per_rank": mine["optimizer_bytes"]}
+
+    def _record_residual(self, module: nn.Module, args: Any) -> None:
+        residual = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        self.figures["residual_seq_len_per_rank"] = residual.shape[1]
+
+    def _record_norm_input(self, module: nn.Module, args: Any) -> None:
+        self.figures["sequence_parallel"] = (isinstance(args[0], DTensor)
+                                             and args[0].placements == (Shard(1),))
+
+    def _record_logits(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.figures["loss_parallel"] = isinstance(output, DTensor) and any(
+            isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
+
+
+# The recipes whose result carries figures of their own: name -> the Observer that measures them.
+OBSERVERS: dict[str, type[Observer]] = {"tensor_parallel": TensorParallelObserver}
 
 
 @contextlib.contextmanager
@@ -145,7 +220,7 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
     ``batch_size``, for one process).
     ``keep_final_state``: the final parameters on CPU in ``final_state`` (tests compare them).
     """
-    observer = Observer(cfg.steps, keep_final_state=keep_final_state)
+    observer = OBSERVERS.get(name, Observer)(cfg.steps, keep_final_state=keep_final_state)
     with _in_the_callers_world():
         losses = train_fn(cfg, observer=observer)
     if observer.param_checksum is None:
@@ -163,7 +238,7 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
         param_checksum=observer.param_checksum,
         seconds_per_step=observer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(observer.device),
-        extras={"memory_per_rank": observer.memory_per_rank},
+        extras={"memory_per_rank": observer.memory_per_rank, **observer.extras()},
         final_state=observer.final_state,
         **workload.measure(observer.seconds_per_step, observer.device, devices),
     )
