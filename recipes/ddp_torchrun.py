@@ -66,6 +66,14 @@ class DDPConfig:
 def train(cfg: DDPConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # set by torchrun, 0 when alone
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    # Checked before joining: every rank refuses at once (a rank that leaves during the others'
+    # handshake gives them "connectFullMesh failed" instead of this line)
+    if cfg.global_batch_size % world_size:
+        lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
+        raise ValueError(
+            f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
+            f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
     # auto: NCCL when this node has a GPU for each of its ranks, else gloo on CPU
     gpus_needed = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     use_cuda = cfg.backend == "nccl" or (
@@ -84,12 +92,7 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     try:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        if cfg.global_batch_size % world_size:
-            lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
-            raise ValueError(
-                f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
-                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+        rank = dist.get_rank()
         per_rank_batch = cfg.global_batch_size // world_size
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
                                            and torch.cuda.is_bf16_supported())

@@ -79,6 +79,9 @@ def setup_distributed(backend: str = "auto", *, timeout_s: float = 300.0) -> Dis
             rank=rank, world_size=world_size, timeout=timeout,
             device_id=device if backend == "nccl" else None,  # NCCL: connect eagerly, one GPU
         )
+        # Every rank past its handshake before any goes on: a rank that refuses bad input right
+        # after joining would otherwise leave the others with "connectFullMesh failed"
+        dist.barrier()
     _OWNED.append(True)
     return DistInfo(rank, local_rank, world_size, device, backend)
 
