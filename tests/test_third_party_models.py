@@ -24,7 +24,7 @@ from recipes.core.workload import Block, lm_loss
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from recipes.fsdp import FSDPWrapError, apply_fsdp, wrap_policy_for
-from recipes.fsdp2 import ShardingError, apply_fully_shard
+from recipes.parallelize import ShardingError, apply_fully_shard
 from recipes.tensor_parallel import (TPPlanError, apply_tp, check_heads_divide, check_tp_plan,
                                      llama_plan, transformer_lm_plan)
 from tests import third_party
