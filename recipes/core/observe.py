@@ -11,9 +11,14 @@ From these, and from a forward hook it registers itself, ``Observer`` measures t
 step (synchronising CUDA, so queued kernels count in their own step), the model-state bytes every
 rank holds after the first step (``model_state_bytes``: parameters, gradients, optimizer state),
 the precision the forward ran in, and at the last step, while the recipe's process group still
-exists, the parameters' checksum and (if asked) the full state on CPU. ``prove`` runs the recipe's
-function with one and returns the same ``RecipeResult`` as the harness-built recipes: losses,
-checksum, seconds per step, peak memory, tokens/s and MFU (``Workload``), ``memory_per_rank``.
+exists, the parameters' checksum and (if asked) the full state on CPU (gathered whole to rank 0
+where the parameters are sharded DTensors). ``prove`` runs the recipe's function with one and
+returns the same ``RecipeResult`` as the harness-built recipes: losses, checksum, seconds per step,
+peak memory, tokens/s and MFU (``Workload``), ``memory_per_rank``.
+
+What one recipe needs beyond that is measured by an ``Observer`` subclass registered under its
+name in ``OBSERVERS`` (fsdp2: ``ShardedObserver``); what it measures lands in ``extras``, which
+``prove`` adds to the result's. A test that injects a fault passes its own subclass to ``prove``.
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from recipes.core.memory import model_state_bytes
+from recipes.core.memory import measure_last_forward, model_state_bytes
 from recipes.core.result import RecipeResult, param_checksum, peak_memory_bytes
-from recipes.core.state import all_ranks, full_state_on_cpu
+from recipes.core.state import all_ranks, full_state_on_cpu, full_state_on_rank0
 from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["Observer", "prove"]
+__all__ = ["Observer", "ShardedObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -50,6 +56,7 @@ class Observer:
         self.param_checksum: float | None = None
         self.final_state: dict[str, torch.Tensor] | None = None
         self.output_dtype: torch.dtype | None = None
+        self.extras: dict[str, Any] = {}  # what a subclass measures: added to the result's extras
         self.rank, self.world_size, self.backend = 0, 1, "gloo"
         self.device = torch.device("cpu")
         self._model: nn.Module | None = None
@@ -68,16 +75,34 @@ class Observer:
     def step_end(self, step: int, loss: float) -> None:
         self._sync()
         self.durations.append(time.perf_counter() - self._last)
+        self.measure(step)
+        self._restart_clock()  # the measuring is not the next step's time
+
+    def measure(self, step: int) -> None:
+        """What is read after ``step``, outside its time. A subclass measures first, then calls
+        this: after the last step it lets the model go. Collectives are safe here: every rank
+        ends every step."""
         if step == 0:  # after optimizer.step(), before the next zero_grad: gradients present
             # the baseline of the sharding recipes' "1/N": every rank holds all of it
             self.memory_per_rank = all_ranks(model_state_bytes(self._model, self._optimizer))
         if step == self.steps - 1:  # the last step: the recipe's group still exists
-            self.param_checksum = param_checksum(self._model.parameters())
-            if self.keep_final_state:
-                self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
-            self._hook.remove()
+            if any(isinstance(p, DTensor) for p in self._model.parameters()):
+                # sharded: gathered whole to rank 0 (a collective), its checksum sent to all
+                state, self.param_checksum = full_state_on_rank0(self._model)
+                if self.keep_final_state and self.rank == 0:
+                    self.final_state = state
+            else:
+                self.param_checksum = param_checksum(self._model.parameters())
+                if self.keep_final_state:
+                    self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
+            self.close()
             self._model = self._optimizer = None  # the recipe's teardown frees them
-        self._restart_clock()  # the measuring above is not the next step's time
+
+    def close(self) -> None:
+        """Take off what the observer put on (``prove`` calls it however the run ends)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     @property
     def precision(self) -> str:
@@ -134,15 +159,22 @@ def _in_the_callers_world() -> Iterator[None]:
 
 
 def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
-          keep_final_state: bool = False) -> RecipeResult:
+          keep_final_state: bool = False, observer: Observer | None = None) -> RecipeResult:
     """``train_fn(cfg, observer=...)`` measured from outside; the result every rank returns.
 
     ``cfg`` needs ``steps``, ``model`` (a MODEL_PRESETS key) and ``global_batch_size``.
     ``keep_final_state``: the final parameters on CPU in ``final_state`` (tests compare them).
+    ``observer``: a test's own (fault injection; it carries its own ``keep_final_state``);
+    by default the one ``OBSERVERS`` registers for ``name``, else ``Observer``.
     """
-    observer = Observer(cfg.steps, keep_final_state=keep_final_state)
-    with _in_the_callers_world():
-        losses = train_fn(cfg, observer=observer)
+    if observer is None:
+        observer = (OBSERVERS[name](cfg, keep_final_state=keep_final_state) if name in OBSERVERS
+                    else Observer(cfg.steps, keep_final_state=keep_final_state))
+    try:
+        with _in_the_callers_world():
+            losses = train_fn(cfg, observer=observer)
+    finally:
+        observer.close()
     if observer.param_checksum is None:
         raise RuntimeError(f"{name}: the recipe never called observer.step_end for its last step "
                            f"({cfg.steps - 1}); it ran {len(observer.durations)} step(s)")
@@ -157,7 +189,69 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
         param_checksum=observer.param_checksum,
         seconds_per_step=observer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(observer.device),
-        extras={"memory_per_rank": observer.memory_per_rank},
+        extras={"memory_per_rank": observer.memory_per_rank, **observer.extras},
         final_state=observer.final_state,
         **workload.measure(observer.seconds_per_step, observer.device, devices),
     )
+
+
+class ShardedObserver(Observer):
+    """fsdp2's measurements beyond the common ones, from outside like those (into ``extras``):
+
+    - ``param_bytes_after_forward``, and with two micro-batches or more ``grad_bytes_accumulated``:
+      what a rank holds around the run's last forward, from hooks on the model
+      (``recipes.core.memory.measure_last_forward``: ``cfg.micro_batches`` forwards a step);
+    - ``grad_norms``: the total norm each ``torch.nn.utils.clip_grad_norm_`` call returned, as a
+      float (the observer wraps torch's function from ``model_ready`` to ``close``);
+    - ``skipped_steps_per_rank`` where ``cfg.precision`` is fp16: the steps at which a rank's
+      optimizer did not advance its step count, i.e. its loss scaler skipped the update.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.micro_batches = cfg.micro_batches
+        self.count_skips = cfg.precision == "fp16"
+        self.grad_norms: list[float] = []
+        self.skipped_steps: list[int] = []
+        self._steps_taken = 0
+        self._handles: list[Any] = []
+        self._clip: Callable[..., torch.Tensor] | None = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self._handles = measure_last_forward(model, steps=self.steps,
+                                             micro_batches=self.micro_batches, extras=self.extras)
+        self._clip = torch.nn.utils.clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = self._record_clip  # what the recipe calls, by that name
+
+    def _record_clip(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        norm = self._clip(*args, **kwargs)
+        self.grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        return norm
+
+    def measure(self, step: int) -> None:
+        if self.count_skips:
+            taken = max((int(state["step"]) for state in self._optimizer.state.values()
+                         if "step" in state), default=0)
+            if taken == self._steps_taken:  # no update: the scaler found an inf or a nan
+                self.skipped_steps.append(step)
+            self._steps_taken = taken
+        if step == self.steps - 1:
+            if self.grad_norms:
+                self.extras["grad_norms"] = list(self.grad_norms)
+            if self.count_skips:  # a collective: every rank's list, in rank order
+                self.extras["skipped_steps_per_rank"] = all_ranks(self.skipped_steps)
+        super().measure(step)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._clip is not None:
+            torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
+        super().close()
+
+
+# The recipes whose proof measures more than Observer does: name -> its observer's class, made
+# as ``cls(cfg, keep_final_state=...)``.
+OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver}
