@@ -60,6 +60,8 @@ RUNS = {
     # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
     "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
     "evaluation": ("torchrun", []),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun
+    "fsdp2": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "preflight": ("torchrun", ["--timeout-s", "60"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
@@ -190,6 +192,16 @@ def check_ddp_torchrun(stdout: str) -> None:
     assert_losses_close([float(loss) for _, loss in printed], reference.losses, atol=6e-5)
 
 
+def check_fsdp2(stdout: str) -> None:
+    # sharded over both ranks, one line per step from rank 0, each the loss the package's own
+    # run has (results/fsdp2.json: the defaults, 6 steps, 2 ranks)
+    assert "fully_shard on mesh (2,), reshard_after_forward=True, fp32" in stdout, stdout
+    printed = re.findall(r"^step (\d+) loss (\d+\.\d{4})$", stdout, re.M)
+    expected = json.loads(Path(REPO_ROOT, "results", "fsdp2.json").read_text())["result"]
+    assert [int(step) for step, _ in printed] == [0, 1, 2], stdout
+    assert_losses_close([float(loss) for _, loss in printed], expected["losses"][:3], atol=6e-5)
+
+
 CHECKS = {"preflight": check_preflight, "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
-          "loss_compare": check_loss_compare}
+          "loss_compare": check_loss_compare, "fsdp2": check_fsdp2}

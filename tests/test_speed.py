@@ -11,6 +11,7 @@ from recipes.core.throughput import PEAK_TFLOPS, Workload, flops_per_token, peak
 from recipes.core.workload import MODEL_PRESETS, Block, build_model
 from tests.helpers import (
     ddp_result,
+    fsdp2_result,
     assert_losses_close,
     assert_states_close,
     run_alone,
@@ -110,12 +111,12 @@ def test_compile_keeps_sharded_training_equal_on_fsdp2_and_tp():
     # Two ranks, where compiling meets the sharding: fully_shard's hooks around the compiled forward,
     # and DTensor ops traced inside it. (DDP and amp compile in one process below: cheaper.)
     configs = []
-    for module, config_cls in (
-        (fsdp2, fsdp2.FSDP2Config),
-        (tensor_parallel, tensor_parallel.TPConfig),
-    ):
-        eager = config_cls(**{**COMPILED, "compile": False})
-        configs += [(module.train, eager), (module.train, with_fields(eager, compile=True))]
+    # fsdp2 is copyable: the harness keeps its final state (fsdp2_result), not its config
+    uncompiled = {**COMPILED, "compile": False}
+    without_state = {k: v for k, v in uncompiled.items() if k != "keep_final_state"}
+    for train, eager in ((fsdp2_result, fsdp2.FSDP2Config(**without_state)),
+                         (tensor_parallel.train, tensor_parallel.TPConfig(**uncompiled))):
+        configs += [(train, eager), (train, with_fields(eager, compile=True))]
     results = run_world(train_with, 2, configs, deadline_s=170)
     for eager, compiled in zip(results[::2], results[1::2]):
         assert compiled.recipe == eager.recipe
