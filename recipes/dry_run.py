@@ -8,8 +8,8 @@ A rank joins a world of 512 through torch's ``fake`` process-group backend (``Fa
 backend hallucinates every collective: right shapes, meaningless values), builds the 3-D DeviceMesh,
 builds only its pipeline stage's layers on the ``meta`` device (shapes, no storage), applies tensor
 parallel (``recipes.parallelize.apply_tp``) and then ``fully_shard`` over "dp"
-(``recipes.fsdp2.apply_fully_shard``) exactly as a real run would. What it then holds is read off
-its DTensors' local shards. Per rank it reports:
+(``recipes.parallelize.apply_fully_shard``) exactly as a real run would. What it then holds is read
+off its DTensors' local shards. Per rank it reports:
 
 - mesh coordinates and the layers of its stage;
 - parameter bytes (measured on the meta shards), gradient bytes (fully_shard keeps fp32 gradients
@@ -121,7 +121,8 @@ def parallelize_stage(model: TransformerLM, mesh) -> TransformerLM:
     plan = {key: style for key, style in transformer_lm_plan().items()
             if key.startswith("layers.") or getattr(model, key.split(".")[0]) is not None}
     apply_tp(model, mesh["tp"], plan=plan)
-    from recipes.fsdp2 import apply_fully_shard  # imported here: fsdp2 pulls in the training stack
+    from recipes.parallelize import apply_fully_shard
+
     return apply_fully_shard(model, mesh["dp"], block_types=(Block,))
 # --8<-- [end:stage]
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recipes.core.cli import run_cli
@@ -48,13 +49,14 @@ from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.paths import output_dir_problem, refuse
 from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
+from recipes.core.speed import (autocast, make_adamw, make_grad_scaler, mixed_precision_policy,
+                                 setup_precision)
 from recipes.core.state import all_ranks, full_state_on_rank0, mean_over_ranks
 from recipes.core.throughput import Workload
 from recipes.core.workload import (MODEL_PRESETS, Block, ModelConfig, build_model,
                                    distributed_loader, iterate_steps, lm_loss, make_dataset)
 from recipes.core.world import join_world
-from recipes.fsdp2 import apply_fully_shard, data_parallel_mesh, mixed_precision_policy
+from recipes.parallelize import apply_fully_shard
 
 log = get_logger(__name__)
 MODES = ("full", "head", "partial", "lora")
@@ -313,7 +315,8 @@ def train(cfg: FinetuneConfig) -> RecipeResult:
         refuse(output_dir_problem(cfg.checkpoint_dir, "--checkpoint-dir")
                if cfg.checkpoint_dir and world.is_main else None)
         precision = setup_precision(cfg.precision, world.device)
-        mesh = data_parallel_mesh(world, 1) if cfg.strategy == "fully_shard" else None
+        mesh = (init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
+                if cfg.strategy == "fully_shard" else None)
         data = MODEL_PRESETS[cfg.model] if cfg.arch == "cookbook" else HF_DATA
         loader, sampler = distributed_loader(
             make_dataset(data, cfg.global_batch_size, seed=cfg.seed), rank=world.rank,

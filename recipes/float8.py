@@ -122,7 +122,7 @@ def run_one(cfg: Float8Config, world, mesh, *, float8: bool) -> tuple[list[float
     """Train cfg.steps in bf16 (float8=False) or float8: losses, timer, float8 linears."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from recipes.fsdp2 import apply_fully_shard
+    from recipes.parallelize import apply_fully_shard
 
     model = build_model(cfg.model, seed=cfg.seed, device="cpu")
     if float8:

@@ -274,7 +274,7 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
         if cfg.layout == "ddp":
             model = DDP(model)
         elif dp_dims:
-            from recipes.fsdp2 import apply_fully_shard
+            from recipes.parallelize import apply_fully_shard
 
             model = apply_fully_shard(model, mesh[dp_dims], block_types=(Block,))
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)

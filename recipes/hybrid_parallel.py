@@ -8,9 +8,9 @@ The world is one mesh; each parallelism takes one named dimension of it, from th
 
 - ``pp`` (3-D only, outermost): pipeline stages (recipes.pipeline_parallel), point-to-point between
   stage neighbours: the least traffic, so it may cross the slowest links (between nodes);
-- ``dp``: ``fully_shard`` (recipes.fsdp2's ``apply_fully_shard``): each data-parallel rank reads its
-own
-  share of the batch, parameters are sharded across the dp ranks and all-gathered per block;
+- ``dp``: ``fully_shard`` (``recipes.parallelize.apply_fully_shard``): each data-parallel rank
+  reads its own share of the batch, parameters are sharded across the dp ranks and all-gathered
+  per block;
 - ``tp`` (innermost: consecutive ranks, i.e. one node's NVLink): tensor parallel
   (recipes.parallelize's ``apply_tp``), collectives inside every layer.
 
@@ -46,7 +46,7 @@ from recipes.core.memory import model_state_bytes
 from recipes.core.pipeline import TRANSFORMER_LM, even_split, full_state_of_stages
 from recipes.core.result import RecipeResult, StepTimer, make_result, param_checksum
 from recipes.core.state import full_state_on_rank0
-from recipes.core.speed import make_adamw, setup_precision
+from recipes.core.speed import make_adamw, mixed_precision_policy, setup_precision
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
     MODEL_PRESETS,
@@ -58,7 +58,6 @@ from recipes.core.workload import (
     make_dataset,
 )
 from recipes.core.world import join_world
-from recipes.fsdp2 import mixed_precision_policy
 from recipes.parallelize import (apply_tp_and_fsdp, check_tp_fits,  # noqa: F401 (re-exported)
                                  matching_modules, transformer_lm_plan)
 from recipes.process_groups import rank_grid

@@ -197,7 +197,7 @@ class LMModule(L.LightningModule):
         # Only ModelParallelStrategy has a device mesh; DDP and FSDP wrap the model themselves.
         if self.device_mesh is None or self._parallelized:
             return
-        from recipes.fsdp2 import apply_fully_shard
+        from recipes.parallelize import apply_fully_shard
 
         apply_block_tp(self.model, self.device_mesh["tensor_parallel"])
         # Ordering: after tensor parallelism, so that FSDP2 shards the DTensors TP made.

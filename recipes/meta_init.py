@@ -64,7 +64,7 @@ from recipes.core.workload import (
     make_dataset,
 )
 from recipes.core.world import join_world
-from recipes.fsdp2 import apply_fully_shard
+from recipes.parallelize import apply_fully_shard
 
 log = get_logger(__name__)
 

@@ -54,7 +54,7 @@ from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_si
 from recipes.core.log import get_logger
 from recipes.core.memory import model_state_bytes
 from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import make_adamw, setup_precision
+from recipes.core.speed import make_adamw, mixed_precision_policy, setup_precision
 from recipes.core.state import full_state_on_rank0, mean_over_ranks
 from recipes.core.throughput import Workload
 from recipes.core.workload import (
@@ -67,8 +67,8 @@ from recipes.core.workload import (
     make_dataset,
 )
 from recipes.core.world import join_world
-from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
 from recipes.grad_clipping import checked_mesh
+from recipes.parallelize import apply_fully_shard
 
 log = get_logger(__name__)
 

@@ -59,13 +59,13 @@ from recipes.core.publish import (PendingSave, begin_save, check_made_with,
                                   dcp_errors_in_one_line, find_checkpoint, published_bytes,
                                   published_steps, refuse_bad_paths, verify_checkpoint)
 from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import autocast, make_adamw, setup_precision
+from recipes.core.speed import autocast, make_adamw, mixed_precision_policy, setup_precision
 from recipes.core.state import full_state_on_rank0, mean_over_ranks
 from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 from recipes.core.world import World, join_world
 from recipes.fsdp import apply_fsdp, fsdp_mixed_precision
-from recipes.fsdp2 import apply_fully_shard, mixed_precision_policy
+from recipes.parallelize import apply_fully_shard
 
 log = get_logger(__name__)
 

@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import inspect
 import json
 import logging
 import os
@@ -105,12 +106,8 @@ def recipes_at_world_1(
         ("amp", amp.train, amp.AMPConfig(**common, device="auto" if ON_GPU else "cpu")),
         ("zero", zero.train, zero.ZeroConfig(**common)),
         ("fsdp", fsdp.train, fsdp.FSDPConfig(**common)),
-        ("fsdp2", fsdp2.train, fsdp2.FSDP2Config(**common)),
-        (
-            "fsdp2, no reshard",
-            fsdp2.train,
-            fsdp2.FSDP2Config(**common, reshard_after_forward="false"),
-        ),
+        ("fsdp2", fsdp2_proven, fsdp2_config(**common)),
+        ("fsdp2, no reshard", fsdp2_proven, fsdp2_config(**common, reshard_after_forward=False)),
         ("tensor_parallel", tensor_parallel_proven, tp_config(**common)),
         (
             "pipeline_parallel (1 stage)",
@@ -166,7 +163,7 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
             ("bare loop + compile (whole model + loss), CUDA graphs", performance.train,
              perf(**b64, **compiled, compile_scope="model", compile_mode="reduce-overhead")),
             ("ddp_torchrun + compile", ddp_torchrun_proven, ddp_config(**b64, **compiled)),
-            ("fsdp2 + compile", fsdp2.train, fsdp2.FSDP2Config(**b64, **compiled)),
+            ("fsdp2 + compile", fsdp2_proven, fsdp2_config(**b64, **compiled)),
             ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
              tp_config(**b64, compile_backend=compile_backend)),
             ("lightning_trainer", lightning_trainer.train,
@@ -182,16 +179,30 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
         str(batch): [
             ("bare loop", performance.train, perf(**b32)),
             ("bare loop + compile (blocks + loss)", performance.train, perf(**b32, **compiled)),
-            ("fsdp2", fsdp2.train, fsdp2.FSDP2Config(**b32)),
-            ("fsdp2 + compile", fsdp2.train, fsdp2.FSDP2Config(**b32, **compiled)),
-            ("fsdp2, no reshard + compile", fsdp2.train,
-             fsdp2.FSDP2Config(**b32, **compiled, reshard_after_forward="false")),
+            ("fsdp2", fsdp2_proven, fsdp2_config(**b32)),
+            ("fsdp2 + compile", fsdp2_proven, fsdp2_config(**b32, **compiled)),
+            ("fsdp2, no reshard + compile", fsdp2_proven,
+             fsdp2_config(**b32, **compiled, reshard_after_forward=False)),
             ("fsdp (classic)", fsdp.train, fsdp.FSDPConfig(**b32)),
             ("tensor_parallel --eager", tensor_parallel_proven, tp_config(**b32, eager=True)),
             ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
              tp_config(**b32, compile_backend=compile_backend)),
         ],
     }
+
+
+class ProfilerSteps:
+    """The observer a copyable recipe calls (``model_ready``, ``step_end``): ``profiler.step()``
+    at each step's end, as StepMarks does for the recipes that log their steps."""
+
+    def __init__(self, profiler):
+        self.profiler = profiler
+
+    def model_ready(self, model, optimizer) -> None:
+        pass
+
+    def step_end(self, step: int, loss: float) -> None:
+        self.profiler.step()
 
 
 class StepMarks(logging.Handler):
@@ -223,7 +234,10 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
         for logger in loggers:
             logger.addHandler(handler)
         try:
-            train(cfg)
+            if "observer" in inspect.signature(train).parameters:  # a copyable recipe
+                train(cfg, observer=ProfilerSteps(prof))
+            else:
+                train(cfg)
         finally:
             for logger in loggers:
                 logger.removeHandler(handler)
@@ -255,6 +269,16 @@ def tensor_parallel_proven(cfg):
 def tp_config(**fields) -> tensor_parallel.TPConfig:
     """As ``ddp_config``: gloo said directly where the GPU is not to be used."""
     return tensor_parallel.TPConfig(**fields, backend="auto" if ON_GPU else "gloo")
+
+
+def fsdp2_proven(cfg):
+    """recipes.fsdp2 returns its losses only: the harness measures it from outside."""
+    return prove(fsdp2.train, cfg, name="fsdp2")
+
+
+def fsdp2_config(**fields) -> fsdp2.FSDP2Config:
+    """fsdp2 joins through recipes.dist_setup, which picks NCCL whenever CUDA is there."""
+    return fsdp2.FSDP2Config(**fields, backend="auto" if ON_GPU else "gloo")
 
 
 def cfg_recipe(cfg) -> str:
@@ -447,8 +471,8 @@ def main(argv=None) -> int:
         out = tempfile.mkdtemp(prefix="bench-lightning-")
         runs = [
             ("bare loop", performance.train, performance.PerformanceConfig(**batch32)),
-            ("fsdp2", fsdp2.train, fsdp2.FSDP2Config(**batch32)),
-            ("fsdp2 + compile", fsdp2.train, fsdp2.FSDP2Config(
+            ("fsdp2", fsdp2.train, fsdp2_config(**batch32)),
+            ("fsdp2 + compile", fsdp2.train, fsdp2_config(
                 **batch32, compile=True, compile_backend=compile_backend)),
             ("bare loop", performance.train, performance.PerformanceConfig(**batch64)),
             ("lightning_trainer", lightning_trainer.train, lightning_trainer.LightningConfig(

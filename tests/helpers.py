@@ -92,6 +92,16 @@ def tp_result_only(cfg):
     return tp_result(cfg, keep_final_state=False)
 
 
+def fsdp2_result(cfg, *, keep_final_state: bool = True):
+    """recipes.fsdp2.train(cfg) measured by the harness (``prove``; its extras come from
+    ``recipes.core.observe.ShardedObserver``): a RecipeResult with the final state gathered to
+    rank 0. Module-level: spawn_world can pickle it."""
+    from recipes import fsdp2
+    from recipes.core.observe import prove
+
+    return prove(fsdp2.train, cfg, name="fsdp2", keep_final_state=keep_final_state)
+
+
 def run_alone(train_fn, cfg):
     """The single-process reference: a world of 1 in this very process."""
     return train_fn(cfg)

@@ -69,6 +69,8 @@ RUNS = {
     "tensor_parallel": ("torchrun", ["--backend", "gloo", "--precision", "fp32",
                                      "--sequence-parallel", "--loss-parallel"]),
     "evaluation": ("torchrun", []),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun
+    "fsdp2": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "preflight": ("torchrun", ["--timeout-s", "60"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
@@ -255,7 +257,19 @@ def check_tensor_parallel(stdout: str) -> None:
     check_ddp_torchrun(stdout)
 
 
+def check_fsdp2(stdout: str) -> None:
+    # sharded over both ranks, one line per step from rank 0, each the loss the package's own
+    # run has (results/fsdp2.json: the defaults, 6 steps, 2 ranks)
+    assert "fully_shard on mesh (2,), reshard_after_forward=True, fp32" in stdout, stdout
+    printed = re.findall(r"^step (\d+) loss (\d+\.\d{4})$", stdout, re.M)
+    expected = json.loads(Path(REPO_ROOT, "results", "fsdp2.json").read_text())["result"]
+    assert [int(step) for step, _ in printed] == [0, 1, 2], stdout
+    assert_losses_close([float(loss) for _, loss in printed], expected["losses"][:3], atol=6e-5)
+
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
-          "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel}
+          "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
+          "fsdp2": check_fsdp2}

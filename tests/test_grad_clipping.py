@@ -45,7 +45,7 @@ def gpt2_clip(max_norm: float = 0.05):
     from torch.distributed.tensor import DTensor
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from recipes.fsdp2 import apply_fully_shard
+    from recipes.parallelize import apply_fully_shard
 
     model = gpt2()
     tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))

@@ -17,7 +17,7 @@ from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from recipes.fsdp import apply_fsdp
-from recipes.fsdp2 import apply_fully_shard
+from recipes.parallelize import apply_fully_shard
 from recipes.memory_estimate import (
     LAYOUTS, MODEL_PRESETS, EstimateConfig, activation_bytes, estimate, gpu_memory, model_state_per_rank,
 )

@@ -11,6 +11,7 @@ from recipes.core.throughput import PEAK_TFLOPS, Workload, flops_per_token, peak
 from recipes.core.workload import MODEL_PRESETS, Block, build_model
 from tests.helpers import (
     ddp_result,
+    fsdp2_result,
     assert_losses_close,
     assert_states_close,
     run_alone,
@@ -111,11 +112,12 @@ def test_compile_keeps_sharded_training_equal_on_fsdp2_and_tp():
     # Two ranks, where compiling meets the sharding: fully_shard's hooks around the compiled forward,
     # and DTensor ops traced inside it. (DDP and amp compile in one process below: cheaper.)
     configs = []
-    # tensor_parallel returns its losses: the harness (tp_result) measures its final state
-    tp_fields = {k: v for k, v in COMPILED.items() if k != "keep_final_state"}
+    # fsdp2 and tensor_parallel are copyable: the harness keeps their final state
+    # (fsdp2_result, tp_result), not their configs
+    without_state = {k: v for k, v in COMPILED.items() if k != "keep_final_state"}
     for train, eager in (
-        (fsdp2.train, fsdp2.FSDP2Config(**{**COMPILED, "compile": False})),
-        (tp_result, tensor_parallel.TPConfig(**{**tp_fields, "compile": False})),
+        (fsdp2_result, fsdp2.FSDP2Config(**{**without_state, "compile": False})),
+        (tp_result, tensor_parallel.TPConfig(**{**without_state, "compile": False})),
     ):
         configs += [(train, eager), (train, with_fields(eager, compile=True))]
     results = run_world(train_with, 2, configs, deadline_s=170)

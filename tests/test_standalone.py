@@ -315,8 +315,8 @@ def test_each_copyable_function_extracts_without_our_package():
 
 def test_a_package_import_is_found():
     """The check above must see a copyable function that picks up a name from our package."""
-    extraction = extract("recipes.fsdp2", ("parse_reshard_after_forward",))  # raises RecipeError
-    assert extraction.package_uses == ["recipes.fsdp2: RecipeError from recipes.core.config"]
+    extraction = extract("recipes.fsdp", ("hybrid_mesh",))  # raises RecipeError
+    assert extraction.package_uses == ["recipes.fsdp: RecipeError from recipes.core.config"]
 
 
 @pytest.mark.timeout(180)
@@ -333,14 +333,15 @@ def test_extracted_functions_run_alone(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     messages = json.loads(proc.stdout.strip().splitlines()[-1])
     # The same classes and one-line messages as the package's own functions give.
-    from recipes import activation_checkpointing, expert_parallel, fsdp2
+    from recipes import activation_checkpointing, expert_parallel, parallelize
     from recipes.core import speed
     from recipes.core.workload import Block
     same = {
         "ac": lambda: activation_checkpointing.apply_activation_checkpointing(
             nn.Linear(2, 2), block_types=(Block,)),
         "compile": lambda: speed.apply_compile(nn.Linear(2, 2), block_types=(Block,)),
-        "fully_shard": lambda: fsdp2.apply_fully_shard(nn.Linear(2, 2), None, block_types=(Block,)),
+        "fully_shard": lambda: parallelize.apply_fully_shard(nn.Linear(2, 2), None,
+                                                             block_types=(Block,)),
         "ep": lambda: expert_parallel.apply_ep(nn.Sequential(nn.Linear(2, 2)), None),
     }
     for key, call in same.items():

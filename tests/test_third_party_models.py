@@ -24,9 +24,9 @@ from recipes.core.workload import Block, lm_loss
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from recipes.fsdp import FSDPWrapError, apply_fsdp, wrap_policy_for
-from recipes.fsdp2 import ShardingError, apply_fully_shard
-from recipes.parallelize import (TPPlanError, apply_tp, check_heads_divide, check_tp_plan,
-                                 llama_plan, transformer_lm_plan)
+from recipes.parallelize import (ShardingError, TPPlanError, apply_fully_shard, apply_tp,
+                                 check_heads_divide, check_tp_plan, llama_plan,
+                                 transformer_lm_plan)
 from tests import third_party
 from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, run_cli
 

@@ -31,7 +31,7 @@ def raise_on_rank(bad_rank):
 
 
 def refuse_a_model_on_rank(bad_rank):
-    from recipes.fsdp2 import apply_fully_shard
+    from recipes.parallelize import apply_fully_shard
 
     with join_world("gloo", timeout_s=30) as world:
         if world.rank == bad_rank:

@@ -11,15 +11,14 @@ From these, and from a forward hook it registers itself, ``Observer`` measures t
 step (synchronising CUDA, so queued kernels count in their own step), the model-state bytes every
 rank holds after the first step (``model_state_bytes``: parameters, gradients, optimizer state),
 the precision the forward ran in, and at the last step, while the recipe's process group still
-exists, the parameters' checksum and (if asked) the full state on CPU. ``prove`` runs the recipe's
-function with one and returns the same ``RecipeResult`` as the harness-built recipes: losses,
-checksum, seconds per step, peak memory, tokens/s and MFU (``Workload``), ``memory_per_rank``.
-Parameters that are DTensors (tensor parallel, fully_shard) are all-gathered for the checksum and
-the final state: every rank calls ``step_end``, so every rank joins.
+exists, the parameters' checksum and (if asked) the full state on CPU (gathered whole to rank 0
+where the parameters are sharded DTensors). ``prove`` runs the recipe's function with one and
+returns the same ``RecipeResult`` as the harness-built recipes: losses, checksum, seconds per step,
+peak memory, tokens/s and MFU (``Workload``), ``memory_per_rank``.
 
-What one recipe adds to the result comes from an ``Observer`` subclass registered under its name
-in ``OBSERVERS``: it measures from the same two calls (and hooks it registers at ``model_ready``)
-and returns its figures from ``extras()``, which ``prove`` puts beside ``memory_per_rank``.
+What one recipe needs beyond that is measured by an ``Observer`` subclass registered under its
+name in ``OBSERVERS`` (fsdp2: ``ShardedObserver``); what it measures lands in ``extras``, which
+``prove`` adds to the result's. A test that injects a fault passes its own subclass to ``prove``.
 """
 
 from __future__ import annotations
@@ -34,14 +33,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from recipes.core.memory import model_state_bytes
+from recipes.core.memory import measure_last_forward, model_state_bytes
 from recipes.core.result import RecipeResult, param_checksum, peak_memory_bytes
-from recipes.core.state import all_ranks
+from recipes.core.state import all_ranks, full_state_on_cpu, full_state_on_rank0
 from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["Observer", "TensorParallelObserver", "OBSERVERS", "prove"]
+__all__ = ["Observer", "ShardedObserver", "TensorParallelObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -57,6 +56,7 @@ class Observer:
         self.param_checksum: float | None = None
         self.final_state: dict[str, torch.Tensor] | None = None
         self.output_dtype: torch.dtype | None = None
+        self.extras: dict[str, Any] = {}  # what a subclass measures: added to the result's extras
         self.rank, self.world_size, self.backend = 0, 1, "gloo"
         self.device = torch.device("cpu")
         self._model: nn.Module | None = None
@@ -78,24 +78,35 @@ class Observer:
     def step_end(self, step: int, loss: float) -> None:
         self._sync()
         self.durations.append(time.perf_counter() - self._last)
+        self.measure(step)
+        self._restart_clock()  # the measuring is not the next step's time
+
+    def measure(self, step: int) -> None:
+        """What is read after ``step``, outside its time. A subclass measures first, then calls
+        this: after the last step it lets the model go. Collectives are safe here: every rank
+        ends every step."""
         if step == 0:  # after optimizer.step(), before the next zero_grad: gradients present
             # the baseline of the sharding recipes' "1/N": every rank holds all of it
             held = model_state_bytes(self._model, self._optimizer)
             self.memory_per_rank = all_ranks(held) if dist.is_initialized() else [held]
         if step == self.steps - 1:  # the last step: the recipe's group still exists
-            self.param_checksum = param_checksum(map(_whole, self._model.parameters()))
-            if self.keep_final_state:
-                model = getattr(self._model, "module", self._model)  # DDP's .module unwrapped
-                # gathered where it lives, then copied: NCCL cannot gather a DTensor moved to CPU
-                self.final_state = {name: _whole(p.detach()).cpu().clone()
-                                    for name, p in model.named_parameters()}
-            self._hook.remove()
+            if any(isinstance(p, DTensor) for p in self._model.parameters()):
+                # sharded: gathered whole to rank 0 (a collective), its checksum sent to all
+                state, self.param_checksum = full_state_on_rank0(self._model)
+                if self.keep_final_state and self.rank == 0:
+                    self.final_state = state
+            else:
+                self.param_checksum = param_checksum(self._model.parameters())
+                if self.keep_final_state:
+                    self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
+            self.close()
             self._model = self._optimizer = None  # the recipe's teardown frees them
-        self._restart_clock()  # the measuring above is not the next step's time
 
-    def extras(self) -> dict[str, Any]:
-        """The figures this recipe adds to ``RecipeResult.extras`` (a subclass's)."""
-        return {}
+    def close(self) -> None:
+        """Take off what the observer put on (``prove`` calls it however the run ends)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     @property
     def precision(self) -> str:
@@ -122,67 +133,6 @@ class Observer:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (an all-gather: every rank calls it), a plain tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-class TensorParallelObserver(Observer):
-    """recipes/tensor_parallel.py: the split, measured on the model it trains.
-
-    ``tp_size``: the ranks its parameters are split over; ``sequence_parallel``: the final norm
-    runs on sequence shards (its input is a Shard(1) DTensor), and ``residual_seq_len_per_rank``
-    is the sequence length of the residual stream the first block receives (1/N of it with
-    sequence parallel); ``loss_parallel``: the logits come out as a DTensor split over the
-    vocabulary; ``compiled``: the blocks run torch.compile'd code; ``param_bytes_per_rank``,
-    ``param_bytes_unsplit`` (the whole model's), their fraction and ``optimizer_bytes_per_rank``:
-    this rank's, after the first step.
-    """
-
-    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        super().model_ready(model, optimizer)
-        params = list(model.parameters())
-        blocks = [m for m in model.modules() if isinstance(m, Block)]
-        meshes = {p.device_mesh.size() for p in params if isinstance(p, DTensor)}
-        self.figures: dict[str, Any] = {
-            "tp_size": meshes.pop() if len(meshes) == 1 else None,
-            "param_bytes_unsplit": sum(p.numel() * p.element_size() for p in params),  # global
-            "compiled": all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks),
-        }
-        # Registered after apply_tp's own hooks: these see the inputs as the split made them.
-        self._tp_hooks = [blocks[0].register_forward_pre_hook(self._record_residual),
-                          model.norm.register_forward_pre_hook(self._record_norm_input),
-                          model.register_forward_hook(self._record_logits)]
-
-    def step_end(self, step: int, loss: float) -> None:
-        if step == 0:
-            for hook in self._tp_hooks:  # the first forward showed all there is to see
-                hook.remove()
-        super().step_end(step, loss)
-
-    def extras(self) -> dict[str, Any]:
-        mine, unsplit = self.memory_per_rank[self.rank], self.figures["param_bytes_unsplit"]
-        return {**self.figures, "param_bytes_per_rank": mine["param_bytes"],
-                "param_fraction_per_rank": mine["param_bytes"] / unsplit,
-                "optimizer_bytes_per_rank": mine["optimizer_bytes"]}
-
-    def _record_residual(self, module: nn.Module, args: Any) -> None:
-        residual = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
-        self.figures["residual_seq_len_per_rank"] = residual.shape[1]
-
-    def _record_norm_input(self, module: nn.Module, args: Any) -> None:
-        self.figures["sequence_parallel"] = (isinstance(args[0], DTensor)
-                                             and args[0].placements == (Shard(1),))
-
-    def _record_logits(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.figures["loss_parallel"] = isinstance(output, DTensor) and any(
-            isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
-
-
-# The recipes whose result carries figures of their own: name -> the Observer that measures them.
-OBSERVERS: dict[str, type[Observer]] = {"tensor_parallel": TensorParallelObserver}
 
 
 @contextlib.contextmanager
@@ -213,16 +163,23 @@ def _in_the_callers_world() -> Iterator[None]:
 
 
 def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
-          keep_final_state: bool = False) -> RecipeResult:
+          keep_final_state: bool = False, observer: Observer | None = None) -> RecipeResult:
     """``train_fn(cfg, observer=...)`` measured from outside; the result every rank returns.
 
     ``cfg`` needs ``steps``, ``model`` (a MODEL_PRESETS key) and ``global_batch_size`` (or
     ``batch_size``, for one process).
     ``keep_final_state``: the final parameters on CPU in ``final_state`` (tests compare them).
+    ``observer``: a test's own (fault injection; it carries its own ``keep_final_state``);
+    by default the one ``OBSERVERS`` registers for ``name``, else ``Observer``.
     """
-    observer = OBSERVERS.get(name, Observer)(cfg.steps, keep_final_state=keep_final_state)
-    with _in_the_callers_world():
-        losses = train_fn(cfg, observer=observer)
+    if observer is None:
+        observer = (OBSERVERS[name](cfg, keep_final_state=keep_final_state) if name in OBSERVERS
+                    else Observer(cfg.steps, keep_final_state=keep_final_state))
+    try:
+        with _in_the_callers_world():
+            losses = train_fn(cfg, observer=observer)
+    finally:
+        observer.close()
     if observer.param_checksum is None:
         raise RuntimeError(f"{name}: the recipe never called observer.step_end for its last step "
                            f"({cfg.steps - 1}); it ran {len(observer.durations)} step(s)")
@@ -238,7 +195,134 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
         param_checksum=observer.param_checksum,
         seconds_per_step=observer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(observer.device),
-        extras={"memory_per_rank": observer.memory_per_rank, **observer.extras()},
+        extras={"memory_per_rank": observer.memory_per_rank, **observer.extras},
         final_state=observer.final_state,
         **workload.measure(observer.seconds_per_step, observer.device, devices),
     )
+
+
+class ShardedObserver(Observer):
+    """fsdp2's measurements beyond the common ones, from outside like those (into ``extras``):
+
+    - ``param_bytes_after_forward``, and with two micro-batches or more ``grad_bytes_accumulated``:
+      what a rank holds around the run's last forward, from hooks on the model
+      (``recipes.core.memory.measure_last_forward``: ``cfg.micro_batches`` forwards a step);
+    - ``grad_norms``: the total norm each ``torch.nn.utils.clip_grad_norm_`` call returned, as a
+      float (the observer wraps torch's function from ``model_ready`` to ``close``);
+    - ``skipped_steps_per_rank`` where ``cfg.precision`` is fp16: the steps at which a rank's
+      optimizer did not advance its step count, i.e. its loss scaler skipped the update.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.micro_batches = cfg.micro_batches
+        self.count_skips = cfg.precision == "fp16"
+        self.grad_norms: list[float] = []
+        self.skipped_steps: list[int] = []
+        self._steps_taken = 0
+        self._handles: list[Any] = []
+        self._clip: Callable[..., torch.Tensor] | None = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self._handles = measure_last_forward(model, steps=self.steps,
+                                             micro_batches=self.micro_batches, extras=self.extras)
+        self._clip = torch.nn.utils.clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = self._record_clip  # what the recipe calls, by that name
+
+    def _record_clip(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        norm = self._clip(*args, **kwargs)
+        self.grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        return norm
+
+    def measure(self, step: int) -> None:
+        if self.count_skips:
+            taken = max((int(state["step"]) for state in self._optimizer.state.values()
+                         if "step" in state), default=0)
+            if taken == self._steps_taken:  # no update: the scaler found an inf or a nan
+                self.skipped_steps.append(step)
+            self._steps_taken = taken
+        if step == self.steps - 1:
+            if self.grad_norms:
+                self.extras["grad_norms"] = list(self.grad_norms)
+            if self.count_skips:  # a collective: every rank's list, in rank order
+                self.extras["skipped_steps_per_rank"] = all_ranks(self.skipped_steps)
+        super().measure(step)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._clip is not None:
+            torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
+        super().close()
+
+
+class TensorParallelObserver(Observer):
+    """recipes/tensor_parallel.py: the split, measured on the model it trains (into ``extras``).
+
+    ``tp_size``: the ranks its parameters are split over; ``sequence_parallel``: the final norm
+    runs on sequence shards (its input is a Shard(1) DTensor), and ``residual_seq_len_per_rank``
+    is the sequence length of the residual stream the first block receives (1/N of it with
+    sequence parallel); ``loss_parallel``: the logits come out as a DTensor split over the
+    vocabulary; ``compiled``: the blocks run torch.compile'd code; ``param_bytes_per_rank``,
+    ``param_bytes_unsplit`` (the whole model's), their fraction and ``optimizer_bytes_per_rank``:
+    this rank's, after the first step.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self._tp_hooks: list[Any] = []
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        params = list(model.parameters())
+        blocks = [m for m in model.modules() if isinstance(m, Block)]
+        meshes = {p.device_mesh.size() for p in params if isinstance(p, DTensor)}
+        self.extras.update({
+            "tp_size": meshes.pop() if len(meshes) == 1 else None,
+            "param_bytes_unsplit": sum(p.numel() * p.element_size() for p in params),  # global
+            "compiled": all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks),
+        })
+        # Registered after apply_tp's own hooks: these see the inputs as the split made them.
+        self._tp_hooks = [blocks[0].register_forward_pre_hook(self._record_residual),
+                          model.norm.register_forward_pre_hook(self._record_norm_input),
+                          model.register_forward_hook(self._record_logits)]
+
+    def measure(self, step: int) -> None:
+        if step == 0:
+            self.close_tp_hooks()  # the first forward showed all there is to see
+        super().measure(step)
+        if step == 0:  # memory_per_rank: measured by the step above
+            mine = self.memory_per_rank[self.rank]
+            self.extras.update({
+                "param_bytes_per_rank": mine["param_bytes"],
+                "param_fraction_per_rank": mine["param_bytes"] / self.extras["param_bytes_unsplit"],
+                "optimizer_bytes_per_rank": mine["optimizer_bytes"]})
+
+    def close_tp_hooks(self) -> None:
+        for hook in self._tp_hooks:
+            hook.remove()
+        self._tp_hooks = []
+
+    def close(self) -> None:
+        self.close_tp_hooks()
+        super().close()
+
+    def _record_residual(self, module: nn.Module, args: Any) -> None:
+        residual = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        self.extras["residual_seq_len_per_rank"] = residual.shape[1]
+
+    def _record_norm_input(self, module: nn.Module, args: Any) -> None:
+        self.extras["sequence_parallel"] = (isinstance(args[0], DTensor)
+                                            and args[0].placements == (Shard(1),))
+
+    def _record_logits(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.extras["loss_parallel"] = isinstance(output, DTensor) and any(
+            isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
+
+
+# The recipes whose proof measures more than Observer does: name -> its observer's class, made
+# as ``cls(cfg, keep_final_state=...)``.
+OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver,
+                                                 "tensor_parallel": TensorParallelObserver}

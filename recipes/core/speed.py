@@ -33,6 +33,7 @@ __all__ = [
     "Precision",
     "setup_precision",
     "low_precision_dtype",
+    "mixed_precision_policy",
     "autocast",
     "check_autocast",
     "make_grad_scaler",
@@ -74,6 +75,18 @@ def setup_precision(requested: str, device: torch.device) -> str:
 def low_precision_dtype(precision: str) -> torch.dtype | None:
     """bf16 / fp16 -> their dtype; fp32 / tf32 -> None (no low-precision compute)."""
     return LOW_PRECISION.get(precision)
+
+
+def mixed_precision_policy(precision: str) -> Any:
+    """fully_shard's ``MixedPrecisionPolicy`` for the harness-built recipes. bf16/fp16: compute in
+    that dtype, reduce gradients in fp32 (a sum over many ranks in bf16 loses bits); fp32/tf32:
+    the default policy (everything in the parameters' fp32). recipes/fsdp2.py writes it inline."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # only the sharded recipes pay for it
+
+    low = low_precision_dtype(precision)
+    if low is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
