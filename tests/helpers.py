@@ -76,6 +76,35 @@ def ddp_result_only(cfg):
     return ddp_result(cfg, keep_final_state=False)
 
 
+def recipe_result(cfg, *, keep_final_state: bool = True, observer=None):
+    """A copyable recipe's ``train(cfg)`` measured by the harness (``prove``), the recipe named by
+    its config's module (``recipes.zero.ZeroConfig`` -> zero): a RecipeResult with its final state.
+
+    ``extras["grad_norms"]``: every norm ``torch.nn.utils.clip_grad_norm_`` returned during the run
+    (recorded from outside, around torch's function), where the recipe clipped. ``observer``: a
+    test's own Observer (fault injection). Module-level: spawn_world can pickle it."""
+    from recipes.core.observe import prove
+
+    module = importlib.import_module(type(cfg).__module__)
+    name = module.__name__.rsplit(".", 1)[-1]
+    clip, norms = torch.nn.utils.clip_grad_norm_, []
+
+    def recording_clip(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        norms.append(float(norm))
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = recording_clip
+    try:
+        result = prove(module.train, cfg, name=name, keep_final_state=keep_final_state,
+                       observer=observer)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = clip
+    if norms:
+        result.extras["grad_norms"] = norms
+    return result
+
+
 def run_alone(train_fn, cfg):
     """The single-process reference: a world of 1 in this very process."""
     return train_fn(cfg)

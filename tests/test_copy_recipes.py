@@ -54,6 +54,8 @@ COPYABLE = [name for name in recipe_modules() if is_copyable(name)]
 # How each copyable recipe runs in the test: (launcher, arguments). Small and fast: the point is
 # that the copy runs and agrees, not how long it trains.
 RUNS = {
+    # one device, no process group: a plain python run; cpu, the device results/amp.json has
+    "amp": ("python", ["--device", "cpu", "--steps", "3"]),
     "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
                                 "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
     "data": ("torchrun", ["--steps", "3"]),
@@ -190,6 +192,26 @@ def check_ddp_torchrun(stdout: str) -> None:
     assert_losses_close([float(loss) for _, loss in printed], reference.losses, atol=6e-5)
 
 
-CHECKS = {"preflight": check_preflight, "comm_bench": check_comm_bench, "data": check_data,
+def printed_losses(stdout: str) -> list[float]:
+    """The losses of the ``step N loss X ...`` lines, checked to be steps 0, 1, 2, ... in order."""
+    printed = re.findall(r"^step (\d+) loss (\d+\.\d{4})\b", stdout, re.M)
+    assert [int(step) for step, _ in printed] == list(range(len(printed))) and printed, stdout
+    return [float(loss) for _, loss in printed]
+
+
+def committed_losses(name: str) -> list[float]:
+    """The losses of the package's own measured run (results/NAME.json, the defaults)."""
+    return json.loads(Path(REPO_ROOT, "results", f"{name}.json").read_text())["result"]["losses"]
+
+
+def check_amp(stdout: str) -> None:
+    # bf16 autocast on CPU (the default precision), no scaler: the package's losses, scale 1
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("amp")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3 and stdout.count(" scale 1\n") == 3, stdout
+
+
+CHECKS = {"amp": check_amp, "preflight": check_preflight, "comm_bench": check_comm_bench,
+          "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare}

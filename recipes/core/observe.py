@@ -11,14 +11,22 @@ From these, and from a forward hook it registers itself, ``Observer`` measures t
 step (synchronising CUDA, so queued kernels count in their own step), the model-state bytes every
 rank holds after the first step (``model_state_bytes``: parameters, gradients, optimizer state),
 the precision the forward ran in, and at the last step, while the recipe's process group still
-exists, the parameters' checksum and (if asked) the full state on CPU. ``prove`` runs the recipe's
-function with one and returns the same ``RecipeResult`` as the harness-built recipes: losses,
-checksum, seconds per step, peak memory, tokens/s and MFU (``Workload``), ``memory_per_rank``.
+exists, the parameters' checksum, the recipe's own ``EXTRAS`` (below) and (if asked) the full
+state on CPU. ``prove`` runs the recipe's function with one and returns the same ``RecipeResult``
+as the harness-built recipes: losses, checksum, seconds per step, peak memory, tokens/s and MFU
+(``Workload``), ``memory_per_rank``.
+
+A recipe that trains without a process group (amp, data_parallel: one process) is measured as a
+world of 1 with backend ``none``. A recipe whose idea needs more than its losses returns a small
+dataclass with a ``losses`` field (amp: the loss scale of each step, the skipped steps): its other
+fields go into ``extras`` as they are. A test that injects a fault passes its own ``Observer``
+subclass to ``prove`` (``observer=``): the recipe has no option for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from typing import Any, Callable, Iterator
@@ -34,9 +42,30 @@ from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["Observer", "prove"]
+__all__ = ["EXTRAS", "Observer", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _zero_extras(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """ZeRO-1's split: the parameter elements whose optimizer state each rank keeps (a
+    ZeroRedundancyOptimizer holds its partition's AdamW in ``.optim``; plain AdamW holds all)."""
+    local = getattr(optimizer, "optim", optimizer)
+    owned = sum(p.numel() for group in local.param_groups for p in group["params"])
+    return {"optimizer_numel_per_rank": all_ranks(owned)}
+
+
+def _data_parallel_extras(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """How many GPUs nn.DataParallel splits each batch over (0: none, a pass-through on CPU)."""
+    return {"gpus": len(getattr(model, "device_ids", None) or [])}
+
+
+# What a recipe reports beyond the common figures, read from its model and optimizer at the last
+# step (while its process group exists; a collective where it gathers from every rank).
+EXTRAS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]]] = {
+    "zero": _zero_extras,
+    "data_parallel": _data_parallel_extras,
+}
 
 
 class Observer:
@@ -45,6 +74,8 @@ class Observer:
     def __init__(self, steps: int, *, keep_final_state: bool = False):
         self.steps = steps
         self.keep_final_state = keep_final_state
+        self.extras_fn: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None
+        self.extras: dict[str, Any] = {}  # what extras_fn (the recipe's EXTRAS) returned
         self.durations: list[float] = []
         self.memory_per_rank: list[dict[str, int]] | None = None
         self.param_checksum: float | None = None
@@ -60,8 +91,11 @@ class Observer:
     def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._model, self._optimizer = model, optimizer
         self.device = next(model.parameters()).device
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.backend = dist.get_backend()
+        if dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.backend = dist.get_backend()
+        else:  # one process, no group (amp, data_parallel)
+            self.rank, self.world_size, self.backend = 0, 1, "none"
         self._hook = model.register_forward_hook(self._record_dtype)
         self._restart_clock()
 
@@ -73,6 +107,8 @@ class Observer:
             self.memory_per_rank = all_ranks(model_state_bytes(self._model, self._optimizer))
         if step == self.steps - 1:  # the last step: the recipe's group still exists
             self.param_checksum = param_checksum(self._model.parameters())
+            if self.extras_fn is not None:
+                self.extras = self.extras_fn(self._model, self._optimizer)
             if self.keep_final_state:
                 self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
             self._hook.remove()
@@ -133,20 +169,34 @@ def _in_the_callers_world() -> Iterator[None]:
         dist.init_process_group, dist.destroy_process_group = saved
 
 
-def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
-          keep_final_state: bool = False) -> RecipeResult:
+def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
+          keep_final_state: bool = False, observer: Observer | None = None) -> RecipeResult:
     """``train_fn(cfg, observer=...)`` measured from outside; the result every rank returns.
 
     ``cfg`` needs ``steps``, ``model`` (a MODEL_PRESETS key) and ``global_batch_size``.
     ``keep_final_state``: the final parameters on CPU in ``final_state`` (tests compare them).
+    ``observer``: a test's own (an ``Observer`` subclass that injects a fault); it is given the
+    recipe's ``EXTRAS`` and ``keep_final_state`` here.
     """
-    observer = Observer(cfg.steps, keep_final_state=keep_final_state)
+    if observer is None:
+        observer = Observer(cfg.steps)
+    observer.keep_final_state = keep_final_state
+    observer.extras_fn = EXTRAS.get(name)
     with _in_the_callers_world():
-        losses = train_fn(cfg, observer=observer)
+        returned = train_fn(cfg, observer=observer)
+    extras: dict[str, Any] = {}
+    if dataclasses.is_dataclass(returned):  # the losses and what the recipe's idea adds
+        extras = {k: v for k, v in dataclasses.asdict(returned).items() if k != "losses"}
+        losses = returned.losses
+    else:
+        losses = returned
     if observer.param_checksum is None:
         raise RuntimeError(f"{name}: the recipe never called observer.step_end for its last step "
                            f"({cfg.steps - 1}); it ran {len(observer.durations)} step(s)")
-    devices = observer.world_size if observer.device.type == "cuda" else 1
+    extras = {"memory_per_rank": observer.memory_per_rank, **observer.extras, **extras}
+    # the devices that computed: the ranks, or the GPUs one DataParallel process drives
+    devices = (observer.extras.get("gpus") or observer.world_size
+               if observer.device.type == "cuda" else 1)
     workload = Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, observer.precision)
     return RecipeResult(
         recipe=name,
@@ -157,7 +207,7 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
         param_checksum=observer.param_checksum,
         seconds_per_step=observer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(observer.device),
-        extras={"memory_per_rank": observer.memory_per_rank},
+        extras=extras,
         final_state=observer.final_state,
         **workload.measure(observer.seconds_per_step, observer.device, devices),
     )
