@@ -59,6 +59,8 @@ RUNS = {
     "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
                                 "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
     "data": ("torchrun", ["--steps", "3"]),
+    # nn.DataParallel is one process: a plain python run (on CPU a pass-through)
+    "data_parallel": ("python", ["--steps", "3"]),
     # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
     "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
     "evaluation": ("torchrun", []),
@@ -211,7 +213,14 @@ def check_amp(stdout: str) -> None:
     assert len(losses) == 3 and stdout.count(" scale 1\n") == 3, stdout
 
 
+def check_data_parallel(stdout: str) -> None:
+    # single-device training (on a GPU host, the batch split over its GPUs: fp32 rounding apart)
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("data_parallel")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
 CHECKS = {"amp": check_amp, "preflight": check_preflight, "comm_bench": check_comm_bench,
-          "data": check_data,
+          "data": check_data, "data_parallel": check_data_parallel,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare}
