@@ -103,7 +103,7 @@ def recipes_at_world_1(
         ("bare loop (performance)", performance.train, performance.PerformanceConfig(**common)),
         ("ddp_torchrun", ddp_torchrun_proven, ddp_config(**common)),
         ("amp", proven, amp.AMPConfig(**common, device="auto" if ON_GPU else "cpu")),
-        ("zero", zero.train, zero.ZeroConfig(**common)),
+        ("zero", proven, zero.ZeroConfig(**common, backend="auto" if ON_GPU else "gloo")),
         ("fsdp", fsdp.train, fsdp.FSDPConfig(**common)),
         ("fsdp2", fsdp2.train, fsdp2.FSDP2Config(**common)),
         (

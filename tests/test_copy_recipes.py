@@ -67,6 +67,8 @@ RUNS = {
     "preflight": ("torchrun", ["--timeout-s", "60"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
+    "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
 }
@@ -220,7 +222,14 @@ def check_data_parallel(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
+def check_zero(stdout: str) -> None:
+    # two ranks, rank 0 printing: the package's own 2-rank losses, one line per step
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("zero")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
 CHECKS = {"amp": check_amp, "preflight": check_preflight, "comm_bench": check_comm_bench,
           "data": check_data, "data_parallel": check_data_parallel,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
-          "loss_compare": check_loss_compare}
+          "loss_compare": check_loss_compare, "zero": check_zero}

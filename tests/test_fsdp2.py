@@ -16,6 +16,7 @@ from tests.helpers import (
     assert_sharded_run_claims,
     assert_losses_close,
     assert_states_close,
+    recipe_result,
     run_alone,
     run_cli,
     run_pair,
@@ -46,7 +47,7 @@ FP32_EXACT = ["default", "no_reshard", "prefetch_offload", "accumulate_sync", "a
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_shard_equals_ddp_with_every_option(backend):
     pairs = [(fsdp2.train, with_fields(cfg, backend=backend)) for cfg in RUNS.values()]
-    pairs.append((zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
+    pairs.append((recipe_result, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
     *outputs, ddp = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
     results = dict(zip(RUNS, outputs))
     reference = single_process_reference(steps=STEPS)
