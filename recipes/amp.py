@@ -1,8 +1,10 @@
 """Mixed precision (AMP): bf16 autocast, or fp16 autocast with a dynamic GradScaler, on one device.
 
     python -m recipes.amp --precision bf16               # cuda if available, else cpu
-    python -m recipes.amp --precision fp16 --overflow-at-step 2   # watch the scaler skip a step
+    python -m recipes.amp --precision fp16               # autocast fp16 + GradScaler
     python -m recipes.amp --precision fp32 --device cpu  # the plain fp32 loop, for comparison
+
+Copy with it: recipes/toy.py (the model and data you replace).
 
 Autocast runs matmuls (and other ops that tolerate it) in a 16-bit type while the parameters, the
 optimizer state and precision-sensitive ops (softmax, layer norm, the loss) stay in fp32. The two
@@ -11,14 +13,19 @@ optimizer state and precision-sensitive ops (softmax, layer norm, the loss) stay
 - **bf16** keeps fp32's 8 exponent bits (range up to ~3e38) and has 7 mantissa bits (~2-3
   significant digits). Gradients do not overflow or underflow any more than in fp32, so no loss
   scaling is needed: bf16 is a drop-in ``torch.autocast(dtype=torch.bfloat16)``.
-- **fp16** has 10 mantissa bits (more precise than bf16) but only 5 exponent bits: its largest value
-  is 65504 and values below ~6e-8 flush to zero. Small gradients underflow to 0 in fp16, so the loss
-  is multiplied by a large *scale* before backward (gradients scale with it), and the gradients are
-  divided by it again before the optimizer step. Too large a scale overflows to inf: the GradScaler
-  then skips that optimizer step and halves the scale; after ``growth_interval`` clean steps it
-  doubles the scale again. A few skipped steps at the start are normal; many mean trouble.
+- **fp16** has 10 mantissa bits (more precise than bf16) but only 5 exponent bits: its largest
+  value is 65504 and values below ~6e-8 flush to zero. Small gradients underflow to 0 in fp16, so
+  the loss is multiplied by a large *scale* before backward (gradients scale with it), and the
+  gradients are divided by it again before the optimizer step. Too large a scale overflows to inf:
+  the GradScaler then skips that optimizer step and halves the scale; after ``growth_interval``
+  clean steps it doubles the scale again. A few skipped steps at the start are normal; many mean
+  trouble.
 
-This recipe trains on one device (the process group is a world of 1); AMP composes unchanged with
+It prints one line per step: the loss, the scale, and "(skipped: inf/nan gradient)" on a step the
+scaler skipped. ``train`` returns an ``AMPRun``: the losses, and the scale after each step and the
+steps skipped, because watching the scaler is this recipe's point.
+
+This recipe trains on one device in one process (no process group); AMP composes unchanged with
 DDP/FSDP (autocast around the forward, the scaler around backward and step on every rank).
 CPU fp16 autocast and ``torch.amp.GradScaler("cpu")`` exist since torch 2.3; on a build without
 them the recipe stops with a message naming the fix instead of silently training in another
@@ -27,169 +34,194 @@ precision.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Literal
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import CompileOption, RecipeError, TrainConfig, check_step_reached, opt
-from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.state import full_state_on_cpu
-from recipes.core.speed import (
-    apply_compile,
-    autocast,
-    check_autocast,
-    compile_loss,
-    low_precision_dtype,
-    make_adamw,
-    make_grad_scaler,
-    setup_precision,
-)
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    Block,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import join_world
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
-log = get_logger(__name__)
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
-class AMPConfig(CompileOption, TrainConfig):
-    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = opt(
-        "bf16", "bf16: autocast, no scaler; fp16: autocast + GradScaler; fp32: no autocast (the "
-                "reference); tf32: fp32 with TF32 matmuls (CUDA); auto: bf16 on a GPU, fp32 on CPU")
-    device: Literal["auto", "cpu", "cuda"] = opt(
-        "auto", "where to train; auto = cuda if a GPU is visible, else cpu"
-    )
-    overflow_at_step: int = opt(
-        -1,
-        "fp16 only: put an inf into one gradient at this step (as if fp16 had overflowed), to "
-        "watch the scaler skip the step and halve the scale; -1 = never",
-        ge=-1,
-    )
-    init_scale: float = opt(2.0**16, "fp16: the GradScaler's initial loss scale", gt=0)
+class AMPConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step (one device: all of them)
+    lr: float = 1e-3
+    seed: int = 0
+    precision: str = "bf16"  # bf16 | fp16 | fp32 | tf32 | auto (bf16 on a GPU, fp32 on CPU)
+    device: str = "auto"  # auto: cuda if a GPU is visible, else cpu
+    init_scale: float = 2.0**16  # fp16: the GradScaler's first loss scale
+    compile: bool = False
+    compile_backend: str = "inductor"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.overflow_at_step >= 0 and self.precision != "fp16":
-            raise RecipeError(
-                "overflow_at_step needs --precision fp16 (only the GradScaler detects and skips "
-                "an "
-                f"overflowing step); got --precision {self.precision}"
-            )
-        if self.overflow_at_step >= 0:
-            check_step_reached("overflow_at_step", self.overflow_at_step, self.steps)
+
+@dataclass
+class AMPRun:
+    losses: list[float] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)  # after each step; 1.0 without a scaler
+    skipped_steps: list[int] = field(default_factory=list)  # steps the scaler skipped
 
 
 def pick_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RecipeError(
-            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)"
-        )
+        raise ValueError(
+            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)")
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    return (
-        torch.device(requested, torch.cuda.current_device())
-        if requested == "cuda"
-        else torch.device("cpu")
-    )
+    return torch.device("cuda", torch.cuda.current_device()) if requested == "cuda" else \
+        torch.device("cpu")
+
+
+def pick_precision(requested: str, device: torch.device) -> str:
+    """Resolve ``auto``, refuse what this device cannot do, and set the fp32 matmul mode."""
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if requested == "tf32" and not on_cuda:
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{torch.cuda.get_device_name(device)} has no bf16 support; use "
+                         "--precision fp16 (with its loss scaler) or tf32")
+    if on_cuda:  # a process-wide switch: set it for every precision, never inherit it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            requested == "tf32")
+    dtype = LOW_PRECISION.get(requested)
+    if dtype is not None:
+        # Pitfall: autocast to a dtype the device cannot do is no error: torch warns and runs
+        # fp32. A matmul probe tells the truth.
+        probe = torch.ones(2, 2, device=device)
+        with torch.autocast(device.type, dtype=dtype):
+            if (probe @ probe).dtype != dtype:
+                raise ValueError(f"torch {torch.__version__} cannot autocast to {requested} on "
+                                 f"{device.type} (needs torch >= 2.3 for cpu fp16); use "
+                                 "--precision bf16, or a GPU")
+    return requested
 
 
 # --8<-- [start:train]
-def train(cfg: AMPConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        if world.world_size > 1:
-            raise RecipeError(
-                f"amp trains on one device, got a world of {world.world_size}; run "
-                "`python -m recipes.amp` (AMP with DDP: see ddp_torchrun, add this loop's autocast)"
-            )
-        device = pick_device(cfg.device)
-        # also sets TF32 on or off for fp32 matmuls
-        precision = setup_precision(cfg.precision, device)
-        check_autocast(device, precision)  # an unsupported dtype would silently run fp32
-        # parameters stay fp32 ("master weights")
-        model = build_model(cfg.model, seed=cfg.seed, device=device)
-        if cfg.compile:
-            apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
-        loss_fn = compile_loss(lm_loss, backend=cfg.compile_backend) if cfg.compile else lm_loss
-        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=device)  # fused on CUDA
-        scaler = make_grad_scaler(device, precision, init_scale=cfg.init_scale)
-        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(
-            dataset, rank=0, world_size=1, per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed
-        )
-        log.info(
-            "%s on %s (autocast dtype %s, loss scaling %s)",
-            precision,
-            device,
-            low_precision_dtype(precision),
-            "on" if scaler.is_enabled() else "off",
-        )
+def train(cfg: AMPConfig, observer=None) -> AMPRun:
+    """Train on one device; returns the losses, the scale after each step and the skipped steps."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ValueError("amp trains on one device, got a launcher's world of "
+                         f"{os.environ['WORLD_SIZE']}; run `python -m recipes.amp` (AMP with DDP: "
+                         "see ddp_torchrun, add this loop's autocast)")
+    device = pick_device(cfg.device)
+    precision = pick_precision(cfg.precision, device)
+    dtype = LOW_PRECISION.get(precision)  # None: no autocast (fp32, tf32)
+    model = build_model(cfg.model, seed=cfg.seed, device=device)  # parameters stay fp32
+    loss_fn = lm_loss
+    if cfg.compile:  # each block's forward, and the loss
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
+            block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
+        loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                  fused=True if device.type == "cuda" else None)
+    # fp16 only; a disabled scaler (bf16, fp32) passes scale() and step() through unchanged
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
+                                  enabled=precision == "fp16")
+    if precision == "fp16" and not scaler.is_enabled():  # it disables itself where unsupported
+        raise ValueError(f"torch.amp.GradScaler is unavailable on {device.type} in this torch "
+                         "build; use --precision bf16 (no scaler needed)")
+    if observer: observer.model_ready(model, optimizer)
 
-        losses, scales, skipped_steps, timer = [], [], [], StepTimer(device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                inputs, targets = inputs.to(device), targets.to(device)
-                # Only the forward (and the loss) runs under autocast; backward reuses the dtypes
-                # the forward chose. lm_loss computes the cross entropy in fp32 either way.
-                with autocast(device, precision):
-                    loss = loss_fn(model(inputs), targets)
-                optimizer.zero_grad(set_to_none=True)
-                # fp16: loss * scale, so small gradients survive in fp16
-                scaler.scale(loss).backward()
-                if step == cfg.overflow_at_step:
-                    inject_overflow(model)
-                scale_before = scaler.get_scale()
-                # unscales the grads; skips optimizer.step() if any is inf/nan
-                scaler.step(optimizer)
-                # halves the scale after an overflow, doubles it after growth_interval good steps
-                scaler.update()
-                # The scaler does not report a skip; a scale that went down is the only public sign
-                # of one.
-                if scaler.get_scale() < scale_before:
-                    skipped_steps.append(step)
-            losses.append(float(loss.item()))
-            scales.append(scaler.get_scale())
-            log.info(
-                "step %d loss %.4f scale %g%s time %.1f ms",
-                step,
-                losses[-1],
-                scales[-1],
-                " (skipped: inf/nan gradient)" if skipped_steps[-1:] == [step] else "",
-                timer.durations[-1] * 1e3,
-            )
-
-        return make_result(
-            "amp",
-            dataclasses.replace(world, device=device),
-            losses,
-            model.parameters(),
-            timer,
-            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            skipped_steps=len(skipped_steps),
-            skipped_step_indices=skipped_steps,
-            final_scale=scaler.get_scale(),
-            scales=scales,
-        )
+    dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+    # one process, the same data order as the distributed recipes' world of 1
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed,
+                                 drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
+                        drop_last=True)
+    run, step, epoch = AMPRun(), 0, 0
+    while step < cfg.steps:
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            if step == cfg.steps:
+                break
+            inputs, targets = inputs.to(device), targets.to(device)
+            # Only the forward (and the loss) runs under autocast; backward reuses the dtypes
+            # the forward chose. lm_loss computes the cross entropy in fp32 either way.
+            with torch.autocast(device.type, dtype=dtype or torch.float32,
+                                enabled=dtype is not None):
+                loss = loss_fn(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # fp16: loss * scale, so small gradients survive
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)  # unscales the grads; skips optimizer.step() on inf/nan
+            scaler.update()  # halves the scale after an overflow, doubles it after 2000 good
+            # The scaler does not report a skip: a scale that went down is the public sign.
+            skipped = scaler.get_scale() < scale_before
+            if skipped:
+                run.skipped_steps.append(step)
+            run.losses.append(loss.item())
+            run.scales.append(scaler.get_scale())
+            print(f"step {step} loss {run.losses[-1]:.4f} scale {run.scales[-1]:g}"
+                  + (" (skipped: inf/nan gradient)" if skipped else ""), flush=True)
+            if observer: observer.step_end(step, run.losses[-1])
+            step += 1
+        epoch += 1
+    return run
 # --8<-- [end:train]
 
 
-def inject_overflow(model: torch.nn.Module) -> None:
-    """Put one inf into one gradient: what an fp16 overflow in backward looks like to the scaler."""
-    first = next(model.parameters())
-    with torch.no_grad():
-        first.grad.view(-1)[0] = float("inf")
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = AMPConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.amp", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="bf16: autocast, no scaler; fp16: autocast + GradScaler; fp32: no autocast (the "
+             "reference); tf32: fp32 with TF32 matmuls (CUDA); auto: bf16 on a GPU, fp32 on CPU")
+    add("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
+        help="where to train; auto: cuda if a GPU is visible, else cpu")
+    add("--init-scale", type=_number(float, above=0), default=defaults.init_scale,
+        help="fp16: the GradScaler's initial loss scale")
+    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
+        help="torch.compile each transformer block (and the loss)")
+    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = AMPConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # a device or precision this machine cannot do
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    run_cli(train, AMPConfig, __doc__)
+    main()

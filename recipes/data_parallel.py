@@ -3,6 +3,8 @@
     python -m recipes.data_parallel
     CUDA_VISIBLE_DEVICES=0,1 python -m recipes.data_parallel --global-batch-size 16
 
+Copy with it: recipes/toy.py (the model and data you replace).
+
 Each forward, ``nn.DataParallel`` splits the batch along dim 0 across the GPUs, copies the module to
 each of them, runs the replicas in threads of this one process, and gathers the outputs on GPU 0;
 backward sums the gradients back onto GPU 0's parameters. It is one line to add, and that is its
@@ -15,97 +17,138 @@ only advantage. Why DDP (recipes.ddp_torchrun) is preferred, even on a single ma
 - one machine only; PyTorch's docs recommend DDP "even if there is only a single node".
 
 With no GPU, DataParallel simply calls the module on CPU: this recipe then runs on one device and
-says so. The batch is the whole global batch (there is one process): the loss equals single-device
-training.
+says so. The batch is the whole global batch (there is one process, and no process group): the
+loss equals single-device training. It prints one line per step: the step and the loss.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import TrainConfig, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, param_checksum, peak_memory_bytes
-from recipes.core.state import full_state_on_cpu
-from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-
-log = get_logger(__name__)
+from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
-class DataParallelConfig(TrainConfig):
-    """The shared fields; ``backend`` and ``timeout_s`` are unused: DataParallel has no process
-    group."""
+class DataParallelConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step, split across the GPUs
+    lr: float = 1e-3
+    seed: int = 0
+    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    save_path: str | None = None  # the trained weights are saved here
 
 
 # --8<-- [start:train]
-def train(cfg: DataParallelConfig) -> RecipeResult:
+def train(cfg: DataParallelConfig, observer=None) -> list[float]:
+    """Train on every visible GPU (or the CPU) from this one process; returns each step's loss."""
     gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+    if gpus and cfg.global_batch_size % gpus:
+        lower = max(gpus, cfg.global_batch_size - cfg.global_batch_size % gpus)
+        raise ValueError(f"global_batch_size={cfg.global_batch_size} does not split across {gpus} "
+                         f"GPUs; use a multiple of {gpus}, e.g. {lower} or {lower + gpus}")
     if gpus:
-        # each GPU gets an equal slice of the batch
-        per_rank_batch_size(cfg.global_batch_size, gpus)
-        log.info("DataParallel over %d GPU(s); outputs gather on %s", gpus, device)
+        print(f"DataParallel over {gpus} GPU(s); outputs gather on {device}", flush=True)
     else:
-        log.info("no GPU visible: DataParallel calls the module directly on CPU (one device)")
-    precision = setup_precision(cfg.precision, device)
-    # parameters must live on device_ids[0]
+        print("no GPU visible: DataParallel calls the module directly on CPU (one device)",
+              flush=True)
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and gpus > 0
+                                       and torch.cuda.is_bf16_supported())
+    if gpus and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    # Pitfall: the parameters must live on device_ids[0] (GPU 0) before wrapping
     model = build_model(cfg.model, seed=cfg.seed, device=device)
-    dp_model = nn.DataParallel(model)
-    optimizer = make_adamw(dp_model.parameters(), lr=cfg.lr, device=device)
-    scaler = make_grad_scaler(device, precision)
+    dp_model = nn.DataParallel(model)  # every visible GPU; on CPU a pass-through
+    optimizer = torch.optim.AdamW(dp_model.parameters(), lr=cfg.lr,
+                                  fused=True if gpus else None)
+    if observer: observer.model_ready(dp_model, optimizer)
+
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    # One process reads the whole global batch (a "world" of 1, in the same order as the DDP
-    # recipes).
-    loader, sampler = distributed_loader(
-        dataset, rank=0, world_size=1, per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed
-    )
-    losses, timer = [], StepTimer(device)
-    for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-        with timer:
+    # One process reads the whole global batch: a "world" of 1, the DDP recipes' data order
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed,
+                                 drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
+                        drop_last=True, pin_memory=gpus > 0)
+    losses, step, epoch = [], 0, 0
+    while step < cfg.steps:
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            if step == cfg.steps:
+                break
             # Scattered along dim 0 to the GPUs; logits come back gathered on GPU 0.
             # autocast reaches the replicas: DataParallel's threads re-enter the caller's state.
-            with autocast(device, precision):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = lm_loss(dp_model(inputs.to(device)), targets.to(device))
             optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        losses.append(loss.item())
-        log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
+            loss.backward()  # the replicas' gradients are summed onto GPU 0's parameters
+            optimizer.step()
+            losses.append(loss.item())
+            print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+            if observer: observer.step_end(step, losses[-1])
+            step += 1
+        epoch += 1
 
-    return RecipeResult(
-        recipe="data_parallel",
-        world_size=1,
-        backend="none",
-        device=str(device),
-        losses=losses,
-        param_checksum=param_checksum(model.parameters()),
-        seconds_per_step=timer.seconds_per_step,
-        peak_memory_bytes=peak_memory_bytes(device),
-        extras={"gpus": gpus},
-        **Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision).measure(
-            timer.seconds_per_step, device, max(gpus, 1) if device.type == "cuda" else 1
-        ),
-        # Pitfall: the weights live in dp_model.module; save that, not dp_model (its keys get
-        # "module.").
-        final_state=full_state_on_cpu(dp_model) if cfg.keep_final_state else None,
-    )
+    if cfg.save_path:
+        # Pitfall: the weights live in dp_model.module; save that, not dp_model, whose keys all
+        # start with "module." and no longer load into a plain model.
+        torch.save(dp_model.module.state_dict(), cfg.save_path)
+    return losses
 # --8<-- [end:train]
 
 
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = DataParallelConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.data_parallel", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, split across the GPUs")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order")
+    add("--precision", choices=["auto", "fp32", "bf16"], default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
+    add("--save-path", default=defaults.save_path,
+        help="save the trained model's state_dict here (torch.save)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = DataParallelConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # a batch that does not split across the GPUs
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, DataParallelConfig, __doc__)
+    main()

@@ -103,8 +103,8 @@ def recipes_at_world_1(
     rows = [
         ("bare loop (performance)", performance.train, performance.PerformanceConfig(**common)),
         ("ddp_torchrun", ddp_torchrun_proven, ddp_config(**common)),
-        ("amp", amp.train, amp.AMPConfig(**common, device="auto" if ON_GPU else "cpu")),
-        ("zero", zero.train, zero.ZeroConfig(**common)),
+        ("amp", proven, amp.AMPConfig(**common, device="auto" if ON_GPU else "cpu")),
+        ("zero", proven, zero.ZeroConfig(**common, backend="auto" if ON_GPU else "gloo")),
         ("fsdp", fsdp.train, fsdp.FSDPConfig(**common)),
         ("fsdp2", fsdp2_proven, fsdp2_config(**common)),
         ("fsdp2, no reshard", fsdp2_proven, fsdp2_config(**common, reshard_after_forward=False)),
@@ -254,6 +254,12 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
 def ddp_torchrun_proven(cfg):
     """recipes.ddp_torchrun returns its losses only: the harness measures it from outside."""
     return prove(ddp_torchrun.train, cfg, name="ddp_torchrun")
+
+
+def proven(cfg):
+    """A copyable recipe (the config's module) returns its losses only: the harness measures it."""
+    name = cfg_recipe(cfg)
+    return prove(sys.modules[f"recipes.{name}"].train, cfg, name=name)
 
 
 def ddp_config(**fields) -> ddp_torchrun.DDPConfig:

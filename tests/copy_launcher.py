@@ -2,6 +2,7 @@
 tests/test_copy_recipes.py.
 
     torchrun --standalone --nproc_per_node=2 copy_launcher.py PLAN.json
+    python copy_launcher.py PLAN.json       # the copies a user runs with plain python
 
 Every copy runs as it would under its own ``torchrun ... train_mine.py ARGS``: in a process of
 this torchrun rank (forked from it, so torch is imported once per rank instead of once per copy
@@ -41,7 +42,8 @@ def run_copy(copy: dict, rank: int, out_dir: str) -> None:
         os.close(opened)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
     sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
-    os.environ.update(MASTER_PORT=str(copy["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
+    if "port" in copy:  # under torchrun
+        os.environ.update(MASTER_PORT=str(copy["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
     os.chdir(copy["project"])
     sys.path.insert(0, copy["project"])
     sys.argv = ["train_mine.py", *copy["args"]]
@@ -68,16 +70,18 @@ def free_port() -> int:
 
 def main() -> None:
     plan = json.loads(open(sys.argv[1], encoding="utf-8").read())
-    rank = int(os.environ["RANK"])
-    # torchrun's own store (its agent hosts it): where rank 0 posts each copy's port
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=300))
+    under_torchrun = "RANK" in os.environ
+    rank = int(os.environ.get("RANK", 0))
+    if under_torchrun:  # torchrun's own store (its agent hosts it): rank 0 posts the ports there
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=datetime.timedelta(seconds=300))
     for copy in plan["copies"]:
         out_dir = os.path.join(plan["out"], copy["name"])
-        key = f"copy_launcher/port/{copy['name']}"
-        if rank == 0:
-            store.set(key, str(free_port()))
-        copy = {**copy, "port": int(store.get(key))}
+        if under_torchrun:
+            key = f"copy_launcher/port/{copy['name']}"
+            if rank == 0:
+                store.set(key, str(free_port()))
+            copy = {**copy, "port": int(store.get(key))}
         started = time.monotonic()
         pid = os.fork()
         if pid == 0:

@@ -102,6 +102,35 @@ def fsdp2_result(cfg, *, keep_final_state: bool = True):
     return prove(fsdp2.train, cfg, name="fsdp2", keep_final_state=keep_final_state)
 
 
+def recipe_result(cfg, *, keep_final_state: bool = True, observer=None):
+    """A copyable recipe's ``train(cfg)`` measured by the harness (``prove``), the recipe named by
+    its config's module (``recipes.zero.ZeroConfig`` -> zero): a RecipeResult with its final state.
+
+    ``extras["grad_norms"]``: every norm ``torch.nn.utils.clip_grad_norm_`` returned during the run
+    (recorded from outside, around torch's function), where the recipe clipped. ``observer``: a
+    test's own Observer (fault injection). Module-level: spawn_world can pickle it."""
+    from recipes.core.observe import prove
+
+    module = importlib.import_module(type(cfg).__module__)
+    name = module.__name__.rsplit(".", 1)[-1]
+    clip, norms = torch.nn.utils.clip_grad_norm_, []
+
+    def recording_clip(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        norms.append(float(norm))
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = recording_clip
+    try:
+        result = prove(module.train, cfg, name=name, keep_final_state=keep_final_state,
+                       observer=observer)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = clip
+    if norms:
+        result.extras["grad_norms"] = norms
+    return result
+
+
 def run_alone(train_fn, cfg):
     """The single-process reference: a world of 1 in this very process."""
     return train_fn(cfg)
@@ -333,9 +362,8 @@ def assert_sharded_run_claims(results: dict, ddp_memory: dict, reference) -> Non
     assert_about_fraction(synced_bytes, ddp_memory["grad_bytes"], 2, "sync accumulation")
     assert unsynced_bytes >= 0.9 * 2 * synced_bytes and unsynced_bytes >= ddp_memory["grad_bytes"]
 
-    clipped_reference = run_alone(zero.train, zero.ZeroConfig(
-        optimizer="adamw", max_grad_norm=SHARDED_CLIP, steps=SHARDED_STEPS, keep_final_state=True,
-        precision="fp32"))
+    clipped_reference = run_alone(recipe_result, zero.ZeroConfig(
+        optimizer="adamw", max_grad_norm=SHARDED_CLIP, steps=SHARDED_STEPS, precision="fp32"))
     clipped = results["clipped"]
     assert clipped.extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"],
                                                          rel=1e-5)

@@ -131,13 +131,11 @@ def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
 def test_a_step_option_past_the_last_step_is_refused():
     """A fault injected, or an all_reduce skipped, at a step the run never reaches: the run passed
     as a clean one, and looked like the demonstration it was not."""
-    from recipes import amp, fsdp, hang_diagnosis
+    # (amp's --overflow-at-step is gone: its fault injection lives in tests/test_amp.py now)
+    from recipes import fsdp, hang_diagnosis
 
     check_step_reached("skip_step", 3, 4)  # the last step is fine
     cases = [
-        (lambda: amp.AMPConfig(precision="fp16", steps=4, overflow_at_step=4),
-         "overflow_at_step=4 is never reached: the steps are 0 to 3; use --overflow-at-step 3 or "
-         "less, or --steps 5 or more"),
         (lambda: fsdp.FSDPConfig(steps=4, inject_inf_step=7), "inject_inf_step=7 is never reached"),
         (lambda: hang_diagnosis.HangConfig(steps=4, skip_rank=1, skip_step=4),
          "skip_step=4 is never reached: the steps are 0 to 3; use --skip-step 3 or less"),
@@ -155,14 +153,17 @@ def test_a_step_option_past_the_last_step_is_refused():
 
 
 def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
-    from recipes import amp
+    # (it was amp's --overflow-at-step, an option amp no longer has: the fault injection moved
+    # into tests/test_amp.py; hang_diagnosis's --skip-step is checked by the same function)
+    from recipes import hang_diagnosis
     from recipes.core.cli import run_cli
 
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(amp.train, amp.AMPConfig, None, ["--precision", "fp16", "--overflow-at-step", "6"])
+        run_cli(hang_diagnosis.run, hang_diagnosis.HangConfig, None,
+                ["--steps", "6", "--skip-rank", "1", "--skip-step", "6"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: overflow_at_step=6 is never reached: the steps are 0 to 5; use --overflow-at-step "
+        "error: skip_step=6 is never reached: the steps are 0 to 5; use --skip-step "
         "5 or less, or --steps 7 or more"]
 
 

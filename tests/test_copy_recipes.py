@@ -60,9 +60,13 @@ COPYABLE = [name for name in recipe_modules() if is_copyable(name)]
 # How each copyable recipe runs in the test: (launcher, arguments). Small and fast: the point is
 # that the copy runs and agrees, not how long it trains.
 RUNS = {
+    # one device, no process group: a plain python run; cpu, the device results/amp.json has
+    "amp": ("python", ["--device", "cpu", "--steps", "3"]),
     "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
                                 "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
     "data": ("torchrun", ["--steps", "3"]),
+    # nn.DataParallel is one process: a plain python run (on CPU a pass-through)
+    "data_parallel": ("python", ["--steps", "3"]),
     # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
     "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
     # both options: every collective the split has (reduce-scatter, all-gather, the sharded loss)
@@ -75,6 +79,8 @@ RUNS = {
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
     "single_gpu": ("python", ["--precision", "fp32"]),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
+    "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
 }
@@ -126,27 +132,19 @@ def users_environment(project: Path) -> dict[str, str]:
     return env
 
 
-def run_copy(name: str, project: Path, timeout_s: float = 150) -> subprocess.CompletedProcess:
-    """A copy run alone by its own launcher (``python train_mine.py ...``)."""
-    _, args = RUNS[name]
-    return subprocess.run([PYTHON, "train_mine.py", *[arg.format(repo=REPO_ROOT) for arg in args]],
-                          cwd=project, env=users_environment(project),
-                          capture_output=True, text=True, timeout=timeout_s)
-
-
 TORCHRUN_COPIES = [name for name in COPYABLE if RUNS.get(name, ("",))[0] == "torchrun"]
+PYTHON_COPIES = [name for name in COPYABLE if RUNS.get(name, ("",))[0] == "python"]
 
 
-@pytest.fixture(scope="module")
-def torchrun_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Every copy that runs under torchrun, each in its own project, from ONE torchrun launch (2
-    gloo ranks): tests/copy_launcher.py forks each rank's copy from the rank torchrun started, so
-    torch is imported twice in all instead of twice per copy (each launch costs ~5 s of CPU on 2
-    cores). Each copy still meets its peers through ``env://`` with torchrun's variables, on a
-    port of its own. {name: what its two ranks printed, as torchrun would have shown it}."""
-    where = tmp_path_factory.mktemp("copies")
+def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
+    """Every copy in ``names``, each in its own project, from ONE launch: tests/copy_launcher.py
+    forks each copy's process from the one the launcher started (under torchrun: each rank's), so
+    torch is imported once per rank in all instead of once per copy and rank (each launch costs
+    ~5 s of CPU on 2 cores under torchrun, ~2 s alone). Under torchrun each copy still meets its
+    peers through ``env://`` with torchrun's variables, on a port of its own. {name: what its
+    ranks printed, as the launcher would have shown it}."""
     copies = []
-    for name in TORCHRUN_COPIES:
+    for name in names:
         project = make_copy(name, where / name)
         args = [arg.format(repo=REPO_ROOT) for arg in RUNS[name][1]]
         copies.append({"name": name, "project": str(project), "args": args, "timeout_s": 120})
@@ -156,32 +154,39 @@ def torchrun_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     shutil.copy(Path(REPO_ROOT, "tests", "copy_launcher.py"), launcher)
     env = users_environment(where / "launcher")
     env["PYTHONPATH"] = str(where / "without_the_cookbook")
-    proc = subprocess.run(
-        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(launcher), str(plan)], cwd=where, env=env, capture_output=True, text=True,
-        timeout=sum(copy["timeout_s"] for copy in copies) + 60)
+    prefix = ([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+              if torchrun else [PYTHON])
+    proc = subprocess.run([*prefix, str(launcher), str(plan)], cwd=where, env=env,
+                          capture_output=True, text=True,
+                          timeout=sum(copy["timeout_s"] for copy in copies) + 60)
+    ranks = (0, 1) if torchrun else (0,)
     results = {}
     for copy in copies:
         out = where / "out" / copy["name"]
         read = [(out / f"rank{rank}.{kind}").read_text(errors="replace")
                 if (out / f"rank{rank}.{kind}").exists() else ""
-                for rank in (0, 1) for kind in ("stdout", "stderr", "json")]
+                for rank in ranks for kind in ("stdout", "stderr", "json")]
         exits = [json.loads(status)["exit"] if status else "never ran" for status in read[2::3]]
-        code = 0 if exits == [0, 0] else 1
+        code = 0 if set(exits) == {0} else 1
         results[copy["name"]] = subprocess.CompletedProcess(
-            copy["name"], code, read[0] + read[3],
-            read[1] + read[4] + (f"\nexit codes of ranks 0 and 1: {exits}; launcher: "
-                                 f"{proc.returncode} {proc.stderr[-1500:]}" if code else ""))
+            copy["name"], code, "".join(read[0::3]),
+            "".join(read[1::3]) + (f"\nexit codes of the ranks: {exits}; launcher: "
+                                   f"{proc.returncode} {proc.stderr[-1500:]}" if code else ""))
     return results
 
 
+@pytest.fixture(scope="module")
+def launched_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The copies a user runs under torchrun (2 gloo ranks), from one torchrun launch, and those
+    a user runs with plain python, from one python launch."""
+    return {**launch_copies(TORCHRUN_COPIES, tmp_path_factory.mktemp("torchrun"), torchrun=True),
+            **launch_copies(PYTHON_COPIES, tmp_path_factory.mktemp("python"), torchrun=False)}
+
+
 @pytest.mark.parametrize("name", COPYABLE)
-def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, request):
-    project = make_copy(name, tmp_path)
-    if name in TORCHRUN_COPIES:  # ran in the fixture, from a copy made the same way
-        proc = request.getfixturevalue("torchrun_copies")[name]
-    else:
-        proc = run_copy(name, project)
+def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, launched_copies):
+    project = make_copy(name, tmp_path)  # as the fixture made the one that ran
+    proc = launched_copies[name]
     # The cookbook is not importable there: only what was copied is.
     probe = subprocess.run([PYTHON, "-c", "import recipes.core"], cwd=project,
                            env=users_environment(project), capture_output=True, text=True,
@@ -267,9 +272,43 @@ def check_fsdp2(stdout: str) -> None:
     assert_losses_close([float(loss) for _, loss in printed], expected["losses"][:3], atol=6e-5)
 
 
+def printed_losses(stdout: str) -> list[float]:
+    """The losses of the ``step N loss X ...`` lines, checked to be steps 0, 1, 2, ... in order."""
+    printed = re.findall(r"^step (\d+) loss (\d+\.\d{4})\b", stdout, re.M)
+    assert [int(step) for step, _ in printed] == list(range(len(printed))) and printed, stdout
+    return [float(loss) for _, loss in printed]
+
+
+def committed_losses(name: str) -> list[float]:
+    """The losses of the package's own measured run (results/NAME.json, the defaults)."""
+    return json.loads(Path(REPO_ROOT, "results", f"{name}.json").read_text())["result"]["losses"]
+
+
+def check_amp(stdout: str) -> None:
+    # bf16 autocast on CPU (the default precision), no scaler: the package's losses, scale 1
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("amp")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3 and stdout.count(" scale 1\n") == 3, stdout
+
+
+def check_data_parallel(stdout: str) -> None:
+    # single-device training (on a GPU host, the batch split over its GPUs: fp32 rounding apart)
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("data_parallel")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+def check_zero(stdout: str) -> None:
+    # two ranks, rank 0 printing: the package's own 2-rank losses, one line per step
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("zero")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
 
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
-          "fsdp2": check_fsdp2}
+          "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
+          "zero": check_zero}

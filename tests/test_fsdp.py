@@ -22,6 +22,7 @@ from tests.helpers import (
     assert_sharded_run_claims,
     assert_losses_close,
     assert_states_close,
+    recipe_result,
     run_alone,
     run_cli,
     run_pair,
@@ -78,7 +79,7 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
         runs["cpu_offload"] = with_fields(CFG, cpu_offload=True)
         exact.append("cpu_offload")
     pairs = [(fsdp.train, with_fields(cfg, backend=backend)) for cfg in runs.values()]
-    pairs += [(zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)),  # DDP's bytes
+    pairs += [(recipe_result, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)),  # DDP's bytes
               (sync_module_states_check, None)]
     *outputs, ddp, synced = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
     results = dict(zip(runs, outputs))

@@ -27,6 +27,7 @@ from tests.helpers import (
     assert_losses_close,
     assert_states_close,
     fsdp2_result,
+    recipe_result,
     run_alone,
     run_cli,
     run_pair,
@@ -103,7 +104,7 @@ FP32_EXACT = ["default", "no_reshard", "prefetch_offload", "accumulate_sync", "a
 def test_fully_shard_equals_ddp_with_every_option(backend):
     pairs = [(fp16_with_an_inf_on_one_rank if name == "fp16" else fsdp2_result,
               with_fields(cfg, backend=backend)) for name, cfg in RUNS.items()]
-    pairs.append((zero.train, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
+    pairs.append((recipe_result, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
     *outputs, ddp = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
     results = dict(zip(RUNS, outputs))
     reference = single_process_reference(steps=STEPS)

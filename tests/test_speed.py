@@ -13,6 +13,7 @@ from tests.helpers import (
     ddp_result,
     fsdp2_result,
     assert_losses_close,
+    recipe_result,
     assert_states_close,
     run_alone,
     run_world,
@@ -132,7 +133,9 @@ def test_compile_keeps_ddp_and_amp_bf16_equal():
     for train, cfg in (
         (ddp_result, ddp_torchrun.DDPConfig(
             **{k: v for k, v in COMPILED.items() if k != "keep_final_state"}, backend="gloo")),
-        (amp.train, amp.AMPConfig(**{**COMPILED, "precision": "bf16"}, device="cpu")),
+        (recipe_result, amp.AMPConfig(**{k: v for k, v in COMPILED.items()
+                                         if k not in ("keep_final_state", "precision")},
+                                      precision="bf16", device="cpu")),
     ):
         eager, compiled = run_alone(train, with_fields(cfg, compile=False)), run_alone(train, cfg)
         assert_losses_close(compiled.losses, eager.losses, atol=1e-6)

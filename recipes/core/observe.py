@@ -17,13 +17,21 @@ returns the same ``RecipeResult`` as the harness-built recipes: losses, checksum
 peak memory, tokens/s and MFU (``Workload``), ``memory_per_rank``.
 
 What one recipe needs beyond that is measured by an ``Observer`` subclass registered under its
-name in ``OBSERVERS`` (fsdp2: ``ShardedObserver``); what it measures lands in ``extras``, which
-``prove`` adds to the result's. A test that injects a fault passes its own subclass to ``prove``.
+name in ``OBSERVERS`` (fsdp2: ``ShardedObserver``), or, where it is read off the model and the
+optimizer at the last step, by a function in ``EXTRAS`` (zero: each rank's optimizer partition);
+what they measure lands in ``extras``, which ``prove`` adds to the result's. A test that injects a
+fault passes its own subclass to ``prove``: the recipe has no option for it.
+
+A recipe that trains without a process group (single_gpu, amp, data_parallel: one process) is
+measured as a world of 1 with backend ``none``. A recipe whose idea needs more than its losses
+returns a small dataclass with a ``losses`` field (amp: the loss scale of each step, the skipped
+steps): its other fields go into ``extras`` as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from typing import Any, Callable, Iterator
@@ -40,9 +48,31 @@ from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["Observer", "ShardedObserver", "TensorParallelObserver", "OBSERVERS", "prove"]
+__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "OBSERVERS",
+           "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _zero_extras(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """ZeRO-1's split: the parameter elements whose optimizer state each rank keeps (a
+    ZeroRedundancyOptimizer holds its partition's AdamW in ``.optim``; plain AdamW holds all)."""
+    local = getattr(optimizer, "optim", optimizer)
+    owned = sum(p.numel() for group in local.param_groups for p in group["params"])
+    return {"optimizer_numel_per_rank": all_ranks(owned)}
+
+
+def _data_parallel_extras(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """How many GPUs nn.DataParallel splits each batch over (0: none, a pass-through on CPU)."""
+    return {"gpus": len(getattr(model, "device_ids", None) or [])}
+
+
+# What a recipe reports beyond the common figures, read from its model and optimizer at the last
+# step (while its process group exists; a collective where it gathers from every rank).
+EXTRAS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]]] = {
+    "zero": _zero_extras,
+    "data_parallel": _data_parallel_extras,
+}
 
 
 class Observer:
@@ -56,7 +86,9 @@ class Observer:
         self.param_checksum: float | None = None
         self.final_state: dict[str, torch.Tensor] | None = None
         self.output_dtype: torch.dtype | None = None
-        self.extras: dict[str, Any] = {}  # what a subclass measures: added to the result's extras
+        self.extras: dict[str, Any] = {}
+        # the recipe's EXTRAS function, if it has one (prove sets it)
+        self.extras_fn: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None  # what a subclass measures: added to the result's extras
         self.rank, self.world_size, self.backend = 0, 1, "gloo"
         self.device = torch.device("cpu")
         self._model: nn.Module | None = None
@@ -70,7 +102,7 @@ class Observer:
         if dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.backend = dist.get_backend()
-        else:  # a recipe without torch.distributed (single_gpu): one process
+        else:  # one process, no group (single_gpu, amp, data_parallel)
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._hook = model.register_forward_hook(self._record_dtype)
         self._restart_clock()
@@ -99,6 +131,8 @@ class Observer:
                 self.param_checksum = param_checksum(self._model.parameters())
                 if self.keep_final_state:
                     self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
+            if self.extras_fn is not None:
+                self.extras.update(self.extras_fn(self._model, self._optimizer))
             self.close()
             self._model = self._optimizer = None  # the recipe's teardown frees them
 
@@ -162,7 +196,7 @@ def _in_the_callers_world() -> Iterator[None]:
         dist.init_process_group, dist.destroy_process_group = saved
 
 
-def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
+def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
           keep_final_state: bool = False, observer: Observer | None = None) -> RecipeResult:
     """``train_fn(cfg, observer=...)`` measured from outside; the result every rank returns.
 
@@ -175,15 +209,25 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
     if observer is None:
         observer = (OBSERVERS[name](cfg, keep_final_state=keep_final_state) if name in OBSERVERS
                     else Observer(cfg.steps, keep_final_state=keep_final_state))
+    observer.keep_final_state = observer.keep_final_state or keep_final_state
+    observer.extras_fn = EXTRAS.get(name)
     try:
         with _in_the_callers_world():
-            losses = train_fn(cfg, observer=observer)
+            returned = train_fn(cfg, observer=observer)
     finally:
         observer.close()
+    returned_extras: dict[str, Any] = {}
+    if dataclasses.is_dataclass(returned):  # the losses and what the recipe's idea adds
+        returned_extras = {k: v for k, v in dataclasses.asdict(returned).items() if k != "losses"}
+        losses = returned.losses
+    else:
+        losses = returned
     if observer.param_checksum is None:
         raise RuntimeError(f"{name}: the recipe never called observer.step_end for its last step "
                            f"({cfg.steps - 1}); it ran {len(observer.durations)} step(s)")
-    devices = observer.world_size if observer.device.type == "cuda" else 1
+    # the devices that computed: the ranks, or the GPUs one DataParallel process drives
+    devices = (observer.extras.get("gpus") or observer.world_size
+               if observer.device.type == "cuda" else 1)
     batch = getattr(cfg, "global_batch_size", None) or cfg.batch_size  # single_gpu: batch_size
     workload = Workload(MODEL_PRESETS[cfg.model], batch, observer.precision)
     return RecipeResult(
@@ -195,7 +239,8 @@ def prove(train_fn: Callable[..., list[float]], cfg: Any, *, name: str,
         param_checksum=observer.param_checksum,
         seconds_per_step=observer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(observer.device),
-        extras={"memory_per_rank": observer.memory_per_rank, **observer.extras},
+        extras={"memory_per_rank": observer.memory_per_rank, **observer.extras,
+                **returned_extras},
         final_state=observer.final_state,
         **workload.measure(observer.seconds_per_step, observer.device, devices),
     )

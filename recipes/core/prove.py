@@ -24,7 +24,8 @@ from recipes.core.world import write_torchrun_error_file
 __all__ = ["PROVABLE", "main", "prove_command"]
 
 # The copyable recipes whose function takes an observer (model_ready, step_end).
-PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2")
+PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
+            "zero")
 
 
 def prove_command(command: str, name: str) -> str:
