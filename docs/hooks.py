@@ -19,7 +19,8 @@ And on every page (_hooks/page.py, _hooks/source.py, _hooks/mermaid.py): a recip
 its run command; ``[fsdp2][]`` (a recipe's name as an empty reference link) becomes a link to
 docs/recipes/fsdp2.md once that page exists, and the name in code font until then, so that prose
 can name recipes whose pages are still being written without breaking the strict build; the tests
-a page names link to their assertions.
+a page names link to their assertions; the vendored mermaid is loaded by the pages that have a
+diagram, and only by them.
 
 A marker that names something missing is logged as a warning, so ``mkdocs build --strict`` fails on
 it (the page also shows a red box saying what is missing, for a non-strict ``mkdocs serve``).
@@ -47,7 +48,7 @@ from _hooks.base import FENCE, REPO_ROOT, MarkerError, escape, log  # noqa: E402
 from _hooks.charts import loss_series, model_state_rows, render_chart  # noqa: E402
 from _hooks.diagrams import simulated_schedule  # noqa: E402
 from _hooks.index import recipe_groups, render_recipe_index  # noqa: E402
-from _hooks.mermaid import symmetric_collective  # noqa: E402
+from _hooks.mermaid import symmetric_collective, with_mermaid_script  # noqa: E402
 from _hooks.options import render_options  # noqa: E402
 from _hooks.page import fold_pitfalls, link_api, link_recipes, run_command_on_top  # noqa: E402
 from _hooks.results import PART_LABELS, render_bench, render_results, results_markdown  # noqa: E402
@@ -121,3 +122,6 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
             out.append(f'!!! failure "Generated content missing"\n    {escape(str(exc))}\n')
     return append_proofs("\n".join(out))
 
+
+def on_post_page(output: str, *, page: Any, config: Any) -> str:
+    return with_mermaid_script(output)

@@ -228,6 +228,23 @@ def test_the_api_reference_documents_every_module_with_stable_anchors(site):
     )
 
 
+def test_only_the_pages_with_a_diagram_load_mermaid(site):
+    """The vendored mermaid (2.7 MB) is loaded by each page that draws a diagram, from a path that
+    exists and before mermaid-fixes.js (which wraps it), and by no other page."""
+    with_diagram = 0
+    for page in built_pages(site):
+        html = (site / page / "index.html").read_text()
+        sources = re.findall(r'<script src="([^"]*mermaid-11\.17\.2\.min\.js)"', html)
+        if '<pre class="mermaid">' not in html:
+            assert not sources, f"{page or 'home'} loads mermaid without a diagram"
+            continue
+        with_diagram += 1
+        assert len(sources) == 1, f"{page or 'home'}: {sources}"
+        assert (site / page / sources[0]).resolve().is_file(), sources[0]
+        assert html.index(sources[0]) < html.index("assets/mermaid-fixes.js"), page
+    assert with_diagram >= 2
+
+
 def test_the_recipes_index_lists_every_recipe_with_its_command(site):
     text = page_text(site, "recipes")
     for name in recipe_modules():
