@@ -9,8 +9,8 @@ A page asks for generated content with a marker on a line of its own (outside co
   it. ``<!-- bench -->``: every GPU benchmark (_hooks/results.py).
 - ``<!-- chart: KIND -->``: a figure drawn at build time from results/ and from the code
   (_hooks/charts.py, _hooks/diagrams.py).
-- ``<!-- api: module -->``: a module's API reference from its docstrings and signatures;
-  ``<!-- api: package.* -->`` does it for every public module of the package (_hooks/api.py).
+- ``<!-- api: shared -->``, ``<!-- api: recipes -->``: the API reference of what a user copies,
+  rendered by mkdocstrings (_hooks/api.py names the modules).
 - ``<!-- recipe-index -->``: every recipe, grouped as in the navigation, with what it shows and its
   command (_hooks/index.py).
 - ``<!-- source: path.py::function -->``: a function's code (_hooks/source.py).
@@ -25,8 +25,8 @@ diagram, and only by them.
 A marker that names something missing is logged as a warning, so ``mkdocs build --strict`` fails on
 it (the page also shows a red box saying what is missing, for a non-strict ``mkdocs serve``).
 
-Registered in mkdocs.yml under ``hooks:``. The recipes are imported (the option tables and the API
-need the real classes), so building the docs needs torch installed, like running the recipes does.
+Registered in mkdocs.yml under ``hooks:``. The recipes are imported (the option tables need the
+real parsers), so building the docs needs torch installed, like running the recipes does.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _hooks import base  # noqa: E402
-from _hooks.api import render_api  # noqa: E402
+from _hooks.api import copyable_recipes, render_api  # noqa: E402
 from _hooks.base import FENCE, REPO_ROOT, MarkerError, escape, log  # noqa: E402
 from _hooks.charts import loss_series, model_state_rows, render_chart  # noqa: E402
 from _hooks.diagrams import simulated_schedule  # noqa: E402
@@ -55,9 +55,9 @@ from _hooks.results import PART_LABELS, render_bench, render_results, results_ma
 from _hooks.source import append_proofs, render_source  # noqa: E402
 
 # What the tests call through this module (tests/test_docs.py), besides the mkdocs events.
-__all__ = ["MarkerError", "PART_LABELS", "base", "loss_series", "model_state_rows",
-           "recipe_groups", "render_bench", "render_chart", "render_results", "results_markdown",
-           "simulated_schedule"]
+__all__ = ["MarkerError", "PART_LABELS", "base", "copyable_recipes", "loss_series",
+           "model_state_rows", "recipe_groups", "render_bench", "render_chart", "render_results",
+           "results_markdown", "simulated_schedule"]
 
 MARKER = re.compile(
     r"^(\s*)<!--\s*(options|results|api|recipe-index|bench|chart|source)"

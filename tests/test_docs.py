@@ -209,23 +209,42 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
     assert "Proven by" in text and "assert_losses_close(result.losses, reference.losses" in text
 
 
-def test_the_api_reference_documents_every_module_with_stable_anchors(site):
-    core = (site / "reference" / "core" / "index.html").read_text()
-    import recipes.core.spawn as spawn
-    import recipes.core.world as world
+def test_the_api_reference_documents_what_a_user_copies_with_stable_anchors(site):
+    """The reference documents the three shared modules and every copyable recipe (one that imports
+    nothing of recipes.core), each object under an anchor named after its import path; the harness
+    is left out."""
+    import recipes.dist_setup as dist_setup
+    import recipes.parallelize as parallelize
+    import recipes.toy as toy
 
-    for module in (world, spawn):
+    shared = (site / "reference" / "shared" / "index.html").read_text()
+    for module in (toy, dist_setup, parallelize):
+        assert f'id="{module.__name__}"' in shared, f"{module.__name__} missing"
         for name in module.__all__:
-            assert f'id="{module.__name__}.{name}"' in core, (
+            assert f'id="{module.__name__}.{name}"' in shared, (
                 f"{module.__name__}.{name} missing from the API reference"
             )
     reference = (site / "reference" / "recipes" / "index.html").read_text()
+    copyable = hooks().copyable_recipes()
+    assert {"ddp_torchrun", "data", "evaluation", "job", "preflight", "comm_bench",
+            "loss_compare"} <= set(copyable), copyable
+    imports_core = re.compile(r"^\s*(from recipes\.core\b|import recipes\.core\b|"
+                              r"from recipes import .*\bcore\b|from \.core\b)", re.M)
     for name in recipe_modules():
-        assert f'id="recipes.{name}"' in reference, f"recipes.{name} missing from the API reference"
+        source = (ROOT / "recipes" / f"{name}.py").read_text()
+        if name in copyable:
+            assert not imports_core.search(source), f"{name} imports recipes.core"
+            assert f'id="recipes.{name}"' in reference, f"recipes.{name} missing"
+        else:
+            assert f'id="recipes.{name}"' not in reference, f"harness recipe {name} documented"
+        if imports_core.search(source):
+            assert name not in copyable, name
     assert (
         'id="recipes.ddp_torchrun.train"' in reference
         and 'id="recipes.ddp_torchrun.DDPConfig"' in reference
     )
+    assert 'id="recipes.core' not in shared + reference
+    assert not (site / "reference" / "core").exists(), "the harness is not in the reference"
 
 
 def test_only_the_pages_with_a_diagram_load_mermaid(site):
@@ -635,7 +654,7 @@ def test_a_browser_shows_navigation_code_and_diagrams_offline(
             ".map(a => a.textContent.trim())",
         )
         assert {"Home", "From one GPU to many", "DDP under torchrun (ddp_torchrun)",
-                "Troubleshooting", "Contributing", "recipes.core"} <= set(nav), nav
+                "Troubleshooting", "Contributing", "Recipes you can copy"} <= set(nav), nav
         code = browser.evaluate(
             session, "[...document.querySelectorAll('.highlight code')].map(c => c.textContent)"
         )
