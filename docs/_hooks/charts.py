@@ -33,8 +33,11 @@ def model_state_rows() -> list[dict]:
     from recipes.memory_estimate import LAYOUTS, model_state_per_rank
 
     results = load_results()
+    # Sharding on more than one rank is the comparison: a one-process recipe (single_gpu, amp,
+    # data_parallel) holds all of it, as DDP's every rank does.
     measured = {
-        name: data for name, data in results.items() if result_extras(data).get("memory_per_rank")
+        name: data for name, data in results.items()
+        if result_extras(data).get("memory_per_rank") and data["result"]["world_size"] > 1
     }
     numel = sum(p.numel() for p in build_model("tiny", seed=0).parameters())
     rows = []

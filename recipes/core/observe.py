@@ -86,9 +86,9 @@ class Observer:
         self.param_checksum: float | None = None
         self.final_state: dict[str, torch.Tensor] | None = None
         self.output_dtype: torch.dtype | None = None
-        self.extras: dict[str, Any] = {}
+        self.extras: dict[str, Any] = {}  # what a subclass measures: added to the result's
         # the recipe's EXTRAS function, if it has one (prove sets it)
-        self.extras_fn: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None  # what a subclass measures: added to the result's extras
+        self.extras_fn: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None
         self.rank, self.world_size, self.backend = 0, 1, "gloo"
         self.device = torch.device("cpu")
         self._model: nn.Module | None = None
