@@ -4,84 +4,95 @@
     torchrun --standalone --nproc_per_node=8 -m recipes.hybrid_parallel --pp 2   # pp, dp, tp 2
     torchrun --standalone --nproc_per_node=4 -m recipes.hybrid_parallel --sequence-parallel
 
+Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/parallelize.py (``apply_tp_and_fsdp``
+with the ``apply_tp`` and ``apply_fully_shard`` it composes, ``transformer_lm_plan``,
+``rank_grid``).
+
 The world is one mesh; each parallelism takes one named dimension of it, from the outside in:
 
-- ``pp`` (3-D only, outermost): pipeline stages (recipes.pipeline_parallel), point-to-point between
-  stage neighbours: the least traffic, so it may cross the slowest links (between nodes);
-- ``dp``: ``fully_shard`` (``recipes.parallelize.apply_fully_shard``): each data-parallel rank
-  reads its own share of the batch, parameters are sharded across the dp ranks and all-gathered
-  per block;
-- ``tp`` (innermost: consecutive ranks, i.e. one node's NVLink): tensor parallel
-  (recipes.parallelize's ``apply_tp``), collectives inside every layer.
+- ``pp`` (3-D only, outermost): pipeline stages (torch.distributed.pipelining, as in
+  recipes/pipeline_parallel.py), point-to-point between stage neighbours: the least traffic, so
+  it may cross the slowest links (between nodes);
+- ``dp``: ``fully_shard``: each data-parallel rank reads its own share of the batch, parameters
+  are sharded across the dp ranks and all-gathered per block;
+- ``tp`` (innermost: consecutive ranks, i.e. one node's NVLink): tensor parallel, collectives
+  inside every layer.
 
-With 8 ranks as pp 2 x dp 2 x tp 2, rank 5 is stage 1, data shard 0, tensor slice 1. The rank layout
-is logged as a grid (recipes.process_groups explains how mesh dims map to process groups). The
-groups each piece uses are taken from the mesh: ``mesh["tp"]`` for TP, ``mesh["dp"]`` for
-fully_shard, ``mesh["pp"].get_group()`` for the pipeline's send/recv, ``mesh["dp"].get_group()`` for
-the loss average.
+With 8 ranks as pp 2 x dp 2 x tp 2, rank 5 is stage 1, data shard 0, tensor slice 1. Rank 0 prints
+the rank layout as a grid (recipes/process_groups.py explains how mesh dims map to process
+groups). The groups each piece uses are taken from the mesh: ``mesh["tp"]`` for TP, ``mesh["dp"]``
+for fully_shard, ``mesh["pp"].get_group()`` for the pipeline's send/recv,
+``mesh["dp"].get_group()`` for the loss average.
 
 Order matters: tensor parallel first, then fully_shard (it shards the TP DTensors again along dp,
 giving 2-D DTensors), then the optimizer; a pipeline stage is cut before both. Losses and weights
 equal single-process training (tests/test_hybrid_parallel.py). Runs on gloo/CPU (checked with torch
-2.13).
+2.13). ``train`` returns a ``HybridRun``: the global batch's loss of each step and the layout it
+ran on (the mesh's dims, its rank grid, this rank's group along each dim).
+
+Length: about 330 lines, over the cookbook's ~300: the pipeline variant cuts, wraps and steps its
+stage here (``cut_stage``, ``build_pipeline``, ``pipeline_step``: 60 lines), so that the file copies
+with nothing but the files named above.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
+import os
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes import pipeline_parallel as pp_recipe
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.memory import model_state_bytes
-from recipes.core.pipeline import TRANSFORMER_LM, even_split, full_state_of_stages
-from recipes.core.result import RecipeResult, StepTimer, make_result, param_checksum
-from recipes.core.state import full_state_on_rank0
-from recipes.core.speed import make_adamw, mixed_precision_policy, setup_precision
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    Block,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import join_world
-from recipes.parallelize import (apply_tp_and_fsdp, check_tp_fits,  # noqa: F401 (re-exported)
-                                 matching_modules, transformer_lm_plan)
-from recipes.process_groups import rank_grid
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.parallelize import (apply_tp_and_fsdp, check_tp_fits, matching_modules, rank_grid,
+                                 transformer_lm_plan)
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
-log = get_logger(__name__)
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per pipeline rank
 
 
 @dataclass
-class HybridConfig(TrainConfig):
-    tp: int = opt(2, "tensor-parallel size (innermost mesh dim)", ge=1)
-    pp: int = opt(
-        1, "pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh", ge=1)
-    sequence_parallel: bool = opt(
-        False, "tensor parallel with the sequence split between blocks (see tensor_parallel)")
-    schedule: Literal["gpipe", "1f1b"] = opt("1f1b", "pipeline schedule when pp > 1")
-    microbatches: int = opt(2, "pipeline micro-batches per optimizer step, per data-parallel rank "
-                               "(pp > 1)", ge=1)
+class HybridConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per step, split over the dp ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any layout
+    precision: str = "auto"  # auto: bf16 on a GPU (fully_shard's policy), fp32 on CPU
+    tp: int = 2  # tensor-parallel size: the innermost mesh dim
+    pp: int = 1  # pipeline stages, one per pp rank (outermost dim); 1: the 2-D dp x tp mesh
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # the pipeline schedule when pp > 1
+    microbatches: int = 2  # pipeline micro-batches per step, per dp rank (pp > 1)
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
+
+
+@dataclass
+class HybridRun:
+    losses: list[float]  # the global batch's loss of each step, the same on every rank
+    mesh_dim_names: list[str]
+    mesh_shape: list[int]
+    rank_grid: list  # the global ranks laid out on the mesh (nested lists)
+    groups_of_this_rank: dict[str, list[int]]  # dim -> the ranks of this rank's group along it
 
 
 def build_mesh(world, *, pp: int, tp: int) -> DeviceMesh:
     """("dp", "tp"), or ("pp", "dp", "tp") when pp > 1; dp is what is left of the world."""
     if world.world_size % (pp * tp):
-        raise RecipeError(f"pp={pp} x tp={tp} does not divide the world size {world.world_size}; "
-                          f"run on a multiple of {pp * tp} ranks")
+        raise ValueError(f"pp={pp} x tp={tp} does not divide the world size {world.world_size}; "
+                         f"run on a multiple of {pp * tp} ranks")
     dp = world.world_size // (pp * tp)
     if pp == 1:
         return init_device_mesh(world.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -93,106 +104,236 @@ def plan_for_stage(stage: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[
     return {key: style for key, style in plan.items() if matching_modules(stage, key)}
 
 
+# --8<-- [start:pipeline]
+def cut_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """Keep this stage's part of the model, in place: an even share of the blocks (earlier stages
+    take the rest), the embeddings on the first stage, the final norm and the head on the last.
+    The model's forward skips what is None, and the names stay the model's (torchtitan cuts so)."""
+    names = list(model.layers.keys())
+    base, extra = divmod(len(names), num_stages)
+    start = stage * base + min(stage, extra)
+    for name in names[:start] + names[start + base + (stage < extra):]:
+        del model.layers[name]
+    if stage > 0:
+        model.tok_embeddings = model.pos_embeddings = None
+    if stage < num_stages - 1:
+        model.norm = model.output = None
+    return model
+
+
+def build_pipeline(model: nn.Module, mesh: DeviceMesh, *, plan: Mapping[str, ParallelStyle],
+                   schedule: str, microbatches: int, device: torch.device,
+                   mp_policy: MixedPrecisionPolicy | None = None):
+    """(this pp rank's PipelineStage, its schedule): cut, then TP x fully_shard on the stage's own
+    dp x tp sub-mesh. send/recv run on mesh["pp"]: the ranks with the same dp and tp coordinates."""
+    stage_index, num_stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    module = cut_stage(model, stage_index, num_stages).to(device)
+    module = apply_tp_and_fsdp(module, mesh, plan=plan_for_stage(module, plan),
+                               block_types=(Block,), in_pipeline=True, mp_policy=mp_policy)
+    stage = PipelineStage(module, stage_index, num_stages, device, group=mesh["pp"].get_group())
+    # The loss per micro-batch on the last stage; scale_grads (the default) divides the summed
+    # gradients by the micro-batch count: the whole batch's gradient.
+    return stage, SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=lm_loss)
+
+
+def pipeline_step(schedule, stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tensor,
+                  *, loss_holders: int) -> float:
+    """One forward/backward over every micro-batch; the batch's mean loss on EVERY rank: the last
+    stage's ranks hold their dp share's loss, a SUM over the world (the others add 0) divided by
+    ``loss_holders`` (dp x tp ranks hold a last stage) shares it."""
+    # Pitfall: a stage checks each micro-batch's strides against the ones it expects: a
+    # non-contiguous batch (tokens[:, :-1]) fails with a stride mismatch.
+    inputs, targets = inputs.contiguous(), targets.contiguous()
+    microbatch_losses: list[torch.Tensor] = []
+    if stage.is_first:
+        schedule.step(inputs)
+    elif stage.is_last:
+        schedule.step(target=targets, losses=microbatch_losses)
+    else:
+        schedule.step()
+    loss = (torch.stack(microbatch_losses).mean().detach() if stage.is_last
+            else torch.zeros((), device=inputs.device)).reshape(1).float().clone()
+    dist.all_reduce(loss)
+    return float(loss.item()) / loss_holders
+# --8<-- [end:pipeline]
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """auto -> bf16 on a GPU that has it, else fp32. Sets the fp32 matmul mode on CUDA: TF32 for
+    ``tf32`` only (a process-wide switch: set on every run, never inherited from an earlier one)."""
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if requested == "tf32" and not on_cuda:
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            requested == "tf32")
+    return requested
+
+
 # --8<-- [start:train]
-def train(cfg: HybridConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+def train(cfg: HybridConfig, observer=None) -> HybridRun:
+    """Train on this process's rank: TP x fully_shard (x pipeline) on one mesh (see the module)."""
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
+    try:
+        device, model_cfg = world.device, MODEL_PRESETS[cfg.model]
         mesh = build_mesh(world, pp=cfg.pp, tp=cfg.tp)
-        precision = setup_precision(cfg.precision, world.device)
-        # bf16/fp16: fully_shard's own policy (low-precision compute, fp32 reduction), no autocast.
-        mp_policy = mixed_precision_policy(precision)
-        model_cfg = MODEL_PRESETS[cfg.model]
+        dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        # Every dimension the plan splits must divide by the tensor-parallel size.
         check_tp_fits(cfg.tp, n_heads=model_cfg.n_heads,
                       mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
                       vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
-        plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
-        dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         microbatches = cfg.microbatches if cfg.pp > 1 else 1
-        per_dp_rank_batch = microbatches * per_rank_batch_size(cfg.global_batch_size, dp_size,
-                                                               microbatches)
-        log.info("%s", rank_grid(mesh))
+        if cfg.global_batch_size % (dp_size * microbatches):
+            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide into "
+                             f"{dp_size} dp ranks x {microbatches} micro-batches; use a multiple "
+                             f"of {dp_size * microbatches}")
+        if cfg.pp > 1 and model_cfg.n_layers < cfg.pp:
+            raise ValueError(f"{model_cfg.n_layers} blocks cannot fill {cfg.pp} pipeline stages; "
+                             f"use --pp {model_cfg.n_layers} or fewer, or a bigger --model")
+        if cfg.pp > 1 and cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
+            raise ValueError(f"1f1b needs at least one micro-batch per stage: microbatches="
+                             f"{cfg.microbatches} < {cfg.pp} stages; use --microbatches {cfg.pp}")
+        per_dp_rank_batch = cfg.global_batch_size // dp_size
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            resolve_precision(cfg.precision, device))
+        # bf16/fp16: fully_shard's own policy (low-precision compute, fp32 reduction), no autocast.
+        mp_policy = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+                     if low else None)
+        plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
         groups = {dim: dist.get_process_group_ranks(mesh[dim].get_group())
                   for dim in mesh.mesh_dim_names}
+        if world.is_main:
+            print(rank_grid(mesh), flush=True)
 
-        if cfg.pp == 1:
-            model = build_model(cfg.model, seed=cfg.seed, device=world.device)
-            params_unsplit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            apply_tp_and_fsdp(model, mesh, plan=plan, block_types=(Block,), mp_policy=mp_policy)
-            modules = [model]
+        # Same seed everywhere: each rank builds the whole model, then keeps its part of it.
+        model = build_model(cfg.model, seed=cfg.seed, device=device if cfg.pp == 1 else "cpu")
+        if cfg.pp == 1:  # tensor parallel over mesh["tp"], then fully_shard over mesh["dp"]
+            model = apply_tp_and_fsdp(model, mesh, plan=plan, block_types=(Block,),
+                                      mp_policy=mp_policy)
         else:
-            pp_recipe.check_pipeline_fits(schedule=cfg.schedule, pp_size=cfg.pp,
-                                          n_layers=model_cfg.n_layers,
-                                          microbatches=cfg.microbatches,
-                                          batch_size=per_dp_rank_batch)
-            params_unsplit_bytes = sum(p.numel() * p.element_size()
-                                       for p in build_model(model_cfg).parameters())
-            stage_ids, num_stages = pp_recipe.stage_placement(
-                cfg.schedule, mesh["pp"].get_local_rank(), cfg.pp)
-            # Each pp rank cuts its stage, then splits it over its tp x dp sub-mesh; send/recv
-            # between stages run on the pp group: the ranks with the same dp and tp coordinates.
-            model = build_model(model_cfg, seed=cfg.seed)
-            stages = pp_recipe.manual_stages(
-                model, even_split(model, TRANSFORMER_LM, num_stages), stage_ids, num_stages,
-                wiring=TRANSFORMER_LM, device=world.device, group=mesh["pp"].get_group(),
-                parallelize=lambda m: apply_tp_and_fsdp(
-                    m, mesh, plan=plan_for_stage(m, plan), block_types=(Block,), in_pipeline=True,
-                    mp_policy=mp_policy))
-            schedule = pp_recipe.build_schedule(cfg.schedule, stages, cfg.microbatches)
-            modules = [stage.submod for stage in stages]
-        optimizer = make_adamw(
-            [p for m in modules for p in m.parameters()], lr=cfg.lr, device=world.device
-        )
+            stage, schedule = build_pipeline(model, mesh, plan=plan, schedule=cfg.schedule,
+                                             microbatches=cfg.microbatches, device=device,
+                                             mp_policy=mp_policy)
+            model = stage.submod
+        # After the split: AdamW's state is made like the parameters, as 2-D DTensor shards.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                      fused=True if device.type == "cuda" else None)
+        if observer: observer.model_ready(model, optimizer)
 
         # Data: one share per dp coordinate. Ranks that differ only in tp (or pp) read the same
-        # samples.
+        # samples: a sampler over the WHOLE world would give each TP rank a different batch.
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(dataset, rank=dp_rank, world_size=dp_size,
-                                             per_rank_batch_size=per_dp_rank_batch, seed=cfg.seed)
-        dp_group = mesh["dp"].get_group()
+        sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_dp_rank_batch, sampler=sampler,
+                            drop_last=True, pin_memory=device.type == "cuda")
 
-        losses, timer = [], StepTimer(world.device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer, warnings.catch_warnings():
-                # fully_shard warns when a module returns a view: here it is TP's local view of the
-                # all-gathered activations, and nothing modifies it in place.
-                warnings.filterwarnings("ignore",
-                                        message=r"FSDP2-wrapped module .* returned a view")
-                inputs, targets = inputs.to(world.device), targets.to(world.device)
+        losses, step, epoch = [], 0, 0
+        while step < cfg.steps:
+            sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first's order
+            for inputs, targets in loader:
+                if step == cfg.steps:
+                    break
+                inputs, targets = inputs.to(device), targets.to(device)
                 optimizer.zero_grad(set_to_none=True)
-                if cfg.pp == 1:
-                    loss = lm_loss(model(inputs), targets)
-                    # fully_shard reduce-scatters (averages) gradients over mesh["dp"].
-                    loss.backward()
-                    loss = loss.detach().reshape(1).clone()
-                    dist.all_reduce(loss, group=dp_group)  # the global batch's loss: mean over dp
-                    loss = float(loss.item()) / dp_size
-                else:
-                    # Every dp x tp rank of the last stage holds its dp share's loss: sum / (dp *
-                    # tp).
-                    loss = pp_recipe.pipeline_step(schedule, stages, inputs, targets,
-                                                   loss_holders=dp_size * cfg.tp)
+                with warnings.catch_warnings():
+                    # fully_shard warns when a module returns a view: here TP's local view of
+                    # the all-gathered activations, which nothing modifies in place.
+                    warnings.filterwarnings("ignore",
+                                            message=r"FSDP2-wrapped module .* returned a view")
+                    if cfg.pp == 1:
+                        loss = lm_loss(model(inputs), targets)
+                        loss.backward()  # fully_shard reduce-scatters (averages) over mesh["dp"]
+                        loss = loss.detach().reshape(1).clone()
+                        dist.all_reduce(loss, group=mesh["dp"].get_group())  # mean over dp
+                        loss = float(loss.item()) / dp_size
+                    else:
+                        loss = pipeline_step(schedule, stage, inputs, targets,
+                                             loss_holders=dp_size * cfg.tp)
                 optimizer.step()
-                if step == 0:
-                    state_bytes = [model_state_bytes(m, optimizer)["param_bytes"] for m in modules]
-            losses.append(loss)
-            log.info("step %d loss %.4f time %.1f ms", step, loss, timer.durations[-1] * 1e3)
-
-        if cfg.pp == 1:
-            state, checksum = full_state_on_rank0(model)  # all-gathers over dp and tp
-        else:
-            state = full_state_of_stages([s.submod for s in stages], stage_ids)
-            checksum = param_checksum(state.values())
-        return make_result(
-            "hybrid_parallel", world, losses, checksum, timer,
-            keep_final_state=state if cfg.keep_final_state and world.is_main else None,
-            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            mesh_shape=list(mesh.mesh.shape), mesh_dim_names=list(mesh.mesh_dim_names),
-            rank_grid=mesh.mesh.tolist(),
-            groups_of_this_rank=groups, sequence_parallel=cfg.sequence_parallel,
-            param_bytes_per_rank=sum(state_bytes), param_bytes_unsplit=params_unsplit_bytes,
-            param_fraction_per_rank=sum(state_bytes) / params_unsplit_bytes,
-        )
+                losses.append(loss)
+                if world.is_main:
+                    print(f"step {step} loss {loss:.4f}", flush=True)
+                if observer: observer.step_end(step, loss)
+                step += 1
+            epoch += 1
+        return HybridRun(losses, list(mesh.mesh_dim_names), list(mesh.mesh.shape),
+                         mesh.mesh.tolist(), groups)
+    finally:
+        cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
 # --8<-- [end:train]
 
 
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = HybridConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.hybrid_parallel", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, split over the data-parallel ranks")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any layout")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
+        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: fully_shard's MixedPrecisionPolicy")
+    add("--tp", type=_number(int, at_least=1), default=defaults.tp,
+        help="tensor-parallel size (innermost mesh dim)")
+    add("--pp", type=_number(int, at_least=1), default=defaults.pp,
+        help="pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh")
+    add("--sequence-parallel", action=argparse.BooleanOptionalAction,
+        default=defaults.sequence_parallel,
+        help="tensor parallel with the sequence split between blocks (see tensor_parallel)")
+    add("--schedule", choices=sorted(SCHEDULES), default=defaults.schedule,
+        help="pipeline schedule when pp > 1")
+    add("--microbatches", type=_number(int, at_least=1), default=defaults.microbatches,
+        help="pipeline micro-batches per optimizer step, per data-parallel rank (pp > 1)")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = HybridConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input every rank sees (a layout that does not divide)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, HybridConfig, __doc__)
+    main()

@@ -14,7 +14,7 @@ Order, as torchtitan's ``parallelize`` composes them: ``apply_tp`` (it splits th
 
 The recipes show each in use: activation_checkpointing, performance (compile), fsdp2, fsdp,
 tensor_parallel and hybrid_parallel; the complete job (recipes/job.py) composes them by
-configuration.
+configuration. ``rank_grid`` prints a mesh's rank map, for the log of any layout on a mesh.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ __all__ = [
     "TPPlanError", "apply_tp", "check_tp_plan", "check_heads_divide", "check_tp_fits",
     "matching_modules",
     "transformer_lm_plan", "llama_plan", "ReplicateParallel",
-    "apply_tp_and_fsdp",
+    "apply_tp_and_fsdp", "rank_grid",
 ]
 
 
@@ -620,3 +620,27 @@ def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, plan: Mapping[str,
         mp_policy=mp_policy,
     )
 # --8<-- [end:apply_tp_and_fsdp]
+
+
+# --8<-- [start:rank_grid]
+def rank_grid(mesh: DeviceMesh) -> str:
+    """The mesh as tables of global ranks, to log where each parallelism's groups lie (shared by
+    process_groups and hybrid_parallel): rows = second-to-last dim, columns = last dim, one table
+    per coordinate of the dims before them (e.g. one per pipeline stage of a pp x dp x tp mesh)."""
+    names = list(mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)])
+    ranks = mesh.mesh if mesh.ndim >= 2 else mesh.mesh.reshape(1, -1)
+    if mesh.ndim == 1:
+        names.insert(0, "")
+    width = max(len(f"{names[-1]}={ranks.shape[-1] - 1}"), len(str(int(ranks.max())))) + 2
+    lines = [f"mesh {' x '.join(n for n in names if n)} = {' x '.join(map(str, mesh.mesh.shape))}"]
+    for outer in itertools.product(*(range(n) for n in ranks.shape[:-2])):
+        if outer:
+            lines.append(", ".join(f"{name}={i}" for name, i in zip(names, outer)) + ":")
+        lines.append(
+            " " * 8 + "".join(f"{names[-1]}={c}".rjust(width) for c in range(ranks.shape[-1]))
+        )
+        for r, row in enumerate(ranks[outer]):
+            label = f"{names[-2]}={r}" if names[-2] else ""
+            lines.append(f"  {label:<6}" + "".join(str(int(rank)).rjust(width) for rank in row))
+    return "\n".join(lines)
+# --8<-- [end:rank_grid]

@@ -76,6 +76,8 @@ RUNS = {
     # gloo and fp32 on a GPU host too, as for ddp_torchrun
     "fsdp2": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "preflight": ("torchrun", ["--timeout-s", "60"]),
+    "process_groups": ("torchrun", []),
+    "hybrid_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
     "single_gpu": ("python", ["--precision", "fp32"]),
@@ -305,10 +307,27 @@ def check_zero(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
+def check_process_groups(stdout: str) -> None:
+    # 2 ranks: a 1 x 2 mesh, one row; each rank's mesh groups are its hand-built row and column
+    assert "mesh dp x tp = 1 x 2" in stdout and "tp groups (rows): [0, 1]" in stdout, stdout
+    report = _last_json(stdout)
+    assert report["rank_grid"] == [[0, 1]] and report["world_size"] == 2, report
+    assert [g["tp"]["ranks"] for g in report["groups_per_rank"]] == [[0, 1], [0, 1]], report
+    assert [g["dp"]["ranks"] for g in report["groups_per_rank"]] == [[0], [1]], report
+    assert [g["tp"]["all_reduce_sum"] for g in report["groups_per_rank"]] == [3.0, 3.0], report
+
+def check_hybrid_parallel(stdout: str) -> None:
+    # 2 ranks as dp 1 x tp 2 (TP, then fully_shard over a dp of one): one process's losses
+    assert "mesh dp x tp = 1 x 2" in stdout, stdout
+    losses = printed_losses(stdout)
+    assert len(losses) == 3, stdout
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+
 
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
           "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
-          "zero": check_zero}
+          "zero": check_zero, "process_groups": check_process_groups,
+          "hybrid_parallel": check_hybrid_parallel}

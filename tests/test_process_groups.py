@@ -1,10 +1,12 @@
 """process_groups: a DeviceMesh's dimensions are the row and column groups new_group builds by hand."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from recipes import process_groups
-from recipes.core.config import RecipeError
+from recipes.parallelize import rank_grid
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from tests.helpers import BACKENDS, last_json, require_world, run_cli
@@ -34,21 +36,21 @@ def test_mesh_groups_equal_the_groups_built_by_hand(backend):
     results = spawn_world(groups_world, 4, configs, backend, deadline_s=180)
     for cfg, result in zip(configs, results):
         dp = 4 // cfg.tp
-        extras = result.extras
-        assert extras["mesh_shape"] == [dp, cfg.tp]
-        assert extras["rank_grid"] == torch.arange(4).reshape(dp, cfg.tp).tolist()
+        report = dataclasses.asdict(result)  # the GroupsReport run returns
+        assert report["mesh_shape"] == [dp, cfg.tp]
+        assert report["rank_grid"] == torch.arange(4).reshape(dp, cfg.tp).tolist()
         # Every rank's mesh["tp"] / mesh["dp"] group holds the ranks of its hand-built row / column, and an
         # all-reduce over either sums rank+1 over exactly those ranks (the recipe raises on any mismatch).
-        assert extras["groups_per_rank"] == expected_groups(dp, cfg.tp)
-        assert extras["tp_groups"] == [[d * cfg.tp + t for t in range(cfg.tp)] for d in range(dp)]
-        assert extras["dp_groups"] == [[d * cfg.tp + t for d in range(dp)] for t in range(cfg.tp)]
+        assert report["groups_per_rank"] == expected_groups(dp, cfg.tp)
+        assert report["tp_groups"] == [[d * cfg.tp + t for t in range(cfg.tp)] for d in range(dp)]
+        assert report["dp_groups"] == [[d * cfg.tp + t for d in range(dp)] for t in range(cfg.tp)]
 
 
 def test_the_rank_grid_of_a_3d_mesh_has_one_table_per_outer_coordinate():
     class Mesh:  # rank_grid reads only these three attributes of a DeviceMesh
         mesh, ndim, mesh_dim_names = torch.arange(8).reshape(2, 2, 2), 3, ("pp", "dp", "tp")
 
-    assert process_groups.rank_grid(Mesh()).splitlines() == [
+    assert rank_grid(Mesh()).splitlines() == [
         "mesh pp x dp x tp = 2 x 2 x 2",
         "pp=0:", "          tp=0  tp=1", "  dp=0       0     1", "  dp=1       2     3",
         "pp=1:", "          tp=0  tp=1", "  dp=0       4     5", "  dp=1       6     7",
@@ -56,7 +58,7 @@ def test_the_rank_grid_of_a_3d_mesh_has_one_table_per_outer_coordinate():
 
 
 def test_tp_that_does_not_divide_the_world_is_rejected():
-    with pytest.raises(RecipeError, match=r"tp=3 does not divide the world size 4; use --tp 1, 2, 4"):
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the world size 4; use --tp 1, 2, 4"):
         process_groups.mesh_shape(4, 3)
 
 
@@ -70,5 +72,5 @@ def test_torchrun_launch_prints_the_rank_map():
     assert launched.returncode == 0, launched.stderr[-2000:]
     assert "mesh dp x tp = 1 x 2" in launched.stdout and "tp groups (rows): [0, 1]" in launched.stdout
     result = last_json(launched.stdout)
-    assert result["extras"]["groups_per_rank"] == expected_groups(1, 2)
+    assert result["groups_per_rank"] == expected_groups(1, 2)
     assert "[rank1]" not in launched.stdout

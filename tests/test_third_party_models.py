@@ -202,9 +202,9 @@ def test_readme_usage_block_runs(tmp_path):
 
 # --8<-- [start:llama_2d]
 def llama_on_a_2d_mesh() -> tuple[list[float], dict]:
-    """A world of 4 as dp 2 x tp 2: the tiny Llama under hybrid_parallel.apply_tp_and_fsdp, told
+    """A world of 4 as dp 2 x tp 2: the tiny Llama under parallelize.apply_tp_and_fsdp, told
     its plan and its block class."""
-    from recipes.hybrid_parallel import apply_tp_and_fsdp
+    from recipes.parallelize import apply_tp_and_fsdp
 
     with join_world("gloo", timeout_s=120) as world:
         mesh = init_device_mesh(world.device.type, (2, 2), mesh_dim_names=("dp", "tp"))

@@ -39,17 +39,18 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
 from recipes.core.memory import measure_last_forward, model_state_bytes
 from recipes.core.result import RecipeResult, param_checksum, peak_memory_bytes
 from recipes.core.state import all_ranks, full_state_on_cpu, full_state_on_rank0
 from recipes.core.throughput import Workload
-from recipes.core.workload import MODEL_PRESETS, Block
+from recipes.core.workload import MODEL_PRESETS, Block, TransformerLM
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "OBSERVERS",
-           "prove"]
+__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "HybridObserver",
+           "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -122,19 +123,23 @@ class Observer:
             held = model_state_bytes(self._model, self._optimizer)
             self.memory_per_rank = all_ranks(held) if dist.is_initialized() else [held]
         if step == self.steps - 1:  # the last step: the recipe's group still exists
-            if any(isinstance(p, DTensor) for p in self._model.parameters()):
-                # sharded: gathered whole to rank 0 (a collective), its checksum sent to all
-                state, self.param_checksum = full_state_on_rank0(self._model)
-                if self.keep_final_state and self.rank == 0:
-                    self.final_state = state
-            else:
-                self.param_checksum = param_checksum(self._model.parameters())
-                if self.keep_final_state:
-                    self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
+            self.gather_final_state()
             if self.extras_fn is not None:
                 self.extras.update(self.extras_fn(self._model, self._optimizer))
             self.close()
             self._model = self._optimizer = None  # the recipe's teardown frees them
+
+    def gather_final_state(self) -> None:
+        """The parameters' checksum and (if asked) the full state, at the last step."""
+        if any(isinstance(p, DTensor) for p in self._model.parameters()):
+            # sharded: gathered whole to rank 0 (a collective), its checksum sent to all
+            state, self.param_checksum = full_state_on_rank0(self._model)
+            if self.keep_final_state and self.rank == 0:
+                self.final_state = state
+        else:
+            self.param_checksum = param_checksum(self._model.parameters())
+            if self.keep_final_state:
+                self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
 
     def close(self) -> None:
         """Take off what the observer put on (``prove`` calls it however the run ends)."""
@@ -367,7 +372,75 @@ class TensorParallelObserver(Observer):
             isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
 
 
+class HybridObserver(Observer):
+    """recipes/hybrid_parallel.py: the split, measured on the model (or pipeline stage) it trains
+    (into ``extras``).
+
+    ``param_bytes_per_rank`` (this rank's, after the first step), ``param_bytes_unsplit`` (the
+    whole model's) and their fraction; ``sequence_parallel``: a LayerNorm ran on sequence shards
+    (its input a Shard(1) DTensor). With a pipeline (``cfg.pp`` > 1) each rank holds one stage:
+    the final state is every stage's, gathered from the ranks that hold them, in model order
+    (pp is the outermost mesh dim, so rank order is stage order).
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.pipelined = cfg.pp > 1
+        with torch.device("meta"):  # the sizes only
+            whole = TransformerLM(MODEL_PRESETS[cfg.model])
+        self.extras.update({"sequence_parallel": False, "param_bytes_unsplit": sum(
+            p.numel() * p.element_size() for p in whole.parameters())})
+        self._norm_hooks: list[Any] = []
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        # Registered after TP's own input hooks: these see the inputs as the split made them.
+        self._norm_hooks = [m.register_forward_pre_hook(self._record_norm_input)
+                            for m in model.modules() if isinstance(m, nn.LayerNorm)]
+
+    def _record_norm_input(self, module: nn.Module, args: Any) -> None:
+        if isinstance(args[0], DTensor) and any(isinstance(p, Shard) and p.dim == 1
+                                                for p in args[0].placements):
+            self.extras["sequence_parallel"] = True
+
+    def measure(self, step: int) -> None:
+        if step == 0:
+            self.close_norm_hooks()  # the first step's forwards showed all there is to see
+        super().measure(step)
+        if step == 0:  # memory_per_rank: measured by the step above
+            held = self.memory_per_rank[self.rank]["param_bytes"]
+            self.extras.update({
+                "param_bytes_per_rank": held,
+                "param_fraction_per_rank": held / self.extras["param_bytes_unsplit"]})
+
+    def gather_final_state(self) -> None:
+        if not self.pipelined:
+            return super().gather_final_state()
+        # Each stage's full state (TP x FSDP all-gathered inside it), then every rank's: a
+        # collective of the world. Not cpu_offload: rank 0 does not hold every stage.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        local = {name: t.detach().cpu().clone()
+                 for name, t in get_model_state_dict(self._model, options=options).items()}
+        state: dict[str, torch.Tensor] = {}
+        for piece in all_ranks(local):  # a stage's dp x tp ranks hold the same state
+            for name, tensor in piece.items():
+                state.setdefault(name, tensor)
+        self.param_checksum = param_checksum(state.values())
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+
+    def close_norm_hooks(self) -> None:
+        for hook in self._norm_hooks:
+            hook.remove()
+        self._norm_hooks = []
+
+    def close(self) -> None:
+        self.close_norm_hooks()
+        super().close()
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver,
-                                                 "tensor_parallel": TensorParallelObserver}
+                                                 "tensor_parallel": TensorParallelObserver,
+                                                 "hybrid_parallel": HybridObserver}
