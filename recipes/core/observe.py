@@ -20,7 +20,9 @@ What one recipe needs beyond that is measured by an ``Observer`` subclass regist
 name in ``OBSERVERS`` (fsdp2: ``ShardedObserver``), or, where it is read off the model and the
 optimizer at the last step, by a function in ``EXTRAS`` (zero: each rank's optimizer partition);
 what they measure lands in ``extras``, which ``prove`` adds to the result's. A test that injects a
-fault passes its own subclass to ``prove``: the recipe has no option for it.
+fault passes its own subclass to ``prove``: the recipe has no option for it. A recipe that starts
+its own processes (ddp_spawn: ``mp.spawn``) hands the observer to them; ``SpawnedObserver`` sends
+rank 0's measurements back to the caller's copy.
 
 A recipe that trains without a process group (single_gpu, amp, data_parallel: one process) is
 measured as a world of 1 with backend ``none``. A recipe whose idea needs more than its losses
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
 import statistics
 import time
 from typing import Any, Callable, Iterator
@@ -48,8 +51,8 @@ from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "OBSERVERS",
-           "prove"]
+__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "SpawnedObserver",
+           "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -367,7 +370,43 @@ class TensorParallelObserver(Observer):
             isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
 
 
+class SpawnedObserver(Observer):
+    """An Observer that can travel into the processes a recipe starts itself (ddp_spawn hands it
+    to ``mp.spawn``, which pickles a copy into every child).
+
+    Rank 0's copy sends what it measured at the last step back through a queue made here (from
+    the "spawn" context: it travels with the copy), and the caller's own copy takes it in
+    ``close``, which ``prove`` calls once the recipe's function has returned. Where the recipe's
+    per-rank function runs in the caller's world instead (tests), it is a plain Observer. The
+    final state does not travel: the parent reads the queue only after the children exit, and a
+    message larger than the pipe's buffer would block rank 0 forever.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self._queue = multiprocessing.get_context("spawn").SimpleQueue()
+        self._in_child = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_in_child": True}  # only ever pickled to go to a child
+
+    def measure(self, step: int) -> None:
+        super().measure(step)
+        if self._in_child and step == self.steps - 1 and self.rank == 0:
+            self._queue.put({key: getattr(self, key) for key in _TRAVELS})
+
+    def close(self) -> None:
+        super().close()
+        if not self._in_child and not self._queue.empty():
+            self.__dict__.update(self._queue.get())
+
+
+_TRAVELS = ("durations", "memory_per_rank", "param_checksum", "output_dtype", "extras", "rank",
+            "world_size", "backend", "device")
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver,
-                                                 "tensor_parallel": TensorParallelObserver}
+                                                 "tensor_parallel": TensorParallelObserver,
+                                                 "ddp_spawn": SpawnedObserver}
