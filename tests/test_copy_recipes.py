@@ -80,6 +80,8 @@ RUNS = {
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
     "single_gpu": ("python", ["--precision", "fp32"]),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun: the ring over 2 CPU ranks
+    "context_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     # the recipe starts its own 2 processes (mp.spawn): a plain python run
     "ddp_spawn": ("python", ["--nprocs", "2", "--steps", "3"]),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
@@ -321,9 +323,20 @@ def check_ddp_spawn(stdout: str) -> None:
     assert state["step"] == 3 and not any(key.startswith("module.") for key in state["model"])
 
 
+def check_context_parallel(stdout: str) -> None:
+    # each sequence split over the 2 ranks (load-balanced), ring attention: the package's own
+    # 2-rank losses (results/context_parallel.json), one line per step from rank 0
+    assert ("context parallel (ring) over 2 rank(s): 8 of 16 positions each, load_balance=True"
+            in stdout), stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("context_parallel")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
           "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
-          "zero": check_zero, "ddp_spawn": check_ddp_spawn}
+          "zero": check_zero, "ddp_spawn": check_ddp_spawn,
+          "context_parallel": check_context_parallel}

@@ -51,8 +51,8 @@ from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "SpawnedObserver",
-           "OBSERVERS", "prove"]
+__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver",
+           "ContextParallelObserver", "SpawnedObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -370,6 +370,49 @@ class TensorParallelObserver(Observer):
             isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
 
 
+class ContextParallelObserver(Observer):
+    """recipes/context_parallel.py: the split, measured on the model's input (into ``extras``).
+
+    ``positions_per_rank``: how many positions of each sequence this rank's model received;
+    ``score_entries_per_rank``: the query-key scores each rank computes per head under a causal
+    mask, from the positions every rank's model received (its work: equal under load balancing);
+    ``cp_size``: the ranks the sequence is split over (the world); ``impl`` and ``load_balance``:
+    as configured.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras.update(impl=cfg.impl, load_balance=cfg.load_balance)
+        self._positions: torch.Tensor | None = None
+        self._pre_hook: Any = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self._pre_hook = model.register_forward_pre_hook(self._record_positions, with_kwargs=True)
+
+    def _record_positions(self, module: nn.Module, args: Any, kwargs: dict) -> None:
+        positions = kwargs.get("positions")
+        if positions is None:  # the model's default: 0..seq-1 of what it received
+            positions = torch.arange(args[0].shape[1])
+        self._positions = positions.reshape(-1, positions.shape[-1])[0].detach().cpu()
+
+    def measure(self, step: int) -> None:
+        if step == self.steps - 1:  # a collective: every rank's positions, in rank order
+            layout = all_ranks(self._positions)
+            self.extras.update(
+                cp_size=self.world_size, positions_per_rank=len(self._positions),
+                score_entries_per_rank=[
+                    sum(int((queries[:, None] >= keys[None, :]).sum()) for keys in layout)
+                    for queries in layout])
+        super().measure(step)
+
+    def close(self) -> None:
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        super().close()
+
+
 class SpawnedObserver(Observer):
     """An Observer that can travel into the processes a recipe starts itself (ddp_spawn hands it
     to ``mp.spawn``, which pickles a copy into every child).
@@ -409,4 +452,5 @@ _TRAVELS = ("durations", "memory_per_rank", "param_checksum", "output_dtype", "e
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver,
                                                  "tensor_parallel": TensorParallelObserver,
-                                                 "ddp_spawn": SpawnedObserver}
+                                                 "ddp_spawn": SpawnedObserver,
+                                                 "context_parallel": ContextParallelObserver}
