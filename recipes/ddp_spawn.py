@@ -29,7 +29,7 @@ The checkpoint: rank 0 saves, a barrier, every rank loads it with ``weights_only
 ``map_location``. tests/test_ddp_spawn.py asserts that every option trains like one process and
 that every rank holds exactly the saved weights afterwards.
 
-Length: about 315 lines, over the cookbook's ~300: the parent's side (checks, the rendezvous,
+Length: about 335 lines, over the cookbook's ~300: the parent's side (checks, the rendezvous,
 ``mp.spawn``, a child's failure) comes on top of ddp_torchrun's loop, and DDP's four options on
 top of its command line.
 """
@@ -125,10 +125,7 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
-                                       and torch.cuda.is_bf16_supported())
-    if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dtype = autocast_dtype(cfg.precision, device)
 
     # Pitfall: the same seed on every rank, or the replicas start different
     model = build_model(cfg.model, seed=cfg.seed, device=device)
@@ -142,6 +139,8 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     )
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
                                   fused=True if use_cuda else None)  # one kernel on CUDA
+    # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     if observer: observer.model_ready(ddp_model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
@@ -158,10 +157,13 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
                 break
             inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=dtype or torch.float32,
+                                enabled=dtype is not None):
                 loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
-            loss.backward()  # DDP all-reduces the gradients in buckets, overlapped with backward
-            optimizer.step()
+            # DDP all-reduces the gradients in buckets, overlapped with the backward
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # skipped if fp16 overflowed (on every rank alike)
+            scaler.update()
             # Pitfall: rank 0's loss alone is its share of the batch
             global_loss = loss.detach().float().clone()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -207,6 +209,20 @@ def load_checkpoint(path: str, model_name: str, device: torch.device) -> nn.Modu
 # --8<-- [end:checkpoint]
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The forward's autocast dtype (None: fp32), after setting the fp32 matmul mode."""
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16" if cuda_bf16 else "fp32"
+    if precision == "tf32" and device.type != "cuda":
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if device.type == "cuda":  # a process-wide switch: set it every run, never inherit it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            precision == "tf32")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
 def check_config(cfg: DDPSpawnConfig) -> None:
     """What every child would find wrong, found once in the parent (ValueError, one line)."""
     if cfg.global_batch_size % cfg.nprocs:
@@ -218,6 +234,8 @@ def check_config(cfg: DDPSpawnConfig) -> None:
     if cfg.backend == "nccl" and gpus < cfg.nprocs:
         raise ValueError(f"backend 'nccl' needs one CUDA device per process: {cfg.nprocs} "
                          f"processes, {gpus} device(s); use --backend gloo or fewer --nprocs")
+    if cfg.precision == "tf32" and (cfg.backend == "gloo" or gpus < cfg.nprocs):
+        autocast_dtype("tf32", torch.device("cpu"))  # its one line, once, before any child
     path, existing = cfg.checkpoint_path, os.path.dirname(os.path.abspath(cfg.checkpoint_path))
     if path and os.path.isdir(path):  # found only after training otherwise
         raise ValueError(f"--checkpoint-path {path} is a directory; name a file, e.g. "
@@ -274,8 +292,10 @@ def make_parser() -> argparse.ArgumentParser:
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
     add("--seed", type=_number(int, at_least=0), default=defaults.seed,
         help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "bf16"], default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA); fp16: autocast with a loss scaler")
     add("--backend", choices=["auto", "nccl", "gloo"], default=defaults.backend,
         help="process-group backend; auto: nccl with a GPU per process, else gloo")
     add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
