@@ -3,6 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.context_parallel
     python -m recipes.context_parallel --impl torch     # torch's context_parallel API: needs CUDA
 
+Copy with it: recipes/toy.py, recipes/dist_setup.py.
+
 Long sequences run out of memory in the activations. Context parallelism (CP) splits every
 sequence across the ranks of a group: embeddings, norms, the MLP and the loss are per-token and
 need nothing more, but attention needs every key and value of the sequence. Ring attention
@@ -23,59 +25,62 @@ Two implementations, one config field (``--impl``):
 Load balancing (``--load-balance``, the default): with causal masking the query at position p
 reads keys 0..p, so a contiguous split gives the last rank nearly 2N-1 times the first one's work.
 Rank i holds chunks i and 2N-1-i of the 2N chunks instead, and every rank computes as many scores
-(``score_entries_per_rank`` in the result). CP ranks hold the same weights and compute parts of one
-gradient: they are averaged after backward (torchtitan folds the CP dimension into FSDP's).
+(``score_entries``). CP ranks hold the same weights and compute parts of one gradient: they are
+averaged after backward (torchtitan folds the CP dimension into FSDP's).
 
 Proven by tests/test_context_parallel.py: outputs and q/k/v gradients equal
 ``F.scaled_dot_product_attention`` on the whole sequence (causal or not, balanced or not, 2 and 4
 ranks), a tiny HF Llama on sequence shards equals it whole, and training equals single-process
 training (gloo/CPU, torch 2.13). The ``torch`` path needs CUDA: it was not run on CPU.
+
+Length: about 390 lines, over the cookbook's ~300: the ring (an autograd Function whose backward
+is a second ring, ~100 lines) is the lesson, and the training and command line that prove it on
+a model come with it; splitting them would send a reader to two files for one idea.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
+import os
+import sys
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt
-from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
-from recipes.core.state import mean_over_ranks
-from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
-from recipes.core.world import join_world
-
-log = get_logger(__name__)
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
-class CPConfig(TrainConfig):
-    impl: Literal["ring", "torch"] = opt(
-        "ring", "ring: this recipe's ring attention over send/recv (any backend); torch: "
-                "torch.distributed.tensor.experimental.context_parallel (CUDA only)")
-    load_balance: bool = opt(True, "rank i holds chunks i and 2N-1-i of every sequence, so that "
-                                   "causal attention costs every rank the same")
+class CPConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step: every CP rank reads all of them
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
+    impl: str = "ring"  # ring: RingAttention below (any backend); torch: torch's API (CUDA)
+    load_balance: bool = True  # rank i holds chunks i and 2N-1-i: the same causal work each
 
 
 def check_cp_fits(seq_len: int, cp_size: int, load_balance: bool) -> None:
-    """RecipeError unless the sequence splits into equal chunks: N, or 2N when load-balanced."""
+    """ValueError unless the sequence splits into equal chunks: N, or 2N when load-balanced."""
     chunks = 2 * cp_size if load_balance else cp_size
     if seq_len % chunks:
         per = 2 if load_balance else 1
         fits = [n for n in range(1, seq_len // per + 1) if seq_len % (per * n) == 0]
         hint = " (2 per rank: load balancing)" if load_balance else ""
-        raise RecipeError(f"context parallel over {cp_size} ranks cannot split seq_len={seq_len} "
-                          f"into {chunks} equal chunks{hint}; use a CP size of "
-                          f"{', '.join(map(str, fits))}")
+        raise ValueError(f"context parallel over {cp_size} ranks cannot split seq_len={seq_len} "
+                         f"into {chunks} equal chunks{hint}; use a CP size of "
+                         f"{', '.join(map(str, fits))}")
 
 
 # --8<-- [start:layout]
@@ -224,38 +229,54 @@ def torch_context_parallel(mesh, buffers: list[torch.Tensor], seq_dims: list[int
 
 
 # --8<-- [start:train]
-def train(cfg: CPConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        model_cfg = MODEL_PRESETS[cfg.model]
-        cp_size, seq_len = world.world_size, model_cfg.seq_len
+def train(cfg: CPConfig, observer=None) -> list[float]:
+    """Train on this process's rank; returns the loss of each step (the same on every rank)."""
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
+    try:
+        device, seq_len = world.device, MODEL_PRESETS[cfg.model].seq_len
+        cp_size = world.world_size  # the CP group is the world here
         check_cp_fits(seq_len, cp_size, cfg.load_balance)
-        if cfg.impl == "torch" and world.device.type != "cuda":
-            raise RecipeError(
+        if cfg.impl == "torch" and device.type != "cuda":
+            raise ValueError(
                 "--impl torch needs CUDA: torch's context_parallel has no CPU sharding rule for "
                 "SDPA; use --impl ring (any backend, gloo included)")
         if cfg.impl == "torch" and not cfg.load_balance:
-            raise RecipeError("--no-load-balance applies to --impl ring; torch's context_parallel "
-                              "picks its own (head-tail) load balancer")
-        mesh = init_device_mesh(world.device.type, (cp_size,), mesh_dim_names=("cp",))
+            raise ValueError("--no-load-balance applies to --impl ring; torch's context_parallel "
+                             "picks its own (head-tail) load balancer")
+        dtype = autocast_dtype(cfg.precision, device)
+        mesh = init_device_mesh(device.type, (cp_size,), mesh_dim_names=("cp",))
         group = mesh.get_group()
         layout = torch.stack([shard_positions(seq_len, r, cp_size, load_balance=cfg.load_balance)
                               for r in range(cp_size)])
-        mine = layout[world.rank].to(world.device)
-        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
-        precision = setup_precision(cfg.precision, world.device)
-        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
-        scaler = make_grad_scaler(world.device, precision)
-        # Every CP rank reads the whole batch (as under TP) and keeps its positions of each one.
+        mine = layout[world.rank].to(device)
+        # Same seed everywhere: CP ranks hold the same weights, like data-parallel replicas
+        model = build_model(cfg.model, seed=cfg.seed, device=device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                      fused=True if device.type == "cuda" else None)
+        # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        if observer: observer.model_ready(model, optimizer)
+
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(
-            dataset, rank=0, world_size=1, per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
-        log.info("context parallel (%s) over %d rank(s): %d of %d positions each, load_balance=%s",
-                 cfg.impl, cp_size, len(mine), seq_len, cfg.load_balance)
-        losses, timer = [], StepTimer(world.device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                inputs, targets = inputs.to(world.device), targets.to(world.device)
-                positions = torch.arange(seq_len, device=world.device).expand_as(inputs).clone()
+        # Pitfall: a DistributedSampler over the CP ranks would give each a different batch.
+        # Every CP rank reads the whole batch (single-process order) and keeps its positions.
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
+                            drop_last=True, pin_memory=device.type == "cuda")
+        if world.is_main:
+            print(f"context parallel ({cfg.impl}) over {cp_size} rank(s): {len(mine)} of "
+                  f"{seq_len} positions each, load_balance={cfg.load_balance}", flush=True)
+
+        losses, step, epoch = [], 0, 0
+        while step < cfg.steps:
+            sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first's order
+            for inputs, targets in loader:
+                if step == cfg.steps:
+                    break
+                inputs, targets = inputs.to(device), targets.to(device)
+                # Pitfall: a shard's positions are not 0..seq/N-1: the model must be told them
+                positions = torch.arange(seq_len, device=device).expand_as(inputs).clone()
                 if cfg.impl == "ring":
                     inputs, targets = inputs[:, mine], targets[:, mine]
                     positions = positions[:, mine]
@@ -264,32 +285,110 @@ def train(cfg: CPConfig) -> RecipeResult:
                     sharding = torch_context_parallel(mesh, [inputs, targets, positions], [1, 1, 1])
                 optimizer.zero_grad(set_to_none=True)
                 with sharding:
-                    with autocast(world.device, precision):
+                    with torch.autocast(device.type, dtype=dtype or torch.float32,
+                                        enabled=dtype is not None):
                         logits = model(inputs, positions=positions)
                     # Each rank's mean over its tokens; ranks hold as many, so their mean is the
                     # global mean. Backward inside: torch's CP must see the SDPA backward too.
                     loss = lm_loss(logits, targets)
                     scaler.scale(loss).backward()
-                # Each rank has the gradient of its tokens' loss: average them over the CP group.
+                # Each rank has the gradient of its tokens' loss: average them over the CP group
                 for p in model.parameters():
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
                     p.grad /= cp_size
                 scaler.step(optimizer)
                 scaler.update()
-            losses.append(mean_over_ranks(loss))  # the CP group is the world here
-            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
-
-        state = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-        return make_result(
-            "context_parallel", world, losses, state.values(), timer,
-            keep_final_state=state if cfg.keep_final_state else None,
-            workload=Workload(model_cfg, cfg.global_batch_size, precision),
-            cp_size=cp_size, impl=cfg.impl, load_balance=cfg.load_balance,
-            positions_per_rank=len(mine),
-            score_entries_per_rank=[score_entries(layout, r) for r in range(cp_size)],
-        )
+                global_loss = loss.detach().float().clone()  # this rank's tokens' mean
+                dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+                losses.append(global_loss.item())
+                if world.is_main:
+                    print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+                if observer: observer.step_end(step, losses[-1])
+                step += 1
+            epoch += 1
+        return losses
+    finally:
+        cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
 # --8<-- [end:train]
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The forward's autocast dtype (None: fp32), after setting the fp32 matmul mode."""
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16" if cuda_bf16 else "fp32"
+    if precision == "tf32" and device.type != "cuda":
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if device.type == "cuda":  # a process-wide switch: set it every run, never inherit it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            precision == "tf32")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = CPConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.context_parallel", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step; every CP rank holds a slice of each")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA); fp16: autocast with a loss scaler")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    add("--impl", choices=["ring", "torch"], default=defaults.impl,
+        help="ring: this recipe's ring attention over send/recv (any backend); torch: "
+        "torch.distributed.tensor.experimental.context_parallel (CUDA only)")
+    add("--load-balance", action=argparse.BooleanOptionalAction, default=defaults.load_balance,
+        help="rank i holds chunks i and 2N-1-i of every sequence, so that causal attention "
+        "costs every rank the same")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = CPConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input every rank sees (a size that does not split)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, CPConfig, __doc__)
+    main()

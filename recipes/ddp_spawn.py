@@ -1,242 +1,336 @@
-"""DDP launched by torch.multiprocessing.spawn, with DDP's options and a rank-0 checkpoint every
-rank loads.
+"""DDP started from Python by torch.multiprocessing.spawn, with DDP's options and a rank-0
+checkpoint every rank loads.
 
     python -m recipes.ddp_spawn --nprocs 2
     python -m recipes.ddp_spawn --nprocs 3 --static-graph --bucket-cap-mb 1
 
-``mp.spawn`` starts ``nprocs`` copies of ``worker`` on this machine and passes each its rank as the
-first argument; the parent sets the rendezvous (MASTER_ADDR/MASTER_PORT) that torchrun would
-otherwise set. Use it when one Python process must own the whole job (a notebook, a sweep driver);
-use torchrun (recipes.ddp_torchrun) for everything else: it restarts failed workers and spans nodes.
+Copy with it: recipes/toy.py (the model and data you replace).
+
+``mp.spawn`` starts ``nprocs`` copies of ``worker`` on this machine, each with its rank as the
+first argument; the parent picks the rendezvous (MASTER_ADDR/MASTER_PORT) that torchrun would set.
+Use it when one Python process must own the job (a notebook, a sweep driver): ``train(cfg)``
+returns rank 0's losses to its caller. Use torchrun (recipes/ddp_torchrun.py) for everything
+else: it restarts failed workers and spans nodes. ``worker`` must live in an importable file:
+spawn starts fresh interpreters that import it by name. When a child raises, ``mp.spawn`` stops
+the others and raises ``ProcessRaisedException`` in the parent, with the child's rank
+(``error_index``) and traceback; ``main`` prints both.
 
 DDP options, and when to touch them:
 
 - ``find_unused_parameters``: only if some parameters get no gradient in a step (branches, frozen
-  heads); it costs an extra graph traversal every step. Wrongly left off, DDP errors on the second
-  step.
-- ``gradient_as_bucket_view``: gradients alias the all-reduce buckets: saves one gradient-sized
-  copy.
-- ``static_graph``: the graph is the same every step; lets DDP skip per-step bookkeeping and makes
-  activation checkpointing and unused-parameter handling work together.
+  heads); it costs a graph traversal every step. Wrongly left off, DDP errors on the 2nd step.
+- ``gradient_as_bucket_view``: gradients alias the all-reduce buckets: one gradient copy less.
+- ``static_graph``: the graph is the same every step; DDP skips per-step bookkeeping, and
+  activation checkpointing works with unused parameters.
 - ``bucket_cap_mb``: gradients are all-reduced in buckets of this size, overlapping backward;
   smaller buckets start communicating sooner, larger ones use the network better.
 
-The checkpoint: rank 0 saves (one writer, no clobbering), a barrier makes the file visible before
-anyone reads it, every rank loads it with ``weights_only=True`` (a pickle from disk must not run
-code) and ``map_location`` (or every rank loads onto the GPU that saved it). tests/test_ddp_spawn.py
-asserts that every rank holds exactly the saved weights afterwards.
+The checkpoint: rank 0 saves, a barrier, every rank loads it with ``weights_only=True`` and
+``map_location``. tests/test_ddp_spawn.py asserts that every option trains like one process and
+that every rank holds exactly the saved weights afterwards.
+
+Length: about 335 lines, over the cookbook's ~300: the parent's side (checks, the rendezvous,
+``mp.spawn``, a child's failure) comes on top of ddp_torchrun's loop, and DDP's four options on
+top of its command line.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import datetime
+import math
 import os
+import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.paths import output_file_problem, refuse
-from recipes.core.result import RecipeResult, StepTimer, make_result, param_checksum
-from recipes.core.state import full_state_on_cpu, mean_over_ranks
-from recipes.core.speed import autocast, make_adamw, make_grad_scaler, setup_precision
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.spawn import check_port_free, free_port
-from recipes.core.world import RankError, join_world, resolve_backend
-
-log = get_logger(__name__)
+from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
-class DDPSpawnConfig(TrainConfig):
-    nprocs: int = opt(2, "processes (ranks) to spawn on this machine", ge=1)
-    find_unused_parameters: bool = opt(
-        False, "walk the graph for parameters without gradients (costs time)"
-    )
-    gradient_as_bucket_view: bool = opt(
-        True, "let gradients alias DDP's all-reduce buckets (saves memory)"
-    )
-    static_graph: bool = opt(False, "promise DDP the graph never changes between steps")
-    bucket_cap_mb: float = opt(
-        25.0, "gradient bucket size in MiB for the overlapped all-reduce", gt=0
-    )
-    checkpoint_path: str = opt("", "where rank 0 saves the checkpoint; empty = a temporary file")
+class DDPSpawnConfig:
+    nprocs: int = 2  # processes (ranks) to start on this machine
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    backend: str = "auto"  # auto: nccl with a GPU for each rank, else gloo
+    timeout_s: float = 300.0
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    bucket_cap_mb: float = 25.0
+    checkpoint_path: str = ""  # where rank 0 saves; empty: a file in a new temporary folder
+
+
+# --8<-- [start:launch]
+def train(cfg: DDPSpawnConfig, observer=None) -> list[float]:
+    """Start ``cfg.nprocs`` training processes, wait for them; returns rank 0's losses (the
+    global batch's, one per step). Raises ValueError before starting any of them on bad input."""
+    # Checked in the parent: a bad config fails once, here, not once in every child
+    check_config(cfg)
+    # The rendezvous torchrun would set: rank 0 listens on this port, the others connect to it
+    port = master_port()
+    if not cfg.checkpoint_path:  # every rank must load the same file: the parent names it
+        folder = tempfile.mkdtemp(prefix="ddp-spawn-")
+        cfg = dataclasses.replace(cfg, checkpoint_path=os.path.join(folder, "checkpoint.pt"))
+    # Pitfall: the queue must come from the "spawn" context mp.spawn uses. The parent reads it
+    # only after every child has exited, so keep the message small: one larger than the pipe's
+    # buffer (64 KiB) would block rank 0 forever.
+    results = mp.get_context("spawn").SimpleQueue()
+    # join=True: wait for all; if a child raises, mp.spawn terminates the others and raises
+    # ProcessRaisedException here (ProcessExitedException for one that died without raising)
+    mp.spawn(worker, args=(cfg.nprocs, port, cfg, results, observer),
+             nprocs=cfg.nprocs, join=True)
+    return results.get()
+
+
+def worker(rank: int, world_size: int, port: int, cfg: DDPSpawnConfig, results,
+           observer=None) -> None:
+    """What mp.spawn runs in each child: ``rank`` comes first, then ``args``."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # one machine: mp.spawn cannot span nodes
+    os.environ["MASTER_PORT"] = str(port)
+    use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()
+                                         and torch.cuda.device_count() >= world_size)
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        # Pitfall: without set_device every rank's NCCL work and allocations land on cuda:0
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                            device_id=device if use_cuda else None)
+    try:
+        losses = train_one_rank(cfg, observer)
+        if rank == 0:
+            results.put(losses)  # mp.spawn returns nothing: a queue is how results come back
+    finally:
+        dist.destroy_process_group()  # every way out: NCCL's communicators are freed, not leaked
+# --8<-- [end:launch]
 
 
 # --8<-- [start:train]
-def train(cfg: DDPSpawnConfig) -> RecipeResult:
-    """One rank's training; runs inside the world that ``launch`` (or a test) spawned."""
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
-        precision = setup_precision(cfg.precision, world.device)
-        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
-        ddp_model = DDP(
-            model,
-            device_ids=[world.device.index] if world.device.type == "cuda" else None,
-            find_unused_parameters=cfg.find_unused_parameters,
-            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-            static_graph=cfg.static_graph,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-        )
-        optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)
-        scaler = make_grad_scaler(world.device, precision)  # a pass-through unless fp16
-        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(
-            dataset,
-            rank=world.rank,
-            world_size=world.world_size,
-            per_rank_batch_size=per_rank_batch,
-            seed=cfg.seed,
-        )
-        losses, timer = [], StepTimer(world.device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                with autocast(world.device, precision):
-                    loss = lm_loss(ddp_model(inputs.to(world.device)), targets.to(world.device))
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            losses.append(mean_over_ranks(loss))
-            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
+def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
+    """One rank's DDP training, in the world its process joined; returns the global losses."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    use_cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    dtype = autocast_dtype(cfg.precision, device)
 
-        loaded = save_on_rank0_and_load_everywhere(
-            ddp_model, optimizer, cfg.steps, cfg.checkpoint_path, world.device
-        )
-        return make_result(
-            "ddp_spawn",
-            world,
-            losses,
-            model.parameters(),
-            timer,
-            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            **loaded,
-        )
+    # Pitfall: the same seed on every rank, or the replicas start different
+    model = build_model(cfg.model, seed=cfg.seed, device=device)
+    ddp_model = DDP(
+        model,
+        device_ids=[device.index] if use_cuda else None,
+        find_unused_parameters=cfg.find_unused_parameters,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+    )
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
+                                  fused=True if use_cuda else None)  # one kernel on CUDA
+    # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    if observer: observer.model_ready(ddp_model, optimizer)
+
+    dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+    # Each rank reads a disjoint 1/world_size of every epoch; drop_last keeps every batch full
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size // world_size,
+                        sampler=sampler, drop_last=True, pin_memory=use_cuda)
+    losses, step, epoch = [], 0, 0
+    while step < cfg.steps:
+        sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first one's order
+        for inputs, targets in loader:
+            if step == cfg.steps:
+                break
+            inputs, targets = inputs.to(device), targets.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype or torch.float32,
+                                enabled=dtype is not None):
+                loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
+            # DDP all-reduces the gradients in buckets, overlapped with the backward
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # skipped if fp16 overflowed (on every rank alike)
+            scaler.update()
+            # Pitfall: rank 0's loss alone is its share of the batch
+            global_loss = loss.detach().float().clone()
+            dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+            losses.append(global_loss.item())
+            if rank == 0:
+                print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+            if observer: observer.step_end(step, losses[-1])
+            step += 1
+        epoch += 1
+
+    if cfg.checkpoint_path:
+        if rank == 0:  # one writer: the replicas are identical, N writers would clobber one file
+            save_checkpoint(ddp_model, optimizer, step, cfg.checkpoint_path)
+            print(f"rank 0 of {world_size} saved step {step} to {cfg.checkpoint_path}", flush=True)
+        dist.barrier()  # nobody reads before rank 0 has finished writing
+        restored = load_checkpoint(cfg.checkpoint_path, cfg.model, device)
+        # what a resumed job would start from: exactly the trained weights, on every rank
+        for (name, trained), loaded in zip(model.named_parameters(), restored.parameters()):
+            if not torch.equal(trained, loaded):
+                raise RuntimeError(f"rank {rank}: {name} differs after loading the checkpoint")
+    return losses
 # --8<-- [end:train]
 
 
 # --8<-- [start:checkpoint]
-def save_on_rank0_and_load_everywhere(
-    ddp_model: DDP, optimizer: torch.optim.Optimizer, step: int, path: str, device: torch.device
-) -> dict:
-    """Rank 0 writes; everyone waits; everyone reads back into a fresh model and proves it
-    matches."""
-    if not path:  # every rank must use the same path: rank 0 picks it and tells the others
-        picked = [
-            os.path.join(tempfile.mkdtemp(prefix="ddp-spawn-"), "checkpoint.pt")
-            if dist.get_rank() == 0
-            else ""
-        ]
-        dist.broadcast_object_list(picked, src=0)
-        path = picked[0]
-    if dist.get_rank() == 0:
-        # .module: save the plain model's weights, without DDP's "module." prefix.
-        state = {
-            "model": ddp_model.module.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)  # readers never see a half-written file
-    dist.barrier()  # nobody reads before rank 0 has finished writing
+def save_checkpoint(ddp_model: DDP, optimizer: torch.optim.Optimizer, step: int,
+                    path: str) -> None:
+    # Pitfall: save ddp_model.module: DDP's own state_dict prefixes every key with "module."
+    state = {"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict(),
+             "step": step}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # readers never see a half-written file
 
+
+def load_checkpoint(path: str, model_name: str, device: torch.device) -> nn.Module:
+    """A fresh model (other weights, seed 12345) with the checkpoint's weights loaded."""
+    # weights_only: a pickle from disk must not run code; map_location: onto this rank's device
     state = torch.load(path, map_location=device, weights_only=True)
-    # deliberately other weights
-    restored = build_model(ddp_model.module.cfg, seed=12345, device=device)
+    restored = build_model(model_name, seed=12345, device=device)
     restored.load_state_dict(state["model"])
-    # Every rank reports what it loaded; all must equal what was trained.
-    checksum = torch.tensor(
-        [param_checksum(restored.parameters())], dtype=torch.float64, device=device
-    )
-    checksums = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
-    dist.all_gather(checksums, checksum)
-    trained = param_checksum(ddp_model.module.parameters())
-    if not all(c.item() == trained for c in checksums):
-        raise RuntimeError(
-            f"loaded checkpoints differ from the trained model: {[c.item() for c in checksums]} vs "
-            f"{trained}"
-        )
-    return {
-        "checkpoint_path": path,
-        "checkpoint_step": state["step"],
-        "loaded_checksums": [c.item() for c in checksums],
-    }
+    return restored
 # --8<-- [end:checkpoint]
 
 
-# --8<-- [start:launch]
-def worker(
-    rank: int, world_size: int, master_port: int, cfg: DDPSpawnConfig, results: mp.SimpleQueue
-) -> None:
-    """What mp.spawn runs in each child: ``rank`` comes first, then ``args``."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        RECIPES_LAUNCHER="spawn",
-    )
-    result = train(cfg)
-    if rank == 0:
-        # keep the queue message small: tensors would go through shared memory
-        result.final_state = None
-        results.put(result)
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The forward's autocast dtype (None: fp32), after setting the fp32 matmul mode."""
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16" if cuda_bf16 else "fp32"
+    if precision == "tf32" and device.type != "cuda":
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if device.type == "cuda":  # a process-wide switch: set it every run, never inherit it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            precision == "tf32")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-def launch(cfg: DDPSpawnConfig) -> RecipeResult:
-    # Check what we can in the parent: a bad config should fail once, here, not in every child.
-    per_rank_batch_size(cfg.global_batch_size, cfg.nprocs)
-    resolve_backend(cfg.backend, cfg.nprocs)
-    if cfg.nprocs < 1:
-        raise RecipeError(f"nprocs must be >= 1, got {cfg.nprocs}")
-    if cfg.checkpoint_path:  # a folder in the file's place failed only after training
-        refuse(output_file_problem(cfg.checkpoint_path, "--checkpoint-path"))
-    if os.environ.get("MASTER_PORT"):
-        master_port = int(os.environ["MASTER_PORT"])
-        check_port_free(master_port)
-    else:
-        master_port = free_port()
-    results = mp.get_context("spawn").SimpleQueue()
-    # join=True: wait for all; if any child fails, mp.spawn terminates the others and raises here.
+def check_config(cfg: DDPSpawnConfig) -> None:
+    """What every child would find wrong, found once in the parent (ValueError, one line)."""
+    if cfg.global_batch_size % cfg.nprocs:
+        lower = max(cfg.nprocs, cfg.global_batch_size - cfg.global_batch_size % cfg.nprocs)
+        raise ValueError(
+            f"global_batch_size={cfg.global_batch_size} does not divide across {cfg.nprocs} "
+            f"ranks; use a multiple of {cfg.nprocs}, e.g. {lower} or {lower + cfg.nprocs}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.backend == "nccl" and gpus < cfg.nprocs:
+        raise ValueError(f"backend 'nccl' needs one CUDA device per process: {cfg.nprocs} "
+                         f"processes, {gpus} device(s); use --backend gloo or fewer --nprocs")
+    if cfg.precision == "tf32" and (cfg.backend == "gloo" or gpus < cfg.nprocs):
+        autocast_dtype("tf32", torch.device("cpu"))  # its one line, once, before any child
+    path, existing = cfg.checkpoint_path, os.path.dirname(os.path.abspath(cfg.checkpoint_path))
+    if path and os.path.isdir(path):  # found only after training otherwise
+        raise ValueError(f"--checkpoint-path {path} is a directory; name a file, e.g. "
+                         f"{os.path.join(path, 'model.pt')}")
+    while path and not os.path.exists(existing):  # what makedirs would create goes in here
+        existing = os.path.dirname(existing)
+    if path and not os.path.isdir(existing):
+        raise ValueError(f"--checkpoint-path {path}: {existing} is a file, so nothing can be "
+                         "created under it; name a file in a directory you can write to")
+
+
+def master_port() -> int:
+    """``MASTER_PORT`` if it is set and free, else a free port the OS picks (another process
+    could take it before rank 0 listens: a small window)."""
+    port = int(os.environ.get("MASTER_PORT") or 0)
+    with socket.socket() as sock:
+        try:  # a busy port would fail in every child, after a wait: refused here instead
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise ValueError(f"MASTER_PORT {port} is already in use on 127.0.0.1; set "
+                             "MASTER_PORT to a free port, or unset it and a free one is picked"
+                             ) from None
+        return sock.getsockname()[1]
+
+
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = DDPSpawnConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.ddp_spawn", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--nprocs", type=_number(int, at_least=1), default=defaults.nprocs,
+        help="processes (ranks) to start on this machine")
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA); fp16: autocast with a loss scaler")
+    add("--backend", choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per process, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    switch = argparse.BooleanOptionalAction  # --static-graph / --no-static-graph
+    add("--find-unused-parameters", action=switch, default=defaults.find_unused_parameters,
+        help="walk the graph for parameters without gradients (costs time)")
+    add("--gradient-as-bucket-view", action=switch, default=defaults.gradient_as_bucket_view,
+        help="let gradients alias DDP's all-reduce buckets (saves memory)")
+    add("--static-graph", action=switch, default=defaults.static_graph,
+        help="promise DDP the graph never changes between steps")
+    add("--bucket-cap-mb", type=_number(float, above=0), default=defaults.bucket_cap_mb,
+        help="gradient bucket size in MiB for the overlapped all-reduce")
+    add("--checkpoint-path", default=defaults.checkpoint_path,
+        help="where rank 0 saves the checkpoint; empty: a temporary file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = DDPSpawnConfig(**vars(make_parser().parse_args(argv)))
     try:
-        mp.spawn(worker, args=(cfg.nprocs, master_port, cfg, results), nprocs=cfg.nprocs, join=True)
-    except mp.ProcessExitedException as exc:  # died without raising: killed, os._exit, segfault
-        raise RankError(
-            f"rank {exc.error_index} died with exit code {exc.exit_code}; the other ranks were "
-            "stopped",
-            rank=exc.error_index,
-            operation=None,
-        ) from None
-    except mp.ProcessRaisedException as exc:
-        last_line = exc.msg.strip().splitlines()[-1]
-        if last_line.startswith(f"{RecipeError.__module__}.RecipeError: "):
-            raise RecipeError(f"rank {exc.error_index}: {last_line.split(': ', 1)[1]}") from None
-        raise RankError(
-            f"rank {exc.error_index} failed: {last_line}",
-            rank=exc.error_index,
-            operation=None,
-            remote_traceback=exc.msg.split("following error:", 1)[-1].strip(),
-        ) from None
-    return results.get()
-# --8<-- [end:launch]
+        train(cfg)
+    except ValueError as exc:  # bad input, found before any process started
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except mp.ProcessRaisedException as exc:  # a child raised: its traceback, then one line
+        print(exc.msg.rstrip(), file=sys.stderr)
+        print(f"error: rank {exc.error_index} failed: {exc.msg.strip().splitlines()[-1]}",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+    except mp.ProcessExitedException as exc:  # killed, os._exit, a segfault: no traceback
+        print(f"error: rank {exc.error_index} died with exit code {exc.exit_code}; the other "
+              "ranks were stopped", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
-    run_cli(launch, DDPSpawnConfig, __doc__)
+    main()

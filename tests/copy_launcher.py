@@ -49,7 +49,9 @@ def run_copy(copy: dict, rank: int, out_dir: str) -> None:
     sys.argv = ["train_mine.py", *copy["args"]]
     code = 0
     try:
-        runpy.run_path("train_mine.py", run_name="__main__")
+        # absolute, as `python train_mine.py` makes __main__.__file__ (Python >= 3.9): a copy
+        # that starts processes with mp.spawn has them re-import its main module from that path
+        runpy.run_path(os.path.join(copy["project"], "train_mine.py"), run_name="__main__")
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         if not isinstance(exit_.code, (int, type(None))):

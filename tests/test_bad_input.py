@@ -94,11 +94,17 @@ def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
     from recipes import ddp_spawn, hang_diagnosis, meta_init
 
     a_file, a_dir = places
-    cases = [
-        (ddp_spawn.launch, ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(a_dir)),
+    # ddp_spawn is copyable: it refuses with a plain ValueError (it cannot import RecipeError)
+    for cfg, message in [
+        (ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(a_dir)),
          f"--checkpoint-path {a_dir} is a directory; name a file, e.g. {a_dir}/model.pt"),
-        (ddp_spawn.launch, ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(a_file / "c.pt")),
+        (ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(a_file / "c.pt")),
          f"--checkpoint-path {a_file}/c.pt: {a_file} is a file, so nothing can be created"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            ddp_spawn.train(cfg)
+        assert str(caught.value).startswith(message), str(caught.value)
+    cases = [
         (hang_diagnosis.run, hang_diagnosis.HangConfig(trace_dir=str(a_file)),
          f"--trace-dir {a_file} is a file; name a directory (created if missing)"),
         (meta_init.run, meta_init.MetaInitConfig(create_seed_checkpoint=True,

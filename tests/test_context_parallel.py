@@ -2,6 +2,7 @@
 training); load balancing evens the causal work; torch's own API where CUDA is."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -9,8 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from recipes import context_parallel, ddp_torchrun
-from recipes.core import cli
-from recipes.core.config import RecipeError
+from recipes.core.observe import prove
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from tests.helpers import (
@@ -25,7 +25,7 @@ from tests.helpers import (
 )
 
 STEPS = 3
-CFG = context_parallel.CPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
+CFG = context_parallel.CPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 # (causal, load_balance): the mask decides which blocks are skipped, the layout which are whose.
 ATTENTION_CASES = list(itertools.product([True, False], repeat=2))
 
@@ -86,7 +86,13 @@ def cp_world(configs, with_llama=False):
     with join_world("gloo", timeout_s=120) as world:
         attention = {case: attention_differences(world, *case) for case in ATTENTION_CASES}
         llama = llama_differences(world) if with_llama else None
-        return attention, llama, [context_parallel.train(cfg) for cfg in configs]
+        return attention, llama, [cp_result(cfg) for cfg in configs]
+
+
+def cp_result(cfg):
+    """context_parallel.train(cfg) measured by the harness: its RecipeResult with the final state
+    and the split in extras (recipes.core.observe.ContextParallelObserver)."""
+    return prove(context_parallel.train, cfg, name="context_parallel", keep_final_state=True)
 
 
 def check_attention(attention):
@@ -111,6 +117,10 @@ def test_ring_attention_and_training_equal_one_process_on_2_ranks():
     for cfg, result in zip(configs, results):
         assert result.extras["cp_size"] == 2 and result.extras["positions_per_rank"] == 8
         assert result.extras["load_balance"] == cfg.load_balance
+        # the work each rank did, from the positions its model received: equal when balanced
+        # (68 and 68 of the 136-score causal triangle), 36 and 100 when contiguous
+        assert result.extras["score_entries_per_rank"] == ([68, 68] if cfg.load_balance
+                                                           else [36, 100])
         assert_losses_close(result.losses, expected.losses, atol=1e-5)
         assert_states_close(result.final_state, expected.final_state, atol=1e-5)
 
@@ -143,10 +153,10 @@ def test_load_balancing_gives_every_rank_the_same_causal_work(cp_size):
 
 
 def test_cp_size_that_does_not_split_the_sequence_is_rejected():
-    with pytest.raises(RecipeError, match=r"cannot split seq_len=16 into 6 equal chunks.*"
+    with pytest.raises(ValueError, match=r"cannot split seq_len=16 into 6 equal chunks.*"
                                           r"use a CP size of 1, 2, 4, 8"):
         context_parallel.check_cp_fits(16, 3, load_balance=True)
-    with pytest.raises(RecipeError, match=r"into 3 equal chunks; use a CP size of 1, 2, 4, 8, 16"):
+    with pytest.raises(ValueError, match=r"into 3 equal chunks; use a CP size of 1, 2, 4, 8, 16"):
         context_parallel.check_cp_fits(16, 3, load_balance=False)
 
 
@@ -154,8 +164,7 @@ def test_cp_size_that_does_not_split_the_sequence_is_rejected():
 def test_torch_impl_without_cuda_fails_in_one_line(capsys):
     # In this process (a world of 1), through the CLI's own entry point: one line, exit code 2.
     with pytest.raises(SystemExit) as exit_info:
-        cli.run_cli(context_parallel.train, context_parallel.CPConfig, None,
-                    ["--impl", "torch", "--backend", "gloo"])
+        context_parallel.main(["--impl", "torch", "--backend", "gloo"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [(
         "error: --impl torch needs CUDA: torch's context_parallel has no CPU sharding rule for "
@@ -166,7 +175,7 @@ def test_torch_impl_without_cuda_fails_in_one_line(capsys):
                                                "for SDPA: it needs CUDA")
 def test_torch_context_parallel_equals_no_cp():
     # A world of 1 in this process (one GPU): torch's CP path, sharding and all, against plain SDPA.
-    result = run_alone(context_parallel.train, with_fields(CFG, impl="torch"))
+    result = run_alone(cp_result, with_fields(CFG, impl="torch"))
     assert result.device.startswith("cuda") and result.extras["impl"] == "torch"
     expected = reference("nccl")
     assert_losses_close(result.losses, expected.losses, atol=1e-4)
@@ -177,11 +186,13 @@ def test_torch_context_parallel_equals_no_cp():
 # default run. The parity it checks is proven in-process above; this adds the launcher path.
 @pytest.mark.slow
 def test_torchrun_launch_equals_single_process():
+    # the harness around the recipe prints the result line; the recipe prints its steps plainly
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.context_parallel", "--steps", str(STEPS), "--precision", "fp32",
-                        "--backend", "gloo"], timeout_s=180)
+                        "recipes.core.prove", "context_parallel", "--steps", str(STEPS),
+                        "--precision", "fp32", "--backend", "gloo"], timeout_s=180)
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and result["extras"]["impl"] == "ring"
     assert_losses_close(result["losses"], reference().losses, atol=1e-5)
-    assert launched.stdout.count("] step ") == STEPS and "[rank1]" not in launched.stdout
+    assert len(re.findall(r"^step \d+ loss ", launched.stdout, re.M)) == STEPS
+    assert "[rank1]" not in launched.stdout

@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipes.__main__ import recipe_modules
 from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, single_process_reference
@@ -81,6 +82,10 @@ RUNS = {
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
     "single_gpu": ("python", ["--precision", "fp32"]),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun: the ring over 2 CPU ranks
+    "context_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
+    # the recipe starts its own 2 processes (mp.spawn): a plain python run
+    "ddp_spawn": ("python", ["--nprocs", "2", "--steps", "3"]),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
@@ -316,6 +321,7 @@ def check_process_groups(stdout: str) -> None:
     assert [g["dp"]["ranks"] for g in report["groups_per_rank"]] == [[0], [1]], report
     assert [g["tp"]["all_reduce_sum"] for g in report["groups_per_rank"]] == [3.0, 3.0], report
 
+
 def check_hybrid_parallel(stdout: str) -> None:
     # 2 ranks as dp 1 x tp 2 (TP, then fully_shard over a dp of one): one process's losses
     assert "mesh dp x tp = 1 x 2" in stdout, stdout
@@ -324,10 +330,34 @@ def check_hybrid_parallel(stdout: str) -> None:
     assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
 
 
+def check_ddp_spawn(stdout: str) -> None:
+    # the two processes it spawned trained like the package's own run (results/ddp_spawn.json:
+    # the defaults on 2 processes), rank 0 printing one line per step
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("ddp_spawn")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+    # rank 0 of the 2 saved the plain model (no DDP "module." prefix) where it says, once
+    saved = re.findall(r"^rank 0 of 2 saved step 3 to (\S+)$", stdout, re.M)
+    assert len(saved) == 1 and os.path.exists(saved[0]), stdout
+    state = torch.load(saved[0], weights_only=True)
+    assert state["step"] == 3 and not any(key.startswith("module.") for key in state["model"])
+
+
+def check_context_parallel(stdout: str) -> None:
+    # each sequence split over the 2 ranks (load-balanced), ring attention: the package's own
+    # 2-rank losses (results/context_parallel.json), one line per step from rank 0
+    assert ("context parallel (ring) over 2 rank(s): 8 of 16 positions each, load_balance=True"
+            in stdout), stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("context_parallel")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
           "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
           "zero": check_zero, "process_groups": check_process_groups,
-          "hybrid_parallel": check_hybrid_parallel}
+          "hybrid_parallel": check_hybrid_parallel, "ddp_spawn": check_ddp_spawn,
+          "context_parallel": check_context_parallel}

@@ -1,25 +1,45 @@
 """ddp_spawn: mp.spawn launch, DDP options, rank-0 checkpoint loaded by every rank."""
 
-import os
+import re
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from recipes import ddp_spawn, ddp_torchrun
-from recipes.core.config import RecipeError
-from recipes.core.world import RankError
+from recipes.core.observe import prove
+from recipes.core.result import param_checksum
+from recipes.core.state import all_ranks
 from tests.helpers import (
     BACKENDS,
-    PYTHON,
     assert_losses_close,
     assert_states_close,
-    last_json,
-    run_cli,
     run_world,
     single_process_reference,
 )
 
 REFERENCE = ddp_torchrun.DDPConfig(steps=4, precision="fp32")
+
+
+def one_rank_with_its_loads(cfg):
+    """ddp_spawn's per-rank training measured by the harness in the test's world (one world for
+    several configs: no mp.spawn per config), and, measured from outside, what every rank loaded:
+    ``extras["loaded_checksums"]``, the checksum of the model ``load_checkpoint`` returned on each
+    rank, in rank order. Module-level: spawn_world can pickle it."""
+    loaded, load = [], ddp_spawn.load_checkpoint
+
+    def recording_load(*args, **kwargs):
+        model = load(*args, **kwargs)
+        loaded.append(param_checksum(model.parameters()))
+        return model
+
+    ddp_spawn.load_checkpoint = recording_load
+    try:
+        result = prove(ddp_spawn.train_one_rank, cfg, name="ddp_spawn", keep_final_state=True)
+    finally:
+        ddp_spawn.load_checkpoint = load
+    result.extras["loaded_checksums"] = all_ranks(loaded[0] if loaded else None)
+    return result
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -30,9 +50,9 @@ def test_every_ddp_option_trains_like_one_process_and_checkpoint_loads_everywher
         dict(find_unused_parameters=True, gradient_as_bucket_view=False),
         dict(static_graph=True, bucket_cap_mb=0.01),  # tiny buckets: many all-reduces, same result
     ]
-    configs = [ddp_spawn.DDPSpawnConfig(steps=4, keep_final_state=True, precision="fp32", checkpoint_path=str(tmp_path / f"ckpt{i}.pt"), **o)
+    configs = [ddp_spawn.DDPSpawnConfig(steps=4, precision="fp32", checkpoint_path=str(tmp_path / f"ckpt{i}.pt"), **o)
                for i, o in enumerate(options)]
-    results = run_world(ddp_spawn.train, 3, configs, backend=backend)
+    results = run_world(one_rank_with_its_loads, 3, configs, backend=backend)
     for result, option in zip(results, options):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)
@@ -43,28 +63,33 @@ def test_every_ddp_option_trains_like_one_process_and_checkpoint_loads_everywher
     assert saved["step"] == 4
 
 
-def test_launch_through_mp_spawn_from_the_command_line(tmp_path):
-    proc = run_cli([PYTHON, "-m", "recipes.ddp_spawn", "--nprocs", "2", "--steps", "3",
-                    "--checkpoint-path", str(tmp_path / "c.pt")], timeout_s=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = last_json(proc.stdout)
-    assert result["world_size"] == 2 and len(result["losses"]) == 3
-    assert os.path.exists(tmp_path / "c.pt")
+# The launch itself (python ..., mp.spawn, 2 processes, the per-step lines and the checkpoint file)
+# runs once, as a user's copy: tests/test_copy_recipes.py's check_ddp_spawn.
 
 
 def test_bad_input_is_rejected_in_the_parent_before_spawning():
-    with pytest.raises(RecipeError, match="does not divide across 5 ranks"):
-        ddp_spawn.launch(ddp_spawn.DDPSpawnConfig(nprocs=5))
+    with pytest.raises(ValueError, match="does not divide across 5 ranks"):
+        ddp_spawn.train(ddp_spawn.DDPSpawnConfig(nprocs=5))
 
 
-def test_a_rank_that_raises_is_named():
-    # An unknown model preset fails inside every child with a KeyError (not bad input the config
-    # could catch: __post_init__ is bypassed): the parent names the rank in a RankError.
-    cfg = ddp_spawn.DDPSpawnConfig(nprocs=2)
-    object.__setattr__(cfg, "model", "no-such-model")  # bypass __post_init__ to fail inside the ranks
-    with pytest.raises(RankError, match=r"^rank \d+ failed: KeyError: 'no-such-model'") as raised:
-        ddp_spawn.launch(cfg)
-    assert raised.value.rank in (0, 1) and "KeyError" in raised.value.remote_traceback
+def test_a_rank_that_raises_surfaces_in_the_parent_and_is_named(monkeypatch, capsys):
+    # An unknown model preset fails inside every child with a KeyError (the command line's
+    # choices would refuse it; the config, built directly, does not): mp.spawn stops the others
+    # and raises ProcessRaisedException in the parent, naming the rank, with its traceback.
+    cfg = ddp_spawn.DDPSpawnConfig(nprocs=2, model="no-such-model")
+    with pytest.raises(mp.ProcessRaisedException, match=r"KeyError: 'no-such-model'") as raised:
+        ddp_spawn.train(cfg)
+    assert raised.value.error_index in (0, 1) and "Traceback" in raised.value.msg
+    # main turns it into the child's traceback and one last line that names the rank (no spawn)
+    def failing_train(cfg):
+        raise raised.value
+
+    monkeypatch.setattr(ddp_spawn, "train", failing_train)
+    with pytest.raises(SystemExit) as exit_info:
+        ddp_spawn.main([])
+    assert exit_info.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(r"^error: rank \d+ failed: KeyError: 'no-such-model'$", last), last
 
 
 def test_a_busy_master_port_is_refused_before_spawning(monkeypatch):
@@ -74,14 +99,18 @@ def test_a_busy_master_port_is_refused_before_spawning(monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
-        with pytest.raises(RecipeError, match="is already in use"):
-            ddp_spawn.launch(ddp_spawn.DDPSpawnConfig(nprocs=2))
+        with pytest.raises(ValueError, match="is already in use"):
+            ddp_spawn.train(ddp_spawn.DDPSpawnConfig(nprocs=2))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"nprocs": 0}, r"^nprocs must be >= 1, got 0$"),  # once: a ZeroDivisionError traceback
-    ({"bucket_cap_mb": 0.0}, r"^bucket_cap_mb must be a finite number > 0, got 0$"),
+# The numbers were refused by the config's checks; the copyable recipe's command line refuses
+# them (argparse, one line, exit 2): the same input, the same one line, from make_parser.
+@pytest.mark.parametrize("argv, message", [
+    (["--nprocs", "0"], "argument --nprocs: must be a finite number >= 1, got 0"),
+    (["--bucket-cap-mb", "0"], "argument --bucket-cap-mb: must be a finite number > 0, got 0"),
 ])
-def test_bad_numbers_are_refused_by_the_config(changes, message):
-    with pytest.raises(RecipeError, match=message):
-        ddp_spawn.DDPSpawnConfig(**changes)
+def test_bad_numbers_are_refused_by_the_command_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ddp_spawn.main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)

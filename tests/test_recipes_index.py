@@ -40,7 +40,6 @@ def test_every_recipe_answers_help(monkeypatch):
 # What the command line of each recipe calls: train(cfg) where it trains, run(cfg) where it does
 # something else (README, "Every recipe is a module"); the exceptions, each for its stated reason.
 ENTRY_EXCEPTIONS = {
-    "ddp_spawn": "launch",  # starts the processes that call its train(cfg)
     "memory_estimate": "main",  # runs nothing: estimate(cfg) returns a dict
 }
 

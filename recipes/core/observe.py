@@ -20,7 +20,9 @@ What one recipe needs beyond that is measured by an ``Observer`` subclass regist
 name in ``OBSERVERS`` (fsdp2: ``ShardedObserver``), or, where it is read off the model and the
 optimizer at the last step, by a function in ``EXTRAS`` (zero: each rank's optimizer partition);
 what they measure lands in ``extras``, which ``prove`` adds to the result's. A test that injects a
-fault passes its own subclass to ``prove``: the recipe has no option for it.
+fault passes its own subclass to ``prove``: the recipe has no option for it. A recipe that starts
+its own processes (ddp_spawn: ``mp.spawn``) hands the observer to them; ``SpawnedObserver`` sends
+rank 0's measurements back to the caller's copy.
 
 A recipe that trains without a process group (single_gpu, amp, data_parallel: one process) is
 measured as a world of 1 with backend ``none``. A recipe whose idea needs more than its losses
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
 import statistics
 import time
 from typing import Any, Callable, Iterator
@@ -50,7 +53,7 @@ from recipes.core.workload import MODEL_PRESETS, Block, TransformerLM
 from recipes.core.world import _keep_groups_past_teardown
 
 __all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "HybridObserver",
-           "OBSERVERS", "prove"]
+           "ContextParallelObserver", "SpawnedObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -439,8 +442,88 @@ class HybridObserver(Observer):
         super().close()
 
 
+class ContextParallelObserver(Observer):
+    """recipes/context_parallel.py: the split, measured on the model's input (into ``extras``).
+
+    ``positions_per_rank``: how many positions of each sequence this rank's model received;
+    ``score_entries_per_rank``: the query-key scores each rank computes per head under a causal
+    mask, from the positions every rank's model received (its work: equal under load balancing);
+    ``cp_size``: the ranks the sequence is split over (the world); ``impl`` and ``load_balance``:
+    as configured.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras.update(impl=cfg.impl, load_balance=cfg.load_balance)
+        self._positions: torch.Tensor | None = None
+        self._pre_hook: Any = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self._pre_hook = model.register_forward_pre_hook(self._record_positions, with_kwargs=True)
+
+    def _record_positions(self, module: nn.Module, args: Any, kwargs: dict) -> None:
+        positions = kwargs.get("positions")
+        if positions is None:  # the model's default: 0..seq-1 of what it received
+            positions = torch.arange(args[0].shape[1])
+        self._positions = positions.reshape(-1, positions.shape[-1])[0].detach().cpu()
+
+    def measure(self, step: int) -> None:
+        if step == self.steps - 1:  # a collective: every rank's positions, in rank order
+            layout = all_ranks(self._positions)
+            self.extras.update(
+                cp_size=self.world_size, positions_per_rank=len(self._positions),
+                score_entries_per_rank=[
+                    sum(int((queries[:, None] >= keys[None, :]).sum()) for keys in layout)
+                    for queries in layout])
+        super().measure(step)
+
+    def close(self) -> None:
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        super().close()
+
+
+class SpawnedObserver(Observer):
+    """An Observer that can travel into the processes a recipe starts itself (ddp_spawn hands it
+    to ``mp.spawn``, which pickles a copy into every child).
+
+    Rank 0's copy sends what it measured at the last step back through a queue made here (from
+    the "spawn" context: it travels with the copy), and the caller's own copy takes it in
+    ``close``, which ``prove`` calls once the recipe's function has returned. Where the recipe's
+    per-rank function runs in the caller's world instead (tests), it is a plain Observer. The
+    final state does not travel: the parent reads the queue only after the children exit, and a
+    message larger than the pipe's buffer would block rank 0 forever.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self._queue = multiprocessing.get_context("spawn").SimpleQueue()
+        self._in_child = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_in_child": True}  # only ever pickled to go to a child
+
+    def measure(self, step: int) -> None:
+        super().measure(step)
+        if self._in_child and step == self.steps - 1 and self.rank == 0:
+            self._queue.put({key: getattr(self, key) for key in _TRAVELS})
+
+    def close(self) -> None:
+        super().close()
+        if not self._in_child and not self._queue.empty():
+            self.__dict__.update(self._queue.get())
+
+
+_TRAVELS = ("durations", "memory_per_rank", "param_checksum", "output_dtype", "extras", "rank",
+            "world_size", "backend", "device")
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver,
                                                  "tensor_parallel": TensorParallelObserver,
-                                                 "hybrid_parallel": HybridObserver}
+                                                 "hybrid_parallel": HybridObserver,
+                                                 "ddp_spawn": SpawnedObserver,
+                                                 "context_parallel": ContextParallelObserver}
