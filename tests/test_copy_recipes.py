@@ -60,6 +60,8 @@ COPYABLE = [name for name in recipe_modules() if is_copyable(name)]
 # How each copyable recipe runs in the test: (launcher, arguments). Small and fast: the point is
 # that the copy runs and agrees, not how long it trains.
 RUNS = {
+    # one device, no process group: a plain python run; cpu, where results/ was measured
+    "activation_checkpointing": ("python", ["--steps", "3", "--device", "cpu"]),
     # one device, no process group: a plain python run; cpu, the device results/amp.json has
     "amp": ("python", ["--device", "cpu", "--steps", "3"]),
     "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
@@ -305,10 +307,17 @@ def check_zero(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
+def check_activation_checkpointing(stdout: str) -> None:
+    # per_block on the "small" model, fp32 on CPU: the package's own losses (results/), and the
+    # recipe's line naming the blocks it checkpointed
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("activation_checkpointing")[:3], atol=6e-5)
+    assert len(losses) == 3 and "mode per_block (fp32): blocks [0, 1, 2, 3] checkpointed" in stdout
+
 
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
           "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
-          "zero": check_zero}
+          "zero": check_zero, "activation_checkpointing": check_activation_checkpointing}

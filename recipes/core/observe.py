@@ -41,15 +41,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from recipes.core.memory import measure_last_forward, model_state_bytes
+from recipes.core.memory import SavedTensorBytes, measure_last_forward, model_state_bytes
 from recipes.core.result import RecipeResult, param_checksum, peak_memory_bytes
 from recipes.core.state import all_ranks, full_state_on_cpu, full_state_on_rank0
 from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "OBSERVERS",
-           "prove"]
+__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver",
+           "CheckpointingObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -87,8 +87,9 @@ class Observer:
         self.final_state: dict[str, torch.Tensor] | None = None
         self.output_dtype: torch.dtype | None = None
         self.extras: dict[str, Any] = {}
-        # the recipe's EXTRAS function, if it has one (prove sets it)
-        self.extras_fn: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None  # what a subclass measures: added to the result's extras
+        # the recipe's EXTRAS function, if it has one (prove sets it); what it returns, like what
+        # a subclass measures, is added to the result's extras
+        self.extras_fn: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None
         self.rank, self.world_size, self.backend = 0, 1, "gloo"
         self.device = torch.device("cpu")
         self._model: nn.Module | None = None
@@ -367,7 +368,89 @@ class TensorParallelObserver(Observer):
             isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
 
 
+class CheckpointingObserver(Observer):
+    """recipes/activation_checkpointing.py: what its first step keeps for backward, measured from
+    outside (into ``extras``):
+
+    - ``saved_bytes``: the bytes the first forward and its loss leave alive when backward starts,
+      whoever keeps them (``recipes.core.memory.SavedTensorBytes``, entered by a forward pre-hook
+      on the model and left at the end of the step);
+    - ``checkpointed_blocks``: the first block of each region that backward ran again. Forward
+      pre-hooks on each block's submodules see a block's forward run inside backward (a graph task
+      is running): it was recomputed. A replay runs its region's blocks in order, and backward
+      reaches the regions from the last: a recomputed block that follows the block just before it
+      belongs to that block's region (checkpoint_sequential's segment of blocks 0-1 is one region,
+      per_block's blocks 1 and 0 are two);
+    - ``checkpoint_input_bytes``: of ``saved_bytes``, those regions' inputs (what checkpoint
+      itself keeps), from a pre-hook on each block;
+    - ``compiled``: the blocks run torch.compile'd code. The graph then decides what it saves, out
+      of a dispatch mode's sight, and hooks inside it would change the graph: the three figures
+      above are None (the peak memory tells instead);
+    - ``mode``: the recipe's ``cfg.mode``, to label the figures.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras["mode"] = cfg.mode
+        self._saved: SavedTensorBytes | None = None
+        self._entered = False
+        self._recomputed: list[int] = []  # block indices, in the order backward re-ran them
+        self._ac_hooks: list[Any] = []
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        blocks = [m for m in model.modules() if isinstance(m, Block)]
+        compiled = all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)
+        self.extras["compiled"] = compiled
+        if compiled:
+            self.extras.update(saved_bytes=None, checkpoint_input_bytes=None,
+                               checkpointed_blocks=None)
+            return
+        self._saved = SavedTensorBytes(model)
+        self._ac_hooks = [model.register_forward_pre_hook(self._start)]
+        for index, block in enumerate(blocks):
+            self._ac_hooks.append(block.register_forward_pre_hook(
+                lambda _module, args, index=index: self._saved.note_input(index, args[0])))
+            for sub in block.modules():  # a checkpointed block's replay skips its own hooks
+                self._ac_hooks.append(sub.register_forward_pre_hook(
+                    lambda *_, index=index: self._note_recompute(index)))
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if not self._entered:  # the first forward: step 0's
+            self._entered = True
+            self._saved.__enter__()
+
+    def _note_recompute(self, index: int) -> None:
+        running_backward = torch._C._current_graph_task_id() != -1
+        if running_backward and (not self._recomputed or self._recomputed[-1] != index):
+            self._recomputed.append(index)
+
+    def measure(self, step: int) -> None:
+        if step == 0 and self._saved is not None:
+            self._stop()
+            replayed = self._recomputed
+            starts = sorted({index for k, index in enumerate(replayed)
+                             if k == 0 or replayed[k - 1] != index - 1})
+            inputs = self._saved.input_bytes
+            self.extras.update(saved_bytes=self._saved.total, checkpointed_blocks=starts,
+                               checkpoint_input_bytes=sum(inputs.get(i, 0) for i in starts))
+        super().measure(step)
+
+    def _stop(self) -> None:
+        for hook in self._ac_hooks:
+            hook.remove()
+        self._ac_hooks = []
+        if self._entered:
+            self._entered = False
+            self._saved.__exit__(None, None, None)
+
+    def close(self) -> None:
+        self._stop()
+        super().close()
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
-OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver,
-                                                 "tensor_parallel": TensorParallelObserver}
+OBSERVERS: dict[str, Callable[..., Observer]] = {
+    "fsdp2": ShardedObserver, "tensor_parallel": TensorParallelObserver,
+    "activation_checkpointing": CheckpointingObserver}
