@@ -78,6 +78,8 @@ RUNS = {
     # gloo and fp32 on a GPU host too, as for ddp_torchrun
     "fsdp2": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "preflight": ("torchrun", ["--timeout-s", "60"]),
+    # replay over 2 ranks: built on meta, never whole, initialised shard by shard
+    "meta_init": ("torchrun", ["--backend", "gloo"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
     "single_gpu": ("python", ["--precision", "fp32"]),
@@ -314,10 +316,21 @@ def check_activation_checkpointing(stdout: str) -> None:
     assert_losses_close(losses, committed_losses("activation_checkpointing")[:3], atol=6e-5)
     assert len(losses) == 3 and "mode per_block (fp32): blocks [0, 1, 2, 3] checkpointed" in stdout
 
+def check_meta_init(stdout: str) -> None:
+    # each of the 2 ranks holds half of the parameters, and the initial model's loss is the
+    # package's own (results/meta_init.json: the normal build's loss, tested in test_meta_init)
+    full = json.loads(Path(REPO_ROOT, "results", "meta_init.json").read_text())["result"]
+    full_bytes = full["extras"]["full_model_bytes"]
+    assert f"replay: {full_bytes // 2} of {full_bytes} parameter bytes on rank 0" in stdout, stdout
+    printed = re.findall(r"^initial loss (\d+\.\d{4})$", stdout, re.M)
+    assert len(printed) == 1, stdout
+    assert_losses_close([float(printed[0])], full["losses"], atol=6e-5)
+
 
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
           "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
-          "zero": check_zero, "activation_checkpointing": check_activation_checkpointing}
+          "zero": check_zero, "activation_checkpointing": check_activation_checkpointing,
+          "meta_init": check_meta_init}

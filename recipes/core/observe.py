@@ -49,7 +49,7 @@ from recipes.core.workload import MODEL_PRESETS, Block
 from recipes.core.world import _keep_groups_past_teardown
 
 __all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver",
-           "CheckpointingObserver", "OBSERVERS", "prove"]
+           "CheckpointingObserver", "MetaInitObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -201,8 +201,9 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
           keep_final_state: bool = False, observer: Observer | None = None) -> RecipeResult:
     """``train_fn(cfg, observer=...)`` measured from outside; the result every rank returns.
 
-    ``cfg`` needs ``steps``, ``model`` (a MODEL_PRESETS key) and ``global_batch_size`` (or
-    ``batch_size``, for one process).
+    ``cfg`` needs ``steps`` (unless its observer knows them: meta_init), ``model`` (a
+    MODEL_PRESETS key) and ``global_batch_size`` (or ``batch_size``, for one process; neither:
+    no tokens, for a recipe that trains nothing).
     ``keep_final_state``: the final parameters on CPU in ``final_state`` (tests compare them).
     ``observer``: a test's own (fault injection; it carries its own ``keep_final_state``);
     by default the one ``OBSERVERS`` registers for ``name``, else ``Observer``.
@@ -225,11 +226,12 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
         losses = returned
     if observer.param_checksum is None:
         raise RuntimeError(f"{name}: the recipe never called observer.step_end for its last step "
-                           f"({cfg.steps - 1}); it ran {len(observer.durations)} step(s)")
+                           f"({observer.steps - 1}); it ran {len(observer.durations)} step(s)")
     # the devices that computed: the ranks, or the GPUs one DataParallel process drives
     devices = (observer.extras.get("gpus") or observer.world_size
                if observer.device.type == "cuda" else 1)
-    batch = getattr(cfg, "global_batch_size", None) or cfg.batch_size  # single_gpu: batch_size
+    # single_gpu: batch_size; meta_init trains nothing: no tokens per step (tokens/s and MFU 0)
+    batch = getattr(cfg, "global_batch_size", None) or getattr(cfg, "batch_size", 0)
     workload = Workload(MODEL_PRESETS[cfg.model], batch, observer.precision)
     return RecipeResult(
         recipe=name,
@@ -449,8 +451,37 @@ class CheckpointingObserver(Observer):
         super().close()
 
 
+class MetaInitObserver(Observer):
+    """recipes/meta_init.py: the model it built, read when it is ready (``model_ready``), before
+    its one forward: fully_shard's root keeps its parameters unsharded after a forward, so every
+    figure is read before it. Into ``extras``: ``param_bytes_per_rank`` (each rank's shards) and
+    ``full_model_bytes`` (the whole model, unsharded); the checksum and (if asked) the full state
+    gathered to rank 0 are the initial weights. One "step": the initial model's forward, with no
+    optimizer (``model_ready(model, None)``).
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(1, keep_final_state=keep_final_state)
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().model_ready(model, optimizer)
+        held = model_state_bytes(model, optimizer)
+        self.memory_per_rank = all_ranks(held)
+        self.extras.update(
+            full_model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+            param_bytes_per_rank=[m["param_bytes"] for m in self.memory_per_rank])
+        state, self.param_checksum = full_state_on_rank0(model)  # a collective: every rank
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+        self._restart_clock()  # the step's time is the forward's, not this reading's
+
+    def measure(self, step: int) -> None:
+        self.close()  # all of it was read before the forward
+        self._model = self._optimizer = None
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {
     "fsdp2": ShardedObserver, "tensor_parallel": TensorParallelObserver,
-    "activation_checkpointing": CheckpointingObserver}
+    "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver}
