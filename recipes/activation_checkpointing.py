@@ -6,6 +6,9 @@
     python -m recipes.activation_checkpointing --mode sequential --segments 2
     python -m recipes.activation_checkpointing --mode none             # the baseline
 
+Copy with it: recipes/toy.py (the model and data you replace), recipes/parallelize.py
+(``apply_activation_checkpointing``, and ``apply_compile`` for --compile).
+
 Backward needs tensors that forward computed (a linear layer's input, a GELU's input, attention's
 q/k/v...); autograd keeps them alive from forward until backward, and for a transformer they
 dominate memory: ~16 x dim floats per token per block here. Checkpointing a block keeps only its
@@ -32,64 +35,48 @@ selective checkpointing, drops the parameters' gradients when no input requires 
 Gradients are unchanged by checkpointing (tests assert it exactly, in fp32).
 
 Speed: ``--precision`` (auto = bf16 on a GPU, fp32 on CPU) autocasts the forward; AdamW is fused
-on CUDA; the result reports tokens/s and MFU (the recomputed forward is not counted as model
-FLOPs). The recipe also reports the bytes the forward leaves alive for backward, measured
-(``SavedTensorBytes``). It trains on one device; the same wrapping works under DDP and FSDP
-(apply it before wrapping the model in them, and before torch.compile).
-
-``apply_activation_checkpointing`` itself lives in recipes/parallelize.py with the other functions
-that parallelize a model (each copies alone); this recipe compares the modes.
+on CUDA. It trains on one device in one process; the same wrapping works under DDP and FSDP (apply
+it before wrapping the model in them, and before torch.compile). ``train`` returns the loss of each
+step and prints it. What each mode keeps for backward is measured from outside, by the harness
+(``python -m recipes.core.prove activation_checkpointing``: the bytes the first forward leaves
+alive, and which blocks backward ran again).
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import functools
+import math
+import os
+import sys
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-import torch.nn as nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint_sequential
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
-from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.state import full_state_on_cpu
-from recipes.core.speed import (apply_compile, autocast, check_autocast, compile_loss, make_adamw,
-                                make_grad_scaler, setup_precision)
-from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, TransformerLM, build_model,
-                                   distributed_loader, iterate_steps, lm_loss, make_dataset)
-from recipes.core.world import join_world
-from recipes.parallelize import (  # noqa: F401  (copyable: it lives with the others)
-    CACHE_ARGUMENTS, CheckpointingError, apply_activation_checkpointing)
+from recipes.parallelize import apply_activation_checkpointing, apply_compile
+from recipes.toy import MODEL_PRESETS, Block, TransformerLM, build_model, lm_loss, make_dataset
 
-log = get_logger(__name__)
 aten = torch.ops.aten
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = ("none", "per_block", "selective", "sequential", "op_selective")
 
 
 @dataclass
-class ACConfig(CompileOption, TrainConfig):
-    model: Literal["tiny", "small", "100m"] = opt(
-        "small", "model size preset; small has 4 blocks, enough to compare modes")
-    mode: Literal["none", "per_block", "selective", "sequential", "op_selective"] = opt(
-        "per_block", "none | per_block: checkpoint every block | selective: every k-th block | "
-        "sequential: checkpoint_sequential over the blocks | op_selective: every block, keeping "
-        "the matmul outputs and recomputing the rest")
-    every_k: int = opt(2, "selective: checkpoint blocks 0, k, 2k, ...", ge=1)
-    segments: int = opt(2, "sequential: segments of the blocks; all but the last are checkpointed",
-                        ge=1)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        n_layers = MODEL_PRESETS[self.model].n_layers
-        if self.segments > n_layers:
-            raise RecipeError(f"segments must be between 1 and the model's {n_layers} blocks, "
-                              f"got {self.segments}")
+class ACConfig:
+    model: str = "small"  # a key of MODEL_PRESETS; small has 4 blocks, enough to compare modes
+    mode: str = "per_block"  # one of MODES
+    every_k: int = 2  # selective: checkpoint blocks 0, k, 2k, ...
+    segments: int = 2  # sequential: segments of the blocks; all but the last are checkpointed
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step (one device: all of them)
+    lr: float = 1e-3
+    seed: int = 0
+    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU; fp16 adds a loss scaler
+    device: str = "auto"  # auto: cuda if a GPU is visible, else cpu
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 # --8<-- [start:policy]
@@ -123,6 +110,8 @@ def sequential_forward(model: TransformerLM, tokens: torch.Tensor, *,
 
     checkpoint_sequential splits the blocks into ``segments`` runs of len // segments blocks and
     checkpoints all of them but the last, whose activations backward needs right away anyway.
+    ``train`` installs it as ``model.forward``, so that ``model(tokens)`` (and any hook on the
+    model) still runs it.
     """
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     x = model.tok_embeddings(tokens) + model.pos_embeddings(positions)
@@ -137,122 +126,165 @@ def sequential_segment_starts(n_blocks: int, segments: int) -> list[int]:
 # --8<-- [end:sequential]
 
 
-# --8<-- [start:measure]
-class SavedTensorBytes(TorchDispatchMode):
-    """Bytes a forward pass leaves alive for backward, counted once per storage.
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)")
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if requested == "cuda" else \
+        torch.device("cpu")
 
-    Whatever keeps a tensor for backward - autograd's saved tensors, checkpoint's copy of a region's
-    input, the cache where selective checkpointing keeps what its policy saves - keeps its storage
-    alive after the forward. So a dispatch mode notes a weak reference to the storage of every
-    tensor an op produces (it sees every op, inside checkpointed regions too) and counts those still
-    alive at the end. Pitfall: ``saved_tensors_hooks`` alone misses that cache (it holds no saved
-    tensors) and would report op_selective as small as per_block. Parameters and views of them are
-    excluded (they exist anyway), and so is the batch (made before the forward). Hold nothing else
-    from the forward, such as the logits, or it is counted too; and exit after autocast, whose cache
-    of low-precision weights lives until autocast exits. Regions' inputs are labelled by a forward
-    pre-hook, to show what checkpoint itself keeps.
-    """
 
-    def __init__(self, model: nn.Module, checkpointed_regions: list[nn.Module]):
-        super().__init__()
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._regions = checkpointed_regions
-        self.total = self.checkpoint_inputs = 0
-
-    @staticmethod
-    def _note(tensors, notes: list) -> None:
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                notes.append((StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
-
-    def _alive_bytes(self, notes: list) -> int:
-        # A freed storage's address can be reused by a later one: only a live reference names it.
-        alive = {pointer: nbytes for ref, pointer, nbytes in notes if not ref.expired()}
-        return sum(nbytes for pointer, nbytes in alive.items() if pointer not in self._params)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._note(out if isinstance(out, (tuple, list)) else (out,), self._made)
-        return out
-
-    def __enter__(self) -> "SavedTensorBytes":
-        self._made, self._inputs = [], []
-        self._handles = [region.register_forward_pre_hook(
-            lambda _module, args: self._note(args[:1], self._inputs)) for region in self._regions]
-        return super().__enter__()
-
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self.total, self.checkpoint_inputs = map(self._alive_bytes, (self._made, self._inputs))
-        self._made, self._inputs = [], []
-# --8<-- [end:measure]
+def pick_precision(requested: str, device: torch.device) -> str:
+    """Resolve ``auto``, refuse what this device cannot do, and set the fp32 matmul mode."""
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if requested == "tf32" and not on_cuda:
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if on_cuda:  # a process-wide switch: set it for every precision, never inherit it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            requested == "tf32")
+    dtype = LOW_PRECISION.get(requested)
+    if dtype is not None:
+        # Pitfall: autocast to a dtype the device cannot do is no error: torch warns and runs
+        # fp32. A matmul probe tells the truth.
+        probe = torch.ones(2, 2, device=device)
+        with torch.autocast(device.type, dtype=dtype):
+            if (probe @ probe).dtype != dtype:
+                raise ValueError(f"torch {torch.__version__} cannot autocast to {requested} on "
+                                 f"{device.type}; use --precision bf16, or a GPU")
+    return requested
 
 
 # --8<-- [start:train]
-def train(cfg: ACConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        if world.world_size > 1:
-            raise RecipeError(f"activation_checkpointing trains on one device, got a world of "
-                              f"{world.world_size}; run "
-                              "`python -m recipes.activation_checkpointing`")
-        precision = setup_precision(cfg.precision, world.device)  # auto: bf16 on a GPU, else fp32
-        check_autocast(world.device, precision)  # an unsupported dtype would silently run fp32
-        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
-        blocks = list(model.layers.values())
-        forward, regions = model, []
-        if cfg.mode == "sequential":
-            forward = functools.partial(sequential_forward, model, segments=cfg.segments)
-            starts = sequential_segment_starts(len(blocks), cfg.segments)
-            regions = [blocks[start] for start in starts]
-        elif cfg.mode != "none":
-            regions = apply_activation_checkpointing(
-                model, block_types=(Block,), every_k=cfg.every_k if cfg.mode == "selective" else 1,
-                policy=save_matmul_outputs if cfg.mode == "op_selective" else None)
+def train(cfg: ACConfig, observer=None) -> list[float]:
+    """Train on one device with ``cfg.mode``'s checkpointing; returns the loss of each step."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ValueError(f"activation_checkpointing trains on one device, got a launcher's world "
+                         f"of {os.environ['WORLD_SIZE']}; run `python -m "
+                         "recipes.activation_checkpointing`")
+    n_blocks = MODEL_PRESETS[cfg.model].n_layers
+    if not 1 <= cfg.segments <= n_blocks:
+        raise ValueError(f"segments must be between 1 and the model's {n_blocks} blocks, "
+                         f"got {cfg.segments}")
+    if cfg.every_k < 1:
+        raise ValueError(f"every_k must be >= 1, got {cfg.every_k}")
+    device = pick_device(cfg.device)
+    precision = pick_precision(cfg.precision, device)  # auto: bf16 on a GPU, else fp32
+    dtype = LOW_PRECISION.get(precision)  # None: no autocast (fp32, tf32)
+    model = build_model(cfg.model, seed=cfg.seed, device=device)
+    blocks = list(model.layers.values())
+    if cfg.mode == "sequential":  # model(tokens) now runs checkpoint_sequential over the blocks
+        model.forward = functools.partial(sequential_forward, model, segments=cfg.segments)
+        checkpointed = sequential_segment_starts(len(blocks), cfg.segments)
+    elif cfg.mode != "none":
+        regions = apply_activation_checkpointing(
+            model, block_types=(Block,), every_k=cfg.every_k if cfg.mode == "selective" else 1,
+            policy=save_matmul_outputs if cfg.mode == "op_selective" else None)
         checkpointed = [blocks.index(region) for region in regions]
-        loss_fn = lm_loss
-        if cfg.compile:  # after checkpointing: each block's checkpoint is traced with its policy
-            apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
-            loss_fn = compile_loss(lm_loss, backend=cfg.compile_backend)
-        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)  # fused on CUDA
-        scaler = make_grad_scaler(world.device, precision)  # a pass-through unless fp16
-        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(dataset, rank=0, world_size=1, seed=cfg.seed,
-                                             per_rank_batch_size=cfg.global_batch_size)
+    else:
+        checkpointed = []
+    loss_fn = lm_loss
+    if cfg.compile:  # after checkpointing: each block's checkpoint is traced with its policy
+        apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+        loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                  fused=True if device.type == "cuda" else None)
+    # fp16 only; a disabled scaler (bf16, fp32) passes scale() and step() through unchanged
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    if observer: observer.model_ready(model, optimizer)
+    print(f"mode {cfg.mode} ({precision}): blocks {checkpointed} checkpointed", flush=True)
 
-        losses, timer, saved = [], StepTimer(world.device), SavedTensorBytes(model, regions)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                inputs, targets = inputs.to(world.device), targets.to(world.device)
-                # Measure in step 0 only (the mode costs time; step 0 is left out of the timing),
-                # and around autocast: its cache of bf16 weight copies is freed when it exits.
-                # Compiled, the graph decides what it saves, out of the dispatch mode's sight: the
-                # peak memory tells instead.
-                measure = saved if step == 0 and not cfg.compile else contextlib.nullcontext()
-                with measure, autocast(world.device, precision):  # forward and loss only
-                    loss = loss_fn(forward(inputs), targets)
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()  # checkpointed blocks run their forward again here
-                scaler.step(optimizer)
-                scaler.update()
-            losses.append(float(loss.item()))
-            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
-
-        if not cfg.compile:
-            log.info("mode %s (%s): blocks %s checkpointed; %.2f MiB saved for backward "
-                     "(%.2f MiB of it checkpoint inputs)", cfg.mode, precision, checkpointed,
-                     saved.total / 2**20, saved.checkpoint_inputs / 2**20)
-        final_state = full_state_on_cpu(model) if cfg.keep_final_state else None
-        workload = Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision)
-        return make_result("activation_checkpointing", world, losses, model.parameters(), timer,
-                           keep_final_state=final_state, workload=workload,
-                           mode=cfg.mode, checkpointed_blocks=checkpointed, compiled=cfg.compile,
-                           saved_bytes=None if cfg.compile else saved.total,
-                           checkpoint_input_bytes=None if cfg.compile else saved.checkpoint_inputs)
+    dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+    # one process, the same data order as the distributed recipes' world of 1
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed,
+                                 drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
+                        drop_last=True)
+    losses, step, epoch = [], 0, 0
+    while step < cfg.steps:
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            if step == cfg.steps:
+                break
+            inputs, targets = inputs.to(device), targets.to(device)
+            with torch.autocast(device.type, dtype=dtype or torch.float32,
+                                enabled=dtype is not None):  # forward and loss only
+                loss = loss_fn(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # checkpointed blocks run their forward again here
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+            print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+            if observer: observer.step_end(step, losses[-1])
+            step += 1
+        epoch += 1
+    return losses
 # --8<-- [end:train]
 
 
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = ACConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.activation_checkpointing", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model,
+        help="model size; small has 4 blocks, enough to compare modes")
+    add("--mode", choices=MODES, default=defaults.mode,
+        help="none | per_block: checkpoint every block | selective: every k-th block | "
+        "sequential: checkpoint_sequential over the blocks | op_selective: every block, keeping "
+        "the matmul outputs and recomputing the rest")
+    add("--every-k", type=_number(int, at_least=1), default=defaults.every_k,
+        help="selective: checkpoint blocks 0, k, 2k, ...")
+    add("--segments", type=_number(int, at_least=1), default=defaults.segments,
+        help="sequential: segments of the blocks; all but the last are checkpointed")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
+        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: autocast (fp16 with a loss scaler)")
+    add("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
+        help="where to train; auto: cuda if a GPU is visible, else cpu")
+    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
+        help="torch.compile each transformer block (after checkpointing) and the loss")
+    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = ACConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # a device, precision, segment count or world it cannot use
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, ACConfig, __doc__)
+    main()

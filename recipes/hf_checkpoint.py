@@ -61,7 +61,7 @@ from recipes.core.workload import (
     lm_loss,
 )
 from recipes.core.world import join_world
-from recipes.meta_init import build_sharded_on_meta, local_slices
+from recipes.parallelize import build_sharded_on_meta, local_slices
 
 log = get_logger(__name__)
 INDEX, SEQ_LEN = "model.safetensors.index.json", 16

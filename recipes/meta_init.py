@@ -4,6 +4,10 @@
     python -m recipes.meta_init --create-seed-checkpoint   # once: the full build, in one process
     torchrun --standalone --nproc_per_node=2 -m recipes.meta_init --method seed_checkpoint
 
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
+leave the world), recipes/parallelize.py (``build_sharded_on_meta``: meta, ``apply_fully_shard``,
+``to_empty``; ``local_slices``).
+
 A model too big for one rank cannot be built on CPU first and sharded after (recipes/fsdp2.py does
 that: every rank holds the whole model for a moment). Here it is built under
 ``torch.device("meta")`` (shapes only, no bytes), sharded with ``apply_fully_shard`` (each parameter
@@ -30,69 +34,47 @@ tracker (``OffsetBasedRNGTracker`` refuses CPU), so each rank draws from its own
 own shard: with the same seed, rank 1's rows repeat rank 0's (asserted). On CUDA the tracker gives
 each shard its own Philox offset, so the result does not depend on the layout, but the numbers are
 the CUDA generator's: they cannot equal a CPU build, and every init function must accept DTensors.
+
+``run`` builds and initialises the model, prints what rank 0 holds and the initial model's loss on
+two sequences (the normal build's loss: the weights are the same), and returns a ``MetaInitRun``:
+that loss, and the bytes the method held in full on top of the shard (replay's cost). It trains
+nothing: a training loop on the sharded model is recipes/fsdp2.py's.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
-from typing import Callable, Literal
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
-from recipes.core.cli import run_cli
-from recipes.core.config import Config, RecipeError, opt
-from recipes.core.log import get_logger
-from recipes.core.memory import model_state_bytes
-from recipes.core.paths import output_dir_problem, refuse
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.state import all_ranks, full_state_on_rank0, mean_over_ranks
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    Block,
-    TransformerLM,
-    build_model,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import join_world
-from recipes.parallelize import apply_fully_shard
-
-log = get_logger(__name__)
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.parallelize import build_sharded_on_meta, local_slices
+from recipes.toy import MODEL_PRESETS, Block, TransformerLM, build_model, lm_loss, make_dataset
 
 
 @dataclass
-class MetaInitConfig(Config):
-    model: Literal["tiny", "small", "100m"] = opt("tiny", "model size preset")
-    method: Literal["replay", "seed_checkpoint"] = opt(
-        "replay", "replay = each rank re-runs the init one module at a time and keeps its rows; "
-        "seed_checkpoint = load a DCP checkpoint of the initial weights (see the docstring)")
-    seed: int = opt(0, "the seed a normal build would use (build_model(seed=...))", ge=0)
-    seed_checkpoint_dir: str = opt("checkpoints/seed_checkpoint", "where the seed checkpoint lives")
-    create_seed_checkpoint: bool = opt(
-        False, "build the model once in this process, save it to --seed-checkpoint-dir, and exit")
-    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "process-group backend")
-    timeout_s: float = opt(300.0, "collective timeout in seconds", gt=0)
-    keep_final_state: bool = opt(False, "return the full initial state in the result (tests)")
+class MetaInitConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    method: str = "replay"  # replay | seed_checkpoint (see the docstring)
+    seed: int = 0  # the seed a normal build would use (build_model(seed=...))
+    seed_checkpoint_dir: str = "checkpoints/seed_checkpoint"
+    create_seed_checkpoint: bool = False  # build once in this process, save, and exit
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
 
 
-# --8<-- [start:local_slices]
-def local_slices(param: DTensor) -> tuple[slice, ...]:
-    """The index of this rank's shard inside the full tensor, e.g. rows 32:64 of a (64, 32) weight.
-
-    DCP's own chunk list (``__create_chunk_list__``) gives the offsets and sizes for any placement,
-    uneven shards included, without a collective."""
-    (chunk,) = param.__create_chunk_list__()
-    return tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-# --8<-- [end:local_slices]
+@dataclass
+class MetaInitRun:
+    losses: list[float] = field(default_factory=list)  # the initial model's loss (one)
+    largest_module_bytes: int = 0  # held in full on top of the shard, for a moment (replay)
 
 
 def reset_parameters(module: nn.Module) -> None:
@@ -140,77 +122,125 @@ def write_seed_checkpoint(model: nn.Module, path: str) -> None:
 def load_seed_checkpoint(model: nn.Module, path: str) -> None:
     """Load a seed checkpoint into a sharded model: each rank reads the rows of its shards."""
     if not os.path.exists(os.path.join(path, ".metadata")):
-        raise RecipeError(f"no seed checkpoint in {path}; create it once with python -m recipes."
-                          f"meta_init --create-seed-checkpoint --seed-checkpoint-dir {path}")
+        raise ValueError(f"no seed checkpoint in {path}; create it once with python -m recipes."
+                         f"meta_init --create-seed-checkpoint --seed-checkpoint-dir {path}")
     state = get_model_state_dict(model)  # DTensors: DCP reads into each rank's shard
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state)
 # --8<-- [end:seed_checkpoint]
 
 
-# --8<-- [start:build]
-def build_sharded_on_meta(make_model: Callable[[], nn.Module], mesh, *,
-                          block_types: tuple[type[nn.Module], ...],
-                          device: torch.device) -> nn.Module:
-    """Build under meta (no bytes), shard, then allocate only this rank's shards (uninitialised).
-
-    Pitfall: ``to_empty`` gives every parameter and buffer new, uninitialised memory: each one
-    must be initialised or loaded afterwards, buffers too (a rotary table, a causal mask)."""
-    with torch.device("meta"):
-        model = make_model()
-    apply_fully_shard(model, mesh, block_types=block_types)
-    model.to_empty(device=device)
-    return model
-# --8<-- [end:build]
-
-
-def full_model_bytes(model: nn.Module) -> int:
-    """What the whole model's parameters take unsharded (DTensor: its global shape)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def create_seed_checkpoint(cfg: MetaInitConfig) -> None:
+    """The seed_checkpoint method's one full build: in this process, before the sharded run."""
+    path = cfg.seed_checkpoint_dir
+    if os.path.exists(path) and not os.path.isdir(path):  # refused before the build
+        raise ValueError(f"--seed-checkpoint-dir {path} is a file; name a directory "
+                         "(created if missing)")
+    write_seed_checkpoint(build_model(cfg.model, seed=cfg.seed), cfg.seed_checkpoint_dir)
+    print(f"seed checkpoint of {cfg.model} (seed {cfg.seed}) written to "
+          f"{cfg.seed_checkpoint_dir}", flush=True)
 
 
 # --8<-- [start:run]
-def run(cfg: MetaInitConfig) -> RecipeResult:
-    model_cfg = MODEL_PRESETS[cfg.model]
-    if cfg.create_seed_checkpoint:  # one process, the one full build of the seed_checkpoint method
-        refuse(output_dir_problem(cfg.seed_checkpoint_dir, "--seed-checkpoint-dir"))
-        write_seed_checkpoint(build_model(cfg.model, seed=cfg.seed), cfg.seed_checkpoint_dir)
-        log.info("seed checkpoint of %s (seed %d) written to %s", cfg.model, cfg.seed,
-                 cfg.seed_checkpoint_dir)
-        return None  # type: ignore[return-value]
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+def run(cfg: MetaInitConfig, observer=None) -> MetaInitRun:
+    """Build the model sharded, never whole, and initialise it; returns its loss (every rank)."""
+    if cfg.create_seed_checkpoint:
+        raise ValueError("create_seed_checkpoint is a step of its own, before this run: "
+                         "python -m recipes.meta_init --create-seed-checkpoint")
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
+    try:
         mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
-        timer = StepTimer(world.device)  # its one "step": build, shard and initialise
-        with timer:
-            model = build_sharded_on_meta(lambda: TransformerLM(model_cfg), mesh,
-                                          block_types=(Block,), device=world.device)
-            if cfg.method == "replay":
-                largest_module_bytes = replay_init(model, seed=cfg.seed)
-            else:
-                largest_module_bytes = 0
-                load_seed_checkpoint(model, cfg.seed_checkpoint_dir)
+        model_cfg = MODEL_PRESETS[cfg.model]
+        model = build_sharded_on_meta(lambda: TransformerLM(model_cfg), mesh,
+                                      block_types=(Block,), device=world.device)
+        largest_module_bytes = 0
+        if cfg.method == "replay":
+            largest_module_bytes = replay_init(model, seed=cfg.seed)
+        else:
+            load_seed_checkpoint(model, cfg.seed_checkpoint_dir)
+        # no optimizer: this recipe ends where training would start
+        if observer: observer.model_ready(model, None)
         # Before any forward: fully_shard's root keeps its parameters unsharded after one.
-        shard_bytes = model_state_bytes(model)["param_bytes"]
-        local_sum = sum(p.to_local().double().sum().item() for p in model.parameters())
-        checksum = torch.tensor([local_sum], dtype=torch.float64, device=world.device)
-        torch.distributed.all_reduce(checksum)
-        log.info("%s: %d of %d parameter bytes on this rank, + %d for one module in full",
-                 cfg.method, shard_bytes, full_model_bytes(model), largest_module_bytes)
-        # One forward of the initial model: its loss equals the normal build's (tested).
-        tokens = make_dataset(cfg.model, 2, seed=cfg.seed).tokens[:2]
-        inputs, targets = tokens[:, :-1].to(world.device), tokens[:, 1:].to(world.device)
-        loss = mean_over_ranks(lm_loss(model(inputs), targets))
-        state = full_state_on_rank0(model)[0] if cfg.keep_final_state else {}
-        return make_result(
-            # the checksum equals build_model's (tested)
-            "meta_init", world, [loss], float(checksum.item()), timer,
-            keep_final_state=state if world.is_main and cfg.keep_final_state else None,
-            full_model_bytes=full_model_bytes(model),
-            param_bytes_per_rank=all_ranks(shard_bytes),
-            largest_module_bytes_per_rank=all_ranks(largest_module_bytes),
-        )
+        shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # global
+        if world.rank == 0:
+            print(f"{cfg.method}: {shard_bytes} of {full_bytes} parameter bytes on rank 0, "
+                  f"+ {largest_module_bytes} for one module in full", flush=True)
+
+        # One forward of the initial model: its loss equals the normal build's (tested). Every
+        # rank runs the same two sequences, so every rank gets the same loss.
+        tokens = make_dataset(cfg.model, 2, seed=cfg.seed).tokens[:2].to(world.device)
+        with torch.no_grad():
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).item()
+        if world.rank == 0:
+            print(f"initial loss {loss:.4f}", flush=True)
+        if observer: observer.step_end(0, loss)
+        return MetaInitRun(losses=[loss], largest_module_bytes=largest_module_bytes)
+    finally:
+        cleanup_distributed()
 # --8<-- [end:run]
 
 
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = MetaInitConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.meta_init", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--method", choices=["replay", "seed_checkpoint"], default=defaults.method,
+        help="replay: each rank re-runs the init one module at a time and keeps its rows; "
+        "seed_checkpoint: load a DCP checkpoint of the initial weights (see the docstring)")
+    add("--seed", type=_seed, default=defaults.seed,
+        help="the seed a normal build would use (build_model(seed=...))")
+    add("--seed-checkpoint-dir", default=defaults.seed_checkpoint_dir,
+        help="where the seed checkpoint lives")
+    add("--create-seed-checkpoint", action=argparse.BooleanOptionalAction,
+        default=defaults.create_seed_checkpoint,
+        help="build the model once in this process, save it to --seed-checkpoint-dir, and exit")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_positive, default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = MetaInitConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        if cfg.create_seed_checkpoint:  # one process, the one full build of seed_checkpoint
+            create_seed_checkpoint(cfg)
+        else:
+            run(cfg)
+    except ValueError as exc:  # bad input every rank sees (a missing seed checkpoint)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(run, MetaInitConfig, __doc__)
+    main()

@@ -15,6 +15,8 @@ Order, as torchtitan's ``parallelize`` composes them: ``apply_tp`` (it splits th
 The recipes show each in use: activation_checkpointing, performance (compile), fsdp2, fsdp,
 tensor_parallel and hybrid_parallel; the complete job (recipes/job.py) composes them by
 configuration. ``rank_grid`` prints a mesh's rank map, for the log of any layout on a mesh.
+``build_sharded_on_meta`` (build on meta, shard, allocate the shards) and ``local_slices`` (where
+a rank's shard sits in the full tensor) serve meta_init and hf_checkpoint.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 __all__ = [
     "CheckpointingError", "apply_activation_checkpointing",
     "CompileTargetError", "apply_compile",
-    "ShardingError", "apply_fully_shard",
+    "ShardingError", "apply_fully_shard", "build_sharded_on_meta", "local_slices",
     "FSDPWrapError", "apply_fsdp", "check_units", "tied_modules",
     "TPPlanError", "apply_tp", "check_tp_plan", "check_heads_divide", "check_tp_fits",
     "matching_modules",
@@ -233,6 +235,34 @@ def apply_fully_shard(
             following.set_modules_to_backward_prefetch([previous])
     return model
 # --8<-- [end:apply_fully_shard]
+
+
+# --8<-- [start:build_sharded_on_meta]
+def build_sharded_on_meta(make_model: Callable[[], nn.Module], mesh: DeviceMesh, *,
+                          block_types: tuple[type[nn.Module], ...],
+                          device: torch.device) -> nn.Module:
+    """Build under meta (no bytes), shard, then allocate only this rank's shards (uninitialised).
+
+    Order: sharding before ``to_empty`` is what makes each rank allocate 1/N. Pitfall:
+    ``to_empty`` gives every parameter and buffer new, uninitialised memory: each one must be
+    initialised or loaded afterwards, buffers too (a rotary table, a causal mask)."""
+    with torch.device("meta"):
+        model = make_model()
+    apply_fully_shard(model, mesh, block_types=block_types)
+    model.to_empty(device=device)
+    return model
+# --8<-- [end:build_sharded_on_meta]
+
+
+# --8<-- [start:local_slices]
+def local_slices(param: DTensor) -> tuple[slice, ...]:
+    """The index of this rank's shard inside the full tensor, e.g. rows 32:64 of a (64, 32) weight.
+
+    DCP's own chunk list (``__create_chunk_list__``) gives the offsets and sizes for any placement,
+    uneven shards included, without a collective."""
+    (chunk,) = param.__create_chunk_list__()
+    return tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+# --8<-- [end:local_slices]
 
 
 # --8<-- [start:apply_fsdp]

@@ -122,18 +122,18 @@ def recipes_at_world_1(
         ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**common)),
         (
             "checkpointing: none",
-            activation_checkpointing.train,
-            activation_checkpointing.ACConfig(**common, mode="none"),
+            proven,
+            ac_config(**common, mode="none"),
         ),
         (
             "checkpointing: per_block",
-            activation_checkpointing.train,
-            activation_checkpointing.ACConfig(**common, mode="per_block"),
+            proven,
+            ac_config(**common, mode="per_block"),
         ),
         (
             "checkpointing: op_selective",
-            activation_checkpointing.train,
-            activation_checkpointing.ACConfig(**common, mode="op_selective"),
+            proven,
+            ac_config(**common, mode="op_selective"),
         ),
     ]
     if not compile_backend:
@@ -151,7 +151,7 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
     ``batch`` (64 on a GPU) and at ``batch`` (32), where the host shows."""
     common = dict(model=model, steps=steps, precision="auto")
     compiled = dict(compile=True, compile_backend=compile_backend)
-    perf, ac = performance.PerformanceConfig, activation_checkpointing.ACConfig
+    perf, ac = performance.PerformanceConfig, ac_config
     out = tempfile.mkdtemp(prefix="bench-lightning-")
     b64, b32 = dict(common, global_batch_size=2 * batch), dict(common, global_batch_size=batch)
     return {
@@ -169,11 +169,11 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
             ("lightning_trainer", lightning_trainer.train,
              lightning_trainer.LightningConfig(**b64, output_dir=out, logger="none")),
             ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**b64)),
-            ("checkpointing: none + compile", activation_checkpointing.train,
+            ("checkpointing: none + compile", proven,
              ac(**b64, **compiled, mode="none")),
-            ("checkpointing: per_block + compile", activation_checkpointing.train,
+            ("checkpointing: per_block + compile", proven,
              ac(**b64, **compiled, mode="per_block")),
-            ("checkpointing: op_selective + compile", activation_checkpointing.train,
+            ("checkpointing: op_selective + compile", proven,
              ac(**b64, **compiled, mode="op_selective")),
         ],
         str(batch): [
@@ -285,6 +285,11 @@ def fsdp2_proven(cfg):
 def fsdp2_config(**fields) -> fsdp2.FSDP2Config:
     """fsdp2 joins through recipes.dist_setup, which picks NCCL whenever CUDA is there."""
     return fsdp2.FSDP2Config(**fields, backend="auto" if ON_GPU else "gloo")
+
+
+def ac_config(**fields) -> activation_checkpointing.ACConfig:
+    """activation_checkpointing trains on one device: cuda where the GPU runs are, else cpu."""
+    return activation_checkpointing.ACConfig(**fields, device="auto" if ON_GPU else "cpu")
 
 
 def cfg_recipe(cfg) -> str:

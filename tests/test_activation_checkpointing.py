@@ -1,27 +1,32 @@
-"""activation_checkpointing: same gradients in every mode; saved bytes shrink as shapes imply."""
+"""activation_checkpointing: same gradients in every mode; saved bytes shrink as shapes imply.
+
+The recipe is measured from outside (``recipe_result``: the harness's ``prove`` with
+recipes.core.observe.CheckpointingObserver): the bytes the first forward leaves for backward, the
+checkpointed regions' inputs, and which blocks backward ran again.
+"""
 
 import collections
 import functools
+import re
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from recipes import activation_checkpointing as ac
-from recipes.core.config import RecipeError
-from recipes.core.workload import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
-from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json, run_alone,
-                           run_cli, with_fields)
+from recipes.parallelize import CheckpointingError
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
+from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json,
+                           recipe_result, run_cli, with_fields)
 
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
 # --dist loadgroup), so the fixtures run once rather than once per worker.
 pytestmark = pytest.mark.xdist_group("activation_checkpointing")
 
-# gloo, so CPU even where there is a GPU: the exact comparisons and the byte counts below are CPU's
+# CPU even where there is a GPU: the exact comparisons and the byte counts below are CPU's
 # (CUDA's embedding backward is not bit-deterministic, and its attention kernels save other
 # tensors). precision="fp32" too: "auto" means bf16 on a GPU, and the exact checks need fp32.
-CFG = ac.ACConfig(model="small", steps=3, every_k=2, segments=2, keep_final_state=True,
-                  timeout_s=60, backend="gloo", precision="fp32")
+CFG = ac.ACConfig(model="small", steps=3, every_k=2, segments=2, device="cpu", precision="fp32")
 MODEL = MODEL_PRESETS[CFG.model]  # 4 blocks: selective checkpoints blocks 0 and 2, sequential 0-1
 MODES = ("none", "per_block", "selective", "sequential", "op_selective")
 FLOAT_BYTES = 4
@@ -30,7 +35,7 @@ TOKENS = CFG.global_batch_size * MODEL.seq_len  # per step
 
 @pytest.fixture(scope="module")
 def runs():
-    return {mode: run_alone(ac.train, with_fields(CFG, mode=mode)) for mode in MODES}
+    return {mode: recipe_result(with_fields(CFG, mode=mode)) for mode in MODES}
 
 
 def one_batch(batch_size=4):
@@ -178,7 +183,7 @@ BF16_LOSS_TOLERANCE = 1e-3
 
 
 def test_bf16_trains_like_fp32_and_checkpointing_stays_exact(runs):
-    bf16 = {mode: run_alone(ac.train, with_fields(CFG, mode=mode, precision="bf16"))
+    bf16 = {mode: recipe_result(with_fields(CFG, mode=mode, precision="bf16"))
             for mode in ("none", "op_selective")}
     assert bf16["none"].precision == "bf16"
     assert_losses_close(bf16["none"].losses, runs["none"].losses, atol=BF16_LOSS_TOLERANCE)
@@ -191,29 +196,38 @@ def test_bf16_trains_like_fp32_and_checkpointing_stays_exact(runs):
 
 def test_apply_needs_a_block_that_matches_and_names_what_it_found():
     model = build_model("tiny", seed=0)
-    with pytest.raises(ac.CheckpointingError,
+    with pytest.raises(CheckpointingError,
                        match=r"matched no block in TransformerLM; its module classes "
                              r"are: .*Attention, Block, .*TransformerLM"):
         ac.apply_activation_checkpointing(model, block_types=(torch.nn.Conv2d,))
-    with pytest.raises(ac.CheckpointingError, match="exactly one of block_types"):
+    with pytest.raises(CheckpointingError, match="exactly one of block_types"):
         ac.apply_activation_checkpointing(model)
     blocks = ac.apply_activation_checkpointing(model, is_block=lambda m: isinstance(m, Block))
     assert blocks == list(model.layers.values())
 
 
 def test_bad_options_name_the_valid_range():
-    with pytest.raises(RecipeError, match="segments must be between 1 and the model's 4 blocks, "
-                                          "got 5"):
-        ac.ACConfig(model="small", mode="sequential", segments=5)
-    with pytest.raises(RecipeError, match="every_k must be >= 1"):
-        ac.ACConfig(mode="selective", every_k=0)
+    # train refuses them before any work (a ValueError: the command line prints its one line)
+    with pytest.raises(ValueError, match="segments must be between 1 and the model's 4 blocks, "
+                                         "got 5"):
+        ac.train(with_fields(CFG, mode="sequential", segments=5))
+    with pytest.raises(ValueError, match="every_k must be >= 1"):
+        ac.train(with_fields(CFG, mode="selective", every_k=0))
 
 
 def test_cli_runs_and_prints_the_measurement():
-    proc = run_cli([PYTHON, "-m", "recipes.activation_checkpointing", "--model", "tiny",
-                    "--mode", "op_selective", "--steps", "2"], timeout_s=120)
+    # the recipe's own command line, measured by the harness: its lines, then the result's JSON
+    proc = run_cli([PYTHON, "-m", "recipes.core.prove", "activation_checkpointing", "--model",
+                    "tiny", "--mode", "op_selective", "--steps", "2"], timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = last_json(proc.stdout)
     assert result["extras"]["checkpointed_blocks"] == [0, 1] and result["extras"]["saved_bytes"] > 0
-    assert len(result["losses"]) == 2 and "saved for backward" in proc.stdout
+    assert len(result["losses"]) == 2 and "blocks [0, 1] checkpointed" in proc.stdout
     assert result["tokens_per_second"] > 0 and result["precision"] in ("fp32", "bf16")
+    printed = [float(x) for x in re.findall(r"^step \d loss (\d+\.\d{4})$", proc.stdout, re.M)]
+    assert printed == [round(loss, 4) for loss in result["losses"]], proc.stdout
+    bad = run_cli([PYTHON, "-m", "recipes.activation_checkpointing", "--mode", "sequential",
+                   "--segments", "5"], timeout_s=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: segments must be between 1 and the model's 4 blocks, got 5"]

@@ -61,6 +61,8 @@ COPYABLE = [name for name in recipe_modules() if is_copyable(name)]
 # How each copyable recipe runs in the test: (launcher, arguments). Small and fast: the point is
 # that the copy runs and agrees, not how long it trains.
 RUNS = {
+    # one device, no process group: a plain python run; cpu, where results/ was measured
+    "activation_checkpointing": ("python", ["--steps", "3", "--device", "cpu"]),
     # one device, no process group: a plain python run; cpu, the device results/amp.json has
     "amp": ("python", ["--device", "cpu", "--steps", "3"]),
     "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
@@ -79,6 +81,8 @@ RUNS = {
     "preflight": ("torchrun", ["--timeout-s", "60"]),
     "process_groups": ("torchrun", []),
     "hybrid_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
+    # replay over 2 ranks: built on meta, never whole, initialised shard by shard
+    "meta_init": ("torchrun", ["--backend", "gloo"]),
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
     "single_gpu": ("python", ["--precision", "fp32"]),
@@ -353,6 +357,25 @@ def check_context_parallel(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
+def check_activation_checkpointing(stdout: str) -> None:
+    # per_block on the "small" model, fp32 on CPU: the package's own losses (results/), and the
+    # recipe's line naming the blocks it checkpointed
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("activation_checkpointing")[:3], atol=6e-5)
+    assert len(losses) == 3 and "mode per_block (fp32): blocks [0, 1, 2, 3] checkpointed" in stdout
+
+
+def check_meta_init(stdout: str) -> None:
+    # each of the 2 ranks holds half of the parameters, and the initial model's loss is the
+    # package's own (results/meta_init.json: the normal build's loss, tested in test_meta_init)
+    full = json.loads(Path(REPO_ROOT, "results", "meta_init.json").read_text())["result"]
+    full_bytes = full["extras"]["full_model_bytes"]
+    assert f"replay: {full_bytes // 2} of {full_bytes} parameter bytes on rank 0" in stdout, stdout
+    printed = re.findall(r"^initial loss (\d+\.\d{4})$", stdout, re.M)
+    assert len(printed) == 1, stdout
+    assert_losses_close([float(printed[0])], full["losses"], atol=6e-5)
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -360,4 +383,6 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
           "zero": check_zero, "process_groups": check_process_groups,
           "hybrid_parallel": check_hybrid_parallel, "ddp_spawn": check_ddp_spawn,
-          "context_parallel": check_context_parallel}
+          "context_parallel": check_context_parallel,
+          "activation_checkpointing": check_activation_checkpointing,
+          "meta_init": check_meta_init}

@@ -1,6 +1,10 @@
 """meta_init: a model built on meta, sharded and initialised shard by shard equals a normal build
 with the same seed (the cookbook's model by replay and by a seed checkpoint, GPT-2 by a seed
-checkpoint), and no rank ever holds the whole model."""
+checkpoint), and no rank ever holds the whole model.
+
+The recipe is measured from outside (the harness's ``prove`` with
+recipes.core.observe.MetaInitObserver: each rank's shard bytes, the checksum and the full initial
+state gathered to rank 0, read before the model's first forward)."""
 
 from __future__ import annotations
 
@@ -10,12 +14,12 @@ import pytest
 import torch
 
 from recipes import meta_init
-from recipes.core.config import RecipeError
-from recipes.core.workload import build_model, lm_loss, make_dataset
+from recipes.parallelize import build_sharded_on_meta
+from recipes.toy import build_model, lm_loss, make_dataset
 from tests.helpers import PYTHON, last_json, run_cli, run_world
 
 SEED = 3
-CFG = meta_init.MetaInitConfig(seed=SEED, keep_final_state=True, backend="gloo", timeout_s=60)
+CFG = meta_init.MetaInitConfig(seed=SEED, backend="gloo", timeout_s=60)
 
 
 def gpt2_config():
@@ -35,8 +39,8 @@ def gpt2_sharded_from_seed_checkpoint(path: str):
     from recipes.core.state import all_ranks, full_state_on_rank0
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = meta_init.build_sharded_on_meta(lambda: GPT2LMHeadModel(gpt2_config()), mesh,
-                                            block_types=(GPT2Block,), device=torch.device("cpu"))
+    model = build_sharded_on_meta(lambda: GPT2LMHeadModel(gpt2_config()), mesh,
+                                  block_types=(GPT2Block,), device=torch.device("cpu"))
     meta_init.load_seed_checkpoint(model, path)
     tied = model.lm_head.weight is model.transformer.wte.weight
     shard_bytes = all_ranks(model_state_bytes(model)["param_bytes"])
@@ -56,13 +60,20 @@ def dtensor_random_init_on_cpu() -> torch.Tensor:
     return param.full_tensor()
 
 
+def proven(cfg):
+    """meta_init.run(cfg) measured by the harness, with the full initial state on rank 0."""
+    from recipes.core.observe import prove
+
+    return prove(meta_init.run, cfg, name="meta_init", keep_final_state=True)
+
+
 def rank_main(paths: tuple[str, str]):
     """Everything on one world of 2 (run_world has joined it): one spawn for the whole test."""
     seed_dir, gpt2_dir = paths
-    replay = meta_init.run(CFG)
-    seeded = meta_init.run(meta_init.MetaInitConfig(
-        seed=SEED, method="seed_checkpoint", seed_checkpoint_dir=seed_dir,
-        keep_final_state=True, backend="gloo", timeout_s=60))
+    replay = proven(CFG)
+    seeded = proven(meta_init.MetaInitConfig(
+        seed=SEED, method="seed_checkpoint", seed_checkpoint_dir=seed_dir, backend="gloo",
+        timeout_s=60))
     return replay, seeded, gpt2_sharded_from_seed_checkpoint(gpt2_dir), dtensor_random_init_on_cpu()
 
 
@@ -83,8 +94,8 @@ def test_meta_init_equals_a_normal_build_and_no_rank_holds_the_model(tmp_path):
     meta_init.write_seed_checkpoint(gpt2, str(tmp_path / "gpt2"))
 
     paths = (str(tmp_path / "seed"), str(tmp_path / "gpt2"))
-    replay, seeded, (gpt2_state, gpt2_bytes, tied), random_init = run_world(
-        rank_main, 2, [paths], deadline_s=170)[0]
+    per_rank = run_world(rank_main, 2, [paths], deadline_s=170)
+    replay, seeded, (gpt2_state, gpt2_bytes, tied), random_init = per_rank[0]
 
     expected = reference.state_dict()
     tokens = make_dataset("tiny", 2, seed=SEED).tokens[:2]
@@ -98,7 +109,8 @@ def test_meta_init_equals_a_normal_build_and_no_rank_holds_the_model(tmp_path):
         full = result.extras["full_model_bytes"]
         # Each rank holds half of the parameters, and at most one module more in full (replay).
         assert result.extras["param_bytes_per_rank"] == [full // 2, full // 2]
-    largest = replay.extras["largest_module_bytes_per_rank"]
+    # what replay_init returned on each rank (the recipe's MetaInitRun)
+    largest = [rank_results[0].extras["largest_module_bytes"] for rank_results in per_rank]
     assert all(0 < extra and full // 2 + extra < full for extra in largest), largest
 
     # GPT-2 (tied lm_head / wte, Conv1D) through a seed checkpoint: equal, tie kept, half per rank.
@@ -114,7 +126,7 @@ def test_meta_init_equals_a_normal_build_and_no_rank_holds_the_model(tmp_path):
 
 def test_missing_seed_checkpoint_is_one_line_and_exit_2(tmp_path):
     missing = str(tmp_path / "nothing")
-    with pytest.raises(RecipeError, match="create it once with"):
+    with pytest.raises(ValueError, match="create it once with"):
         meta_init.run(meta_init.MetaInitConfig(method="seed_checkpoint",
                                                       seed_checkpoint_dir=missing))
     proc = run_cli([PYTHON, "-m", "recipes.meta_init", "--method", "seed_checkpoint",
@@ -135,9 +147,10 @@ def test_torchrun_launches_equal_a_normal_build(tmp_path):
     reference = build_model("tiny", seed=0).state_dict()
     expected = sum(t.double().sum().item() for t in reference.values())
     for method in ("replay", "seed_checkpoint"):
+        # through the harness, which prints the measured result as JSON
         command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "-m", "recipes.meta_init", "--backend", "gloo", "--method", method,
-                   "--seed-checkpoint-dir", seed_dir]
+                   "-m", "recipes.core.prove", "meta_init", "--backend", "gloo", "--method",
+                   method, "--seed-checkpoint-dir", seed_dir]
         proc = run_cli(command, timeout_s=170)
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = last_json(proc.stdout)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recipes.activation_checkpointing import CheckpointingError, apply_activation_checkpointing
+from recipes.parallelize import CheckpointingError, apply_activation_checkpointing
 from recipes.core.memory import model_state_bytes
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import Block, lm_loss

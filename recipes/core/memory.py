@@ -44,9 +44,11 @@ from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["model_state_bytes", "tensor_storage_bytes", "measure_last_forward",
-           "inject_inf_gradient"]
+           "inject_inf_gradient", "SavedTensorBytes"]
 
 
 def tensor_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -204,3 +206,58 @@ def inject_inf_gradient(model: nn.Module) -> None:
         if grad is not None and grad.numel():
             grad.view(-1)[0] = math.inf
             return
+
+
+class SavedTensorBytes(TorchDispatchMode):
+    """Bytes a forward pass (and its loss) leaves alive for backward, counted once per storage.
+
+    Enter it just before the forward (recipes.core.observe.CheckpointingObserver does, from a
+    forward pre-hook on the model) and leave it after backward. Whatever keeps a tensor for
+    backward - autograd's saved tensors, checkpoint's copy of a region's input, the cache where
+    selective checkpointing keeps what its policy saves - keeps its storage alive after the
+    forward. So the mode notes a weak reference to the storage of every tensor an op produces (it
+    sees every op, inside checkpointed regions too) and, at backward's first op (before any node
+    has run and freed what it saved), counts those still alive: ``total``. Pitfall:
+    ``saved_tensors_hooks`` alone misses selective checkpointing's cache (it holds no saved
+    tensors) and would report op_selective as small as per_block. Parameters and views of them are
+    excluded (they exist anyway), and so is the batch (made before the forward). Autocast's cache
+    of low-precision weights is freed when autocast exits, before backward: not counted.
+    ``note_input(key, tensor)``: a tensor to count apart too (a checkpointed region's input);
+    ``input_bytes[key]``: the bytes of those still alive at the count.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._made: list = []
+        self._inputs: dict[Any, list] = {}
+        self.total: int | None = None  # set at backward's first op
+        self.input_bytes: dict[Any, int] = {}
+
+    @staticmethod
+    def _note(tensors, notes: list) -> None:
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                notes.append((StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
+
+    def _alive_bytes(self, notes: list) -> int:
+        # A freed storage's address can be reused by a later one: only a live reference names it.
+        alive = {pointer: nbytes for ref, pointer, nbytes in notes if not ref.expired()}
+        return sum(nbytes for pointer, nbytes in alive.items() if pointer not in self._params)
+
+    def note_input(self, key: Any, tensor: torch.Tensor) -> None:
+        if self.total is None:
+            self._note((tensor,), self._inputs.setdefault(key, []))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # -1 outside backward: the first op with a graph task is backward's first
+        if self.total is None and torch._C._current_graph_task_id() != -1:
+            self.total = self._alive_bytes(self._made)
+            self.input_bytes = {key: self._alive_bytes(notes)
+                                for key, notes in self._inputs.items()}
+            self._made, self._inputs = [], {}
+        out = func(*args, **(kwargs or {}))
+        if self.total is None:
+            self._note(out if isinstance(out, (tuple, list)) else (out,), self._made)
+        return out

@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
-from recipes.core.memory import measure_last_forward, model_state_bytes
+from recipes.core.memory import SavedTensorBytes, measure_last_forward, model_state_bytes
 from recipes.core.result import RecipeResult, param_checksum, peak_memory_bytes
 from recipes.core.state import all_ranks, full_state_on_cpu, full_state_on_rank0
 from recipes.core.throughput import Workload
@@ -53,7 +53,8 @@ from recipes.core.workload import MODEL_PRESETS, Block, TransformerLM
 from recipes.core.world import _keep_groups_past_teardown
 
 __all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "HybridObserver",
-           "ContextParallelObserver", "SpawnedObserver", "OBSERVERS", "prove"]
+           "ContextParallelObserver", "SpawnedObserver", "CheckpointingObserver",
+           "MetaInitObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -90,8 +91,9 @@ class Observer:
         self.param_checksum: float | None = None
         self.final_state: dict[str, torch.Tensor] | None = None
         self.output_dtype: torch.dtype | None = None
-        self.extras: dict[str, Any] = {}  # what a subclass measures: added to the result's
-        # the recipe's EXTRAS function, if it has one (prove sets it)
+        self.extras: dict[str, Any] = {}
+        # the recipe's EXTRAS function, if it has one (prove sets it); what it returns, like what
+        # a subclass measures, is added to the result's extras
         self.extras_fn: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None
         self.rank, self.world_size, self.backend = 0, 1, "gloo"
         self.device = torch.device("cpu")
@@ -208,8 +210,9 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
           keep_final_state: bool = False, observer: Observer | None = None) -> RecipeResult:
     """``train_fn(cfg, observer=...)`` measured from outside; the result every rank returns.
 
-    ``cfg`` needs ``steps``, ``model`` (a MODEL_PRESETS key) and ``global_batch_size`` (or
-    ``batch_size``, for one process).
+    ``cfg`` needs ``steps`` (unless its observer knows them: meta_init), ``model`` (a
+    MODEL_PRESETS key) and ``global_batch_size`` (or ``batch_size``, for one process; neither:
+    no tokens, for a recipe that trains nothing).
     ``keep_final_state``: the final parameters on CPU in ``final_state`` (tests compare them).
     ``observer``: a test's own (fault injection; it carries its own ``keep_final_state``);
     by default the one ``OBSERVERS`` registers for ``name``, else ``Observer``.
@@ -232,11 +235,12 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
         losses = returned
     if observer.param_checksum is None:
         raise RuntimeError(f"{name}: the recipe never called observer.step_end for its last step "
-                           f"({cfg.steps - 1}); it ran {len(observer.durations)} step(s)")
+                           f"({observer.steps - 1}); it ran {len(observer.durations)} step(s)")
     # the devices that computed: the ranks, or the GPUs one DataParallel process drives
     devices = (observer.extras.get("gpus") or observer.world_size
                if observer.device.type == "cuda" else 1)
-    batch = getattr(cfg, "global_batch_size", None) or cfg.batch_size  # single_gpu: batch_size
+    # single_gpu: batch_size; meta_init trains nothing: no tokens per step (tokens/s and MFU 0)
+    batch = getattr(cfg, "global_batch_size", None) or getattr(cfg, "batch_size", 0)
     workload = Workload(MODEL_PRESETS[cfg.model], batch, observer.precision)
     return RecipeResult(
         recipe=name,
@@ -520,10 +524,120 @@ _TRAVELS = ("durations", "memory_per_rank", "param_checksum", "output_dtype", "e
             "world_size", "backend", "device")
 
 
+class CheckpointingObserver(Observer):
+    """recipes/activation_checkpointing.py: what its first step keeps for backward, measured from
+    outside (into ``extras``):
+
+    - ``saved_bytes``: the bytes the first forward and its loss leave alive when backward starts,
+      whoever keeps them (``recipes.core.memory.SavedTensorBytes``, entered by a forward pre-hook
+      on the model and left at the end of the step);
+    - ``checkpointed_blocks``: the first block of each region that backward ran again. Forward
+      pre-hooks on each block's submodules see a block's forward run inside backward (a graph task
+      is running): it was recomputed. A replay runs its region's blocks in order, and backward
+      reaches the regions from the last: a recomputed block that follows the block just before it
+      belongs to that block's region (checkpoint_sequential's segment of blocks 0-1 is one region,
+      per_block's blocks 1 and 0 are two);
+    - ``checkpoint_input_bytes``: of ``saved_bytes``, those regions' inputs (what checkpoint
+      itself keeps), from a pre-hook on each block;
+    - ``compiled``: the blocks run torch.compile'd code. The graph then decides what it saves, out
+      of a dispatch mode's sight, and hooks inside it would change the graph: the three figures
+      above are None (the peak memory tells instead);
+    - ``mode``: the recipe's ``cfg.mode``, to label the figures.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras["mode"] = cfg.mode
+        self._saved: SavedTensorBytes | None = None
+        self._entered = False
+        self._recomputed: list[int] = []  # block indices, in the order backward re-ran them
+        self._ac_hooks: list[Any] = []
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        blocks = [m for m in model.modules() if isinstance(m, Block)]
+        compiled = all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)
+        self.extras["compiled"] = compiled
+        if compiled:
+            self.extras.update(saved_bytes=None, checkpoint_input_bytes=None,
+                               checkpointed_blocks=None)
+            return
+        self._saved = SavedTensorBytes(model)
+        self._ac_hooks = [model.register_forward_pre_hook(self._start)]
+        for index, block in enumerate(blocks):
+            self._ac_hooks.append(block.register_forward_pre_hook(
+                lambda _module, args, index=index: self._saved.note_input(index, args[0])))
+            for sub in block.modules():  # a checkpointed block's replay skips its own hooks
+                self._ac_hooks.append(sub.register_forward_pre_hook(
+                    lambda *_, index=index: self._note_recompute(index)))
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if not self._entered:  # the first forward: step 0's
+            self._entered = True
+            self._saved.__enter__()
+
+    def _note_recompute(self, index: int) -> None:
+        running_backward = torch._C._current_graph_task_id() != -1
+        if running_backward and (not self._recomputed or self._recomputed[-1] != index):
+            self._recomputed.append(index)
+
+    def measure(self, step: int) -> None:
+        if step == 0 and self._saved is not None:
+            self._stop()
+            replayed = self._recomputed
+            starts = sorted({index for k, index in enumerate(replayed)
+                             if k == 0 or replayed[k - 1] != index - 1})
+            inputs = self._saved.input_bytes
+            self.extras.update(saved_bytes=self._saved.total, checkpointed_blocks=starts,
+                               checkpoint_input_bytes=sum(inputs.get(i, 0) for i in starts))
+        super().measure(step)
+
+    def _stop(self) -> None:
+        for hook in self._ac_hooks:
+            hook.remove()
+        self._ac_hooks = []
+        if self._entered:
+            self._entered = False
+            self._saved.__exit__(None, None, None)
+
+    def close(self) -> None:
+        self._stop()
+        super().close()
+
+
+class MetaInitObserver(Observer):
+    """recipes/meta_init.py: the model it built, read when it is ready (``model_ready``), before
+    its one forward: fully_shard's root keeps its parameters unsharded after a forward, so every
+    figure is read before it. Into ``extras``: ``param_bytes_per_rank`` (each rank's shards) and
+    ``full_model_bytes`` (the whole model, unsharded); the checksum and (if asked) the full state
+    gathered to rank 0 are the initial weights. One "step": the initial model's forward, with no
+    optimizer (``model_ready(model, None)``).
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(1, keep_final_state=keep_final_state)
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().model_ready(model, optimizer)
+        held = model_state_bytes(model, optimizer)
+        self.memory_per_rank = all_ranks(held)
+        self.extras.update(
+            full_model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+            param_bytes_per_rank=[m["param_bytes"] for m in self.memory_per_rank])
+        state, self.param_checksum = full_state_on_rank0(model)  # a collective: every rank
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+        self._restart_clock()  # the step's time is the forward's, not this reading's
+
+    def measure(self, step: int) -> None:
+        self.close()  # all of it was read before the forward
+        self._model = self._optimizer = None
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
-OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver,
-                                                 "tensor_parallel": TensorParallelObserver,
-                                                 "hybrid_parallel": HybridObserver,
-                                                 "ddp_spawn": SpawnedObserver,
-                                                 "context_parallel": ContextParallelObserver}
+OBSERVERS: dict[str, Callable[..., Observer]] = {
+    "fsdp2": ShardedObserver, "tensor_parallel": TensorParallelObserver,
+    "hybrid_parallel": HybridObserver, "ddp_spawn": SpawnedObserver,
+    "context_parallel": ContextParallelObserver,
+    "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver}

@@ -25,7 +25,8 @@ __all__ = ["PROVABLE", "main", "prove_command"]
 
 # The copyable recipes whose function takes an observer (model_ready, step_end).
 PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
-            "zero", "hybrid_parallel", "ddp_spawn", "context_parallel")
+            "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
+            "meta_init")
 
 
 def prove_command(command: str, name: str) -> str:
@@ -43,12 +44,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     module = importlib.import_module(f"recipes.{name}")
     parser = module.make_parser()
     parser.prog = f"python -m recipes.core.prove {name}"
-    config_cls = inspect.signature(module.train).parameters["cfg"].annotation
+    function = getattr(module, "train", None) or module.run  # meta_init trains nothing: run
+    config_cls = inspect.signature(function).parameters["cfg"].annotation
     if isinstance(config_cls, str):  # from __future__ import annotations
         config_cls = getattr(module, config_cls)
     cfg = config_cls(**vars(parser.parse_args(options)))
     try:
-        result = prove(module.train, cfg, name=name)
+        result = prove(function, cfg, name=name)
     except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
         write_torchrun_error_file(str(exc))
         if current_rank() == 0:
