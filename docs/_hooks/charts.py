@@ -20,6 +20,7 @@ from .svg import CHART_WIDTH
 ESTIMATE_STAGE = {"ddp_torchrun": "ddp", "zero": "zero1", "fsdp": "zero3", "fsdp2": "zero3",
                   "sharded_accumulation": "zero3"}
 CHART_ORDER = ["ddp_torchrun", "zero", "fsdp", "fsdp2"]
+MODEL_STATE_RECIPES = {*ESTIMATE_STAGE, "tensor_parallel", "finetune"}
 
 
 def ordered(names: list[str]) -> list[str]:
@@ -33,11 +34,12 @@ def model_state_rows() -> list[dict]:
     from recipes.memory_estimate import LAYOUTS, model_state_per_rank
 
     results = load_results()
-    # Sharding on more than one rank is the comparison: a one-process recipe (single_gpu, amp,
-    # data_parallel) holds all of it, as DDP's every rank does.
+    # The strategies that split the model state, on DDP's world size (a comparison "per rank"
+    # holds only there); the other recipes that report memory_per_rank hold what DDP holds (one
+    # process, ddp_spawn, context_parallel) or train nothing (meta_init).
     measured = {
         name: data for name, data in results.items()
-        if result_extras(data).get("memory_per_rank") and data["result"]["world_size"] > 1
+        if name in MODEL_STATE_RECIPES and result_extras(data).get("memory_per_rank")
     }
     numel = sum(p.numel() for p in build_model("tiny", seed=0).parameters())
     rows = []
