@@ -127,8 +127,11 @@ def stale_store(rank: int, port: int) -> dict:
     address from it, where nothing listens any more."""
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=10))
-    timeout = datetime.timedelta(seconds=2)
-    first = dist.ProcessGroupGloo(dist.PrefixStore("job", store), rank, 2, timeout)
+    timeout = datetime.timedelta(seconds=2)  # for the attempt that must fail, and fail fast
+    # The groups that must connect get time to: 2 s of connectFullMesh on a loaded 2-core
+    # machine ran out once, and rank 1 saw "Connection closed by peer" from rank 0 giving up.
+    ample = datetime.timedelta(seconds=30)
+    first = dist.ProcessGroupGloo(dist.PrefixStore("job", store), rank, 2, ample)
     first.shutdown()  # the first attempt ends: its sockets close, its keys stay in the store
     del first
     gc.collect()
@@ -142,7 +145,7 @@ def stale_store(rank: int, port: int) -> dict:
             lambda: dist.ProcessGroupGloo(dist.PrefixStore("job", store), rank, 2, timeout))
     dist.barrier()
     # the fix: a namespace of its own for each attempt (torchrun: TORCHELASTIC_RESTART_COUNT)
-    fresh = dist.ProcessGroupGloo(dist.PrefixStore("job/attempt1", store), rank, 2, timeout)
+    fresh = dist.ProcessGroupGloo(dist.PrefixStore("job/attempt1", store), rank, 2, ample)
     total = torch.tensor([rank + 1.0])
     fresh.allreduce([total]).wait()
     seen["fixed"] = total.item()
