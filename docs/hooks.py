@@ -14,6 +14,8 @@ A page asks for generated content with a marker on a line of its own (outside co
 - ``<!-- recipe-index -->``: every recipe, grouped as in the navigation, with what it shows and its
   command (_hooks/index.py).
 - ``<!-- source: path.py::function -->``: a function's code (_hooks/source.py).
+- ``<!-- diff: OLD.py:section,NEW.py:section -->``: what a recipe adds to another, as a diff of
+  two snippet sections (_hooks/diff.py).
 
 And on every page (_hooks/page.py, _hooks/source.py, _hooks/mermaid.py): a recipe page opens with
 its run command; ``[fsdp2][]`` (a recipe's name as an empty reference link) becomes a link to
@@ -52,6 +54,7 @@ from _hooks.mermaid import symmetric_collective, with_mermaid_script  # noqa: E4
 from _hooks.options import render_options  # noqa: E402
 from _hooks.page import fold_pitfalls, link_api, link_recipes, run_command_on_top  # noqa: E402
 from _hooks.results import PART_LABELS, render_bench, render_results, results_markdown  # noqa: E402
+from _hooks.diff import render_diff  # noqa: E402
 from _hooks.source import append_proofs, render_source  # noqa: E402
 
 # What the tests call through this module (tests/test_docs.py), besides the mkdocs events.
@@ -60,11 +63,12 @@ __all__ = ["MarkerError", "PART_LABELS", "base", "copyable_recipes", "loss_serie
            "results_markdown", "simulated_schedule"]
 
 MARKER = re.compile(
-    r"^(\s*)<!--\s*(options|results|api|recipe-index|bench|chart|source)"
+    r"^(\s*)<!--\s*(options|results|api|recipe-index|bench|chart|source|diff)"
     r"\s*(?::\s*(\S+?))?\s*-->\s*$"
 )
 RENDERERS: dict[str, Callable[..., str]] = {
     "source": render_source,
+    "diff": render_diff,
     "chart": render_chart,
     "bench": render_bench,
     "options": render_options,

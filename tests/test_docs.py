@@ -209,6 +209,36 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
     assert "Proven by" in text and "assert_losses_close(result.losses, reference.losses" in text
 
 
+def test_the_ddp_page_shows_what_ddp_adds_to_the_single_gpu_loop_as_a_diff(site):
+    """The diff is computed from the two tested files at build time (``<!-- diff: ... -->``), as
+    ``git diff -w`` reads them: the lines DDP adds are marked, a line that only moved into the
+    ``try:`` is not, and a section that is missing fails the strict build."""
+    module = hooks()  # puts docs/ on the path, where its _hooks package lives
+    from _hooks.diff import render_diff, snippet_section
+
+    rendered = render_diff("recipes/single_gpu.py:train,recipes/ddp_torchrun.py:train")
+    lines = rendered.splitlines()
+    assert lines[0] == "```diff" and lines[1] == "--- recipes/single_gpu.py:train"
+    for added in ("+        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
+                  "+            sampler.set_epoch(epoch)",
+                  "+        dist.init_process_group(backend, timeout=timeout, "
+                  "device_id=device if use_cuda else None)",
+                  "+        dist.destroy_process_group()  # every way out: NCCL's communicators "
+                  "are freed, not leaked"):
+        assert any(line.startswith(added) for line in lines), added
+    assert "-    order = torch.Generator()" in lines
+    # unchanged but re-indented under try: shown once, as the new file has it, unmarked
+    assert "         model = build_model(cfg.model, seed=cfg.seed, device=device)" in lines
+    # every line of both functions is there, marked or not
+    old, new = (snippet_section(f"recipes/{n}.py:train") for n in ("single_gpu", "ddp_torchrun"))
+    assert sum(line[:1] in " +" for line in lines[3:-1]) == len(new)
+    assert sum(line[:1] in " -" for line in lines[3:-1]) >= len(old) - 40  # (moved lines: once)
+    text = page_text(site, "recipes/ddp_torchrun")
+    assert "--- recipes/single_gpu.py:train" in text and "+++ recipes/ddp_torchrun.py:train" in text
+    with pytest.raises(module.MarkerError, match="has no section 'nope'"):
+        render_diff("recipes/single_gpu.py:nope,recipes/ddp_torchrun.py:train")
+
+
 def test_the_api_reference_documents_what_a_user_copies_with_stable_anchors(site):
     """The reference documents the three shared modules and every copyable recipe (one that imports
     nothing of recipes.core), each object under an anchor named after its import path; the harness
