@@ -79,6 +79,10 @@ RUNS = {
     "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
                          "--tensorboard", "false"]),
     "single_gpu": ("python", ["--precision", "fp32"]),
+    # 3 steps under fully_shard, saved into the copy's own project folder (the launcher runs each
+    # copy there); gloo and fp32, as results/sharded_checkpoint.json was measured
+    "sharded_checkpoint": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                        "fp32"]),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
@@ -305,10 +309,16 @@ def check_zero(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
+def check_sharded_checkpoint(stdout: str) -> None:
+    # the package's own 2-rank losses (results/sharded_checkpoint.json: 3 steps), and the save
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("sharded_checkpoint"), atol=6e-5)
+    assert len(losses) == 3 and "checkpoint of step 3 published in " in stdout, stdout
+
 
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
           "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
           "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
-          "zero": check_zero}
+          "zero": check_zero, "sharded_checkpoint": check_sharded_checkpoint}

@@ -48,8 +48,8 @@ from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "OBSERVERS",
-           "prove"]
+__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver",
+           "CheckpointObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -122,19 +122,23 @@ class Observer:
             held = model_state_bytes(self._model, self._optimizer)
             self.memory_per_rank = all_ranks(held) if dist.is_initialized() else [held]
         if step == self.steps - 1:  # the last step: the recipe's group still exists
-            if any(isinstance(p, DTensor) for p in self._model.parameters()):
-                # sharded: gathered whole to rank 0 (a collective), its checksum sent to all
-                state, self.param_checksum = full_state_on_rank0(self._model)
-                if self.keep_final_state and self.rank == 0:
-                    self.final_state = state
-            else:
-                self.param_checksum = param_checksum(self._model.parameters())
-                if self.keep_final_state:
-                    self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
+            self.measure_final_state()
             if self.extras_fn is not None:
                 self.extras.update(self.extras_fn(self._model, self._optimizer))
             self.close()
             self._model = self._optimizer = None  # the recipe's teardown frees them
+
+    def measure_final_state(self) -> None:
+        """The parameters' checksum and, if asked, the final state (a collective where sharded)."""
+        if any(isinstance(p, DTensor) for p in self._model.parameters()):
+            # sharded: gathered whole to rank 0 (a collective), its checksum sent to all
+            state, self.param_checksum = full_state_on_rank0(self._model)
+            if self.keep_final_state and self.rank == 0:
+                self.final_state = state
+        else:
+            self.param_checksum = param_checksum(self._model.parameters())
+            if self.keep_final_state:
+                self.final_state = full_state_on_cpu(self._model)  # DDP's .module unwrapped
 
     def close(self) -> None:
         """Take off what the observer put on (``prove`` calls it however the run ends)."""
@@ -367,7 +371,29 @@ class TensorParallelObserver(Observer):
             isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
 
 
+class CheckpointObserver(Observer):
+    """recipes/sharded_checkpoint.py: the final state gathered whole to rank 0 for each of its
+    strategies (classic FSDP's flat parameters too, which ``Observer`` would read as they are), its
+    checksum over that state, and ``strategy`` in ``extras``. The recipe calls ``model_ready`` after
+    it loaded a checkpoint, so the loaded state is measured there too: a resumed run with no step
+    left to train (the same command again) has it as its final state; a last step replaces it."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras["strategy"] = cfg.strategy
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self.measure_final_state()
+
+    def measure_final_state(self) -> None:
+        state, self.param_checksum = full_state_on_rank0(self._model)  # every rank: a collective
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {"fsdp2": ShardedObserver,
-                                                 "tensor_parallel": TensorParallelObserver}
+                                                 "tensor_parallel": TensorParallelObserver,
+                                                 "sharded_checkpoint": CheckpointObserver}
