@@ -32,7 +32,7 @@ checkpoint (optimizer included) to one torch.save file.
 and the saves did (the step it started from, who saved what it loaded, the steps it saved, how long
 each save held training up, the last checkpoint's bytes). It prints one line per step from rank 0.
 
-Length: about 820 lines, well over the cookbook's ~300, because everything a resume must carry
+Length: about 825 lines, well over the cookbook's ~300, because everything a resume must carry
 (model, optimizer, data position, RNG streams, resharding), the export, the two background writers
 and the crash-safe publishing DCP leaves to you are one lesson: a user copies them together or not
 at all (the publishing once lived apart, in the harness, where no copy could take it along).
@@ -620,6 +620,9 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
         precision = cfg.precision
         if precision == "auto":
             precision = "bf16" if world.device.type == "cuda" else "fp32"
+        if precision == "tf32" and world.device.type != "cuda":
+            raise CheckpointError("--precision tf32 is a CUDA matmul mode and this run is on "
+                                  f"{world.device.type}; use --precision fp32 (or bf16)")
         if world.device.type == "cuda":  # process-wide: set on every run, never inherited
             torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
         async_kwargs = async_options(cfg.async_mode, world.device) if cfg.async_save else {}
