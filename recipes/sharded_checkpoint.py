@@ -4,6 +4,9 @@
     torchrun --standalone --nproc_per_node=4 -m recipes.sharded_checkpoint --steps 6  # resumes on 4
     python -m recipes.sharded_checkpoint --steps 9 --export-to model.pt   # ... on 1, then exports
 
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
+leave the world), recipes/parallelize.py (``apply_fully_shard``, ``apply_fsdp``).
+
 Every rank writes only the shard it holds (``dcp.save``), in parallel, and a load reads what each
 rank of the NEW world needs, whatever world wrote it: a checkpoint from 2 ranks resumes on 1, 3 or
 4, from FSDP into fully_shard or DDP. What a resumed run needs is one ``Stateful`` (``AppState``):
@@ -11,11 +14,10 @@ model, optimizer, the data position (epoch and batches done in it) and every ran
 resumed at step k gives the same losses as one that never stopped (tests/test_sharded_checkpoint.py
 asserts it for DDP, FSDP and fully_shard, and after resharding to 1, 3 and 4 ranks).
 
-Crash safety, the part DCP leaves to you, lives in recipes/core/publish.py: every save goes to
-``.tmp-step_N/``; when all ranks are done, a manifest (size, sha256 of every file, and what the run
-was made with), an atomic rename to ``step_N/`` and then the ``latest`` pointer publish it. A load
-verifies the manifest first and refuses a missing, truncated or altered file with one line naming
-it.
+Crash safety, the part DCP leaves to you: every save goes to ``.tmp-step_N/``; when all ranks are
+done, a manifest (size, sha256 of every file, and what the run was made with), an atomic rename to
+``step_N/`` and then the ``latest`` pointer publish it. A load verifies the manifest first and
+refuses a missing, truncated or altered file with one line naming it.
 
 ``--async-save`` overlaps writing with training (``dcp.async_save``: the state is copied to host
 memory, then written by a background thread, or with ``--async-mode process`` by a background
@@ -26,93 +28,104 @@ file and every rank gets its shard. Offline, without a world: ``python -m
 torch.distributed.checkpoint.format_utils dcp_to_torch step_N/ model.pt`` converts a whole
 checkpoint (optimizer included) to one torch.save file.
 
-Length: about 450 lines, over the cookbook's ~300, because everything a resume must carry (model,
-optimizer, data position, RNG streams, resharding), the export and the two background writers are
-one lesson that reads top to bottom; the second idea, publishing, lives in recipes/core/publish.py.
+``train`` returns a ``CheckpointRun``: the global loss of each step trained, and what the resume
+and the saves did (the step it started from, who saved what it loaded, the steps it saved, how long
+each save held training up, the last checkpoint's bytes). It prints one line per step from rank 0.
+
+Length: about 825 lines, well over the cookbook's ~300, because everything a resume must carry
+(model, optimizer, data position, RNG streams, resharding), the export, the two background writers
+and the crash-safe publishing DCP leaves to you are one lesson: a user copies them together or not
+at all (the publishing once lived apart, in the harness, where no copy could take it along).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import hashlib
 import inspect
+import json
+import logging
+import math
 import os
+import re
+import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.publish import (PendingSave, begin_save, check_made_with,
-                                  dcp_errors_in_one_line, find_checkpoint, published_bytes,
-                                  published_steps, refuse_bad_paths, verify_checkpoint)
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import autocast, make_adamw, mixed_precision_policy, setup_precision
-from recipes.core.state import full_state_on_rank0, mean_over_ranks
-from recipes.core.throughput import Workload
-from recipes.core.workload import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
-from recipes.core.world import World, join_world
-from recipes.fsdp import apply_fsdp, fsdp_mixed_precision
-from recipes.parallelize import apply_fully_shard
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.parallelize import apply_fsdp, apply_fully_shard
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
-log = get_logger(__name__)
+
+class CheckpointError(ValueError):
+    """A checkpoint or path that cannot be used, in one line that names it and the fix."""
 
 
 @dataclass
-class CheckpointConfig(TrainConfig):
-    strategy: Literal["ddp", "fsdp", "fsdp2"] = opt(
-        "fsdp2", "ddp (replicated), fsdp (classic FullyShardedDataParallel) or fsdp2 "
-        "(fully_shard); a checkpoint saved with one loads into any other")
-    checkpoint_dir: str = opt("checkpoints/sharded_checkpoint",
-                              "where step_NNNNNNNN/ checkpoints and the 'latest' pointer live")
-    save_every: int = opt(3, "save every N steps and after the last one; 0 = never save", ge=0)
-    resume_from: str = opt(
-        "latest", "'latest' = the checkpoint 'latest' names in --checkpoint-dir (start fresh if "
-        "there is none yet: the same command starts and resumes a job); a step_* directory; or "
-        "'' = always start fresh")
-    async_save: bool = opt(
-        False, "write checkpoints in the background (dcp.async_save) while training goes on")
-    async_mode: Literal["thread", "process"] = opt(
-        "thread", "with --async-save: write in a background thread of each rank, or in a "
-        "background process per rank (no GIL contention with training; needs a torch with "
-        "AsyncCheckpointerType.PROCESS)")
-    keep_last: int = opt(
-        2, "published checkpoints to keep; older ones are deleted (0 = keep all)", ge=0)
-    export_to: str = opt(
-        "", "after training, rank 0 writes the full model state_dict to this file (for inference)")
-    init_from: str = opt(
-        "", "when starting fresh, load the model from this full state_dict file (e.g. an "
-        "--export-to file): rank 0 reads it, every rank gets its part")
-    batches_per_epoch: int = opt(
-        4, "global batches per epoch of the synthetic data; 4 makes 6 steps cross an epoch "
-        "boundary, so a resume must restore the epoch, not only the step", ge=1)
+class CheckpointConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6  # the step to train up to, counted from the start of the run, not the resume
+    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU
+    strategy: str = "fsdp2"  # ddp, fsdp (classic) or fsdp2 (fully_shard): any loads any
+    checkpoint_dir: str = "checkpoints/sharded_checkpoint"
+    save_every: int = 3  # and after the last step; 0: never save
+    resume_from: str = "latest"  # latest (fresh if none yet), a step_* directory, or "": fresh
+    async_save: bool = False
+    async_mode: str = "thread"  # with async_save: a thread, or a process per rank
+    keep_last: int = 2  # published checkpoints kept; 0: all
+    export_to: str = ""
+    init_from: str = ""
+    batches_per_epoch: int = 4  # 4: 6 steps cross an epoch, so a resume must restore the epoch
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
 
 
-def parallelize(
-    model: nn.Module, strategy: str, world: World, precision: str = "fp32"
-) -> nn.Module:
-    """The model as each strategy wraps it (recipes.fsdp / recipes.fsdp2), in ``precision``: the
-    FSDPs' own mixed-precision policies; DDP autocasts in the loop. The checkpoint code is the same
-    for all."""
+@dataclass
+class CheckpointRun:
+    losses: list[float]  # the global batch's loss of each step this run trained
+    start_step: int = 0
+    resumed_from: str = ""
+    saved_by_world_size: int | None = None  # the world that wrote the checkpoint resumed from
+    saved_steps: list[int] = field(default_factory=list)
+    save_blocking_seconds: list[float] = field(default_factory=list)  # training stood still
+    checkpoint_bytes: int = 0  # all files of the last checkpoint this run published
+
+
+def parallelize(model: nn.Module, strategy: str, world: Any, precision: str = "fp32") -> nn.Module:
+    """The model as each strategy wraps it, in ``precision``: the FSDPs' own mixed-precision
+    policies (DDP autocasts in the loop). The checkpoint code is the same for all."""
+    low = {"bf16": torch.bfloat16}.get(precision)
     if strategy == "ddp":
         return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     if strategy == "fsdp":
+        policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
         return apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device=world.device,
-                          mixed_precision=fsdp_mixed_precision(precision))
+                          mixed_precision=policy if low else None)
     return apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)),
-                             block_types=(Block,), mp_policy=mixed_precision_policy(precision))
+                             block_types=(Block,), mp_policy=MixedPrecisionPolicy(
+                                 param_dtype=low, reduce_dtype=torch.float32 if low else None))
 
 
 # --8<-- [start:app_state]
@@ -218,7 +231,67 @@ def steps_from(loader: DataLoader, sampler: ResumableSampler, progress: dict[str
 # --8<-- [end:data_position]
 
 
+MANIFEST, LATEST, TMP_PREFIX = "MANIFEST.json", "latest", ".tmp-"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
 # --8<-- [start:save]
+@dataclass
+class PendingSave:
+    """A checkpoint whose shards may still be being written; ``finish()`` waits and publishes it."""
+
+    root: str
+    step: int
+    group: dist.ProcessGroup | None
+    keep_last: int
+    made_with: dict[str, Any] = field(default_factory=dict)  # see check_made_with
+    future: Any = None  # a concurrent.futures.Future of the writes; None for a blocking save
+
+    @property
+    def tmp_dir(self) -> str:
+        return os.path.join(self.root, TMP_PREFIX + step_dir_name(self.step))
+
+    def finish(self) -> str:
+        if self.future is not None:
+            self.future.result()  # re-raises here if this rank's background write failed
+            self.future = None
+        return publish(self)
+
+
+def save_checkpoint(root: str, app: AppState, step: int, *, group: dist.ProcessGroup | None,
+                    async_save: bool = False, keep_last: int = 0,
+                    made_with: dict[str, Any] | None = None,
+                    async_kwargs: dict[str, Any] | None = None) -> PendingSave:
+    """Write every rank's shard into ``root/.tmp-step_N``; ``finish()`` on the result publishes
+    it. ``made_with`` (what a resume must repeat) goes into the manifest; ``async_kwargs`` (from
+    async_options) choose the background writer."""
+    pending = PendingSave(root, step, group, keep_last, dict(made_with or {}))
+    final_dir = os.path.join(root, step_dir_name(step))
+    if os.path.exists(final_dir):  # every rank sees it (shared filesystem): all raise, none hangs
+        raise CheckpointError(f"{final_dir} already exists: a checkpoint is never written over; "
+                              "resume from it or use another --checkpoint-dir")
+    if dist.get_rank() == 0:  # the remains of saves that died part-way: never published, never read
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):
+            if name.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(root, name))
+    dist.barrier(group=group)  # nobody writes into .tmp-* before rank 0 has cleared it
+    if async_save:
+        # The state is copied to host memory before async_save returns, so training may change the
+        # parameters right away; the write runs in the background, with collectives on `group`
+        # only (a background process gets a gloo world of its own, set up through `group`).
+        future = dcp.async_save({"app": app}, checkpoint_id=pending.tmp_dir, process_group=group,
+                                **(async_kwargs or {}))
+        pending.future = getattr(future, "upload_completion", future)  # newer torch: a response
+    else:
+        dcp.save({"app": app}, checkpoint_id=pending.tmp_dir, process_group=group)
+    return pending
+
+
 def async_options(mode: str, device: torch.device) -> dict[str, Any]:
     """dcp.async_save's keywords for ``--async-mode``. "process": each rank starts one background
     process on its first async save (its own gloo world, set up through ``group``), which then
@@ -228,9 +301,9 @@ def async_options(mode: str, device: torch.device) -> dict[str, Any]:
     from torch.distributed.checkpoint import state_dict_saver
 
     kind = getattr(getattr(state_dict_saver, "AsyncCheckpointerType", None), "PROCESS", None)
-    if kind is None:  # added after torch 2.11's floor? checked, not assumed
-        raise RecipeError(f"--async-mode process needs dcp's AsyncCheckpointerType.PROCESS, which "
-                          f"torch {torch.__version__} lacks; use --async-mode thread")
+    if kind is None:  # checked, not assumed: older torch lacks it
+        raise CheckpointError(f"--async-mode process needs dcp's AsyncCheckpointerType.PROCESS, "
+                              f"which torch {torch.__version__} lacks; use --async-mode thread")
     options: dict[str, Any] = {"async_checkpointer_type": kind}
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -246,47 +319,264 @@ def async_options(mode: str, device: torch.device) -> dict[str, Any]:
         use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=False,
         use_non_blocking_copy=cuda))
     return options
-
-
-def save_checkpoint(root: str, app: AppState, step: int, *, group: dist.ProcessGroup | None,
-                    async_save: bool = False, keep_last: int = 0,
-                    made_with: dict[str, Any] | None = None,
-                    async_kwargs: dict[str, Any] | None = None) -> PendingSave:
-    """Write every rank's shard into ``root/.tmp-step_N``; ``finish()`` on the result publishes it
-    (recipes/core/publish.py). ``made_with`` (what a resume must repeat) goes into the manifest;
-    ``async_kwargs`` (from async_options) choose the background writer."""
-    pending = PendingSave(root, step, group, keep_last, dict(made_with or {}))
-    tmp_dir = begin_save(pending)
-    if async_save:
-        # The state is copied to host memory before async_save returns, so training may change the
-        # parameters right away; the write runs in the background, with collectives on `group`
-        # only (a background process gets a gloo world of its own, set up through `group`).
-        future = dcp.async_save({"app": app}, checkpoint_id=tmp_dir, process_group=group,
-                                **(async_kwargs or {}))
-        pending.future = getattr(future, "upload_completion", future)  # newer torch: a response
-    else:
-        dcp.save({"app": app}, checkpoint_id=tmp_dir, process_group=group)
-    return pending
 # --8<-- [end:save]
+
+
+# --8<-- [start:publish]
+def publish(pending: PendingSave) -> str:
+    """Manifest, then one rename, then the ``latest`` pointer: a crash at any point leaves the last
+    good checkpoint loadable and ``latest`` naming a complete one (or one behind: see
+    find_checkpoint). Every rank calls it once its writes have returned."""
+    group = pending.group
+    dist.barrier(group=group)  # every rank's writes have returned: .metadata and all shards exist
+    files = sorted(os.listdir(pending.tmp_dir))
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    mine = {name: file_entry(os.path.join(pending.tmp_dir, name))  # the hashing is split
+            for name in files[rank::world_size]}
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    final_dir = os.path.join(pending.root, step_dir_name(pending.step))
+    if rank == 0:
+        manifest = {"step": pending.step, "world_size": dist.get_world_size(),
+                    "made_with": pending.made_with,
+                    "files": dict(sorted(kv for part in gathered for kv in part.items()))}
+        write_durably(os.path.join(pending.tmp_dir, MANIFEST), json.dumps(manifest, indent=1))
+        os.rename(pending.tmp_dir, final_dir)  # atomic: the checkpoint appears whole or not at all
+        fsync_dir(pending.root)
+        write_durably(os.path.join(pending.root, LATEST), step_dir_name(pending.step))
+        if pending.keep_last > 0:
+            for step in published_steps(pending.root)[:-pending.keep_last]:
+                shutil.rmtree(os.path.join(pending.root, step_dir_name(step)))
+    dist.barrier(group=group)  # nobody reads 'latest' before it names the new checkpoint
+    return final_dir
+
+
+def write_durably(path: str, text: str) -> None:
+    """Write to a temporary name, fsync, rename over ``path``: readers see the old or the new file,
+    whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # makes the rename itself durable, not only the file contents
+    finally:
+        os.close(fd)
+# --8<-- [end:publish]
+
+
+def file_entry(path: str) -> dict[str, Any]:
+    """A file's manifest entry: its size and sha256."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def published_steps(root: str | os.PathLike) -> list[int]:
+    """Steps of the published checkpoints in ``root`` (with a manifest), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(root))
+                  if m and os.path.exists(os.path.join(root, m.group(0), MANIFEST)))
+
+
+# --8<-- [start:find]
+def find_checkpoint(resume_from: str, checkpoint_dir: str) -> str | None:
+    """The directory to resume from, or None to start fresh."""
+    if not resume_from:
+        return None
+    if resume_from != "latest":
+        if not os.path.isdir(resume_from):
+            raise CheckpointError(f"--resume-from {resume_from}: no such checkpoint directory")
+        return resume_from
+    pointer = os.path.join(checkpoint_dir, LATEST)
+    pointed = read_pointer(pointer) if os.path.exists(pointer) else None
+    newest = published_steps(checkpoint_dir)[-1:]
+    # publish() renames step_N into place before it replaces 'latest': a crash in between leaves a
+    # complete step_N that 'latest' does not name yet (or no 'latest' at all, on the first save).
+    # That step_N is the newest work; it is verified on load like any other.
+    if newest and (pointed is None or newest[0] > int(STEP_DIR.match(pointed).group(1))):
+        path = os.path.join(checkpoint_dir, step_dir_name(newest[0]))
+        say(f"resuming from {path}, the newest published checkpoint: "
+            f"{f'{pointer} names {pointed}' if pointed else f'{pointer} does not exist'} (a run "
+            f"that stopped between publishing it and updating {LATEST})")
+        return path
+    if pointed is None:
+        return None  # the first run of a job that always says --resume-from latest
+    path = os.path.join(checkpoint_dir, pointed)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{pointer} names {path}, which does not exist; "
+                              "pass --resume-from <a step_* directory>")
+    return path
+
+
+def read_pointer(pointer: str) -> str:
+    """The step_* name that the 'latest' file holds; anything else is refused, naming it."""
+    with open(pointer) as f:
+        name = f.read().strip()
+    if not STEP_DIR.match(name):  # publish() writes it whole (write_durably): not written by us
+        what = "is empty" if not name else f"holds {name[:40]!r}, not a step_NNNNNNNN name"
+        raise CheckpointError(f"{pointer} {what}; delete it to resume from the newest published "
+                              "checkpoint, or pass --resume-from <a step_* directory>")
+    return name
+# --8<-- [end:find]
 
 
 # --8<-- [start:load]
 def load_checkpoint(path: str, app: AppState, *, group: dist.ProcessGroup | None,
                     made_with: dict[str, Any] | None = None) -> dict[str, Any]:
     """Verify, compare ``made_with`` with the manifest's, then read into the model and optimizer
-    that already exist (DCP loads in place, resharding)."""
+    that already exist (DCP loads in place, resharding). Returns the manifest."""
     manifest = verify_checkpoint(path, group)
-    check_made_with(path, manifest, made_with or {})  # before dcp.load: see check_made_with
-    with dcp_errors_in_one_line(path):  # a CheckpointException is not an Exception
+    # Before dcp.load: another --model fails inside DCP with size-mismatch tracebacks (or aborts
+    # the process), and another batch size loads "fine" and then reads other data.
+    saved = manifest.get("made_with", {})
+    for name, value in (made_with or {}).items():
+        if name in saved and saved[name] != value:
+            other = ("start the new model in another --checkpoint-dir" if name == "model"
+                     else "the resumed run reads other data")
+            raise CheckpointError(f"{path} was trained with {name}={saved[name]}; resume with the "
+                                  f"same --{name.replace('_', '-')}, or {other}")
+    with dcp_errors_in_one_line(path):
         dcp.load({"app": app}, checkpoint_id=path, process_group=group)
+    return manifest
+
+
+def verify_checkpoint(path: str | os.PathLike,
+                      group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Check every file against the manifest written at publish time, naming the first bad one.
+    Works without a world too. In a world, the hashing is split over the ranks and every rank
+    raises the same error. Returns the manifest."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest_path):
+        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing (a save "
+                              "that did not finish?); resume from a published step_* directory, "
+                              "e.g. --resume-from latest")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        expected = manifest["files"]
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{manifest_path} is unreadable ({exc}); "
+                              "the checkpoint cannot be verified") from None
+    if ".metadata" not in expected:
+        raise CheckpointError(f"{manifest_path} lists no .metadata file; this is not a DCP "
+                              "checkpoint")
+    names = sorted(expected)
+    rank, world_size = ((dist.get_rank(group), dist.get_world_size(group))
+                        if dist.is_initialized() else (0, 1))
+    problems = {name: file_problem(os.path.join(path, name), expected[name])
+                for name in names[rank::world_size]}
+    if world_size > 1:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, problems, group=group)
+        problems = {name: problem for part in gathered for name, problem in part.items()}
+    bad = [problems[name] for name in names if problems[name]]
+    if bad:
+        more = f" ({len(bad) - 1} more bad file(s))" if len(bad) > 1 else ""
+        raise CheckpointError(f"{bad[0]}{more}; resume from another checkpoint")
     return manifest
 # --8<-- [end:load]
 
 
+def file_problem(path: str, expected: dict[str, Any]) -> str | None:
+    if not os.path.exists(path):
+        return f"checkpoint file {path} is missing"
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        return (f"checkpoint file {path} is truncated or overwritten: {size} bytes, "
+                f"the manifest says {expected['bytes']}")
+    if file_entry(path)["sha256"] != expected["sha256"]:
+        return f"checkpoint file {path} is corrupt: its sha256 differs from the manifest's"
+    return None
+
+
+@contextlib.contextmanager
+def dcp_errors_in_one_line(path: str) -> Iterator[None]:
+    """Around ``dcp.load`` of a verified checkpoint: any failure becomes one CheckpointError line.
+
+    The sizes and sha256 matched, so the files were altered together with the manifest, or not
+    written by this code: DCP then fails anywhere (UnicodeDecodeError in torch.load, "metadata is
+    None", a CheckpointException wrapping every rank's). dcp.load also logs a warning with a full
+    traceback on the ROOT logger whenever .metadata cannot be read; those are dropped meanwhile.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dcp_dir = os.path.dirname(dcp.__file__)
+
+    def not_from_dcp(record: logging.LogRecord) -> bool:
+        return not record.pathname.startswith(dcp_dir) or record.levelno >= logging.ERROR
+
+    logging.getLogger().addFilter(not_from_dcp)
+    try:
+        yield
+    # Pitfall: CheckpointException is a BaseException: `except Exception` alone lets it through.
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        if isinstance(exc, CheckpointException) and exc.failures:
+            exc = min(exc.failures.items())[1][0]  # {rank: (exception, traceback)}: lowest rank's
+        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path} matches its {MANIFEST} but DCP cannot load it "
+                              f"({type(exc).__name__}: {first_line}); resume from another "
+                              "checkpoint") from None
+    finally:
+        logging.getLogger().removeFilter(not_from_dcp)
+
+
+def path_problem(cfg: CheckpointConfig) -> str | None:
+    """What is wrong with a path that would otherwise fail only after training, or None. Writing is
+    tried (a temporary file), not guessed from modes; nothing is created."""
+    ckpt, export_to = cfg.checkpoint_dir, cfg.export_to
+    if os.path.exists(ckpt) and not os.path.isdir(ckpt):
+        return f"--checkpoint-dir {ckpt} is a file; name a directory"
+    if cfg.save_every and (why := unwritable(ckpt)):
+        return f"--checkpoint-dir {ckpt}: {why}; name a directory you can write to"
+    if cfg.init_from and not os.path.isfile(cfg.init_from):
+        return (f"--init-from {cfg.init_from}: no such file; name a full state_dict file "
+                "(as --export-to writes one), or drop --init-from")
+    if export_to and os.path.isdir(export_to):
+        return f"--export-to {export_to} is a directory; name a file, e.g. {export_to}/model.pt"
+    if export_to and (why := unwritable(os.path.dirname(os.path.abspath(export_to)))):
+        return f"--export-to {export_to}: {why}; name a file in a directory you can write to"
+    return None
+
+
+def unwritable(directory: str) -> str | None:
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):  # what makedirs would create goes in here: try that
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing):
+            return None
+    except OSError as exc:
+        return f"cannot write in {existing} ({exc.strerror or exc})"
+
+
 # --8<-- [start:export]
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded ``state_dict`` on CPU (all ranks call it: it all-gathers). Pitfall: classic
+    FSDP's flat parameters already on the host crash under ``cpu_offload`` (pytorch#188989), while
+    fully_shard on a CPU world aborts without it."""
+    on_host_fsdp = next(model.parameters()).device.type == "cpu" and any(
+        isinstance(module, FullyShardedDataParallel) for module in model.modules())
+    state = get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=not on_host_fsdp))
+    return {name: tensor.detach().cpu() for name, tensor in state.items()}
+
+
 def export_full_state_dict(model: nn.Module, path: str) -> None:
     """One ``state_dict`` file for single-device inference, written by rank 0; all ranks call it."""
-    state, _ = full_state_on_rank0(model)  # every rank calls it: it all-gathers
+    state = full_state_dict(model)
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
@@ -304,142 +594,232 @@ def load_full_state_dict(model: nn.Module, path: str) -> None:
 # --8<-- [end:export]
 
 
+def say(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
 # --8<-- [start:train]
-def train(cfg: CheckpointConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
-        # Checkpoint I/O gets a gloo group of its own: async_save runs its collectives in a
-        # background thread, and two threads must not issue collectives on one group (they can
-        # interleave); DCP's async_save also needs a CPU-capable group when training runs on NCCL.
-        group = dist.new_group(backend="gloo")
-        try:
-            return _train(cfg, world, per_rank_batch, group)
-        finally:
-            dist.destroy_process_group(group)
-
-
-def _train(cfg: CheckpointConfig, world: World, per_rank_batch: int,
-           group: dist.ProcessGroup) -> RecipeResult:
-    precision = setup_precision(cfg.precision, world.device)
-    if precision == "fp16":
-        raise RecipeError("sharded_checkpoint does not checkpoint a loss scaler; use --precision "
-                          "bf16 (no scaler needed) or fp32")
+def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
+    """Train on this process's rank from the checkpoint ``cfg.resume_from`` names (or fresh), saving
+    every ``cfg.save_every`` steps; every rank returns the same CheckpointRun."""
     if cfg.async_mode != "thread" and not cfg.async_save:
-        raise RecipeError(f"--async-mode {cfg.async_mode} chooses how --async-save writes; "
-                          "add --async-save, or drop --async-mode")
-    async_kwargs = async_options(cfg.async_mode, world.device) if cfg.async_save else {}
-    stager = async_kwargs.get("async_stager")
+        raise CheckpointError(f"--async-mode {cfg.async_mode} chooses how --async-save writes; "
+                              "add --async-save, or drop --async-mode")
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
+    # Checkpoint I/O gets a gloo group of its own: async_save runs its collectives in a background
+    # thread, and two threads must not issue collectives on one group (they can interleave); DCP's
+    # async_save also needs a CPU-capable group when training runs on NCCL.
+    group, stager = dist.new_group(backend="gloo"), None
     try:
-        return _train_loop(cfg, world, per_rank_batch, group, precision, async_kwargs)
-    finally:
-        if stager is not None:
-            stager.close()  # ours, not DCP's (see async_options); after the last save finished
+        if cfg.global_batch_size % world.world_size:
+            raise CheckpointError(f"global_batch_size={cfg.global_batch_size} does not divide "
+                                  f"across {world.world_size} ranks; use a multiple of "
+                                  f"{world.world_size}")
+        per_rank_batch = cfg.global_batch_size // world.world_size
+        precision = cfg.precision
+        if precision == "auto":
+            precision = "bf16" if world.device.type == "cuda" else "fp32"
+        if precision == "tf32" and world.device.type != "cuda":
+            raise CheckpointError("--precision tf32 is a CUDA matmul mode and this run is on "
+                                  f"{world.device.type}; use --precision fp32 (or bf16)")
+        if world.device.type == "cuda":  # process-wide: set on every run, never inherited
+            torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+        async_kwargs = async_options(cfg.async_mode, world.device) if cfg.async_save else {}
+        stager = async_kwargs.get("async_stager")  # ours, not DCP's: closed after the last save
+        # Bad paths now, not after training (they once trained first, then failed). Rank 0 looks:
+        # only it reads --init-from and writes --export-to.
+        problem = [path_problem(cfg) if world.rank == 0 else None]
+        dist.broadcast_object_list(problem, src=0, group=group)
+        if problem[0]:
+            raise CheckpointError(problem[0])
 
+        model = parallelize(build_model(cfg.model, seed=cfg.seed, device=world.device),
+                            cfg.strategy, world, precision)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                      fused=True if world.device.type == "cuda" else None)
+        app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size,
+                       batches_per_epoch=cfg.batches_per_epoch, group=group)
+        # What a resume must repeat to continue the same run; saved in each manifest, compared on
+        # load before anything is read. The seed too: it decides the data and the shuffle order.
+        made_with = {"model": cfg.model, "global_batch_size": cfg.global_batch_size,
+                     "batches_per_epoch": cfg.batches_per_epoch, "seed": cfg.seed}
+        run = CheckpointRun(losses=[])
+        resume_dir = find_checkpoint(cfg.resume_from, cfg.checkpoint_dir)
+        if resume_dir is not None:
+            manifest = load_checkpoint(resume_dir, app, group=group, made_with=made_with)
+            run.resumed_from, run.saved_by_world_size = resume_dir, manifest["world_size"]
+            for name in ("global_batch_size", "batches_per_epoch"):  # checkpoints w/o made_with
+                if app.progress[name] != getattr(cfg, name):
+                    raise CheckpointError(
+                        f"{resume_dir} was trained with {name}={app.progress[name]}; resume with "
+                        f"the same --{name.replace('_', '-')}, or the resumed run reads other data")
+            # --lr on resume: applied, not refused. The loaded optimizer state carries the saved lr
+            # and would silently win; lowering the lr of a running job is a common reason to
+            # restart it, and Adam's moments stay valid under another lr.
+            saved_lrs = sorted({param_group["lr"] for param_group in optimizer.param_groups})
+            if saved_lrs != [cfg.lr]:
+                say(f"--lr {cfg.lr:g} replaces the checkpoint's lr {'/'.join(map(str, saved_lrs))}")
+                for param_group in optimizer.param_groups:
+                    param_group["lr"] = cfg.lr
+            say(f"resumed from {resume_dir} at step {app.progress['step']} (saved by "
+                f"{run.saved_by_world_size} rank(s), loaded on {world.world_size})")
+        elif cfg.init_from:
+            load_full_state_dict(model, cfg.init_from)
+            say(f"model initialised from {cfg.init_from}")
+        if observer: observer.model_ready(model, optimizer)
+        run.start_step = app.progress["step"]
+        if run.start_step >= cfg.steps:
+            say(f"the checkpoint is at step {run.start_step} and --steps is {cfg.steps}: "
+                "nothing to train")
+        later = [s for s in published_steps(cfg.checkpoint_dir) if s > run.start_step]
+        if later and cfg.save_every:  # refuse now rather than after training up to the clash
+            raise CheckpointError(
+                f"{cfg.checkpoint_dir} already holds checkpoints past step {run.start_step} (up to "
+                f"step {later[-1]}) that this run would collide with; use --resume-from latest or "
+                "another --checkpoint-dir")
 
-def _train_loop(cfg: CheckpointConfig, world: World, per_rank_batch: int,
-                group: dist.ProcessGroup, precision: str,
-                async_kwargs: dict[str, Any]) -> RecipeResult:
-    # Now, not after training (bad paths once trained first and then failed with a traceback).
-    refuse_bad_paths(cfg.checkpoint_dir, saving=cfg.save_every > 0, init_from=cfg.init_from,
-                     export_to=cfg.export_to, group=group)
-    model = parallelize(
-        build_model(cfg.model, seed=cfg.seed, device=world.device), cfg.strategy, world, precision
-    )
-    optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
-    # DDP computes in bf16 under autocast; the FSDPs' policies already do (autocast on top: none).
-    compute_dtype = precision if cfg.strategy == "ddp" else "fp32"
-    app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size,
-                   batches_per_epoch=cfg.batches_per_epoch, group=group)
-
-    # What a resume must repeat to continue the same run; saved in each manifest, compared on load
-    # before anything is read. The seed too: it decides the synthetic data and the shuffle order.
-    made_with = {"model": cfg.model, "global_batch_size": cfg.global_batch_size,
-                 "batches_per_epoch": cfg.batches_per_epoch, "seed": cfg.seed}
-    resume_dir, saved_by = find_checkpoint(cfg.resume_from, cfg.checkpoint_dir), None
-    if resume_dir is not None:
-        saved_by = load_checkpoint(resume_dir, app, group=group, made_with=made_with)["world_size"]
-        for name in ("global_batch_size", "batches_per_epoch"):  # checkpoints without made_with
-            if app.progress[name] != getattr(cfg, name):
-                raise RecipeError(f"{resume_dir} was trained with {name}={app.progress[name]}; "
-                                  f"resume with the same --{name.replace('_', '-')}, or the "
-                                  "resumed run reads other data")
-        # --lr on resume: applied, not refused. The loaded optimizer state carries the saved lr and
-        # would silently win; lowering the lr of a running job (after a loss spike, or as decay by
-        # hand) is a common reason to restart it, and Adam's moments stay valid under another lr.
-        saved_lrs = sorted({param_group["lr"] for param_group in optimizer.param_groups})
-        if saved_lrs != [cfg.lr]:
-            log.info("--lr %g replaces the checkpoint's lr %s", cfg.lr,
-                     "/".join(map(str, saved_lrs)))
-            for param_group in optimizer.param_groups:
-                param_group["lr"] = cfg.lr
-        log.info("resumed from %s at step %d (saved by %d rank(s), loaded on %d)",
-                 resume_dir, app.progress["step"], saved_by, world.world_size)
-    elif cfg.init_from:
-        load_full_state_dict(model, cfg.init_from)
-        log.info("model initialised from %s", cfg.init_from)
-    start_step = app.progress["step"]
-    if start_step >= cfg.steps:
-        log.info("the checkpoint is at step %d and --steps is %d: nothing to train",
-                 start_step, cfg.steps)
-    later = [s for s in published_steps(cfg.checkpoint_dir) if s > start_step]
-    if later and cfg.save_every:  # refuse now rather than after training up to the clash
-        raise RecipeError(f"{cfg.checkpoint_dir} already holds checkpoints past step {start_step} "
-                          f"(up to step {later[-1]}) that this run would collide with; use "
-                          "--resume-from latest or another --checkpoint-dir")
-
-    dataset = make_dataset(cfg.model, cfg.global_batch_size,
-                           batches_per_epoch=cfg.batches_per_epoch, seed=cfg.seed)
-    sampler = ResumableSampler(dataset, per_rank_batch_size=per_rank_batch,
-                               num_replicas=world.world_size, rank=world.rank, seed=cfg.seed)
-    loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
-
-    losses, timer, pending = [], StepTimer(world.device), None
-    saved_steps, blocked_seconds = [], []
-    for step, (inputs, targets), progress in steps_from(loader, sampler, app.progress, cfg.steps):
-        with timer:
+        dataset = make_dataset(cfg.model, cfg.global_batch_size,
+                               batches_per_epoch=cfg.batches_per_epoch, seed=cfg.seed)
+        sampler = ResumableSampler(dataset, per_rank_batch_size=per_rank_batch,
+                                   num_replicas=world.world_size, rank=world.rank, seed=cfg.seed)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
+        # DDP computes in bf16 under autocast; the FSDPs' policies already do (no autocast on top)
+        autocast_on = precision == "bf16" and cfg.strategy == "ddp"
+        pending = None
+        for step, (inputs, targets), progress in steps_from(loader, sampler, app.progress,
+                                                            cfg.steps):
             inputs, targets = inputs.to(world.device), targets.to(world.device)
-            with autocast(world.device, compute_dtype):
+            with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=autocast_on):
                 loss = lm_loss(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        losses.append(mean_over_ranks(loss))
-        log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
-        app.progress = progress
-        done = progress["step"]
-        if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
-            started = time.perf_counter()
-            if pending is not None:
-                pending.finish()  # one save in flight at a time: wait for the previous, publish it
-            pending = save_checkpoint(cfg.checkpoint_dir, app, done, group=group,
-                                      async_save=cfg.async_save, keep_last=cfg.keep_last,
-                                      made_with=made_with, async_kwargs=async_kwargs)
-            if not cfg.async_save:
-                pending.finish()
-                pending = None
-            blocked_seconds.append(time.perf_counter() - started)  # the time training stood still
-            saved_steps.append(done)
-            log.info("checkpoint of step %d %s in %.1f ms", done,
-                     "started" if cfg.async_save else "published", blocked_seconds[-1] * 1e3)
-    if pending is not None:
-        pending.finish()
-
-    if cfg.export_to:
-        export_full_state_dict(model, cfg.export_to)
-        log.info("full state_dict written to %s", cfg.export_to)
-    full_state, _ = full_state_on_rank0(model)  # rank 0 holds the full state
-    return make_result(
-        "sharded_checkpoint", world, losses, full_state.values(), timer,
-        keep_final_state=full_state if cfg.keep_final_state else None,
-        workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-        strategy=cfg.strategy, start_step=start_step, resumed_from=resume_dir or "",
-        saved_by_world_size=saved_by, saved_steps=saved_steps,
-        save_blocking_seconds=blocked_seconds,
-        checkpoint_bytes=(published_bytes(cfg.checkpoint_dir, saved_steps[-1])
-                          if saved_steps else 0),
-    )
+            # Pitfall: each rank's loss is its share of the batch: log the mean over ranks
+            step_loss = loss.detach().float().reshape(1).clone()
+            dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+            run.losses.append((step_loss / world.world_size).item())
+            say(f"step {step} loss {run.losses[-1]:.4f}")
+            if observer: observer.step_end(step, run.losses[-1])
+            app.progress = progress
+            done = progress["step"]
+            if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
+                started = time.perf_counter()
+                if pending is not None:
+                    pending.finish()  # one save in flight at a time: wait for it, publish it
+                pending = save_checkpoint(cfg.checkpoint_dir, app, done, group=group,
+                                          async_save=cfg.async_save, keep_last=cfg.keep_last,
+                                          made_with=made_with, async_kwargs=async_kwargs)
+                if not cfg.async_save:
+                    pending.finish()
+                    pending = None
+                run.save_blocking_seconds.append(time.perf_counter() - started)
+                run.saved_steps.append(done)
+                say(f"checkpoint of step {done} {'started' if cfg.async_save else 'published'} "
+                    f"in {run.save_blocking_seconds[-1] * 1e3:.1f} ms")
+        if pending is not None:
+            pending.finish()
+        if run.saved_steps:
+            manifest_path = os.path.join(cfg.checkpoint_dir, step_dir_name(run.saved_steps[-1]),
+                                         MANIFEST)
+            with open(manifest_path) as f:
+                run.checkpoint_bytes = sum(e["bytes"] for e in json.load(f)["files"].values())
+        if cfg.export_to:
+            export_full_state_dict(model, cfg.export_to)
+            say(f"full state_dict written to {cfg.export_to}")
+        return run
+    finally:
+        if stager is not None:
+            stager.close()
+        dist.destroy_process_group(group)
+        cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
 # --8<-- [end:train]
 
 
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = CheckpointConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.sharded_checkpoint", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps,
+        help="train up to this step (a resumed run continues from its checkpoint's step)")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=_number(float, above=0), default=defaults.lr,
+        help="AdamW's; on resume it replaces the checkpoint's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16"], default=defaults.precision,
+        help="auto: bf16 on a GPU, fp32 on CPU; bf16: the FSDPs' mixed-precision policies, "
+        "autocast for DDP (no fp16: a loss scaler's state would need checkpointing too)")
+    add("--strategy", choices=["ddp", "fsdp", "fsdp2"], default=defaults.strategy,
+        help="ddp (replicated), fsdp (classic FullyShardedDataParallel) or fsdp2 (fully_shard); "
+        "a checkpoint saved with one loads into any other")
+    add("--checkpoint-dir", default=defaults.checkpoint_dir,
+        help="where step_NNNNNNNN/ checkpoints and the 'latest' pointer live")
+    add("--save-every", type=_number(int, at_least=0), default=defaults.save_every,
+        help="save every N steps and after the last one; 0 = never save")
+    add("--resume-from", default=defaults.resume_from,
+        help="'latest' = the checkpoint 'latest' names in --checkpoint-dir (start fresh if there "
+        "is none yet: the same command starts and resumes a job); a step_* directory; or '' = "
+        "always start fresh")
+    add("--async-save", action=argparse.BooleanOptionalAction, default=defaults.async_save,
+        help="write checkpoints in the background (dcp.async_save) while training goes on")
+    add("--async-mode", choices=["thread", "process"], default=defaults.async_mode,
+        help="with --async-save: write in a background thread of each rank, or in a background "
+        "process per rank (no GIL contention with training)")
+    add("--keep-last", type=_number(int, at_least=0), default=defaults.keep_last,
+        help="published checkpoints to keep; older ones are deleted (0 = keep all)")
+    add("--export-to", default=defaults.export_to,
+        help="after training, rank 0 writes the full model state_dict to this file (inference)")
+    add("--init-from", default=defaults.init_from,
+        help="when starting fresh, load the model from this full state_dict file (e.g. an "
+        "--export-to file): rank 0 reads it, every rank gets its part")
+    add("--batches-per-epoch", type=_number(int, at_least=1), default=defaults.batches_per_epoch,
+        help="global batches per epoch of the synthetic data; 4 makes 6 steps cross an epoch "
+        "boundary, so a resume must restore the epoch, not only the step")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = CheckpointConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input or a bad checkpoint, which every rank sees
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, CheckpointConfig, __doc__)
+    main()

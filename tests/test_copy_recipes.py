@@ -90,6 +90,10 @@ RUNS = {
     "context_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     # the recipe starts its own 2 processes (mp.spawn): a plain python run
     "ddp_spawn": ("python", ["--nprocs", "2", "--steps", "3"]),
+    # 3 steps under fully_shard, saved into the copy's own project folder (the launcher runs each
+    # copy there); gloo and fp32, as results/sharded_checkpoint.json was measured
+    "sharded_checkpoint": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                        "fp32"]),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
@@ -376,6 +380,13 @@ def check_meta_init(stdout: str) -> None:
     assert_losses_close([float(printed[0])], full["losses"], atol=6e-5)
 
 
+def check_sharded_checkpoint(stdout: str) -> None:
+    # the package's own 2-rank losses (results/sharded_checkpoint.json: 3 steps), and the save
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("sharded_checkpoint"), atol=6e-5)
+    assert len(losses) == 3 and "checkpoint of step 3 published in " in stdout, stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -385,4 +396,4 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "hybrid_parallel": check_hybrid_parallel, "ddp_spawn": check_ddp_spawn,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
-          "meta_init": check_meta_init}
+          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}

@@ -3,7 +3,10 @@
 ``torchrun --max-restarts=N`` with workers killed mid-run must end with the losses of a run that
 was never interrupted. Before the fix in recipes/core/world.py (``_attempt_store``) most restarts
 failed: torchrun's agent keeps one TCPStore for the job, and the restarted workers read the dead
-attempt's gloo addresses ("Gloo connectFullMesh failed ... Connection refused") or hung.
+attempt's gloo addresses ("Gloo connectFullMesh failed ... Connection refused") or hung. The
+restarted recipe, recipes/sharded_checkpoint.py, joins through recipes/dist_setup.py, which gives
+each attempt its store namespace the same way; it runs under the harness (``-m recipes.core.prove
+sharded_checkpoint``) for its JSON result line.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tests.helpers import (
     REPO_ROOT,
     assert_losses_close,
     process_env,
+    recipe_result,
     run_cli,
     worker_pid,
 )
@@ -40,7 +44,10 @@ ATOL = 1e-5
 def uninterrupted_losses() -> list[float]:
     cfg = sharded_checkpoint.CheckpointConfig(strategy="ddp", steps=STEPS, save_every=0,
                                               resume_from="", precision="fp32", timeout_s=60)
-    return sharded_checkpoint.train(cfg).losses
+    # Through the harness (prove), not train() alone: in this test process the world's groups must
+    # outlive the DDP reducer that holds them (recipes.core.world._keep_groups_past_teardown); freed
+    # by the reducer's destructor, with the GIL held, a gloo group can hang the process.
+    return recipe_result(cfg, keep_final_state=False).losses
 
 
 def published(root: str) -> set[str]:
@@ -55,7 +62,8 @@ def run_with_kills(tmp_path, kills: list[int], *, backend: str = "gloo", deadlin
     root = str(tmp_path / "ckpt")
     out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
     command = ["torchrun", "--standalone", "--nproc_per_node=2", f"--max-restarts={len(kills)}",
-               "-m", "recipes.sharded_checkpoint", "--strategy", "ddp", "--steps", str(STEPS),
+               "-m", "recipes.core.prove", "sharded_checkpoint",  # its JSON result line last
+               "--strategy", "ddp", "--steps", str(STEPS),
                "--save-every", str(SAVE_EVERY), "--checkpoint-dir", root, "--precision", "fp32",
                "--backend", backend, "--timeout-s", "60", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -21,19 +21,21 @@ import torch
 import torch.distributed as dist
 
 from recipes import sharded_checkpoint
-from recipes.core.config import RecipeError
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.spawn import spawn_world
 from recipes.core.world import RankError, join_world
-from recipes.core import publish
-from recipes.core.publish import find_checkpoint, published_steps, verify_checkpoint
 from recipes.sharded_checkpoint import (
     AppState,
     CheckpointConfig,
+    CheckpointError,
     ResumableSampler,
+    file_entry,
+    find_checkpoint,
     load_checkpoint,
+    published_steps,
     save_checkpoint,
+    verify_checkpoint,
 )
 from tests.helpers import (
     CUDA_DEVICES,
@@ -42,6 +44,7 @@ from tests.helpers import (
     assert_states_close,
     in_one_world,
     last_json,
+    recipe_result,
     run_alone,
     run_cli,
     run_world,
@@ -53,10 +56,11 @@ from tests.helpers import (
 pytestmark = pytest.mark.xdist_group("sharded_checkpoint")
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
-# resume_from="": the recipe's default ("latest") would pick up whatever the default directory holds
-BASE = CheckpointConfig(
-    steps=6, save_every=0, resume_from="", timeout_s=120, keep_final_state=True, precision="fp32"
-)
+# resume_from="": the recipe's default ("latest") would pick up whatever the default directory
+# holds.
+# Every run goes through the harness (recipe_result: prove, with the final state gathered to rank 0
+# by recipes.core.observe.CheckpointObserver); the recipe itself returns losses and save figures.
+BASE = CheckpointConfig(steps=6, save_every=0, resume_from="", timeout_s=120, precision="fp32")
 # Same world, same strategy: the resumed run repeats the same arithmetic (observed: bit-identical).
 # Another world size sums the gradients in another order: equal to float32 rounding.
 SAME_WORLD_ATOL, RESHARDED_ATOL = 1e-6, 1e-5
@@ -95,7 +99,7 @@ def saved(tmp_path_factory):
             checkpoint_dir=str(root / "async"),
         )
     )
-    results = run_world(sharded_checkpoint.train, 2, configs, deadline_s=240)
+    results = run_world(recipe_result, 2, configs, deadline_s=240)
     return SimpleNamespace(
         root=root,
         async_run=results[-1],
@@ -108,7 +112,7 @@ def resume_import_and_rng(configs, exported_file, rng_dir):
     """In a FRESH world: resume each config; load a full file into each strategy's model; RNG round
     trip."""
     with join_world("gloo", timeout_s=120) as world:
-        results = [sharded_checkpoint.train(cfg) for cfg in configs]
+        results = [recipe_result(cfg) for cfg in configs]
         imported = {}
         for strategy in STRATEGIES:
             # Another seed: the file must overwrite every weight of the sharded model.
@@ -203,9 +207,9 @@ def test_checkpoint_of_2_ranks_resumes_on_1_3_and_4_ranks(saved, world_size):
         for saved_by, loaded_as in pairs
     ]
     if world_size == 1:
-        results = [run_alone(sharded_checkpoint.train, cfg) for cfg in configs]
+        results = [run_alone(recipe_result, cfg) for cfg in configs]
     else:
-        results = run_world(sharded_checkpoint.train, world_size, configs, deadline_s=240)
+        results = run_world(recipe_result, world_size, configs, deadline_s=240)
     for (saved_by, loaded_as), result in zip(pairs, results):
         straight = saved.straight[saved_by]
         assert (result.world_size, result.extras["saved_by_world_size"]) == (world_size, 2)
@@ -272,7 +276,7 @@ def test_the_same_command_again_has_nothing_left_to_train(saved):
     cfg = with_fields(
         BASE, strategy="ddp", steps=3, resume_from="latest", checkpoint_dir=str(saved.root / "ddp")
     )
-    result = run_alone(sharded_checkpoint.train, cfg)
+    result = run_alone(recipe_result, cfg)
     assert (result.extras["start_step"], result.losses, result.extras["saved_steps"]) == (3, [], [])
 
 
@@ -304,7 +308,7 @@ def train_and_die_in_a_save(cfg, fatal_save):
         return original(self, plan, planner)
 
     filesystem.FileSystemWriter.write_data = write_data_then_die  # in this rank's process only
-    return in_one_world(sharded_checkpoint.train, [cfg], timeout_s=120)
+    return in_one_world(recipe_result, [cfg], timeout_s=120)
 
 
 def test_save_killed_part_way_leaves_the_last_checkpoint_loadable(saved, tmp_path):
@@ -317,7 +321,7 @@ def test_save_killed_part_way_leaves_the_last_checkpoint_loadable(saved, tmp_pat
     assert not (root / "step_00000006").exists() and (root / ".tmp-step_00000006").exists()
     verify_checkpoint(str(root / "step_00000003"))
     # The job is restarted (here on 1 rank) with the same command: it resumes from step 3, finishes.
-    result = run_alone(sharded_checkpoint.train, with_fields(cfg, resume_from="latest"))
+    result = run_alone(recipe_result, with_fields(cfg, resume_from="latest"))
     assert result.extras["start_step"] == 3
     assert_losses_close(result.losses, saved.straight["fsdp2"].losses[3:], atol=RESHARDED_ATOL)
     assert read_latest(root) == "step_00000006" and published_steps(root) == [3, 6]
@@ -336,11 +340,11 @@ def test_truncated_shard_is_refused_on_load_naming_the_file(checkpoint_copy):
     os.truncate(shard, size // 2)
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy))
     with pytest.raises(
-        RecipeError,
+        CheckpointError,
         match=rf"checkpoint file {shard} is truncated or overwritten: "
         rf"{size // 2} bytes, the manifest says {size}",
     ):
-        run_alone(sharded_checkpoint.train, cfg)
+        run_alone(recipe_result, cfg)
 
 
 def test_corrupt_missing_and_unpublished_files_are_refused(checkpoint_copy, tmp_path):
@@ -351,39 +355,39 @@ def test_corrupt_missing_and_unpublished_files_are_refused(checkpoint_copy, tmp_
         f.seek(200)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(
-        RecipeError, match=rf"checkpoint file {shard} is corrupt: its sha256 differs"
+        CheckpointError, match=rf"checkpoint file {shard} is corrupt: its sha256 differs"
     ):
         verify_checkpoint(checkpoint_copy)
     os.remove(os.path.join(checkpoint_copy, ".metadata"))
     with pytest.raises(
-        RecipeError, match=r"checkpoint file .*/\.metadata is missing \(1 more bad file\(s\)\)"
+        CheckpointError, match=r"checkpoint file .*/\.metadata is missing \(1 more bad file\(s\)\)"
     ):
         verify_checkpoint(checkpoint_copy)
     os.remove(
         os.path.join(checkpoint_copy, "MANIFEST.json")
     )  # what an unpublished .tmp-* directory looks like
     with pytest.raises(
-        RecipeError, match=r"is not a complete checkpoint: MANIFEST.json is missing"
+        CheckpointError, match=r"is not a complete checkpoint: MANIFEST.json is missing"
     ):
         verify_checkpoint(checkpoint_copy)
 
 
-def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path):
+def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path, capsys):
     ddp_dir = str(saved.root / "ddp")
     with pytest.raises(
-        RecipeError, match=r"already holds checkpoints past step 0 \(up to step 3\)"
+        CheckpointError, match=r"already holds checkpoints past step 0 \(up to step 3\)"
     ):
         run_alone(
-            sharded_checkpoint.train,
+            recipe_result,
             with_fields(BASE, strategy="ddp", save_every=3, checkpoint_dir=ddp_dir),
         )
     with pytest.raises(
-        RecipeError,
+        CheckpointError,
         match=r"was trained with global_batch_size=12; resume with the same "
         r"--global-batch-size, or the resumed run reads other data",
     ):
         run_alone(
-            sharded_checkpoint.train,
+            recipe_result,
             with_fields(
                 BASE,
                 strategy="ddp",
@@ -392,20 +396,25 @@ def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path):
                 checkpoint_dir=ddp_dir,
             ),
         )
-    with pytest.raises(RecipeError, match=r"--resume-from .*nowhere: no such checkpoint directory"):
+    with pytest.raises(CheckpointError,
+                       match=r"--resume-from .*nowhere: no such checkpoint directory"):
         find_checkpoint(str(tmp_path / "nowhere"), ddp_dir)
     (tmp_path / "latest").write_text("step_00000009")
-    with pytest.raises(RecipeError, match=r"names .*step_00000009, which does not exist"):
+    with pytest.raises(CheckpointError, match=r"names .*step_00000009, which does not exist"):
         find_checkpoint("latest", str(tmp_path))
     assert (
         find_checkpoint("latest", str(tmp_path / "empty")) is None
     )  # first run of a requeued job: fresh
-    with pytest.raises(
-        RecipeError, match="unknown strategy='zero'; valid values: ddp, fsdp, fsdp2"
-    ):
-        CheckpointConfig(strategy="zero")
-    with pytest.raises(RecipeError, match="save_every must be >= 0"):
-        CheckpointConfig(save_every=-1)
+    # The command line refuses what the config would not run, in one line (argparse: exit 2).
+    for args, message in [
+        (["--strategy", "zero"], "argument --strategy: invalid choice: 'zero' (choose from "
+                                 "'ddp', 'fsdp', 'fsdp2')"),
+        (["--save-every", "-1"], "argument --save-every: must be a finite number >= 0, got -1"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            sharded_checkpoint.make_parser().parse_args(args)
+        assert exited.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(
@@ -423,17 +432,17 @@ def test_nccl_world_saves_async_and_a_cpu_world_resumes(saved, tmp_path):
         checkpoint_dir=str(tmp_path / "nccl"),
     )
     (first,) = run_world(
-        sharded_checkpoint.train, 2, [with_fields(cfg, steps=3)], backend="nccl", deadline_s=240
+        recipe_result, 2, [with_fields(cfg, steps=3)], backend="nccl", deadline_s=240
     )
     (second,) = run_world(
-        sharded_checkpoint.train,
+        recipe_result,
         2,
         [with_fields(cfg, resume_from="latest", save_every=0)],
         backend="nccl",
         deadline_s=240,
     )
     on_cpu = run_alone(
-        sharded_checkpoint.train,
+        recipe_result,
         with_fields(cfg, backend="gloo", resume_from="latest", save_every=0),
     )
     reference = saved.straight["fsdp2"].losses  # computed on CPU: GPU kernels differ in rounding
@@ -453,7 +462,8 @@ def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
             "--standalone",
             "--nproc_per_node=2",
             "-m",
-            "recipes.sharded_checkpoint",
+            "recipes.core.prove",  # the recipe, measured: its JSON result line comes last
+            "sharded_checkpoint",
             "--strategy",
             "fsdp2",
             "--steps",
@@ -469,7 +479,8 @@ def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
         [
             PYTHON,
             "-m",
-            "recipes.sharded_checkpoint",
+            "recipes.core.prove",
+            "sharded_checkpoint",
             "--strategy",
             "fsdp",
             "--steps",
@@ -546,8 +557,8 @@ def test_bad_paths_are_refused_before_training(tmp_path, paths, message):
     cfg = with_fields(BASE, save_every=3, **{name: str(tmp_path / p) for name, p in paths.items()})
     trained = AssertionError("trained")
     with mock.patch.object(sharded_checkpoint, "parallelize", side_effect=trained):
-        with pytest.raises(RecipeError, match=message):
-            run_alone(sharded_checkpoint.train, cfg)
+        with pytest.raises(CheckpointError, match=message):
+            run_alone(recipe_result, cfg)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the check created nothing
 
 
@@ -564,11 +575,9 @@ def test_a_file_as_checkpoint_dir_is_one_line_from_the_command_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def logged(info: mock.Mock) -> str:
-    return "\n".join(call.args[0] % call.args[1:] for call in info.call_args_list)
-
-
-def test_a_crash_between_publishing_and_latest_resumes_from_the_newest_published(saved, tmp_path):
+def test_a_crash_between_publishing_and_latest_resumes_from_the_newest_published(
+    saved, tmp_path, capsys
+):
     # publish() renames step_N into place, then replaces 'latest': a crash in between left step 6
     # published and 'latest' naming step 4 (or, on a first save, no 'latest' at all). The same
     # command must resume from step 6, not refuse with "already holds checkpoints past step 4".
@@ -581,12 +590,12 @@ def test_a_crash_between_publishing_and_latest_resumes_from_the_newest_published
             (root / "latest").write_text(pointer)
         else:
             os.remove(root / "latest")
-        with mock.patch.object(publish.log, "info") as info:  # find_checkpoint says why
-            result = run_alone(sharded_checkpoint.train, cfg)
+        capsys.readouterr()
+        result = run_alone(recipe_result, cfg)  # find_checkpoint says why, on rank 0's stdout
         assert (result.extras["start_step"], result.losses) == (6, [])
         assert result.extras["resumed_from"] == str(root / "step_00000006")
         expected = "names step_00000004" if pointer else "latest does not exist"
-        said = logged(info)
+        said = capsys.readouterr().out
         assert f"resuming from {root}/step_00000006, the newest published checkpoint" in said
         assert expected in said
 
@@ -596,7 +605,7 @@ def test_an_empty_or_foreign_latest_file_is_refused_naming_it(tmp_path):
     for content, what in [("", "is empty"), ("../elsewhere", "holds '../elsewhere', not a step_")]:
         (tmp_path / "latest").write_text(content)
         with pytest.raises(
-            RecipeError,
+            CheckpointError,
             match=rf"^{tmp_path}/latest {what}.*; delete it to resume "
             r"from the newest published checkpoint, or pass ",
         ):
@@ -610,7 +619,7 @@ def rewrite_with_manifest(directory, name: str, data: bytes) -> None:
     manifest_path = os.path.join(directory, "MANIFEST.json")
     with open(manifest_path) as f:
         manifest = json.load(f)
-    manifest["files"][name] = publish.file_entry(os.path.join(directory, name))
+    manifest["files"][name] = file_entry(os.path.join(directory, name))
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
 
@@ -622,8 +631,8 @@ def test_files_altered_together_with_the_manifest_fail_in_one_line(checkpoint_co
     # Once an 80-190-line traceback from inside DCP (UnicodeDecodeError, "metadata is None").
     rewrite_with_manifest(checkpoint_copy, ".metadata", metadata)
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy))
-    with pytest.raises(RecipeError) as raised:
-        run_alone(sharded_checkpoint.train, cfg)
+    with pytest.raises(CheckpointError) as raised:
+        run_alone(recipe_result, cfg)
     assert re.fullmatch(
         rf"{checkpoint_copy} matches its MANIFEST.json but DCP cannot load it "
         r"\(\w+: .*\); resume from another checkpoint",
@@ -656,11 +665,11 @@ def test_a_resume_with_other_settings_is_refused_before_loading(checkpoint_copy,
     # --model small on a tiny checkpoint once died in DCP with size-mismatch tracebacks, or SIGABRT.
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy), **change)
     with mock.patch.object(sharded_checkpoint.dcp, "load", side_effect=AssertionError("loaded")):
-        with pytest.raises(RecipeError, match=rf"^{checkpoint_copy} {message}"):
-            run_alone(sharded_checkpoint.train, cfg)
+        with pytest.raises(CheckpointError, match=rf"^{checkpoint_copy} {message}"):
+            run_alone(recipe_result, cfg)
 
 
-def test_lr_given_on_resume_replaces_the_checkpoints_and_says_so(saved):
+def test_lr_given_on_resume_replaces_the_checkpoints_and_says_so(saved, capsys):
     # The loaded optimizer state carries lr=1e-3; --lr 0.5 once lost to it silently.
     cfg = with_fields(
         BASE,
@@ -670,12 +679,12 @@ def test_lr_given_on_resume_replaces_the_checkpoints_and_says_so(saved):
         resume_from="latest",
         checkpoint_dir=str(saved.root / "ddp"),
     )
-    with mock.patch.object(sharded_checkpoint.log, "info") as info:
-        result = run_alone(sharded_checkpoint.train, cfg)
+    capsys.readouterr()
+    result = run_alone(recipe_result, cfg)
     straight = saved.straight["ddp"].losses
     assert_losses_close(result.losses[:1], straight[3:4], atol=SAME_WORLD_ATOL)  # before any step
     assert abs(result.losses[1] - straight[4]) > 1e-2, "step 4 should have used lr=0.5"
-    assert "--lr 0.5 replaces the checkpoint's lr 0.001" in logged(info)
+    assert "--lr 0.5 replaces the checkpoint's lr 0.001" in capsys.readouterr().out
 
 
 def train_until_a_save_is_in_flight(cfg, marker_dir, in_flight_step):
@@ -695,7 +704,7 @@ def train_until_a_save_is_in_flight(cfg, marker_dir, in_flight_step):
         return pending
 
     sharded_checkpoint.save_checkpoint = start_then_wait  # in this rank's process only
-    return in_one_world(sharded_checkpoint.train, [cfg], timeout_s=240)
+    return in_one_world(recipe_result, [cfg], timeout_s=240)
 
 
 def process_tree(pid: int) -> list[int]:
@@ -757,7 +766,7 @@ def test_trainer_killed_during_an_async_save_keeps_the_last_good_checkpoint(
     verify_checkpoint(str(root / "step_00000003"))
     # The job is restarted (here on 1 rank, thread mode: this test process must not keep a DCP
     # writer process for the other tests) and trains exactly as the run that was never killed.
-    result = run_alone(sharded_checkpoint.train, with_fields(cfg, resume_from="latest",
+    result = run_alone(recipe_result, with_fields(cfg, resume_from="latest",
                                                              async_mode="thread"))
     assert result.extras["start_step"] == 3
     assert_losses_close(result.losses, saved.straight["fsdp2"].losses[3:], atol=RESHARDED_ATOL)
@@ -771,12 +780,12 @@ def test_async_mode_is_refused_where_it_cannot_work(tmp_path):
     cfg = with_fields(BASE, save_every=3, async_mode="process", checkpoint_dir=str(tmp_path))
     trained = AssertionError("trained")
     with mock.patch.object(sharded_checkpoint, "parallelize", side_effect=trained):
-        with pytest.raises(RecipeError, match=r"^--async-mode process chooses how --async-save "
+        with pytest.raises(CheckpointError, match=r"^--async-mode process chooses how --async-save "
                                               r"writes; add --async-save, or drop --async-mode$"):
-            run_alone(sharded_checkpoint.train, cfg)
+            run_alone(recipe_result, cfg)
         # torch 2.11 must say it in one line if its DCP lacks the process-based writer.
         with mock.patch.object(state_dict_saver, "AsyncCheckpointerType", None, create=True):
-            with pytest.raises(RecipeError, match=r"^--async-mode process needs dcp's "
+            with pytest.raises(CheckpointError, match=r"^--async-mode process needs dcp's "
                                                   r"AsyncCheckpointerType.PROCESS, which torch "
                                                   r".* lacks; use --async-mode thread$"):
-                run_alone(sharded_checkpoint.train, with_fields(cfg, async_save=True))
+                run_alone(recipe_result, with_fields(cfg, async_save=True))

@@ -54,7 +54,7 @@ from recipes.core.world import _keep_groups_past_teardown
 
 __all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "HybridObserver",
            "ContextParallelObserver", "SpawnedObserver", "CheckpointingObserver",
-           "MetaInitObserver", "OBSERVERS", "prove"]
+           "MetaInitObserver", "CheckpointObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -634,10 +634,32 @@ class MetaInitObserver(Observer):
         self._model = self._optimizer = None
 
 
+class CheckpointObserver(Observer):
+    """recipes/sharded_checkpoint.py: the final state gathered whole to rank 0 for each of its
+    strategies (classic FSDP's flat parameters too, which ``Observer`` would read as they are), its
+    checksum over that state, and ``strategy`` in ``extras``. The recipe calls ``model_ready`` after
+    it loaded a checkpoint, so the loaded state is measured there too: a resumed run with no step
+    left to train (the same command again) has it as its final state; a last step replaces it."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras["strategy"] = cfg.strategy
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self.gather_final_state()
+
+    def gather_final_state(self) -> None:
+        state, self.param_checksum = full_state_on_rank0(self._model)  # every rank: a collective
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {
     "fsdp2": ShardedObserver, "tensor_parallel": TensorParallelObserver,
     "hybrid_parallel": HybridObserver, "ddp_spawn": SpawnedObserver,
     "context_parallel": ContextParallelObserver,
-    "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver}
+    "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver,
+    "sharded_checkpoint": CheckpointObserver}
