@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import os
 import sys
@@ -153,6 +154,11 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
             dist.barrier()  # no rank reads the file or exits before it is complete
         return losses
     finally:
+        # Pitfall: DDP's reducer holds the process group. Freed after the group is destroyed (at
+        # exit, say), it takes gloo's threads down with it and can abort the process ("terminate
+        # called without an active exception"): free the model before the group.
+        ddp_model = None
+        gc.collect()
         dist.destroy_process_group()  # every way out: NCCL's communicators are freed, not leaked
 # --8<-- [end:train]
 

@@ -188,7 +188,8 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
     code_section = source[source.index('id="the-code"'):source.index('id="how-to-run"')]
     blocks = [html.unescape(re.sub(r"<[^>]+>", "", block)) for block in
               re.findall(r'<div class="highlight">(.*?)</div>', code_section, re.S)]
-    assert len(blocks) == 2, f"expected the pattern and the whole file, found {len(blocks)}"
+    assert len(blocks) == 3, (
+        f"expected the pattern, the diff from single_gpu and the whole file, found {len(blocks)}")
     assert any("dist.init_process_group(" in block for block in blocks), "no code block found"
     for plumbing in ("recipes.core", "RecipeResult", "StepTimer", "make_result",
                      "model_state_bytes", "param_checksum", "to_json"):
