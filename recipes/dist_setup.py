@@ -16,7 +16,9 @@ Where the world comes from, in order:
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -91,10 +93,22 @@ def cleanup_distributed() -> None:
     ``finally`` so that an exception does not leave NCCL's communicators behind."""
     if _OWNED and dist.is_initialized():
         _OWNED.clear()
+        # Pitfall: DDP's reducer holds the group too. If the reducer is its last holder (the
+        # caller's model freed later, at exit say), the group goes down inside the reducer's
+        # destructor and gloo's threads can hang or abort the process ("terminate called without
+        # an active exception"). Held here, it is freed at exit, after the models.
+        _ENDED_GROUPS.append(dist.group.WORLD)
         dist.destroy_process_group()
 
 
 _OWNED: list[bool] = []  # whether setup_distributed created the current group
+_ENDED_GROUPS: list = []
+
+
+@atexit.register
+def _free_ended_groups() -> None:
+    gc.collect()  # the models first (DDP's reducers), while the interpreter is whole
+    _ENDED_GROUPS.clear()
 
 
 def _world_from_environment() -> tuple[int, int, int, int]:

@@ -25,6 +25,11 @@ def test_alone_it_is_a_world_of_one_and_cleanup_destroys_it(monkeypatch):
     finally:
         dist_setup.cleanup_distributed()
     assert not dist.is_initialized()
+    # the group is held past destroy_process_group (a DDP reducer must not be its last holder)
+    # and let go at exit, after a collection has freed the models
+    assert dist_setup._ENDED_GROUPS
+    dist_setup._free_ended_groups()
+    assert not dist_setup._ENDED_GROUPS
 
 
 def test_an_unknown_backend_is_refused_in_one_line(monkeypatch):
