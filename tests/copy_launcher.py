@@ -20,6 +20,7 @@ would read the first world's keys. Each rank writes what its copy printed and it
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import runpy
@@ -30,6 +31,12 @@ import traceback
 
 import torch  # imported once here; every copy's process inherits it
 import torch.distributed as dist
+
+# torch's heavier modules too (DTensor alone takes ~1 s of CPU to import), for the same reason:
+# a copy imports them again for nothing. Only torch's and third parties': the cookbook stays out.
+PREIMPORT = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+             "torch.distributed.device_mesh", "torch.nn.parallel", "torch.utils.data",
+             "torchdata.stateful_dataloader")
 
 
 def run_copy(copy: dict, rank: int, out_dir: str) -> None:
@@ -72,6 +79,11 @@ def free_port() -> int:
 
 def main() -> None:
     plan = json.loads(open(sys.argv[1], encoding="utf-8").read())
+    for name in PREIMPORT:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a copy that needs it says so itself
+            pass
     under_torchrun = "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))
     if under_torchrun:  # torchrun's own store (its agent hosts it): rank 0 posts the ports there

@@ -72,6 +72,10 @@ def test_a_second_epoch_is_reshuffled_as_one_process_does():
 STEP_LINE = re.compile(r"^step (\d+) loss (\d+\.\d{4})$", re.M)
 
 
+# In the slow set (CI runs it): the default run launches ddp_torchrun under torchrun in
+# tests/test_copy_recipes.py (2 ranks, each printed line against one process's loss), and runs a
+# world of 1 in this module; this 3-rank launch costs ~9 s of CPU on the 4-minute suite.
+@pytest.mark.slow
 def test_torchrun_and_plain_python_print_the_same_losses():
     # GPU hosts: gloo and fp32 on both, so that 3 ranks need no 3 GPUs and nothing is bf16
     extra = ["--backend", "gloo", "--precision", "fp32"] if CUDA_DEVICES else []
