@@ -156,13 +156,20 @@ def run_cli(args: list[str], *, timeout_s: float = 120.0, env: dict | None = Non
     from a server that has already imported torch (the one spawn_world starts ranks from): the
     same ``__main__``, arguments, environment, standard streams and exit status as a fresh
     interpreter, without its ~2 s of imports (on 2 cores, under load, most of a CLI test's time).
-    Launchers (torchrun) and every other command start as they are, so the launch path itself is
-    still tested from scratch.
+    torchrun (``torchrun ...`` or ``python -m torch.distributed.run ...``) runs its agent the same
+    way, forked with torch imported (~1.5 s of CPU saved a launch); the workers it starts are
+    fresh interpreters, so what a user's ranks import and run is still tested from scratch.
+    Every other command starts as it is.
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("RANK", None)
     if len(args) >= 3 and args[:2] == [PYTHON, "-m"] and args[2].startswith("recipes."):
         return _run_module_forked(args, ("module", args[2]), args[3:], timeout_s, full_env)
+    torchrun = (1 if args[:1] == ["torchrun"] else
+                3 if args[:3] == [PYTHON, "-m", "torch.distributed.run"] else 0)
+    if torchrun:
+        return _run_module_forked(args, ("module", "torch.distributed.run"), args[torchrun:],
+                                  timeout_s, full_env)
     if len(args) >= 2 and args[0] == PYTHON and args[1].startswith("scripts/"):
         return _run_module_forked(args, ("path", args[1]), args[2:], timeout_s, full_env)
     return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s, env=full_env)

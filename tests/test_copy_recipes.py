@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from recipes.__main__ import recipe_modules
-from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, single_process_reference
+from tests.helpers import (PYTHON, REPO_ROOT, _run_module_forked, assert_losses_close,
+                           single_process_reference)
 
 RECIPES = Path(REPO_ROOT, "recipes")
 
@@ -169,11 +170,14 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     shutil.copy(Path(REPO_ROOT, "tests", "copy_launcher.py"), launcher)
     env = users_environment(where / "launcher")
     env["PYTHONPATH"] = str(where / "without_the_cookbook")
-    prefix = ([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-              if torchrun else [PYTHON])
-    proc = subprocess.run([*prefix, str(launcher), str(plan)], cwd=where, env=env,
-                          capture_output=True, text=True,
-                          timeout=sum(copy["timeout_s"] for copy in copies) + 60)
+    timeout_s = sum(copy["timeout_s"] for copy in copies) + 60
+    if torchrun:  # torchrun's agent forked with torch imported; the ranks start fresh, as users'
+        argv = ["--standalone", "--nproc_per_node=2", str(launcher), str(plan)]
+        proc = _run_module_forked(["torchrun", *argv], ("module", "torch.distributed.run"), argv,
+                                  timeout_s, env)
+    else:  # a fresh interpreter: the copies fork from it, and it must not hold our package
+        proc = subprocess.run([PYTHON, str(launcher), str(plan)], cwd=where, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
     ranks = (0, 1) if torchrun else (0,)
     results = {}
     for copy in copies:
