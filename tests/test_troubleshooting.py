@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recipes.core.spawn import free_port, spawn_world
+from recipes.core.world import RankError
 from tests.helpers import REPO_ROOT
 
 PAGE = os.path.join(REPO_ROOT, "docs", "troubleshooting.md")
@@ -186,17 +187,38 @@ def in_a_world_of_two() -> dict:
     try:
         seen = {"ddp": ddp_unused_parameters(), "fsdp": fsdp_mixed_requires_grad()}
         seen["rendezvous"] = rendezvous_timeout(rank, agreed_ports(rank, 3))
-        seen["mesh"] = stale_store(rank, agreed_ports(rank, 1)[0])
         seen["timeout"] = collective_timeout(rank)
         return seen
     finally:
         dist.destroy_process_group()
 
 
+def stale_store_in_a_world_of_two() -> dict:
+    """The "connectFullMesh failed" entry, in a world of its own (see ``world``)."""
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    try:
+        return stale_store(rank, agreed_ports(rank, 1)[0])
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def world() -> dict:
-    """What rank 0 saw, entry by entry."""
-    return spawn_world(in_a_world_of_two, 2, deadline_s=120)
+    """What rank 0 saw, entry by entry. The stale-store entry runs in a world of its own, started
+    again once if its first, healthy group fails to connect: under a full suite on 2 cores that
+    connect failed 3 times in about 10 runs ("Gloo connectFullMesh failed ... Connection closed by
+    peer", with a 2 s and with a 30 s timeout), a flake of the setup, not of what the entry shows;
+    in the shared world it took the four other entries down with it."""
+    seen = spawn_world(in_a_world_of_two, 2, deadline_s=120)
+    for attempt in (1, 2):
+        try:
+            seen["mesh"] = spawn_world(stale_store_in_a_world_of_two, 2, deadline_s=60)
+            break
+        except RankError as exc:
+            if attempt == 2 or "connectFullMesh" not in str(exc) or "job/attempt1" in str(exc):
+                raise
+    return seen
 
 
 # --------------------------------------------------------------------------------------------------
