@@ -92,7 +92,7 @@ class StageMarks:
             self.store.set(f"{stage}/{os.environ['RANK']}", socket.gethostname())
 
     def why_stuck(self, stage: str) -> str:
-        """'; rank(s) 3, 5 never reached <stage>', or what the store cannot tell."""
+        """'; rank(s) 3, 5 never reached STAGE', or what the store cannot tell."""
         if self.store is None:
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             return f"; no store answered at {where}" if stage == "arrived" else ""
