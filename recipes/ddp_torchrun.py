@@ -100,6 +100,7 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
         if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
+        # --8<-- [start:loop]
         # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
@@ -144,6 +145,7 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
                 if observer: observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
+        # --8<-- [end:loop]
 
         if cfg.save_path:
             # Pitfall: save ddp_model.module, the model itself: ddp_model.state_dict() prefixes
