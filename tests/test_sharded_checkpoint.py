@@ -20,16 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes import sharded_checkpoint
+from recipes import _sharded_checkpoint_store, sharded_checkpoint
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.spawn import spawn_world
 from recipes.core.world import RankError, join_world
-from recipes.sharded_checkpoint import (
-    AppState,
-    CheckpointConfig,
+from recipes._sharded_checkpoint_store import (
     CheckpointError,
-    ResumableSampler,
     file_entry,
     find_checkpoint,
     load_checkpoint,
@@ -37,6 +34,7 @@ from recipes.sharded_checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from recipes.sharded_checkpoint import AppState, CheckpointConfig, ResumableSampler
 from tests.helpers import (
     CUDA_DEVICES,
     PYTHON,
@@ -664,7 +662,7 @@ def test_files_altered_together_with_the_manifest_fail_in_one_line(checkpoint_co
 def test_a_resume_with_other_settings_is_refused_before_loading(checkpoint_copy, change, message):
     # --model small on a tiny checkpoint once died in DCP with size-mismatch tracebacks, or SIGABRT.
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy), **change)
-    with mock.patch.object(sharded_checkpoint.dcp, "load", side_effect=AssertionError("loaded")):
+    with mock.patch.object(_sharded_checkpoint_store.dcp, "load", side_effect=AssertionError("loaded")):
         with pytest.raises(CheckpointError, match=rf"^{checkpoint_copy} {message}"):
             run_alone(recipe_result, cfg)
 
