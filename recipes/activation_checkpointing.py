@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint_sequential
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, RandomSampler
 
 from recipes.parallelize import apply_activation_checkpointing, apply_compile
 from recipes.toy import MODEL_PRESETS, Block, TransformerLM, build_model, lm_loss, make_dataset
@@ -173,8 +173,10 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
     if cfg.every_k < 1:
         raise ValueError(f"every_k must be >= 1, got {cfg.every_k}")
     device = pick_device(cfg.device)
+    use_cuda = device.type == "cuda"
     precision = pick_precision(cfg.precision, device)  # auto: bf16 on a GPU, else fp32
     dtype = LOW_PRECISION.get(precision)  # None: no autocast (fp32, tf32)
+    # --8<-- [start:loop]
     model = build_model(cfg.model, seed=cfg.seed, device=device)
     blocks = list(model.layers.values())
     if cfg.mode == "sequential":  # model(tokens) now runs checkpoint_sequential over the blocks
@@ -192,25 +194,26 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
         apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
         loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                  fused=True if device.type == "cuda" else None)
+                                  fused=True if use_cuda else None)  # one kernel on CUDA
     # fp16 only; a disabled scaler (bf16, fp32) passes scale() and step() through unchanged
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     if observer: observer.model_ready(model, optimizer)
     print(f"mode {cfg.mode} ({precision}): blocks {checkpointed} checkpointed", flush=True)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    # one process, the same data order as the distributed recipes' world of 1
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed,
-                                 drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
-                        drop_last=True)
+    # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
+    # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
+    order = torch.Generator()
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, drop_last=True,
+                        pin_memory=use_cuda, sampler=RandomSampler(dataset, generator=order))
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
-        sampler.set_epoch(epoch)
+        order.manual_seed(cfg.seed + epoch)
         for inputs, targets in loader:
             if step == cfg.steps:
                 break
-            inputs, targets = inputs.to(device), targets.to(device)
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype or torch.float32,
                                 enabled=dtype is not None):  # forward and loss only
                 loss = loss_fn(model(inputs), targets)
@@ -223,6 +226,7 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
             if observer: observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
+    # --8<-- [end:loop]
     return losses
 # --8<-- [end:train]
 

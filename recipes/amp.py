@@ -41,7 +41,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, RandomSampler
 
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
@@ -114,8 +114,10 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
                          f"{os.environ['WORLD_SIZE']}; run `python -m recipes.amp` (AMP with DDP: "
                          "see ddp_torchrun, add this loop's autocast)")
     device = pick_device(cfg.device)
+    use_cuda = device.type == "cuda"
     precision = pick_precision(cfg.precision, device)
     dtype = LOW_PRECISION.get(precision)  # None: no autocast (fp32, tf32)
+    # --8<-- [start:loop]
     model = build_model(cfg.model, seed=cfg.seed, device=device)  # parameters stay fp32
     loss_fn = lm_loss
     if cfg.compile:  # each block's forward, and the loss
@@ -123,7 +125,7 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
             block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
         loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                  fused=True if device.type == "cuda" else None)
+                                  fused=True if use_cuda else None)  # one kernel on CUDA
     # fp16 only; a disabled scaler (bf16, fp32) passes scale() and step() through unchanged
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
                                   enabled=precision == "fp16")
@@ -133,18 +135,19 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
     if observer: observer.model_ready(model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    # one process, the same data order as the distributed recipes' world of 1
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed,
-                                 drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
-                        drop_last=True)
+    # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
+    # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
+    order = torch.Generator()
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, drop_last=True,
+                        pin_memory=use_cuda, sampler=RandomSampler(dataset, generator=order))
     run, step, epoch = AMPRun(), 0, 0
     while step < cfg.steps:
-        sampler.set_epoch(epoch)
+        order.manual_seed(cfg.seed + epoch)
         for inputs, targets in loader:
             if step == cfg.steps:
                 break
-            inputs, targets = inputs.to(device), targets.to(device)
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
             # Only the forward (and the loss) runs under autocast; backward reuses the dtypes
             # the forward chose. lm_loss computes the cross entropy in fp32 either way.
             with torch.autocast(device.type, dtype=dtype or torch.float32,
@@ -166,6 +169,7 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
             if observer: observer.step_end(step, run.losses[-1])
             step += 1
         epoch += 1
+    # --8<-- [end:loop]
     return run
 # --8<-- [end:train]
 

@@ -234,6 +234,7 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
         device, seq_len = world.device, MODEL_PRESETS[cfg.model].seq_len
+        rank, use_cuda = world.rank, world.device.type == "cuda"
         cp_size = world.world_size  # the CP group is the world here
         check_cp_fits(seq_len, cp_size, cfg.load_balance)
         if cfg.impl == "torch" and device.type != "cuda":
@@ -248,11 +249,12 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
         group = mesh.get_group()
         layout = torch.stack([shard_positions(seq_len, r, cp_size, load_balance=cfg.load_balance)
                               for r in range(cp_size)])
-        mine = layout[world.rank].to(device)
+        mine = layout[rank].to(device)
+        # --8<-- [start:loop]
         # Same seed everywhere: CP ranks hold the same weights, like data-parallel replicas
         model = build_model(cfg.model, seed=cfg.seed, device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if device.type == "cuda" else None)
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
         # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         if observer: observer.model_ready(model, optimizer)
@@ -263,18 +265,20 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
                                      seed=cfg.seed, drop_last=True)
         loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
-                            drop_last=True, pin_memory=device.type == "cuda")
-        if world.is_main:
+                            drop_last=True, pin_memory=use_cuda)
+        if rank == 0:
             print(f"context parallel ({cfg.impl}) over {cp_size} rank(s): {len(mine)} of "
                   f"{seq_len} positions each, load_balance={cfg.load_balance}", flush=True)
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
-            sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first's order
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
             for inputs, targets in loader:
                 if step == cfg.steps:
                     break
-                inputs, targets = inputs.to(device), targets.to(device)
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 # Pitfall: a shard's positions are not 0..seq/N-1: the model must be told them
                 positions = torch.arange(seq_len, device=device).expand_as(inputs).clone()
                 if cfg.impl == "ring":
@@ -301,11 +305,12 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
                 global_loss = loss.detach().float().clone()  # this rank's tokens' mean
                 dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
                 losses.append(global_loss.item())
-                if world.is_main:
+                if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
                 if observer: observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
+        # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked

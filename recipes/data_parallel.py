@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, RandomSampler
 
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
@@ -65,6 +65,7 @@ def train(cfg: DataParallelConfig, observer=None) -> list[float]:
     if gpus and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
+    # --8<-- [start:loop]
     # Pitfall: the parameters must live on device_ids[0] (GPU 0) before wrapping
     model = build_model(cfg.model, seed=cfg.seed, device=device)
     dp_model = nn.DataParallel(model)  # every visible GPU; on CPU a pass-through
@@ -73,14 +74,14 @@ def train(cfg: DataParallelConfig, observer=None) -> list[float]:
     if observer: observer.model_ready(dp_model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    # One process reads the whole global batch: a "world" of 1, the DDP recipes' data order
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed,
-                                 drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
-                        drop_last=True, pin_memory=gpus > 0)
+    # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
+    # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
+    order = torch.Generator()
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, drop_last=True,
+                        pin_memory=gpus > 0, sampler=RandomSampler(dataset, generator=order))
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
-        sampler.set_epoch(epoch)
+        order.manual_seed(cfg.seed + epoch)
         for inputs, targets in loader:
             if step == cfg.steps:
                 break
@@ -96,6 +97,7 @@ def train(cfg: DataParallelConfig, observer=None) -> list[float]:
             if observer: observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
+    # --8<-- [end:loop]
 
     if cfg.save_path:
         # Pitfall: the weights live in dp_model.module; save that, not dp_model, whose keys all

@@ -127,7 +127,9 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = autocast_dtype(cfg.precision, device)
 
-    # Pitfall: the same seed on every rank, or the replicas start different
+    # --8<-- [start:loop]
+    # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
+    # rank 0's weights at construction, but a model built differently still diverges)
     model = build_model(cfg.model, seed=cfg.seed, device=device)
     ddp_model = DDP(
         model,
@@ -144,18 +146,22 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     if observer: observer.model_ready(ddp_model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    # Each rank reads a disjoint 1/world_size of every epoch; drop_last keeps every batch full
+    # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+    # at step s is one process's batch s. drop_last keeps every global batch full.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=cfg.global_batch_size // world_size,
                         sampler=sampler, drop_last=True, pin_memory=use_cuda)
+
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
-        sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first one's order
+        # Pitfall: without set_epoch every epoch repeats the first epoch's order
+        sampler.set_epoch(epoch)
         for inputs, targets in loader:
             if step == cfg.steps:
                 break
-            inputs, targets = inputs.to(device), targets.to(device)
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=dtype or torch.float32,
                                 enabled=dtype is not None):
@@ -164,7 +170,7 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # skipped if fp16 overflowed (on every rank alike)
             scaler.update()
-            # Pitfall: rank 0's loss alone is its share of the batch
+            # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
             global_loss = loss.detach().float().clone()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
             losses.append(global_loss.item())
@@ -173,6 +179,7 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
             if observer: observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
+    # --8<-- [end:loop]
 
     if cfg.checkpoint_path:
         if rank == 0:  # one writer: the replicas are identical, N writers would clobber one file

@@ -122,18 +122,20 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
-        device, parts = world.device, world.world_size * cfg.micro_batches
+        device, rank, world_size = world.device, world.rank, world.world_size
+        use_cuda, parts = device.type == "cuda", world_size * cfg.micro_batches
         if cfg.global_batch_size % parts:
             lower = max(parts, cfg.global_batch_size - cfg.global_batch_size % parts)
             over = f" x {cfg.micro_batches} micro-batches" if cfg.micro_batches > 1 else ""
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across "
-                f"{world.world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
+                f"{world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
                 f"{lower + parts}")
-        if world.world_size % cfg.hsdp_replicas:
+        if world_size % cfg.hsdp_replicas:
             raise ValueError(f"hsdp_replicas={cfg.hsdp_replicas} does not divide world size "
-                             f"{world.world_size}; pick a divisor of {world.world_size}")
-        shard = world.world_size // cfg.hsdp_replicas
+                             f"{world_size}; pick a divisor of {world_size}")
+        per_rank_batch = cfg.global_batch_size // world_size
+        shard = world_size // cfg.hsdp_replicas
         if cfg.hsdp_replicas == 1:
             mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",))
         else:  # HSDP: 2 x 2 is 2 copies, each sharded over 2 ranks (in a node: fast all-gathers)
@@ -146,6 +148,7 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
         precision = resolve_precision(cfg.precision, device)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
+        # --8<-- [start:loop]
         # On CPU from the seed, then sharded: every rank starts from exactly the same weights, and
         # each fully_shard call moves only its group to the device, keeping a 1/N shard of it.
         model = build_model(cfg.model, seed=cfg.seed, device="cpu")
@@ -160,14 +163,14 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
             mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
             if low else None,
             # Pinned memory needs an accelerator: on a CPU-only world this only runs the code.
-            offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
+            offload_policy=CPUOffloadPolicy(pin_memory=use_cuda)
             if cfg.cpu_offload else None,
             explicit_prefetch=cfg.explicit_prefetch)
         # After sharding: AdamW's state is created like the parameters, as DTensor shards (1/N
         # each). Fused on CUDA: foreach AdamW on DTensors pays DTensor dispatch for every op of
         # every parameter.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if device.type == "cuda" else None)
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
         if observer: observer.model_ready(model, optimizer)
         # Pitfall check: the plain amp GradScaler IS right here (classic FSDP needs its
         # ShardedGradScaler): DTensor reduces found_inf over the mesh, so an inf in one rank's
@@ -175,20 +178,22 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        # Each rank reads a disjoint 1/world_size of every epoch (HSDP's replicas too: every rank
-        # is a data-parallel rank); drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=world.rank,
-                                     shuffle=True, seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=cfg.global_batch_size // world.world_size,
-                            sampler=sampler, drop_last=True, pin_memory=device.type == "cuda")
-        if world.rank == 0:
+        # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+        # at step s is one process's batch s (HSDP's replicas too: every rank is a data-parallel
+        # rank). drop_last keeps every global batch full.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                            pin_memory=use_cuda)
+        if rank == 0:
             print(f"fully_shard on mesh {tuple(mesh.shape)}, reshard_after_forward={reshard}, "
                   f"{precision}, {cfg.micro_batches} x {cfg.global_batch_size // parts} "
                   "sequences per rank", flush=True)
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
-            sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first's order
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
             for inputs, targets in loader:
                 if step == cfg.steps:
                     break
@@ -218,11 +223,12 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
                 # Pitfall: each rank's loss is its share of the batch: log the mean over ranks
                 dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
                 losses.append(step_loss.item())
-                if world.rank == 0:
+                if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
                 if observer: observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
+        # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked

@@ -179,6 +179,7 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
         device, model_cfg = world.device, MODEL_PRESETS[cfg.model]
+        rank, use_cuda = world.rank, world.device.type == "cuda"
         mesh = build_mesh(world, pp=cfg.pp, tp=cfg.tp)
         dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         # Every dimension the plan splits must divide by the tensor-parallel size.
@@ -205,9 +206,10 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
         plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
         groups = {dim: dist.get_process_group_ranks(mesh[dim].get_group())
                   for dim in mesh.mesh_dim_names}
-        if world.is_main:
+        if rank == 0:
             print(rank_grid(mesh), flush=True)
 
+        # --8<-- [start:loop]
         # Same seed everywhere: each rank builds the whole model, then keeps its part of it.
         model = build_model(cfg.model, seed=cfg.seed, device=device if cfg.pp == 1 else "cpu")
         if cfg.pp == 1:  # tensor parallel over mesh["tp"], then fully_shard over mesh["dp"]
@@ -220,7 +222,7 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
             model = stage.submod
         # After the split: AdamW's state is made like the parameters, as 2-D DTensor shards.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if device.type == "cuda" else None)
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
         if observer: observer.model_ready(model, optimizer)
 
         # Data: one share per dp coordinate. Ranks that differ only in tp (or pp) read the same
@@ -229,15 +231,17 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
         sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True,
                                      seed=cfg.seed, drop_last=True)
         loader = DataLoader(dataset, batch_size=per_dp_rank_batch, sampler=sampler,
-                            drop_last=True, pin_memory=device.type == "cuda")
+                            drop_last=True, pin_memory=use_cuda)
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
-            sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first's order
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
             for inputs, targets in loader:
                 if step == cfg.steps:
                     break
-                inputs, targets = inputs.to(device), targets.to(device)
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 with warnings.catch_warnings():
                     # fully_shard warns when a module returns a view: here TP's local view of
@@ -255,11 +259,12 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
                                              loss_holders=dp_size * cfg.tp)
                 optimizer.step()
                 losses.append(loss)
-                if world.is_main:
+                if rank == 0:
                     print(f"step {step} loss {loss:.4f}", flush=True)
                 if observer: observer.step_end(step, loss)
                 step += 1
             epoch += 1
+        # --8<-- [end:loop]
         return HybridRun(losses, list(mesh.mesh_dim_names), list(mesh.mesh.shape),
                          mesh.mesh.tolist(), groups)
     finally:

@@ -15,7 +15,8 @@ model, optimizer, the data position (epoch and batches done in it) and every ran
 resumed at step k gives the same losses as one that never stopped (tests/test_sharded_checkpoint.py
 asserts it for DDP, FSDP and fully_shard, and after resharding to 1, 3 and 4 ranks).
 
-Crash safety, the part DCP leaves to you (recipes/_sharded_checkpoint_store.py): every save goes to ``.tmp-step_N/``; when all ranks are
+Crash safety, the part DCP leaves to you, lives beside this file
+(recipes/_sharded_checkpoint_store.py): every save goes to ``.tmp-step_N/``; when all ranks are
 done, a manifest (size, sha256 of every file, and what the run was made with), an atomic rename to
 ``step_N/`` and then the ``latest`` pointer publish it. A load verifies the manifest first and
 refuses a missing, truncated or altered file with one line naming it.

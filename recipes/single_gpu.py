@@ -50,6 +50,7 @@ def train(cfg: SingleGPUConfig, observer=None) -> list[float]:
     if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
+    # --8<-- [start:loop]
     model = build_model(cfg.model, seed=cfg.seed, device=device)
     loss_fn = lm_loss
     if cfg.compile:  # each block's forward, and the loss
@@ -85,6 +86,7 @@ def train(cfg: SingleGPUConfig, observer=None) -> list[float]:
             if observer: observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
+    # --8<-- [end:loop]
 
     if cfg.save_path:
         torch.save(model.state_dict(), cfg.save_path)

@@ -99,12 +99,14 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
         device, model_cfg = world.device, MODEL_PRESETS[cfg.model]
+        rank, use_cuda = world.rank, world.device.type == "cuda"
         # Every dimension the plan splits must divide by the tensor-parallel size.
         check_tp_fits(world.world_size, n_heads=model_cfg.n_heads,
                       mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
                       vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
         dtype = autocast_dtype(cfg.precision, device)
         tp_mesh = init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("tp",))
+        # --8<-- [start:loop]
         # Same seed everywhere: each rank builds the full model, then keeps only its shards. (For a
         # model that does not fit one device, build on the "meta" device and initialize after
         # apply_tp.)
@@ -113,7 +115,7 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
                                                           loss_parallel=cfg.loss_parallel))
         # On a GPU TP compiles unless told not to: in eager mode DTensor decides every op's
         # sharding on the host, and the GPU waits for it (+92% at batch 64 on an H200, issue 25).
-        compiled = cfg.compile or (device.type == "cuda" and not cfg.eager)
+        compiled = cfg.compile or (use_cuda and not cfg.eager)
         loss_fn = lm_loss
         if compiled:  # after TP: the compiled blocks trace the DTensor ops and their collectives
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
@@ -121,7 +123,7 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
                 loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
         # Pitfall: built before apply_tp, the optimizer would update the replaced plain tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if device.type == "cuda" else None)
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
         # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         if observer: observer.model_ready(model, optimizer)
@@ -133,17 +135,19 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
                                      seed=cfg.seed, drop_last=True)
         loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
-                            drop_last=True, pin_memory=device.type == "cuda")
+                            drop_last=True, pin_memory=use_cuda)
         # The loss and its backward must both run inside loss_parallel() when the logits are shards.
         loss_context = loss_parallel if cfg.loss_parallel else contextlib.nullcontext
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
-            sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first's order
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
             for inputs, targets in loader:
                 if step == cfg.steps:
                     break
-                inputs, targets = inputs.to(device), targets.to(device)
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 # TP alone has no mixed-precision policy of its own: bf16 is autocast (torchtitan)
                 with torch.autocast(device.type, dtype=dtype or torch.float32,
                                     enabled=dtype is not None):
@@ -158,11 +162,12 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
                 # the loss is a replicated DTensor).
                 whole = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 losses.append(whole.item())
-                if world.is_main:
+                if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
                 if observer: observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
+        # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked

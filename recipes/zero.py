@@ -56,65 +56,78 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
-        if cfg.global_batch_size % world.world_size:
-            n = world.world_size
-            lower = max(n, cfg.global_batch_size - cfg.global_batch_size % n)
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide across "
-                             f"{n} ranks; use a multiple of {n}, e.g. {lower} or {lower + n}")
-        on_cuda = world.device.type == "cuda"
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and on_cuda
+        device, rank, world_size = world.device, world.rank, world.world_size
+        if cfg.global_batch_size % world_size:
+            lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
+                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+        per_rank_batch = cfg.global_batch_size // world_size
+        use_cuda = device.type == "cuda"
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
                                            and torch.cuda.is_bf16_supported())
-        if on_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
+        if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
-        ddp_model = DDP(model, device_ids=[world.device.index] if on_cuda else None)
+
+        # --8<-- [start:loop]
+        # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
+        # rank 0's weights at construction, but a model built differently still diverges)
+        model = build_model(cfg.model, seed=cfg.seed, device=device)
+        ddp_model = DDP(model, device_ids=[device.index] if use_cuda else None)
         if cfg.optimizer == "zero":
             # AdamW's arguments, plus the class: each rank builds an AdamW over its own partition
             # (fused on CUDA: one kernel per partition)
             optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(),
                                                 optimizer_class=torch.optim.AdamW, lr=cfg.lr,
-                                                fused=True if on_cuda else None)
+                                                fused=True if use_cuda else None)
         else:
             optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
-                                          fused=True if on_cuda else None)
+                                          fused=True if use_cuda else None)  # one kernel on CUDA
         if observer: observer.model_ready(ddp_model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        sampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=world.rank,
-                                     shuffle=True, seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=cfg.global_batch_size // world.world_size,
-                            sampler=sampler, drop_last=True, pin_memory=on_cuda)
+        # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+        # at step s is one process's batch s. drop_last keeps every global batch full.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                            pin_memory=use_cuda)
+
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
-            sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first's order
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
             for inputs, targets in loader:
                 if step == cfg.steps:
                     break
-                inputs, targets = inputs.to(world.device), targets.to(world.device)
-                with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = lm_loss(ddp_model(inputs), targets)
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
                 loss.backward()  # DDP all-reduces FULL gradients: every rank has all of them
                 if cfg.max_grad_norm > 0:
                     # Gradients are replicated, so the local norm IS the global norm: no
                     # collective needed (unlike FSDP, where each rank holds a shard).
                     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), cfg.max_grad_norm)
                 optimizer.step()  # ZeRO: update the owned partition, broadcast it to the others
-                global_loss = loss.detach().float().clone()  # rank 0's alone is its share only
+                # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
+                global_loss = loss.detach().float().clone()
                 dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
                 losses.append(global_loss.item())
-                if world.rank == 0:
+                if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
                 if observer: observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
+        # --8<-- [end:loop]
 
         if cfg.save_path:
             if cfg.optimizer == "zero":
                 # Pitfall: optimizer.state_dict() on rank 0 alone raises (or returns a stale
                 # state). Every rank must first send its partition: this is a collective.
                 optimizer.consolidate_state_dict(to=0)
-            if world.rank == 0:
+            if rank == 0:
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                            cfg.save_path)
             dist.barrier()  # no rank reads the file or exits before it is complete

@@ -240,6 +240,42 @@ def test_the_ddp_page_shows_what_ddp_adds_to_the_single_gpu_loop_as_a_diff(site)
         render_diff("recipes/single_gpu.py:nope,recipes/ddp_torchrun.py:train")
 
 
+# The baselines a recipe's loop is shown against: DDP for a recipe that runs a world, the plain
+# one-GPU loop for one that runs one process.
+LOOP_BASELINES = ("recipes/ddp_torchrun.py:loop", "recipes/single_gpu.py:loop")
+
+
+def test_every_recipe_with_a_training_loop_shows_what_it_adds_to_the_baseline(site):
+    """Issue 21, item 5: each recipe page whose recipe marks its training loop (``# --8<--
+    [start:loop]``, from the model build to the loop's end) shows it as a diff against DDP's (or
+    the one-GPU loop's), and the recipe keeps the baseline's shape: at least a third of the
+    baseline's lines are unchanged in it. A recipe rewritten in other names (``world.rank`` for
+    ``rank``, a comment reworded) would mark nearly every line, and the diff would show nothing."""
+    hooks()  # puts docs/ on the path, where its _hooks package lives
+    from _hooks.diff import diff_lines, snippet_section
+
+    marked = sorted(p.stem for p in Path(REPO_ROOT, "recipes").glob("[a-z]*.py")
+                    if "# --8<-- [start:loop]" in p.read_text())
+    assert {"zero", "fsdp2", "amp", "tensor_parallel"} <= set(marked), marked
+    for name in marked:
+        if f"recipes/{name}.py:loop" in LOOP_BASELINES:
+            continue
+        page = Path(REPO_ROOT, "docs", "recipes", f"{name}.md").read_text()
+        spec = re.search(r"<!-- diff: (recipes/\w+\.py:loop),recipes/(\w+)\.py:loop(,context=\d+)?"
+                         r" -->", page)
+        assert spec and spec[1] in LOOP_BASELINES and spec[2] == name, (
+            f"docs/recipes/{name}.md: show the loop as a diff, e.g. <!-- diff: "
+            f"{LOOP_BASELINES[0]},recipes/{name}.py:loop,context=2 -->")
+        old, new = snippet_section(spec[1]), snippet_section(f"recipes/{name}.py:loop")
+        kept = sum(line[:1] == " " and line.strip() != "" for line in diff_lines(old, new, None))
+        baseline = sum(line.strip() != "" for line in old)
+        assert kept >= baseline / 3, (
+            f"recipes/{name}.py keeps {kept} of the {baseline} lines of {spec[1]}: write its loop "
+            "in the baseline's names and order, so that its diff shows what it adds")
+        text = page_text(site, f"recipes/{name}")
+        assert f"+++ recipes/{name}.py:loop" in text, name
+
+
 def test_the_api_reference_documents_what_a_user_copies_with_stable_anchors(site):
     """The reference documents the three shared modules and every copyable recipe (one that imports
     nothing of recipes.core), each object under an anchor named after its import path; the harness
