@@ -291,7 +291,9 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
             raise CheckpointError(f"global_batch_size={cfg.global_batch_size} does not divide "
                                   f"across {world.world_size} ranks; use a multiple of "
                                   f"{world.world_size}")
-        per_rank_batch = cfg.global_batch_size // world.world_size
+        device, rank, world_size = world.device, world.rank, world.world_size
+        use_cuda = device.type == "cuda"
+        per_rank_batch = cfg.global_batch_size // world_size
         precision = cfg.precision
         if precision == "auto":
             precision = "bf16" if world.device.type == "cuda" else "fp32"
@@ -309,10 +311,13 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
         if problem[0]:
             raise CheckpointError(problem[0])
 
-        model = parallelize(build_model(cfg.model, seed=cfg.seed, device=world.device),
-                            cfg.strategy, world, precision)
+        # --8<-- [start:loop]
+        # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
+        # rank 0's weights at construction, but a model built differently still diverges)
+        model = build_model(cfg.model, seed=cfg.seed, device=device)
+        model = parallelize(model, cfg.strategy, world, precision)  # DDP, FSDP or fully_shard
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if world.device.type == "cuda" else None)
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
         app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size,
                        batches_per_epoch=cfg.batches_per_epoch, group=group)
         # What a resume must repeat to continue the same run; saved in each manifest, compared on
@@ -356,26 +361,30 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size,
                                batches_per_epoch=cfg.batches_per_epoch, seed=cfg.seed)
+        # A DistributedSampler that starts mid-epoch: the data position is part of the state
         sampler = ResumableSampler(dataset, per_rank_batch_size=per_rank_batch,
-                                   num_replicas=world.world_size, rank=world.rank, seed=cfg.seed)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
+                                   num_replicas=world_size, rank=rank, seed=cfg.seed)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                            pin_memory=use_cuda)
         # DDP computes in bf16 under autocast; the FSDPs' policies already do (no autocast on top)
         autocast_on = precision == "bf16" and cfg.strategy == "ddp"
-        pending = None
+        losses, pending = run.losses, None
         for step, (inputs, targets), progress in steps_from(loader, sampler, app.progress,
                                                             cfg.steps):
-            inputs, targets = inputs.to(world.device), targets.to(world.device)
-            with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=autocast_on):
-                loss = lm_loss(model(inputs), targets)
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_on):
+                loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
             loss.backward()
             optimizer.step()
-            # Pitfall: each rank's loss is its share of the batch: log the mean over ranks
-            step_loss = loss.detach().float().reshape(1).clone()
-            dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-            run.losses.append((step_loss / world.world_size).item())
-            say(f"step {step} loss {run.losses[-1]:.4f}")
-            if observer: observer.step_end(step, run.losses[-1])
+            # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
+            global_loss = loss.detach().float().clone()
+            dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+            losses.append(global_loss.item())
+            if rank == 0:
+                print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+            if observer: observer.step_end(step, losses[-1])
             app.progress = progress
             done = progress["step"]
             if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
@@ -392,6 +401,7 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
                 run.saved_steps.append(done)
                 say(f"checkpoint of step {done} {'started' if cfg.async_save else 'published'} "
                     f"in {run.save_blocking_seconds[-1] * 1e3:.1f} ms")
+        # --8<-- [end:loop]
         if pending is not None:
             pending.finish()
         if run.saved_steps:
