@@ -99,6 +99,8 @@ RUNS = {
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
+    # every op over 2 gloo ranks (the defaults): one line per op from rank 0
+    "collectives": ("torchrun", ["--backend", "gloo"]),
 }
 
 
@@ -391,6 +393,15 @@ def check_sharded_checkpoint(stdout: str) -> None:
     assert len(losses) == 3 and "checkpoint of step 3 published in " in stdout, stdout
 
 
+def check_collectives(stdout: str) -> None:
+    # every op, in order, with the verdict of the package's own run (results/collectives.json,
+    # 4 ranks: "ok" for each), printed by rank 0 alone
+    expected = json.loads(Path(REPO_ROOT, "results", "collectives.json").read_text())["result"]
+    assert "17 collectives on 2 rank(s), backend gloo, device cpu" in stdout, stdout
+    printed = re.findall(r"^(\w+) +(ok|fallback: .*|skipped: .*)$", stdout, re.M)
+    assert printed == list(expected["extras"]["ops"].items()), stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -400,4 +411,5 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "hybrid_parallel": check_hybrid_parallel, "ddp_spawn": check_ddp_spawn,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
-          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}
+          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
+          "collectives": check_collectives}

@@ -23,10 +23,12 @@ from recipes.core.world import write_torchrun_error_file
 
 __all__ = ["PROVABLE", "main", "prove_command"]
 
-# The copyable recipes whose function takes an observer (model_ready, step_end).
+# The copyable recipes whose function takes an observer (model_ready, step_end), or that a probe
+# measures from outside (recipes.core.observe.PROBES: collectives trains nothing).
 PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
             "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
-            "meta_init", "sharded_checkpoint")
+            "meta_init", "sharded_checkpoint",
+            "collectives")
 
 
 def prove_command(command: str, name: str) -> str:
@@ -57,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             exit_with(str(exc), 2)
         raise SystemExit(2) from None
     if current_rank() != 0:
+        return
+    if not result.losses:  # trained nothing (collectives), or stopped before a step ended
+        print(result.to_json(), flush=True)
         return
     mfu = f"{100 * result.mfu:.1f}%" if result.mfu is not None else "n/a (no known peak)"
     get_logger("recipes").info(
