@@ -101,6 +101,8 @@ RUNS = {
                                 "--assert-equal", "--atol", "1e-5"]),
     # every op over 2 gloo ranks (the defaults): one line per op from rank 0
     "collectives": ("torchrun", ["--backend", "gloo"]),
+    # a clean run (no --skip-rank): the hand-written data parallelism over 2 gloo ranks
+    "hang_diagnosis": ("torchrun", ["--steps", "3", "--backend", "gloo"]),
 }
 
 
@@ -402,6 +404,14 @@ def check_collectives(stdout: str) -> None:
     assert printed == list(expected["extras"]["ops"].items()), stdout
 
 
+def check_hang_diagnosis(stdout: str) -> None:
+    # no rank skipped: nothing to diagnose, and the losses of one process's training (the
+    # package's ddp_torchrun on one process has the same model, data, seed and lr)
+    losses = printed_losses(stdout)
+    assert len(losses) == 3 and "diagnosis:" not in stdout, stdout
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -412,4 +422,4 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
-          "collectives": check_collectives}
+          "collectives": check_collectives, "hang_diagnosis": check_hang_diagnosis}

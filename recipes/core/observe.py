@@ -55,7 +55,7 @@ from recipes.core.world import _keep_groups_past_teardown
 
 __all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "HybridObserver",
            "ContextParallelObserver", "SpawnedObserver", "CheckpointingObserver",
-           "MetaInitObserver", "CheckpointObserver", "OBSERVERS", "prove"]
+           "MetaInitObserver", "CheckpointObserver", "HangObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -720,3 +720,22 @@ def _probe_collectives(run_fn: Callable[..., Any], cfg: Any) -> RecipeResult:
 # ``prove`` calls instead of observing steps.
 PROBES: dict[str, Callable[[Callable[..., Any], Any], RecipeResult]] = {
     "collectives": _probe_collectives}
+
+
+class HangObserver(Observer):
+    """recipes/hang_diagnosis.py: ``mode`` and ``trace_dir`` in ``extras``. A run that hangs on
+    purpose stops before its last step: its checksum is then read where it stopped (in ``close``,
+    once the recipe returned), so that the world that hung still gives a result."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras.update(mode=cfg.mode, trace_dir=cfg.trace_dir)
+
+    def close(self) -> None:
+        if self.param_checksum is None and self._model is not None:  # the hang ended the loop
+            self.param_checksum = param_checksum(self._model.parameters())
+            self._model = self._optimizer = None
+        super().close()
+
+
+OBSERVERS["hang_diagnosis"] = HangObserver

@@ -28,7 +28,7 @@ __all__ = ["PROVABLE", "main", "prove_command"]
 PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
             "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
             "meta_init", "sharded_checkpoint",
-            "collectives")
+            "collectives", "hang_diagnosis")
 
 
 def prove_command(command: str, name: str) -> str:
@@ -50,9 +50,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     config_cls = inspect.signature(function).parameters["cfg"].annotation
     if isinstance(config_cls, str):  # from __future__ import annotations
         config_cls = getattr(module, config_cls)
-    cfg = config_cls(**vars(parser.parse_args(options)))
+    options = vars(parser.parse_args(options))
     try:
-        result = prove(function, cfg, name=name)
+        # the config's own checks (hang_diagnosis: a skip past the last step) are bad input too
+        result = prove(function, config_cls(**options), name=name)
     except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
         write_torchrun_error_file(str(exc))
         if current_rank() == 0:
