@@ -4,10 +4,14 @@
     python -m torch.distributed.flight_recorder.fr_trace hang_traces --prefix rank_
     torchrun --standalone --nproc_per_node=2 -m recipes.hang_diagnosis --skip-rank 1 --mode detail
 
+Copy with it: recipes/toy.py (the model and data you replace).
+
 A data-parallel loop (the shared model; each step all-reduces the gradients, then all-gathers the
 losses) in which ``--skip-rank`` skips one gradient all-reduce on purpose, as a rank does that takes
 another branch. The other rank waits in the all-reduce; the skipping rank waits in the next
-all-gather. Three tools, each shown here, find out why:
+all-gather. ``--skip-rank`` / ``--skip-step`` are options of the recipe, not a test's fault
+injection: making one rank skip a call is how a user watches each tool find it. Three tools, each
+shown here, find out why:
 
 1. The flight recorder. ``TORCH_FR_BUFFER_SIZE=N`` before the process group exists makes every
    rank keep its last N collectives (name, sequence number, sizes, Python stack). When the timeout
@@ -25,70 +29,69 @@ all-gather. Three tools, each shown here, find out why:
    ``stack_<r>.txt`` when a step runs longer than ``--stack-after-s`` (a C-level watchdog thread:
    it works while the main thread is blocked inside a collective), and on ``kill -USR1 <pid>``.
 
-Without a skipping rank the loop is plain data parallelism: its losses equal one process's.
+The process group is created here in the open, not by a shared helper: its timeout and what must be
+set before it exists (the recorder's variables, the DETAIL level) are the lesson. ``train`` returns
+a ``HangRun``: the losses of a clean run (equal to one process's), else the error and the finding.
+
+Length: about 400 lines, over the cookbook's ~300: three tools, each with the code that reads its
+output, around one loop; the process group made in the open and the command line take the rest.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import datetime
 import faulthandler
 import glob
+import math
 import os
 import pickle
 import re
 import signal
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import Config, RecipeError, check_step_reached, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.paths import output_dir_problem, refuse
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.workload import (
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import World, collective_in_frames, join_world
-
-log = get_logger(__name__)
+from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
-class HangConfig(Config):
-    steps: int = opt(4, "optimizer steps of the data-parallel loop", ge=1)
-    global_batch_size: int = opt(12, "sequences per step, summed over all ranks", ge=1)
-    skip_rank: int = opt(-1, "this rank skips the gradient all_reduce of --skip-step on purpose; "
-                             "-1 = none (a clean run)", ge=-1)
-    skip_step: int = opt(1, "the step whose all_reduce --skip-rank skips", ge=0)
-    mode: Literal["flight_recorder", "detail"] = opt(
-        "flight_recorder", "flight_recorder: wait for the timeout, then dump every rank's recorder "
-        "and find the mismatch; detail: TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective "
-        "first")
-    trace_dir: str = opt("hang_traces", "where each rank writes rank_<r> (flight recorder) and "
-                                        "stack_<r>.txt (its Python stack)")
-    buffer_size: int = opt(2000, "flight recorder entries kept per rank (TORCH_FR_BUFFER_SIZE)",
-                           ge=1)
-    timeout_s: float = opt(10.0, "collective timeout: a rank stuck in a collective raises after it",
-                           gt=0)
-    stack_after_s: float = opt(0.0, "write every rank's stack when a step runs longer than this; "
-                                    "0 = half of --timeout-s", ge=0)
-    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "process-group backend (see core.world)")
-    seed: int = opt(0, "seed for model init and data order", ge=0)
+class HangConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 4
+    global_batch_size: int = 12  # sequences per step, summed over all ranks
+    skip_rank: int = -1  # this rank skips the gradient all_reduce of skip_step; -1: a clean run
+    skip_step: int = 1
+    mode: str = "flight_recorder"  # or "detail": TORCH_DISTRIBUTED_DEBUG=DETAIL
+    trace_dir: str = "hang_traces"  # each rank writes rank_<r> and stack_<r>.txt here
+    buffer_size: int = 2000  # flight recorder entries kept per rank
+    timeout_s: float = 10.0  # a rank stuck in a collective raises after this long
+    stack_after_s: float = 0.0  # a step longer than this writes every rank's stack; 0: timeout/2
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.skip_rank >= 0:  # a skip past the last step: a clean run that looks diagnosed
-            check_step_reached("skip_step", self.skip_step, self.steps)
+        if self.skip_rank >= 0 and self.skip_step >= self.steps:
+            # a skip past the last step: a clean run that looks diagnosed
+            raise ValueError(
+                f"skip_step={self.skip_step} is never reached: the steps are 0 to "
+                f"{self.steps - 1}; use --skip-step {self.steps - 1} or less, or --steps "
+                f"{self.skip_step + 1} or more")
+
+
+@dataclass
+class HangRun:
+    losses: list[float]  # each step's global loss; [] when the world hung
+    error: str | None  # the first line of the timeout or of DETAIL's mismatch; None: clean
+    finding: str | None  # the rank and the collective the ranks disagree on; None: none found
+    stuck_in: str | None  # the torch.distributed call of this rank's last stack dump
 
 
 # --8<-- [start:recorder]
@@ -106,12 +109,12 @@ def dump_flight_recorder(trace_dir: str, rank: int) -> str:
     c10d = torch._C._distributed_c10d
     dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
     if dump is None:
-        raise RecipeError(f"torch {torch.__version__} has no flight recorder dump; "
-                          "use --mode detail, or torch >= 2.11 with NCCL")
+        raise RuntimeError(f"torch {torch.__version__} has no flight recorder dump; "
+                           "use --mode detail, or torch >= 2.11 with NCCL")
     trace = pickle.loads(dump())
     if not trace.get("entries"):
-        raise RecipeError(f"torch {torch.__version__} recorded no collectives on backend "
-                          f"{dist.get_backend()}; use --mode detail (or NCCL) here")
+        raise RuntimeError(f"torch {torch.__version__} recorded no collectives on backend "
+                           f"{dist.get_backend()}; use --mode detail (or NCCL) here")
     # torch 2.13's gloo dump leaves each group's name empty in pg_config, and fr_trace then stops
     # with KeyError ('0', 0): name the groups the entries use, with their ranks.
     groups = {name: pg for pg, name in dist.distributed_c10d._world.pg_names.items()}
@@ -193,8 +196,11 @@ def last_collective_in_stack(path: str) -> str | None:
     """The torch.distributed call in the last stack written to ``path`` (None: not in one)."""
     with open(path) as f:
         last = f.read().rsplit("Thread 0x", 1)[-1]
-    frames = re.findall(r'File "(.+?)", line (\d+) in (\S+)', last)
-    return collective_in_frames([(name, int(line), func) for name, line, func in frames])
+    # faulthandler writes the innermost frame first: the first public call of torch.distributed
+    for filename, func in re.findall(r'File "(.+?)", line \d+ in (\S+)', last):
+        if filename.endswith("distributed_c10d.py") and not func.startswith("_"):
+            return func
+    return None
 # --8<-- [end:stacks]
 
 
@@ -205,83 +211,201 @@ def detail_mismatch(error: str) -> str | None:
     return ", ".join(f"rank {rank} ran {op} #{seq}" for rank, seq, op in calls) or None
 
 
-# --8<-- [start:loop]
-def train_steps(cfg: HangConfig, world: World, stack_file: object) -> list[float]:
-    """Data parallelism by hand: all_reduce the flat gradient, all_gather the losses, step."""
-    model = build_model("tiny", seed=cfg.seed, device=world.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    per_rank = per_rank_batch_size(cfg.global_batch_size, world.world_size)
-    loader, sampler = distributed_loader(make_dataset("tiny", cfg.global_batch_size, seed=cfg.seed),
-                                         rank=world.rank, world_size=world.world_size,
-                                         per_rank_batch_size=per_rank, seed=cfg.seed)
-    losses = []
-    for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-        with watchdog(stack_file, cfg.stack_after_s or cfg.timeout_s / 2):
-            loss = lm_loss(model(inputs.to(world.device)), targets.to(world.device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grads = [p.grad for p in model.parameters()]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if not (world.rank == cfg.skip_rank and step == cfg.skip_step):
-                dist.all_reduce(flat)  # the call a rank must never skip alone
-            flat /= world.world_size
-            for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(chunk.view_as(grad))
-            gathered = [torch.zeros(1, device=world.device) for _ in range(world.world_size)]
-            dist.all_gather(gathered, loss.detach().reshape(1))
-            optimizer.step()
-        losses.append(float(torch.cat(gathered).mean()))
-        log.info("step %d loss %.4f", step, losses[-1])
-    return losses
-# --8<-- [end:loop]
-
-
-# --8<-- [start:run]
-def run(cfg: HangConfig) -> RecipeResult:
-    refuse(output_dir_problem(cfg.trace_dir, "--trace-dir"))  # every rank writes there
-    enable_flight_recorder(cfg.trace_dir, cfg.buffer_size)
+# --8<-- [start:train]
+def train(cfg: HangConfig, observer=None) -> HangRun:
+    """The loop on this process's rank, then (if it stopped) which rank skipped which call."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # set by torchrun, 0 when alone
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    # Checked before joining: every rank refuses at once, with the same line
+    if cfg.skip_rank >= world_size or (cfg.skip_rank >= 0 and world_size == 1):
+        raise ValueError(f"skip_rank={cfg.skip_rank} needs a world of at least 2 that has that "
+                         f"rank; this one has {world_size}")
+    if cfg.global_batch_size % world_size:
+        lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
+        raise ValueError(
+            f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
+            f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+    if os.path.exists(cfg.trace_dir) and not os.path.isdir(cfg.trace_dir):  # every rank writes
+        raise ValueError(f"--trace-dir {cfg.trace_dir} is a file; name a directory (created if "
+                         "missing)")
+    try:
+        enable_flight_recorder(cfg.trace_dir, cfg.buffer_size)
+        if not os.access(cfg.trace_dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "permission denied")
+    except OSError as exc:  # a file on the way, no permission
+        raise ValueError(f"--trace-dir {cfg.trace_dir}: {exc.strerror.lower()}; name a directory "
+                         "you can write to") from None
     if cfg.mode == "detail":  # = TORCH_DISTRIBUTED_DEBUG=DETAIL, read when the group is created
         dist.set_debug_level(dist.DebugLevel.DETAIL)
+    use_cuda = cfg.backend == "nccl" or (
+        cfg.backend == "auto" and torch.cuda.is_available()
+        and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)  # Pitfall: else every rank's NCCL work lands on cuda:0
+    # The timeout turns a hang into an error: the stuck call raises (gloo) or the watchdog
+    # aborts (NCCL) after it, instead of waiting forever
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if "RANK" in os.environ:  # torchrun: meet at MASTER_ADDR:MASTER_PORT
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
+                                device_id=device if use_cuda else None)
+    else:  # alone: a world of 1, which needs no rendezvous
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
     try:
-        with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-            return _diagnose(cfg, world)
+        rank = dist.get_rank()
+        for stale in glob.glob(os.path.join(cfg.trace_dir, "rank_*")):
+            os.remove(stale)  # a previous run's dumps would join this run's analysis
+        per_rank_batch = cfg.global_batch_size // world_size
+        losses, error = [], None
+        with stack_dumps(cfg.trace_dir, rank) as stack_file:
+            try:
+                # --8<-- [start:loop]
+                # Pitfall: the same seed on every rank: nothing here broadcasts rank 0's weights
+                model = build_model(cfg.model, seed=cfg.seed, device=device)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                if observer: observer.model_ready(model, optimizer)
+
+                dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+                sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                             shuffle=True, seed=cfg.seed, drop_last=True)
+                loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler,
+                                    drop_last=True, pin_memory=use_cuda)
+
+                losses, step, epoch = [], 0, 0
+                while step < cfg.steps:
+                    # Pitfall: without set_epoch every epoch repeats the first epoch's order
+                    sampler.set_epoch(epoch)
+                    for inputs, targets in loader:
+                        if step == cfg.steps:
+                            break
+                        # a step that overruns writes this rank's stack: where it is blocked
+                        with watchdog(stack_file, cfg.stack_after_s or cfg.timeout_s / 2):
+                            inputs = inputs.to(device, non_blocking=True)
+                            targets = targets.to(device, non_blocking=True)
+                            optimizer.zero_grad(set_to_none=True)
+                            loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
+                            loss.backward()
+                            # data parallelism by hand: one all_reduce of the flat gradient
+                            grads = [p.grad for p in model.parameters()]
+                            flat = torch.cat([g.reshape(-1) for g in grads])
+                            if not (rank == cfg.skip_rank and step == cfg.skip_step):
+                                dist.all_reduce(flat)  # the call a rank must never skip alone
+                            flat /= world_size
+                            for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+                                grad.copy_(chunk.view_as(grad))
+                            optimizer.step()
+                            # all_gather, not all_reduce: a rank that skipped the all_reduce
+                            # meets a call of another type, which every tool below tells apart
+                            gathered = [torch.zeros(1, device=device) for _ in range(world_size)]
+                            dist.all_gather(gathered, loss.detach().reshape(1))
+                        losses.append(float(torch.cat(gathered).mean()))
+                        if rank == 0:
+                            print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+                        if observer: observer.step_end(step, losses[-1])
+                        step += 1
+                    epoch += 1
+                # --8<-- [end:loop]
+            except (RuntimeError, dist.DistError) as exc:  # the timeout, or DETAIL's mismatch
+                error = next((line.strip() for line in str(exc).splitlines() if line.strip()),
+                             repr(exc))
+        finding = diagnose(cfg, rank, world_size, error)
+        stuck_in = last_collective_in_stack(os.path.join(cfg.trace_dir, f"stack_{rank}.txt"))
+        return HangRun([] if error else losses, error, finding, stuck_in)
     finally:
-        dist.set_debug_level_from_env()
+        dist.destroy_process_group()
+        dist.set_debug_level_from_env()  # DETAIL was for this group only
+# --8<-- [end:train]
 
 
-def _diagnose(cfg: HangConfig, world: World) -> RecipeResult:
-    if cfg.skip_rank >= world.world_size or (cfg.skip_rank >= 0 and world.world_size == 1):
-        raise RecipeError(f"skip_rank={cfg.skip_rank} needs a world of at least 2 that has that "
-                          f"rank; this one has {world.world_size}")
-    for stale in glob.glob(os.path.join(cfg.trace_dir, "rank_*")):
-        os.remove(stale)  # a previous run's dumps would join this run's analysis
-    timer, losses, error = StepTimer(world.device), [], None
-    with stack_dumps(cfg.trace_dir, world.rank) as stack_file, timer:
-        try:
-            losses = train_steps(cfg, world, stack_file)
-        except (RuntimeError, dist.DistError) as exc:  # the timeout, or DETAIL's mismatch
-            error = next((line.strip() for line in str(exc).splitlines() if line.strip()),
-                         repr(exc))
+def diagnose(cfg: HangConfig, rank: int, world_size: int, error: str | None) -> str | None:
+    """After the loop: dump the recorder, wait for every rank's dump, and find the mismatch."""
     finding = None
     if cfg.mode == "flight_recorder":
-        dump_flight_recorder(cfg.trace_dir, world.rank)
+        dump_flight_recorder(cfg.trace_dir, rank)
         # The group may be broken now: wait for the other ranks' files, not on a collective.
         deadline = time.monotonic() + cfg.timeout_s
-        while (len(glob.glob(os.path.join(cfg.trace_dir, "rank_[0-9]*"))) < world.world_size
+        while (len(glob.glob(os.path.join(cfg.trace_dir, "rank_[0-9]*"))) < world_size
                and time.monotonic() < deadline):
             time.sleep(0.1)
         finding = find_mismatch(cfg.trace_dir)
     elif error:
         finding = detail_mismatch(error)
     if error:
-        log.error("rank %d: %s", world.rank, error[:300])
-        log.info("diagnosis: %s", finding or "no mismatch found: see the stack_<rank>.txt files")
-    stack_file = os.path.join(cfg.trace_dir, f"stack_{world.rank}.txt")
-    return make_result("hang_diagnosis", world, losses, [], timer, mode=cfg.mode, error=error,
-                       finding=finding, stuck_in=last_collective_in_stack(stack_file),
-                       trace_dir=cfg.trace_dir)
-# --8<-- [end:run]
+        print(f"rank {rank}: {error[:300]}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"diagnosis: {finding or 'no mismatch found: see the stack_<rank>.txt files'}",
+                  flush=True)
+    return finding
+
+
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = HangConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.hang_diagnosis", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps,
+        help="optimizer steps of the data-parallel loop")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per step, summed over all ranks")
+    add("--skip-rank", type=_number(int, at_least=-1), default=defaults.skip_rank,
+        help="this rank skips the gradient all_reduce of --skip-step on purpose; -1 = none (a "
+             "clean run)")
+    add("--skip-step", type=_number(int, at_least=0), default=defaults.skip_step,
+        help="the step whose all_reduce --skip-rank skips")
+    add("--mode", choices=["flight_recorder", "detail"], default=defaults.mode,
+        help="flight_recorder: wait for the timeout, then dump every rank's recorder and find the "
+             "mismatch; detail: TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective first")
+    add("--trace-dir", default=defaults.trace_dir,
+        help="where each rank writes rank_<r> (flight recorder) and stack_<r>.txt (its stack)")
+    add("--buffer-size", type=_number(int, at_least=1), default=defaults.buffer_size,
+        help="flight recorder entries kept per rank (TORCH_FR_BUFFER_SIZE)")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="collective timeout: a rank stuck in a collective raises after it")
+    add("--stack-after-s", type=_number(float, at_least=0), default=defaults.stack_after_s,
+        help="write every rank's stack when a step runs longer than this; 0 = half of "
+             "--timeout-s")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        train(HangConfig(**vars(make_parser().parse_args(argv))))
+    except ValueError as exc:  # bad input every rank sees (a skip past the last step)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    run_cli(run, HangConfig, __doc__)
+    main()

@@ -105,7 +105,7 @@ def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
             ddp_spawn.train(cfg)
         assert str(caught.value).startswith(message), str(caught.value)
     cases = [
-        (hang_diagnosis.run, hang_diagnosis.HangConfig(trace_dir=str(a_file)),
+        (hang_diagnosis.train, hang_diagnosis.HangConfig(trace_dir=str(a_file)),
          f"--trace-dir {a_file} is a file; name a directory (created if missing)"),
         (meta_init.create_seed_checkpoint, meta_init.MetaInitConfig(
             create_seed_checkpoint=True, seed_checkpoint_dir=str(a_file)),
@@ -128,8 +128,9 @@ def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
              f"--resume-from {a_dir}/gone.ckpt does not exist; pass a .ckpt file"),
         ]
     for run, cfg, message in cases:
-        # a copyable recipe (meta_init) raises a plain ValueError: it imports nothing of ours
-        copyable = run is meta_init.create_seed_checkpoint
+        # a copyable recipe (meta_init, hang_diagnosis) raises a plain ValueError: it imports
+        # nothing of ours
+        copyable = run in (meta_init.create_seed_checkpoint, hang_diagnosis.train)
         with pytest.raises(ValueError if copyable else RecipeError) as caught:
             run(cfg)
         assert str(caught.value).startswith(message), str(caught.value)
@@ -143,13 +144,16 @@ def test_a_step_option_past_the_last_step_is_refused():
     from recipes import fsdp, hang_diagnosis
 
     check_step_reached("skip_step", 3, 4)  # the last step is fine
+    # hang_diagnosis is copyable: a plain ValueError (it cannot import RecipeError)
     cases = [
-        (lambda: fsdp.FSDPConfig(steps=4, inject_inf_step=7), "inject_inf_step=7 is never reached"),
+        (lambda: fsdp.FSDPConfig(steps=4, inject_inf_step=7), "inject_inf_step=7 is never reached",
+         RecipeError),
         (lambda: hang_diagnosis.HangConfig(steps=4, skip_rank=1, skip_step=4),
-         "skip_step=4 is never reached: the steps are 0 to 3; use --skip-step 3 or less"),
+         "skip_step=4 is never reached: the steps are 0 to 3; use --skip-step 3 or less",
+         ValueError),
     ]
-    for make, message in cases:
-        with pytest.raises(RecipeError) as caught:
+    for make, message, error in cases:
+        with pytest.raises(error) as caught:
             make()
         assert str(caught.value).startswith(message), str(caught.value)
     hang_diagnosis.HangConfig(steps=4, skip_step=9)  # no --skip-rank: --skip-step is not used
@@ -163,12 +167,11 @@ def test_a_step_option_past_the_last_step_is_refused():
 def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
     # (it was amp's --overflow-at-step, an option amp no longer has: the fault injection moved
     # into tests/test_amp.py; hang_diagnosis's --skip-step is checked by the same function)
+    # (hang_diagnosis is copyable now: its own main() says it, as ddp_torchrun's does)
     from recipes import hang_diagnosis
-    from recipes.core.cli import run_cli
 
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(hang_diagnosis.run, hang_diagnosis.HangConfig, None,
-                ["--steps", "6", "--skip-rank", "1", "--skip-step", "6"])
+        hang_diagnosis.main(["--steps", "6", "--skip-rank", "1", "--skip-step", "6"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: skip_step=6 is never reached: the steps are 0 to 5; use --skip-step "

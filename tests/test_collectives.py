@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recipes import collectives
-from recipes.core.config import RecipeError
+from recipes.core.observe import prove
 from recipes.core.spawn import spawn_world
 from recipes.core.world import RankError
 from tests.helpers import BACKENDS, last_json, run_alone, run_cli, run_world, with_fields
@@ -17,13 +17,21 @@ FALLBACK_OPS = {"all_reduce_avg", "reduce_scatter_single", "all_to_all_single"}
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
+def collectives_result(cfg):
+    """recipes.collectives.run(cfg) measured by the harness (recipes.core.observe's probe): its
+    report in extras["ops"], each op's time in extras["op_ms"], and param_checksum: the sum of every
+    tensor the rank received. Module-level: spawn_world can pickle it."""
+    return prove(collectives.run, cfg, name="collectives")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_collective_matches_its_expected_value(world_size, backend):
-    native, portable = run_world(collectives.run, world_size, [CFG, with_fields(CFG, portable_only=True)],
+    native, portable = run_world(collectives_result, world_size, [CFG, with_fields(CFG, portable_only=True)],
                                  backend=backend)
     assert (native.world_size, native.backend) == (world_size, backend)
     assert list(native.extras["ops"]) == list(collectives.OPS)  # every op ran, in order (the recipe raises on a mismatch)
+    assert list(native.extras["op_ms"]) == list(collectives.OPS)  # each op timed from outside
     if backend == "nccl" or TORCH_VERSION >= (2, 13):  # torch 2.13's gloo has AVG, reduce_scatter and all_to_all
         assert set(native.extras["ops"].values()) == {"ok"}, native.extras["ops"]
     else:
@@ -36,17 +44,30 @@ def test_every_collective_matches_its_expected_value(world_size, backend):
 
 
 def test_a_world_of_one_skips_only_point_to_point():
-    result = run_alone(collectives.run, CFG)
+    result = run_alone(collectives_result, CFG)
     skipped = {name for name, note in result.extras["ops"].items() if note != "ok"}
     assert skipped == {"send_recv_ring", "isend_irecv_ring"}
     assert result.extras["ops"]["send_recv_ring"] == "skipped: a world of 1 has no peer"
 
 
+def _break(op):
+    """A Ctx.check whose expected value for ``op`` is wrong on purpose: a check must be able to
+    fail (the fault the recipe's --break-check option injected, now the test's own)."""
+    check = collectives.Ctx.check
+
+    def broken(ctx, actual, expected):
+        if ctx.op == op:
+            expected = expected + 1 if isinstance(expected, torch.Tensor) else [expected, "deliberately wrong"]
+        check(ctx, actual, expected)
+    return broken
+
+
 @pytest.mark.parametrize("op, shown", [("all_reduce_sum", "expected ["), ("barrier", "expected [1, 'deliberately wrong']"),
                                        ("scatter_object_list", "expected ['work item 0', 'deliberately wrong']")])
-def test_a_wrong_expectation_is_caught(op, shown):
+def test_a_wrong_expectation_is_caught(op, shown, monkeypatch):
+    monkeypatch.setattr(collectives.Ctx, "check", _break(op))
     with pytest.raises(collectives.CollectiveMismatch, match=rf"^{op} on rank 0 of 1: ") as caught:
-        run_alone(collectives.run, with_fields(CFG, break_check=op))
+        run_alone(collectives.run, CFG)
     assert shown in str(caught.value)
 
 
@@ -63,11 +84,18 @@ def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it():
     assert time.monotonic() - start < 60  # the timeout fired, nothing waited for the 120 s deadline
 
 
-def test_bad_options_are_rejected_with_the_valid_values():
-    with pytest.raises(RecipeError, match="unknown break_check='all_reduce'; valid values: all_reduce_sum, "):
-        collectives.CollectivesConfig(break_check="all_reduce")
-    with pytest.raises(RecipeError, match="skip_on_rank=3 needs a world of at least 2 with that rank in it"):
+def test_bad_options_are_one_line_and_exit_2(capsys):
+    # (the unknown --break-check value is gone with the option: its fault injection is _break's)
+    with pytest.raises(ValueError, match="skip_on_rank=3 needs a world of at least 2 with that rank in it"):
         run_alone(collectives.run, with_fields(CFG, skip_on_rank=3))
+    for argv, message in ((["--skip-on-rank", "3"], "error: skip_on_rank=3 needs a world of at least 2 "),
+                          (["--skip-on-rank", "-2"], "must be a finite number >= -1, got -2"),
+                          (["--numel", "0"], "must be a finite number >= 1, got 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            collectives.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert message in err[-1], err
 
 
 # Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
@@ -75,11 +103,12 @@ def test_bad_options_are_rejected_with_the_valid_values():
 # and test_multinode cover the launch path itself there.
 @pytest.mark.slow
 def test_torchrun_launch_with_three_ranks():
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=3", "-m", "recipes.collectives"], timeout_s=150)
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=3", "-m", "recipes.core.prove", "collectives"],
+                   timeout_s=150)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = last_json(proc.stdout)
     assert result["world_size"] == 3 and set(result["extras"]["ops"]) == set(collectives.OPS)
     assert all(note == "ok" or note.startswith("fallback: ") for note in result["extras"]["ops"].values())
-    # One log line per op, from rank 0 only.
-    assert sum(f"] {name} " in proc.stdout for name in collectives.OPS) == len(collectives.OPS)
-    assert "[rank1]" not in proc.stdout and "[rank2]" not in proc.stdout
+    # One line per op, from rank 0 only (rank 0 prints; the others print nothing).
+    assert sum(line.split()[:1] == [name] for name in collectives.OPS
+               for line in proc.stdout.splitlines()) == len(collectives.OPS)

@@ -99,6 +99,10 @@ RUNS = {
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
+    # every op over 2 gloo ranks (the defaults): one line per op from rank 0
+    "collectives": ("torchrun", ["--backend", "gloo"]),
+    # a clean run (no --skip-rank): the hand-written data parallelism over 2 gloo ranks
+    "hang_diagnosis": ("torchrun", ["--steps", "3", "--backend", "gloo"]),
 }
 
 
@@ -391,6 +395,23 @@ def check_sharded_checkpoint(stdout: str) -> None:
     assert len(losses) == 3 and "checkpoint of step 3 published in " in stdout, stdout
 
 
+def check_collectives(stdout: str) -> None:
+    # every op, in order, with the verdict of the package's own run (results/collectives.json,
+    # 4 ranks: "ok" for each), printed by rank 0 alone
+    expected = json.loads(Path(REPO_ROOT, "results", "collectives.json").read_text())["result"]
+    assert "17 collectives on 2 rank(s), backend gloo, device cpu" in stdout, stdout
+    printed = re.findall(r"^(\w+) +(ok|fallback: .*|skipped: .*)$", stdout, re.M)
+    assert printed == list(expected["extras"]["ops"].items()), stdout
+
+
+def check_hang_diagnosis(stdout: str) -> None:
+    # no rank skipped: nothing to diagnose, and the losses of one process's training (the
+    # package's ddp_torchrun on one process has the same model, data, seed and lr)
+    losses = printed_losses(stdout)
+    assert len(losses) == 3 and "diagnosis:" not in stdout, stdout
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -400,4 +421,5 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "hybrid_parallel": check_hybrid_parallel, "ddp_spawn": check_ddp_spawn,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
-          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}
+          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
+          "collectives": check_collectives, "hang_diagnosis": check_hang_diagnosis}

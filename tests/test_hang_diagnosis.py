@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from recipes import hang_diagnosis
-from recipes.core.config import RecipeError
+from recipes.core.observe import prove
+from recipes.core.result import RecipeResult
 from recipes.core.spawn import spawn_world
 from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, plain_training_loop
 
@@ -20,9 +21,16 @@ from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, plain_training
 TIMEOUT_S = 8.0
 
 
-def diagnose(tmp_path, world_size: int, **changes) -> hang_diagnosis.RecipeResult:
+def hang_result(cfg) -> RecipeResult:
+    """recipes.hang_diagnosis.train(cfg) measured by the harness: its HangRun's error, finding and
+    stuck_in in extras (with mode and trace_dir, recipes.core.observe.HangObserver). Module-level:
+    spawn_world can pickle it."""
+    return prove(hang_diagnosis.train, cfg, name="hang_diagnosis")
+
+
+def diagnose(tmp_path, world_size: int, **changes) -> RecipeResult:
     cfg = hang_diagnosis.HangConfig(trace_dir=str(tmp_path), timeout_s=TIMEOUT_S, **changes)
-    return spawn_world(hang_diagnosis.run, world_size, cfg, deadline_s=180)
+    return spawn_world(hang_result, world_size, cfg, deadline_s=180)
 
 
 @pytest.mark.timeout(240)
@@ -70,8 +78,8 @@ def test_a_clean_run_finds_no_mismatch_and_equals_one_process(tmp_path):
 
 
 def test_a_skip_rank_outside_the_world_is_one_line(tmp_path):
-    with mock.patch.dict(os.environ), pytest.raises(RecipeError, match="skip_rank=3 needs a world"):
-        hang_diagnosis.run(hang_diagnosis.HangConfig(trace_dir=str(tmp_path), skip_rank=3))
+    with mock.patch.dict(os.environ), pytest.raises(ValueError, match="skip_rank=3 needs a world"):
+        hang_diagnosis.train(hang_diagnosis.HangConfig(trace_dir=str(tmp_path), skip_rank=3))
 
 
 def test_two_rank_vote_blames_the_higher_rank_as_fr_trace_does(tmp_path):

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 import statistics
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -54,7 +55,7 @@ from recipes.core.world import _keep_groups_past_teardown
 
 __all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "HybridObserver",
            "ContextParallelObserver", "SpawnedObserver", "CheckpointingObserver",
-           "MetaInitObserver", "CheckpointObserver", "OBSERVERS", "prove"]
+           "MetaInitObserver", "CheckpointObserver", "HangObserver", "OBSERVERS", "prove"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -217,6 +218,9 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
     ``observer``: a test's own (fault injection; it carries its own ``keep_final_state``);
     by default the one ``OBSERVERS`` registers for ``name``, else ``Observer``.
     """
+    if name in PROBES:  # a recipe that trains nothing: no model, no steps to observe
+        with _in_the_callers_world():
+            return PROBES[name](train_fn, cfg)
     if observer is None:
         observer = (OBSERVERS[name](cfg, keep_final_state=keep_final_state) if name in OBSERVERS
                     else Observer(cfg.steps, keep_final_state=keep_final_state))
@@ -663,3 +667,75 @@ OBSERVERS: dict[str, Callable[..., Observer]] = {
     "context_parallel": ContextParallelObserver,
     "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver,
     "sharded_checkpoint": CheckpointObserver}
+
+
+def _probe_collectives(run_fn: Callable[..., Any], cfg: Any) -> RecipeResult:
+    """recipes/collectives.py trains nothing: measured by wrapping, for the run, each op of its
+    ``OPS`` table and its ``Ctx.check`` (the recipe has no observer line).
+
+    ``extras["ops"]``: what ``run`` returned (op -> "ok", "fallback: why" or "skipped: why");
+    ``extras["op_ms"]``: each op's wall time on this rank (CUDA synchronised);
+    ``param_checksum``: the sum of every tensor this rank received and checked (the portable
+    fallbacks must give the native ops' sum); ``seconds_per_step``: the whole pass.
+    """
+    module = sys.modules[run_fn.__module__]
+    ops, check = dict(module.OPS), module.Ctx.check
+    received: list[torch.Tensor] = []
+    op_ms: dict[str, float] = {}
+    seen: dict[str, Any] = {}
+
+    def timed(name: str, op: Callable[[Any], str]) -> Callable[[Any], str]:
+        def run_op(ctx: Any) -> str:
+            seen.update(world_size=ctx.world_size, backend=ctx.backend, device=ctx.device)
+            sync = torch.cuda.synchronize if ctx.device.type == "cuda" else lambda *_: None
+            sync(ctx.device)
+            start = time.perf_counter()
+            note = op(ctx)
+            sync(ctx.device)
+            op_ms[name] = round((time.perf_counter() - start) * 1e3, 3)
+            return note
+        return run_op
+
+    def recording_check(ctx: Any, actual: Any, expected: Any) -> None:
+        if isinstance(expected, torch.Tensor):
+            received.append(actual)
+        check(ctx, actual, expected)
+
+    module.OPS.update({name: timed(name, op) for name, op in ops.items()})
+    module.Ctx.check = recording_check
+    try:
+        report = run_fn(cfg)
+    finally:
+        module.OPS.update(ops)
+        module.Ctx.check = check
+    device = seen["device"]
+    return RecipeResult(
+        recipe="collectives", world_size=seen["world_size"], backend=seen["backend"],
+        device=str(device), losses=[], param_checksum=param_checksum(received),
+        seconds_per_step=sum(op_ms.values()) / 1e3, peak_memory_bytes=peak_memory_bytes(device),
+        extras={"ops": report, "op_ms": op_ms})
+
+
+# The recipes that train nothing: name -> fn(recipe's function, cfg) -> RecipeResult, which
+# ``prove`` calls instead of observing steps.
+PROBES: dict[str, Callable[[Callable[..., Any], Any], RecipeResult]] = {
+    "collectives": _probe_collectives}
+
+
+class HangObserver(Observer):
+    """recipes/hang_diagnosis.py: ``mode`` and ``trace_dir`` in ``extras``. A run that hangs on
+    purpose stops before its last step: its checksum is then read where it stopped (in ``close``,
+    once the recipe returned), so that the world that hung still gives a result."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras.update(mode=cfg.mode, trace_dir=cfg.trace_dir)
+
+    def close(self) -> None:
+        if self.param_checksum is None and self._model is not None:  # the hang ended the loop
+            self.param_checksum = param_checksum(self._model.parameters())
+            self._model = self._optimizer = None
+        super().close()
+
+
+OBSERVERS["hang_diagnosis"] = HangObserver

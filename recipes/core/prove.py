@@ -23,10 +23,12 @@ from recipes.core.world import write_torchrun_error_file
 
 __all__ = ["PROVABLE", "main", "prove_command"]
 
-# The copyable recipes whose function takes an observer (model_ready, step_end).
+# The copyable recipes whose function takes an observer (model_ready, step_end), or that a probe
+# measures from outside (recipes.core.observe.PROBES: collectives trains nothing).
 PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
             "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
-            "meta_init", "sharded_checkpoint")
+            "meta_init", "sharded_checkpoint",
+            "collectives", "hang_diagnosis")
 
 
 def prove_command(command: str, name: str) -> str:
@@ -48,15 +50,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     config_cls = inspect.signature(function).parameters["cfg"].annotation
     if isinstance(config_cls, str):  # from __future__ import annotations
         config_cls = getattr(module, config_cls)
-    cfg = config_cls(**vars(parser.parse_args(options)))
+    options = vars(parser.parse_args(options))
     try:
-        result = prove(function, cfg, name=name)
+        # the config's own checks (hang_diagnosis: a skip past the last step) are bad input too
+        result = prove(function, config_cls(**options), name=name)
     except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
         write_torchrun_error_file(str(exc))
         if current_rank() == 0:
             exit_with(str(exc), 2)
         raise SystemExit(2) from None
     if current_rank() != 0:
+        return
+    if not result.losses:  # trained nothing (collectives), or stopped before a step ended
+        print(result.to_json(), flush=True)
         return
     mfu = f"{100 * result.mfu:.1f}%" if result.mfu is not None else "n/a (no known peak)"
     get_logger("recipes").info(
