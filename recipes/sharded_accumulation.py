@@ -67,8 +67,7 @@ from recipes.core.workload import (
     make_dataset,
 )
 from recipes.core.world import join_world
-from recipes.grad_clipping import checked_mesh
-from recipes.parallelize import apply_fully_shard
+from recipes.parallelize import apply_fully_shard, checked_mesh
 
 log = get_logger(__name__)
 

@@ -99,6 +99,9 @@ RUNS = {
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
+    # the default layout (fully_shard over both ranks, SGD with clipping), its 2 steps; gloo and
+    # fp32, as results/grad_clipping.json was measured
+    "grad_clipping": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
 }
 
 
@@ -401,3 +404,18 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}
+
+
+def check_grad_clipping(stdout: str) -> None:
+    # the package's own 2-rank losses and clipped norms (results/grad_clipping.json: fully_shard,
+    # 2 steps; the norm one process computes), one line per step from rank 0
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("grad_clipping"), atol=6e-5)
+    norms = [float(n) for n in re.findall(r"^step \d+ loss \S+ grad norm (\d+\.\d{4})$", stdout,
+                                           re.M)]
+    expected = json.loads(Path(REPO_ROOT, "results", "grad_clipping.json").read_text())
+    assert_losses_close(norms, expected["result"]["extras"]["grad_norms"], atol=6e-5)
+
+
+CHECKS["grad_clipping"] = check_grad_clipping
+

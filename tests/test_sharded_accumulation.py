@@ -8,7 +8,7 @@ import pytest
 
 from recipes import sharded_accumulation as acc
 from recipes.core.config import RecipeError
-from recipes.grad_clipping import checked_mesh
+from recipes.parallelize import MeshError, checked_mesh
 from tests.helpers import (
     PYTHON,
     assert_states_close,
@@ -96,10 +96,10 @@ def test_hsdp_mode_without_a_two_dim_mesh_is_one_line():
 
 def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
     world = types.SimpleNamespace(world_size=2, device=types.SimpleNamespace(type="cpu"))
-    with pytest.raises(RecipeError, match=r"^mesh 3 has 3 ranks but the world has 2; pass sizes "
-                                          r">= 1 whose product is 2$"):
+    with pytest.raises(MeshError, match=r"^mesh 3 has 3 ranks but the world has 2; pass sizes "
+                                        r">= 1 whose product is 2$"):
         acc.data_parallel_mesh(world, [3])
-    with pytest.raises(RecipeError, match=r"^mesh 2x2 has 4 ranks but the world has 2"):
+    with pytest.raises(MeshError, match=r"^mesh 2x2 has 4 ranks but the world has 2"):
         checked_mesh(world, [2, 2], ("replicate", "shard"))
 
 

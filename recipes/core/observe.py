@@ -663,3 +663,75 @@ OBSERVERS: dict[str, Callable[..., Observer]] = {
     "context_parallel": ContextParallelObserver,
     "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver,
     "sharded_checkpoint": CheckpointObserver}
+
+
+class ClippingObserver(Observer):
+    """recipes/grad_clipping.py: the total norm each rank clipped with, recorded from outside
+    (into ``extras``) by wrapping what the recipe calls, by those names, from ``model_ready`` to
+    ``close``: ``torch.nn.utils.clip_grads_with_norm_`` (``clip_grad_norm_across`` passes it the
+    total, once per mesh) and ``torch.nn.utils.clip_grad_norm_`` (the pitfalls: the norm it
+    returns, a DTensor one made whole).
+
+    ``grad_norms``: this rank's norm at each step; ``grad_norms_per_rank``: each step's norms of
+    every rank, in rank order (one total: the same on every rank); ``layout`` and ``mesh`` as the
+    recipe resolved them. The final state is every rank's parameters made whole and merged (a
+    pipeline stage holds only its own), its checksum over the merged state.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.layout, self.mesh = cfg.layout, list(cfg.mesh)
+        self.grad_norms: list[float] = []
+        self._norm: float | None = None
+        self._wrapped: dict[str, Callable[..., Any]] = {}
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        from recipes.grad_clipping import LAYOUTS, default_mesh
+
+        if not self.mesh and LAYOUTS[self.layout]:
+            self.mesh = default_mesh(self.layout, self.world_size)
+        self.extras.update(layout=self.layout, mesh=self.mesh)
+        for name in ("clip_grads_with_norm_", "clip_grad_norm_"):
+            self._wrapped[name] = getattr(torch.nn.utils, name)
+        torch.nn.utils.clip_grads_with_norm_ = self._record_total
+        torch.nn.utils.clip_grad_norm_ = self._record_returned
+
+    def _record_total(self, parameters: Any, max_norm: float, total_norm: torch.Tensor,
+                      *args: Any, **kwargs: Any) -> None:
+        self._norm = float(total_norm)
+        return self._wrapped["clip_grads_with_norm_"](parameters, max_norm, total_norm, *args,
+                                                      **kwargs)
+
+    def _record_returned(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        norm = self._wrapped["clip_grad_norm_"](*args, **kwargs)
+        self._norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return norm
+
+    def measure(self, step: int) -> None:
+        self.grad_norms.append(self._norm)
+        if step == self.steps - 1:  # a collective: every rank's norms, in rank order
+            self.extras.update(grad_norms=list(self.grad_norms), grad_norms_per_rank=[
+                list(per_step) for per_step in zip(*all_ranks(self.grad_norms))])
+        super().measure(step)
+
+    def gather_final_state(self) -> None:
+        module = getattr(self._model, "module", self._model)  # DDP's model, unwrapped
+        local = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+                 for name, p in module.named_parameters()}
+        state: dict[str, torch.Tensor] = {}
+        for piece in all_ranks(local):  # a collective: the stages hold different parameters
+            state.update(piece)
+        self.param_checksum = param_checksum(state.values())
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+
+    def close(self) -> None:
+        for name, function in self._wrapped.items():
+            setattr(torch.nn.utils, name, function)
+        self._wrapped = {}
+        super().close()
+
+
+OBSERVERS["grad_clipping"] = ClippingObserver
+
