@@ -102,6 +102,10 @@ RUNS = {
     # the default layout (fully_shard over both ranks, SGD with clipping), its 2 steps; gloo and
     # fp32, as results/grad_clipping.json was measured
     "grad_clipping": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
+    # sync_last under fully_shard over both ranks, 2 micro-batches of ragged samples; gloo and
+    # fp32, as results/sharded_accumulation.json was measured
+    "sharded_accumulation": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                          "fp32"]),
 }
 
 
@@ -419,3 +423,13 @@ def check_grad_clipping(stdout: str) -> None:
 
 CHECKS["grad_clipping"] = check_grad_clipping
 
+
+def check_sharded_accumulation(stdout: str) -> None:
+    # the package's own 2-rank losses (results/sharded_accumulation.json: the defaults, 6 steps),
+    # one line per step from rank 0
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("sharded_accumulation")[:3], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["sharded_accumulation"] = check_sharded_accumulation
