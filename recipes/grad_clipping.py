@@ -4,6 +4,10 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.grad_clipping --layout pp
     torchrun --standalone --nproc_per_node=4 -m recipes.grad_clipping --layout fsdp_tp --mesh 2 2
     torchrun --standalone --nproc_per_node=2 -m recipes.grad_clipping --layout pp --clip torch
+    python -m recipes.grad_clipping --layout single       # the one-process reference
+
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
+leave the world), recipes/parallelize.py (``apply_fully_shard``, ``checked_mesh``).
 
 Clipping scales every gradient by ``max_norm / total_norm``, where the total is the norm of ALL the
 model's gradients. Once the gradients are split over ranks, no rank sees them all:
@@ -20,7 +24,8 @@ model's gradients. Once the gradients are split over ranks, no rank sees them al
 Then ``clip_grads_with_norm_`` scales with that one total on every rank. Asserted equal to one
 process (the norm, and the weights after the clipped SGD steps) on every layout
 (tests/test_grad_clipping.py). SGD, not Adam: Adam divides the clipping scale away, so a wrong
-clip would barely show in its weights.
+clip would barely show in its weights. ``train`` returns the global batch's loss of each step and
+prints it from rank 0 with the total norm the step clipped with.
 
 The pitfalls, each shown by a test:
 
@@ -31,44 +36,33 @@ The pitfalls, each shown by a test:
   unwraps DTensors, or a hand-sharded model) gets a local norm, different on every rank
   (pytorch#170862): each rank clips by its own factor.
 
-Length: about 330 lines, over the cookbook's ~300, because the lesson is one clipping
+Length: about 390 lines, over the cookbook's ~300, because the lesson is one clipping
 function across six layouts (DDP, FSDP, HSDP, TP, PP, 2-D/3-D meshes): each layout's few lines of
-set-up sit next to the others so that the one total norm can be compared across them.
+set-up sit next to the others so that the one total norm can be compared across them, and each
+option is a line of the command line with its one-line check.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import sys
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Iterable, Literal
+from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import setup_precision
-from recipes.core.state import all_ranks
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    Block,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import join_world
-
-log = get_logger(__name__)
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.parallelize import apply_fully_shard, checked_mesh
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 # layout -> its mesh dims, outermost first ("single": one process, no mesh: the reference)
 LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -76,21 +70,24 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "pp": ("pp",), "fsdp_tp": ("dp", "tp"), "pp_fsdp": ("pp", "dp"),
     "pp_fsdp_tp": ("pp", "dp", "tp"),
 }
+CLIPS = ("across", "torch", "local_shards")  # torch and local_shards: the pitfalls
 
 
 @dataclass
-class GradClippingConfig(TrainConfig):
-    layout: Literal[tuple(LAYOUTS)] = opt("fsdp", "how the model is split over the ranks")
-    mesh: list[int] = opt([], "mesh sizes, one per dim of the layout (product = world size); "
-                              "empty = 2 for each dim but dp, which takes the rest")
-    max_grad_norm: float = opt(0.05, "clip the total gradient norm to this", gt=0)
-    clip: Literal["across", "torch", "local_shards"] = opt(
-        "across", "across = clip_grad_norm_across (right on every layout); torch = "
-                  "torch.nn.utils.clip_grad_norm_ as is; local_shards = the same on this rank's "
-                  "shards (the pitfalls)")
-    steps: int = opt(2, "optimizer steps to run", ge=1)
-    global_batch_size: int = opt(8, "sequences per optimizer step, summed over all ranks", ge=1)
-    lr: float = opt(0.5, "SGD learning rate (large: a wrong clip shows in the weights)", gt=0)
+class GradClippingConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    layout: str = "fsdp"  # a key of LAYOUTS: how the model is split over the ranks
+    # one size per dim of the layout (product = world size); empty: 2 for each dim but dp
+    mesh: list[int] = field(default_factory=list)
+    max_grad_norm: float = 0.05  # clip the total gradient norm to this
+    clip: str = "across"  # across: clip_grad_norm_across; torch, local_shards: the pitfalls
+    steps: int = 2
+    global_batch_size: int = 8  # sequences per optimizer step, summed over all ranks
+    lr: float = 0.5  # SGD's, large: a wrong clip shows in the weights
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: fp32, on a GPU too (the norms are compared exactly)
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
 
 
 # --8<-- [start:clip]
@@ -132,19 +129,6 @@ def clip_grad_norm_across(
 # --8<-- [end:clip]
 
 
-def checked_mesh(world, sizes: list[int], names: tuple[str, ...]) -> DeviceMesh:
-    """``init_device_mesh`` after the checks that give one line instead of a deep traceback."""
-    if len(sizes) != len(names):
-        raise RecipeError(f"mesh {sizes} has {len(sizes)} dims but this layout has "
-                          f"{len(names)} ({', '.join(names)}); pass one size per dim")
-    if any(size < 1 for size in sizes) or math.prod(sizes) != world.world_size:
-        shown = "x".join(map(str, sizes))
-        raise RecipeError(f"mesh {shown} has {math.prod(sizes)} ranks but the world has "
-                          f"{world.world_size}; pass sizes >= 1 whose product is "
-                          f"{world.world_size}")
-    return init_device_mesh(world.device.type, tuple(sizes), mesh_dim_names=names)
-
-
 def default_mesh(layout: str, world_size: int) -> list[int]:
     names = LAYOUTS[layout]
     others = 2 ** (len(names) - 1)
@@ -169,7 +153,7 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     first stage, the final norm and output on the last (TransformerLM skips what is None)."""
     blocks = list(model.layers)
     if len(blocks) % stages:
-        raise RecipeError(f"{len(blocks)} blocks do not split into {stages} stages; use a divisor")
+        raise ValueError(f"{len(blocks)} blocks do not split into {stages} stages; use a divisor")
     per_stage = len(blocks) // stages
     for name in blocks[:stage * per_stage] + blocks[(stage + 1) * per_stage:]:
         del model.layers[name]
@@ -225,39 +209,46 @@ def local_shards(model: nn.Module) -> list[torch.Tensor]:
     return shards
 
 
-def full_state_merged(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter, unsharded, from every rank (pipeline stages hold different ones): a
-    collective, every rank calls it. Fine for the small models this recipe checks."""
-    module = model.module if isinstance(model, DDP) else model
-    local = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-             for name, p in module.named_parameters()}
-    merged: dict[str, torch.Tensor] = {}
-    for state in all_ranks(local):
-        merged.update(state)
-    return merged
-
-
 # --8<-- [start:train]
-def train(cfg: GradClippingConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        names = LAYOUTS[cfg.layout]
+def train(cfg: GradClippingConfig, observer=None) -> list[float]:
+    """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
+    if cfg.layout not in LAYOUTS or cfg.clip not in CLIPS:
+        raise ValueError(f"layout {cfg.layout!r} / clip {cfg.clip!r}: use a layout of "
+                         f"{', '.join(LAYOUTS)} and a clip of {', '.join(CLIPS)}")
+    if cfg.precision not in ("auto", "fp32", "tf32"):
+        raise ValueError(f"--precision {cfg.precision}: this recipe compares norms exactly; "
+                         "use fp32 or tf32")
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
+    try:
+        device, rank, names = world.device, world.rank, LAYOUTS[cfg.layout]
         if not names and world.world_size > 1:
-            raise RecipeError("layout single is the one-process reference; run it without torchrun")
-        mesh = checked_mesh(world, cfg.mesh or default_mesh(cfg.layout, world.world_size), names) \
-            if names else None
-        size = {name: mesh[name].size() for name in names} if mesh else {}
+            raise ValueError("layout single is the one-process reference; run it without torchrun")
+        if cfg.precision == "tf32" and device.type != "cuda":
+            raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                             f"{device.type}; use --precision fp32")
+        if device.type == "cuda":  # fp32 means fp32: TF32 only when asked (a process-wide switch)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+                cfg.precision == "tf32")
+        mesh = checked_mesh(world, cfg.mesh or default_mesh(cfg.layout, world.world_size),
+                            names) if names else None
+        size = {name: mesh[name].size() for name in names}
         dp_dims = tuple(name for name in ("replicate", "dp") if name in size)
         dp_size, dp_rank = 1, 0  # the data-parallel coordinate: which share of the batch
         for name in dp_dims:
             dp_rank = dp_rank * size[name] + mesh.get_local_rank(name)
             dp_size *= size[name]
-        # Exact fp32 (auto = fp32 here, on a GPU too): the norms are compared with one process.
-        precision = setup_precision("fp32" if cfg.precision == "auto" else cfg.precision,
-                                    world.device)
-        if precision not in ("fp32", "tf32"):
-            raise RecipeError(f"--precision {precision}: this recipe compares norms exactly; "
-                              "use fp32 or tf32")
-        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
+        if cfg.global_batch_size % dp_size:
+            lower = max(dp_size, cfg.global_batch_size - cfg.global_batch_size % dp_size)
+            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide across "
+                             f"{dp_size} data-parallel ranks; use a multiple of {dp_size}, e.g. "
+                             f"{lower} or {lower + dp_size}")
+        heads = MODEL_PRESETS[cfg.model].n_heads
+        if "tp" in size and heads % size["tp"]:
+            raise ValueError(f"tp={size['tp']} does not split the {heads} attention heads; "
+                             f"use a divisor of {heads}")
+
+        # --8<-- [start:loop]
+        model = build_model(cfg.model, seed=cfg.seed, device=device)
         pp_group = mesh["pp"].get_group() if "pp" in size else None
         if pp_group is not None:
             model = keep_stage(model, mesh["pp"].get_local_rank(), size["pp"])
@@ -265,35 +256,38 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
         if "tp" in size:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            heads = MODEL_PRESETS[cfg.model].n_heads
-            if heads % size["tp"]:
-                raise RecipeError(f"tp={size['tp']} does not split the {heads} attention heads; "
-                                  f"use a divisor of {heads}")
-
             parallelize_module(model, mesh["tp"], tp_plan())
         if cfg.layout == "ddp":
-            model = DDP(model)
+            model = DDP(model, device_ids=[world.local_rank] if device.type == "cuda" else None)
         elif dp_dims:
-            from recipes.parallelize import apply_fully_shard
-
             model = apply_fully_shard(model, mesh[dp_dims], block_types=(Block,))
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-        per_rank = per_rank_batch_size(cfg.global_batch_size, dp_size)
-        loader, sampler = distributed_loader(
-            make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed), rank=dp_rank,
-            world_size=dp_size, per_rank_batch_size=per_rank, seed=cfg.seed)
+        if observer: observer.model_ready(model, optimizer)
 
-        losses, norms, torch_local_norms, timer = [], [], [], StepTimer(world.device)
-        for step, (x, y) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                x, y = x.to(world.device), y.to(world.device)
+        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+        # The data-parallel ranks read disjoint shares; the tp ranks and pipeline stages of one dp
+        # rank read the same one (a stage past the first reads it for the targets only).
+        sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=cfg.global_batch_size // dp_size, sampler=sampler,
+                            drop_last=True, pin_memory=device.type == "cuda")
+
+        losses, step, epoch, stages = [], 0, 0, size.get("pp", 1)
+        while step < cfg.steps:
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                if step == cfg.steps:
+                    break
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 if pp_group is not None:
-                    hidden = (*x.shape, MODEL_PRESETS[cfg.model].dim)
-                    loss = pipeline_forward_backward(model, x, y, group=pp_group,
+                    hidden = (*inputs.shape, MODEL_PRESETS[cfg.model].dim)
+                    loss = pipeline_forward_backward(model, inputs, targets, group=pp_group,
                                                      hidden_shape=hidden)
                 else:
-                    loss = lm_loss(model(x), y)
+                    loss = lm_loss(model(inputs), targets)
                     loss.backward()
                 if cfg.clip == "across":
                     norm = clip_grad_norm_across(model.parameters(), cfg.max_grad_norm,
@@ -304,35 +298,93 @@ def train(cfg: GradClippingConfig) -> RecipeResult:
                 else:  # the pitfall: the local shards, as plain tensors
                     norm = torch.nn.utils.clip_grad_norm_(local_shards(model), cfg.max_grad_norm)
                 optimizer.step()
-            norms.append(float(norm))
-            torch_local_norms.append(all_ranks(float(norm)))
-            losses.append(_global_loss(loss, pp_group, dp_size))
-            log.info("step %d loss %.4f grad norm %.4f", step, losses[-1], norms[-1])
-
-        state = full_state_merged(model)
-        result = make_result(
-            "grad_clipping", world, losses, state.values(), timer,
-            keep_final_state=state if cfg.keep_final_state and world.is_main else None,
-            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            grad_norms=norms, grad_norms_per_rank=torch_local_norms, layout=cfg.layout,
-            mesh=list(mesh.shape) if mesh else [],
-        )
-        # Pitfall: free a DDP wrapper while the process group is alive; its reducer collected
-        # after the teardown can deadlock gloo at exit (recipes/lightning_fabric.py).
-        del model, optimizer
-        return result
+                # Pitfall: rank 0's loss alone is its share of the batch; and the stages but the
+                # last hold 0, so the mean over the world is 1/stages of the global loss
+                global_loss = loss.detach().float().clone()
+                dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+                losses.append(global_loss.item() * stages)
+                if rank == 0:
+                    print(f"step {step} loss {losses[-1]:.4f} grad norm {float(norm):.4f}",
+                          flush=True)
+                if observer: observer.step_end(step, losses[-1])
+                step += 1
+            epoch += 1
+        # --8<-- [end:loop]
+        return losses
+    finally:
+        model = optimizer = None  # Pitfall: a DDP reducer freed after the group can hang gloo
+        cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
 # --8<-- [end:train]
 
 
-def _global_loss(loss: torch.Tensor, pp_group, dp_size: int) -> float:
-    """The step's loss as one process computes it: the last stage's, averaged over dp ranks."""
-    value = loss.detach().float().reshape(1).clone()
-    if dist.get_world_size() > 1:
-        dist.all_reduce(value)  # stages other than the last contribute 0; tp ranks repeat it
-    stages = dist.get_world_size(pp_group) if pp_group else 1
-    tp_copies = dist.get_world_size() // dp_size // stages
-    return float(value.item()) / dp_size / tp_copies
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = GradClippingConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.grad_clipping", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--layout", choices=list(LAYOUTS), default=defaults.layout,
+        help="how the model is split over the ranks (single: one process, the reference)")
+    add("--mesh", type=_number(int, at_least=1), nargs="*", default=defaults.mesh,
+        help="mesh sizes, one per dim of the layout (product = world size); none: 2 for each "
+        "dim but dp, which takes the rest")
+    add("--max-grad-norm", type=_number(float, above=0), default=defaults.max_grad_norm,
+        help="clip the total gradient norm to this")
+    add("--clip", choices=CLIPS, default=defaults.clip,
+        help="across: clip_grad_norm_across (right on every layout); torch: "
+        "torch.nn.utils.clip_grad_norm_ as is; local_shards: the same on this rank's shards "
+        "(the pitfalls)")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=_number(float, above=0), default=defaults.lr,
+        help="SGD's learning rate (large: a wrong clip shows in the weights)")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any layout")
+    add("--precision", choices=["auto", "fp32", "tf32"], default=defaults.precision,
+        help="auto: fp32, on a GPU too (the norms are compared exactly); tf32: TF32 matmuls "
+        "(CUDA)")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = GradClippingConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input every rank sees (a mesh or batch that does not divide)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    run_cli(train, GradClippingConfig, __doc__)
+    main()

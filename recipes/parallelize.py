@@ -16,7 +16,8 @@ The recipes show each in use: activation_checkpointing, performance (compile), f
 tensor_parallel and hybrid_parallel; the complete job (recipes/job.py) composes them by
 configuration. ``rank_grid`` prints a mesh's rank map, for the log of any layout on a mesh.
 ``build_sharded_on_meta`` (build on meta, shard, allocate the shards) and ``local_slices`` (where
-a rank's shard sits in the full tensor) serve meta_init and hf_checkpoint.
+a rank's shard sits in the full tensor) serve meta_init and hf_checkpoint. ``checked_mesh`` is
+``init_device_mesh`` with the sizes checked first (grad_clipping, sharded_accumulation).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fnmatch
 import functools
 import itertools
 import re
+from math import prod
 from collections.abc import Callable, Mapping
 
 import torch
@@ -55,6 +57,7 @@ __all__ = [
     "matching_modules",
     "transformer_lm_plan", "llama_plan", "ReplicateParallel",
     "apply_tp_and_fsdp", "rank_grid",
+    "MeshError", "checked_mesh",
 ]
 
 
@@ -674,3 +677,23 @@ def rank_grid(mesh: DeviceMesh) -> str:
             lines.append(f"  {label:<6}" + "".join(str(int(rank)).rjust(width) for rank in row))
     return "\n".join(lines)
 # --8<-- [end:rank_grid]
+
+
+class MeshError(ValueError):
+    """checked_mesh refused the sizes: one line naming what the world has and what to pass."""
+
+
+def checked_mesh(world, sizes: list[int], names: tuple[str, ...]) -> DeviceMesh:
+    """``init_device_mesh(world.device.type, sizes, mesh_dim_names=names)`` after the checks that
+    give one line instead of a deep traceback: one size per name, each >= 1, their product the
+    world size. ``world``: anything with ``world_size`` and ``device`` (``setup_distributed``'s)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if len(sizes) != len(names):
+        raise MeshError(f"mesh {sizes} has {len(sizes)} dims but this layout has "
+                        f"{len(names)} ({', '.join(names)}); pass one size per dim")
+    if any(size < 1 for size in sizes) or prod(sizes) != world.world_size:
+        shown = "x".join(map(str, sizes))
+        raise MeshError(f"mesh {shown} has {prod(sizes)} ranks but the world has "
+                        f"{world.world_size}; pass sizes >= 1 whose product is {world.world_size}")
+    return init_device_mesh(world.device.type, tuple(sizes), mesh_dim_names=names)

@@ -8,6 +8,9 @@ r"""Gradient accumulation under fully_shard, three ways, each with its communica
     torchrun --standalone --nproc_per_node=2 -m recipes.sharded_accumulation --pad-fraction 0.5 \
         --loss-normalisation batches        # the pitfall: the mean of micro-batch means
 
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
+leave the world), recipes/parallelize.py (``apply_fully_shard``, ``checked_mesh``).
+
 k micro-batches per optimizer step; what each mode sends per step (G = fully_shard groups):
 
 - ``reduce_scatter_every``: every backward reduce-scatters (k x G); the gradients stay sharded
@@ -22,8 +25,10 @@ k micro-batches per optimizer step; what each mode sends per step (G = fully_sha
   fully_shard (which has no ``no_sync``): the traffic of ``reduce_scatter_every``, not of
   ``sync_last``.
 
-A ``TorchDispatchMode`` sees every c10d collective the step runs (``CollectiveCounter``): the counts
-and bytes are measured, and tests/test_sharded_accumulation.py asserts them exactly.
+The counts and bytes are measured from outside: the cookbook's harness runs each step under a
+``TorchDispatchMode`` that sees every c10d collective (recipes/core/counting.py), and
+tests/test_sharded_accumulation.py asserts them exactly. ``train`` returns the global batch's loss
+of each step and prints it from rank 0.
 
 Loss normalisation: with ragged samples (``--pad-fraction``: right padding whose targets are
 ``ignore_index``), the loss a single process computes on the whole batch is the mean over its real
@@ -32,112 +37,54 @@ a mean of means: a token in a short sample weighs more (transformers PR #35207, 
 ``--loss-normalisation tokens`` counts the real tokens of the whole step, over every micro-batch and
 every data-parallel rank (one all-reduce of one number per step), and divides each micro-batch's
 *summed* loss by that count: equal to the single process, asserted.
+
+Length: about 350 lines, over the cookbook's ~300: four ways to accumulate and two loss
+normalisations share one loop, the ragged data that shows the second pitfall is made here, and
+each option is a line of the command line with its one-line check.
 """
 
 from __future__ import annotations
 
-import collections
+import argparse
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Literal
+import math
+import os
+import sys
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import Dataset
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.memory import model_state_bytes
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import make_adamw, mixed_precision_policy, setup_precision
-from recipes.core.state import full_state_on_rank0, mean_over_ranks
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    Block,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import join_world
-from recipes.grad_clipping import checked_mesh
-from recipes.parallelize import apply_fully_shard
-
-log = get_logger(__name__)
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.parallelize import apply_fully_shard, checked_mesh
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 MODES = ("reduce_scatter_every", "sync_last", "hsdp_all_reduce_last", "ddp_no_sync_helper")
+NORMALISATIONS = ("tokens", "batches")
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add nothing to the loss or gradient
 
 
 @dataclass
-class ShardedAccumulationConfig(TrainConfig):
-    micro_batches: int = opt(2, "forward/backward passes per optimizer step on each rank", ge=1)
-    mode: Literal[MODES] = opt("sync_last", "how the micro-batches communicate (see the docstring)")
-    mesh: list[int] = opt([], "data-parallel mesh: [shard] or [replicate, shard] (HSDP); product = "
-                              "world size; empty = [world size]")
-    pad_fraction: float = opt(0.25, "ragged samples: right-pad up to this fraction of each "
-                                    "sequence (targets = ignore_index)", ge=0, lt=1)
-    loss_normalisation: Literal["tokens", "batches"] = opt(
-        "tokens", "tokens = the global per-token mean (one process's loss); batches = the mean of "
-                  "micro-batch means (the pitfall)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if len(self.mesh) > 2:
-            raise RecipeError(f"mesh={self.mesh} has {len(self.mesh)} dims; use [shard] or "
-                              "[replicate, shard]")
-        if self.mode == "hsdp_all_reduce_last" and len(self.mesh) != 2:
-            raise RecipeError("mode hsdp_all_reduce_last needs a replicate x shard mesh, "
-                              "e.g. --mesh 2 2 on 4 ranks")
-
-
-# --8<-- [start:counter]
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the c10d collectives run under it: ``calls[(kind, group_size)]`` and ``bytes[...]``.
-
-    Every eager collective (``dist.all_reduce``, fully_shard's reduce-scatters and all-gathers)
-    reaches the dispatcher as a ``c10d`` op, so this sees exactly what is sent. The bytes are the
-    full buffer each rank contributes: a reduce-scatter's input, an all-gather's output.
-    """
-
-    KINDS: ClassVar[dict[str, str]] = {
-        "allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
-        "reduce_scatter_": "reduce_scatter", "_allgather_base_": "all_gather",
-        "allgather_": "all_gather"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter = collections.Counter()
-        self.bytes: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = self.KINDS.get(func._opname) if func.namespace == "c10d" else None
-        if kind is not None:
-            if isinstance(args[0], list):  # allreduce_, allgather_: lists of tensors
-                tensors = args[0]
-            else:  # the base ops: (output, input); count an all-gather's output, else the input
-                tensors = [args[0 if kind == "all_gather" else 1]]
-            tensors = [t for item in tensors for t in (item if isinstance(item, list) else [item])]
-            groups = [a for a in args if type(a).__name__ == "ScriptObject"]
-            unbox = getattr(dist.ProcessGroup, "unbox", None)  # the ScriptObject -> ProcessGroup
-            size = unbox(groups[0]).size() if groups and unbox else None
-            self.calls[(kind, size)] += 1
-            self.bytes[(kind, size)] += sum(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **(kwargs or {}))
-
-    def summary(self) -> dict[str, dict[str, int]]:
-        """{"reduce_scatter over 2": {"calls": 6, "bytes": ...}, ...}, JSON-ready."""
-        return {f"{kind} over {size}": {"calls": self.calls[(kind, size)],
-                                        "bytes": self.bytes[(kind, size)]}
-                for kind, size in sorted(self.calls, key=str)}
-# --8<-- [end:counter]
+class ShardedAccumulationConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
+    micro_batches: int = 2  # forward/backward passes per optimizer step on each rank
+    mode: str = "sync_last"  # how the micro-batches communicate: one of MODES (see above)
+    # data-parallel mesh: [shard] or [replicate, shard] (HSDP); product = world size; empty:
+    # [world size]
+    mesh: list[int] = field(default_factory=list)
+    pad_fraction: float = 0.25  # ragged samples: right-pad up to this fraction of each sequence
+    loss_normalisation: str = "tokens"  # tokens: one process's loss; batches: the pitfall
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
 
 
 class RaggedTokens(Dataset):
@@ -185,7 +132,6 @@ def accumulate_gradients(
     mode: str,
     normalise_by_tokens: bool,
     dp_group: dist.ProcessGroup | None = None,
-    after_backward: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Forward and backward over one optimizer step's micro-batches; returns this rank's share of
     the step's loss (the sum over ranks is the global loss)."""
@@ -215,78 +161,187 @@ def accumulate_gradients(
             else:  # the naive mean of means: each micro-batch's token mean weighs 1/k
                 loss = lm_loss(logits, y) / len(micro_batches)
             loss.backward()
-        if after_backward is not None:
-            after_backward(index)
         step_loss += loss.detach() / dp_size
     return step_loss
 # --8<-- [end:accumulate]
 
 
-def data_parallel_mesh(world, sizes: list[int]) -> DeviceMesh:
+def data_parallel_mesh(world, sizes: list[int]):
+    """A 1-D ("shard",) mesh, or 2-D ("replicate", "shard") for HSDP; [] = all ranks shard."""
     sizes = sizes or [world.world_size]
     names = ("shard",) if len(sizes) == 1 else ("replicate", "shard")
     return checked_mesh(world, sizes, names)
 
 
 # --8<-- [start:train]
-def train(cfg: ShardedAccumulationConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+def train(cfg: ShardedAccumulationConfig, observer=None) -> list[float]:
+    """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
+    # Checked before joining: every rank refuses at once, in one line
+    if cfg.mode not in MODES or cfg.loss_normalisation not in NORMALISATIONS:
+        raise ValueError(f"mode {cfg.mode!r} / loss_normalisation {cfg.loss_normalisation!r}: "
+                         f"use one of {', '.join(MODES)} / {', '.join(NORMALISATIONS)}")
+    if len(cfg.mesh) > 2:
+        raise ValueError(f"mesh={cfg.mesh} has {len(cfg.mesh)} dims; use [shard] or "
+                         "[replicate, shard]")
+    if cfg.mode == "hsdp_all_reduce_last" and len(cfg.mesh) != 2:
+        raise ValueError("mode hsdp_all_reduce_last needs a replicate x shard mesh, "
+                         "e.g. --mesh 2 2 on 4 ranks")
+    if cfg.precision == "fp16":  # fp16 gradients need a loss scaler, which is not this lesson
+        raise ValueError("--precision fp16 needs a GradScaler (see recipes/fsdp2.py); "
+                         "use bf16 or fp32")
+    if not 0 <= cfg.pad_fraction < 1 or cfg.micro_batches < 1:
+        raise ValueError(f"pad_fraction={cfg.pad_fraction}, micro_batches={cfg.micro_batches}: "
+                         "use 0 <= pad_fraction < 1 and micro_batches >= 1")
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
+    try:
+        device, rank = world.device, world.rank
         mesh = data_parallel_mesh(world, cfg.mesh)
-        micro = per_rank_batch_size(cfg.global_batch_size, world.world_size, cfg.micro_batches)
+        parts = world.world_size * cfg.micro_batches
+        if cfg.global_batch_size % parts:
+            lower = max(parts, cfg.global_batch_size - cfg.global_batch_size % parts)
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across "
+                f"{world.world_size} ranks x {cfg.micro_batches} micro-batches; use a multiple "
+                f"of {parts}, e.g. {lower} or {lower + parts}")
+        micro = cfg.global_batch_size // parts  # sequences per micro-batch, on each rank
+        precision = resolve_precision(cfg.precision, device)
+
+        # --8<-- [start:loop]
         model = build_model(cfg.model, seed=cfg.seed, device="cpu")  # fully_shard moves shards
-        full_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        precision = setup_precision(cfg.precision, world.device)  # bf16 on a GPU by default
-        if precision == "fp16":  # fp16 gradients need a loss scaler, which is not this lesson
-            raise RecipeError("--precision fp16 needs a GradScaler (see recipes/fsdp2.py); "
-                              "use bf16 or fp32")
         # bf16: fully_shard computes in bf16 and reduces gradients in fp32
-        model = apply_fully_shard(model, mesh, block_types=(Block,),
-                                  mp_policy=mixed_precision_policy(precision))
-        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
+        model = apply_fully_shard(
+            model, mesh, block_types=(Block,),
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bf16" else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                      fused=True if device.type == "cuda" else None)
+        if observer: observer.model_ready(model, optimizer)
+
         dataset = make_ragged_dataset(cfg.model, cfg.global_batch_size,
                                       pad_fraction=cfg.pad_fraction, seed=cfg.seed)
-        loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
-                                             per_rank_batch_size=micro * cfg.micro_batches,
-                                             seed=cfg.seed)
-        held: list[int] = []  # gradient bytes held after each micro-batch but the last
+        # Each rank reads a disjoint 1/world_size of every epoch (HSDP's replicas too: every rank
+        # is a data-parallel rank), all its micro-batches at once; drop_last keeps it full.
+        sampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=rank,
+                                     shuffle=True, seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=micro * cfg.micro_batches, sampler=sampler,
+                            drop_last=True, pin_memory=device.type == "cuda")
 
-        def measure(index: int) -> None:
-            if index < cfg.micro_batches - 1:
-                held.append(model_state_bytes(model)["grad_bytes"])
-
-        losses, per_step, timer = [], [], StepTimer(world.device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
+        losses, step, epoch = [], 0, 0
+        while step < cfg.steps:
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                if step == cfg.steps:
+                    break
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                parts = list(zip(inputs.to(world.device).split(micro),
-                                 targets.to(world.device).split(micro)))
-                with CollectiveCounter() as counter:  # the step's collectives, nothing else
-                    step_loss = accumulate_gradients(
-                        model, parts, mode=cfg.mode, after_backward=measure,
-                        normalise_by_tokens=cfg.loss_normalisation == "tokens")
+                loss = accumulate_gradients(
+                    model, list(zip(inputs.split(micro), targets.split(micro))), mode=cfg.mode,
+                    normalise_by_tokens=cfg.loss_normalisation == "tokens")
                 optimizer.step()
-            per_step.append(counter.summary())
-            losses.append(mean_over_ranks(step_loss) * world.world_size)
-            log.info("step %d loss %.4f collectives %s time %.1f ms", step, losses[-1],
-                     per_step[-1], timer.durations[-1] * 1e3)
-
-        full_state, checksum = full_state_on_rank0(model)  # a collective: every rank calls it
-        return make_result(
-            "sharded_accumulation", world, losses, checksum, timer,
-            keep_final_state=full_state if cfg.keep_final_state and world.is_main else None,
-            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            collectives_per_step=per_step, fsdp_groups=sum(1 for _ in _fsdp_modules(model)),
-            grad_bytes_between_micro_batches=max(held, default=0),
-            grad_bytes_unsharded=full_grad_bytes, mesh=list(mesh.shape),
-        )
+                # Each rank's loss is its share of the step's: their sum is the global loss
+                global_loss = loss.detach().float().clone()
+                dist.all_reduce(global_loss, op=dist.ReduceOp.SUM)
+                losses.append(global_loss.item())
+                if rank == 0:
+                    print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+                if observer: observer.step_end(step, losses[-1])
+                step += 1
+            epoch += 1
+        # --8<-- [end:loop]
+        return losses
+    finally:
+        cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
 # --8<-- [end:train]
 
 
-def _fsdp_modules(model: nn.Module):
-    from torch.distributed.fsdp import FSDPModule
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """auto -> bf16 on a GPU that has it, else fp32. Sets the fp32 matmul mode on CUDA: TF32 for
+    ``tf32`` only (a process-wide switch: set on every run, never inherited from an earlier one)."""
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if requested == "tf32" and not on_cuda:
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            requested == "tf32")
+    return requested
 
-    return (module for module in model.modules() if isinstance(module, FSDPModule))
+
+def _number(kind, *, above=None, at_least=None, below=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+    bound += f" and < {below}" if below is not None else ""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least) or (
+                below is not None and value >= below):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = ShardedAccumulationConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.sharded_accumulation", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--micro-batches", type=_number(int, at_least=1), default=defaults.micro_batches,
+        help="forward/backward passes per optimizer step on each rank")
+    add("--mode", choices=MODES, default=defaults.mode,
+        help="how the micro-batches communicate (see the docstring)")
+    add("--mesh", type=_number(int, at_least=1), nargs="*", default=defaults.mesh,
+        help="data-parallel mesh: SHARD, or REPLICATE SHARD (HSDP); product = world size; none: "
+        "the world size")
+    add("--pad-fraction", type=_number(float, at_least=0, below=1),
+        default=defaults.pad_fraction, help="ragged samples: right-pad up to this fraction of "
+        "each sequence (targets = ignore_index)")
+    add("--loss-normalisation", choices=NORMALISATIONS, default=defaults.loss_normalisation,
+        help="tokens: the global per-token mean (one process's loss); batches: the mean of "
+        "micro-batch means (the pitfall)")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; bf16: fully_shard's "
+        "MixedPrecisionPolicy (fp32 gradient reduction); fp16 is refused (it needs a scaler)")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = ShardedAccumulationConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input every rank sees (a mesh or batch that does not divide)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    run_cli(train, ShardedAccumulationConfig, __doc__)
+    main()

@@ -103,6 +103,13 @@ RUNS = {
     "collectives": ("torchrun", ["--backend", "gloo"]),
     # a clean run (no --skip-rank): the hand-written data parallelism over 2 gloo ranks
     "hang_diagnosis": ("torchrun", ["--steps", "3", "--backend", "gloo"]),
+    # the default layout (fully_shard over both ranks, SGD with clipping), its 2 steps; gloo and
+    # fp32, as results/grad_clipping.json was measured
+    "grad_clipping": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
+    # sync_last under fully_shard over both ranks, 2 micro-batches of ragged samples; gloo and
+    # fp32, as results/sharded_accumulation.json was measured
+    "sharded_accumulation": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                          "fp32"]),
 }
 
 
@@ -423,3 +430,28 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
           "collectives": check_collectives, "hang_diagnosis": check_hang_diagnosis}
+
+
+def check_grad_clipping(stdout: str) -> None:
+    # the package's own 2-rank losses and clipped norms (results/grad_clipping.json: fully_shard,
+    # 2 steps; the norm one process computes), one line per step from rank 0
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("grad_clipping"), atol=6e-5)
+    norms = [float(n) for n in re.findall(r"^step \d+ loss \S+ grad norm (\d+\.\d{4})$", stdout,
+                                           re.M)]
+    expected = json.loads(Path(REPO_ROOT, "results", "grad_clipping.json").read_text())
+    assert_losses_close(norms, expected["result"]["extras"]["grad_norms"], atol=6e-5)
+
+
+CHECKS["grad_clipping"] = check_grad_clipping
+
+
+def check_sharded_accumulation(stdout: str) -> None:
+    # the package's own 2-rank losses (results/sharded_accumulation.json: the defaults, 6 steps),
+    # one line per step from rank 0
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("sharded_accumulation")[:3], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["sharded_accumulation"] = check_sharded_accumulation

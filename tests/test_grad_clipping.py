@@ -6,16 +6,24 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from recipes import grad_clipping
-from recipes.core.config import RecipeError
+from recipes.core.observe import prove
+from recipes.parallelize import MeshError
 from tests.helpers import PYTHON, assert_states_close, last_json, run_alone, run_world
 from tests.helpers import run_cli as cli
 
 Config = grad_clipping.GradClippingConfig
 
 
+def clip_result(cfg):
+    """grad_clipping.train(cfg) measured by the harness: its RecipeResult with the merged final
+    state, and the norms each rank clipped with (recipes.core.observe.ClippingObserver records
+    them around torch's clipping functions)."""
+    return prove(grad_clipping.train, cfg, name="grad_clipping", keep_final_state=True)
+
+
 def reference():
     """One process, the whole batch, torch's clip_grad_norm_: what every layout must equal."""
-    return run_alone(grad_clipping.train, Config(layout="single", keep_final_state=True))
+    return run_alone(clip_result, Config(layout="single"))
 
 
 def assert_equals_one_process(result, ref):
@@ -63,16 +71,16 @@ def gpt2_clip(max_norm: float = 0.05):
 
 def clip_layouts_and_gpt2(cfg):
     """One spawned world for both: the recipe's configs, and "gpt2"."""
-    return gpt2_clip() if cfg == "gpt2" else grad_clipping.train(cfg)
+    return gpt2_clip() if cfg == "gpt2" else clip_result(cfg)
 
 
 def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
     ref = reference()
     layouts = ["ddp", "fsdp", "tp", "pp"]
-    configs = [Config(layout=layout, keep_final_state=True) for layout in layouts] + [
-        Config(layout="ddp", clip="torch", keep_final_state=True),
-        Config(layout="pp", clip="torch", keep_final_state=True),
-        Config(layout="fsdp", clip="local_shards", keep_final_state=True),
+    configs = [Config(layout=layout) for layout in layouts] + [
+        Config(layout="ddp", clip="torch"),
+        Config(layout="pp", clip="torch"),
+        Config(layout="fsdp", clip="local_shards"),
     ]
     *results, ddp_torch, pp_torch, fsdp_local, (gpt2_norm, gpt2_grads) = run_world(
         clip_layouts_and_gpt2, 2, [*configs, "gpt2"], deadline_s=300)
@@ -111,8 +119,7 @@ def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
 def test_four_rank_layouts_equal_one_process(layouts):
     # fsdp_tp: TP'd weights are 2-D DTensors (dp x tp), the rest 1-D on dp: two meshes to combine.
     ref = reference()
-    results = run_world(grad_clipping.train, 4,
-                        [Config(layout=layout, keep_final_state=True) for layout in layouts],
+    results = run_world(clip_result, 4, [Config(layout=layout) for layout in layouts],
                         deadline_s=300)
     for layout, result in zip(layouts, results):
         assert (result.extras["layout"], result.extras["mesh"]) == (layout, [2, 2])
@@ -122,8 +129,7 @@ def test_four_rank_layouts_equal_one_process(layouts):
 @pytest.mark.slow  # 8 ranks on CPU: ~4x the 4-rank world's time; the 2-D cases cover each piece
 def test_three_d_pipeline_fsdp_tp_equals_one_process():
     ref = reference()
-    (result,) = run_world(grad_clipping.train, 8, [Config(layout="pp_fsdp_tp",
-                                                          keep_final_state=True)], deadline_s=300)
+    (result,) = run_world(clip_result, 8, [Config(layout="pp_fsdp_tp")], deadline_s=300)
     assert result.extras["mesh"] == [2, 2, 2]
     assert_equals_one_process(result, ref)
 
@@ -137,25 +143,31 @@ def test_torch_clip_grad_norm_under_tp_raises_on_mixed_tensors():
 
 
 def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
-    with pytest.raises(RecipeError, match=r"^mesh 2x2 has 4 ranks but the world has 1; "
-                                          r"pass sizes >= 1 whose product is 1$"):
+    with pytest.raises(MeshError, match=r"^mesh 2x2 has 4 ranks but the world has 1; "
+                                        r"pass sizes >= 1 whose product is 1$"):
         run_alone(grad_clipping.train, Config(layout="fsdp_tp", mesh=[2, 2]))
-    with pytest.raises(RecipeError,
+    with pytest.raises(MeshError,
                        match=r"^mesh \[2\] has 1 dims but this layout has 2 \(dp, tp\)"):
         run_alone(grad_clipping.train, Config(layout="fsdp_tp", mesh=[2]))
 
 
 @pytest.mark.slow  # a torchrun launch: 3 interpreters; the same code runs in-process above
 def test_torchrun_launch_prints_the_result():
+    # through the harness, as scripts/collect_results.py runs it: the recipe's own lines, then
+    # the measured result as JSON (the copy test launches the recipe itself under torchrun)
     proc = cli([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                "recipes.grad_clipping", "--layout", "pp", "--steps", "1"], timeout_s=300)
+                "recipes.core.prove", "grad_clipping", "--layout", "pp", "--steps", "1"],
+               timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 0 loss 4.3436 grad norm 0.6157" in proc.stdout, proc.stdout
     result = last_json(proc.stdout)
     assert result["world_size"] == 2 and result["extras"]["layout"] == "pp"
     assert result["extras"]["grad_norms"] == pytest.approx([0.6157], abs=1e-4)  # = one process
 
 
 def test_a_precision_that_cannot_compare_exactly_is_one_line():
-    with pytest.raises(RecipeError, match=r"^--precision bf16: this recipe compares norms exactly; "
-                                          r"use fp32 or tf32$"):
+    # (a ValueError, as every copyable recipe refuses bad input; the command line offers no
+    # bf16: argparse refuses it in one line too)
+    with pytest.raises(ValueError, match=r"^--precision bf16: this recipe compares norms exactly; "
+                                         r"use fp32 or tf32$"):
         run_alone(grad_clipping.train, Config(layout="single", precision="bf16"))

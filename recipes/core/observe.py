@@ -739,3 +739,150 @@ class HangObserver(Observer):
 
 
 OBSERVERS["hang_diagnosis"] = HangObserver
+class ClippingObserver(Observer):
+    """recipes/grad_clipping.py: the total norm each rank clipped with, recorded from outside
+    (into ``extras``) by wrapping what the recipe calls, by those names, from ``model_ready`` to
+    ``close``: ``torch.nn.utils.clip_grads_with_norm_`` (``clip_grad_norm_across`` passes it the
+    total, once per mesh) and ``torch.nn.utils.clip_grad_norm_`` (the pitfalls: the norm it
+    returns, a DTensor one made whole).
+
+    ``grad_norms``: this rank's norm at each step; ``grad_norms_per_rank``: each step's norms of
+    every rank, in rank order (one total: the same on every rank); ``layout`` and ``mesh`` as the
+    recipe resolved them. The final state is every rank's parameters made whole and merged (a
+    pipeline stage holds only its own), its checksum over the merged state.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.layout, self.mesh = cfg.layout, list(cfg.mesh)
+        self.grad_norms: list[float] = []
+        self._norm: float | None = None
+        self._wrapped: dict[str, Callable[..., Any]] = {}
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        from recipes.grad_clipping import LAYOUTS, default_mesh
+
+        if not self.mesh and LAYOUTS[self.layout]:
+            self.mesh = default_mesh(self.layout, self.world_size)
+        self.extras.update(layout=self.layout, mesh=self.mesh)
+        for name in ("clip_grads_with_norm_", "clip_grad_norm_"):
+            self._wrapped[name] = getattr(torch.nn.utils, name)
+        torch.nn.utils.clip_grads_with_norm_ = self._record_total
+        torch.nn.utils.clip_grad_norm_ = self._record_returned
+
+    def _record_total(self, parameters: Any, max_norm: float, total_norm: torch.Tensor,
+                      *args: Any, **kwargs: Any) -> None:
+        self._norm = float(total_norm)
+        return self._wrapped["clip_grads_with_norm_"](parameters, max_norm, total_norm, *args,
+                                                      **kwargs)
+
+    def _record_returned(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        norm = self._wrapped["clip_grad_norm_"](*args, **kwargs)
+        self._norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return norm
+
+    def measure(self, step: int) -> None:
+        self.grad_norms.append(self._norm)
+        if step == self.steps - 1:  # a collective: every rank's norms, in rank order
+            self.extras.update(grad_norms=list(self.grad_norms), grad_norms_per_rank=[
+                list(per_step) for per_step in zip(*all_ranks(self.grad_norms))])
+        super().measure(step)
+
+    def gather_final_state(self) -> None:
+        module = getattr(self._model, "module", self._model)  # DDP's model, unwrapped
+        local = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+                 for name, p in module.named_parameters()}
+        state: dict[str, torch.Tensor] = {}
+        for piece in all_ranks(local):  # a collective: the stages hold different parameters
+            state.update(piece)
+        self.param_checksum = param_checksum(state.values())
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+
+    def close(self) -> None:
+        for name, function in self._wrapped.items():
+            setattr(torch.nn.utils, name, function)
+        self._wrapped = {}
+        super().close()
+
+
+OBSERVERS["grad_clipping"] = ClippingObserver
+
+
+class AccumulationObserver(Observer):
+    """recipes/sharded_accumulation.py: what each step sends and what a rank holds between its
+    micro-batches, measured from outside (into ``extras``):
+
+    - ``collectives_per_step``: each step's c10d collectives, counted by a ``CollectiveCounter``
+      (recipes/core/counting.py) entered at ``model_ready`` and taken at each ``step_end``: from
+      the end of the step before to the end of this one, so the step's loss line's all-reduce is
+      counted too; what the observer measures itself is not;
+    - ``grad_bytes_between_micro_batches``: the most gradient bytes a rank held before a
+      micro-batch's forward other than a step's first, i.e. after the earlier ones' backward
+      (from a forward pre-hook on the model, before fully_shard's own, which unshards the root);
+    - ``fsdp_groups`` (fully_shard modules), ``grad_bytes_unsharded`` (the whole model's
+      gradient, fp32) and ``mesh`` (the data-parallel mesh's shape).
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.micro_batches = cfg.micro_batches
+        self.per_step: list[dict[str, dict[str, int]]] = []
+        self.held: list[int] = []
+        self._forwards = 0
+        self._counter: Any = None
+        self._pre_hook: Any = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        super().model_ready(model, optimizer)
+        params = list(model.parameters())
+        mesh = next(p.device_mesh for p in params if isinstance(p, DTensor))
+        self.extras.update(
+            fsdp_groups=sum(1 for m in model.modules() if isinstance(m, FSDPModule)),
+            grad_bytes_unsharded=sum(p.numel() * p.element_size() for p in params),
+            mesh=list(mesh.shape))
+        self._pre_hook = model.register_forward_pre_hook(self._record_held, prepend=True)
+        self._start_counting()
+
+    def _record_held(self, module: nn.Module, args: Any) -> None:
+        if self._forwards % self.micro_batches:  # not a step's first micro-batch
+            self.held.append(model_state_bytes(module)["grad_bytes"])
+        self._forwards += 1
+
+    def _start_counting(self) -> None:
+        from recipes.core.counting import CollectiveCounter
+
+        self._counter = CollectiveCounter()
+        self._counter.__enter__()
+
+    def _stop_counting(self) -> dict[str, dict[str, int]] | None:
+        if self._counter is None:
+            return None
+        counter, self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        return counter.summary()
+
+    def step_end(self, step: int, loss: float) -> None:
+        self.per_step.append(self._stop_counting())
+        super().step_end(step, loss)  # measures, outside the count
+        if step < self.steps - 1:
+            self._start_counting()
+
+    def measure(self, step: int) -> None:
+        if step == self.steps - 1:
+            self.extras.update(collectives_per_step=list(self.per_step),
+                               grad_bytes_between_micro_batches=max(self.held, default=0))
+        super().measure(step)
+
+    def close(self) -> None:
+        self._stop_counting()
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        super().close()
+
+
+OBSERVERS["sharded_accumulation"] = AccumulationObserver
