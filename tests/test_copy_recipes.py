@@ -99,6 +99,8 @@ RUNS = {
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
+    # pure arithmetic: the command results/memory_estimate.json was made with
+    "memory_estimate": ("python", ["--params", "7.5e9", "--world-size", "64"]),
 }
 
 
@@ -391,6 +393,14 @@ def check_sharded_checkpoint(stdout: str) -> None:
     assert len(losses) == 3 and "checkpoint of step 3 published in " in stdout, stdout
 
 
+def check_memory_estimate(stdout: str) -> None:
+    # the same figures as the package's own run of the same command, every row and the per-GPU
+    # figure, and the table before them (ZeRO-3 of mixed-precision Adam: 1.88 GB on the device)
+    expected = json.loads(Path(REPO_ROOT, "results", "memory_estimate.json").read_text())["result"]
+    assert _last_json(stdout) == expected
+    assert re.search(r"^ZeRO-3 \(P_os\+g\+p\) +.* 1\.88 +0\.00$", stdout, re.M), stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -400,4 +410,5 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "hybrid_parallel": check_hybrid_parallel, "ddp_spawn": check_ddp_spawn,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
-          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}
+          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
+          "memory_estimate": check_memory_estimate}
