@@ -101,6 +101,9 @@ RUNS = {
                                 "--assert-equal", "--atol", "1e-5"]),
     # pure arithmetic: the command results/memory_estimate.json was made with
     "memory_estimate": ("python", ["--params", "7.5e9", "--world-size", "64"]),
+    # one probe (pp 1) of a fake world of 4: tensor parallel and fully_shard, each over 2 ranks
+    "dry_run": ("python", ["--model", "tiny", "--world-size", "4", "--pp", "1", "--dp", "2",
+                           "--tp", "2"]),
 }
 
 
@@ -401,6 +404,23 @@ def check_memory_estimate(stdout: str) -> None:
     assert re.search(r"^ZeRO-3 \(P_os\+g\+p\) +.* 1\.88 +0\.00$", stdout, re.M), stdout
 
 
+def check_dry_run(stdout: str) -> None:
+    # the stage's bytes read off its shards are the package's memory_estimate ZeRO-3 figures of
+    # its tensor-parallel share; fully_shard's reduce-scatters: one per Block and one for the root
+    from recipes import dry_run
+    from recipes.memory_estimate import LAYOUTS, model_state_per_rank
+
+    report = _last_json(stdout)
+    (stage,) = report["stages"]
+    psi = dry_run.stage_params_per_tp_rank(dry_run.PRESETS["tiny"], 0, 1, 2)
+    expected = model_state_per_rank(psi, 2, "zero3", LAYOUTS["adam-fp32"])["device"]
+    assert {k: stage[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")} == {
+        k: expected[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}, stage
+    assert report["all_match_estimate"] and len(report["ranks"]) == 4, report
+    assert stage["collectives"]["reduce_scatter"] == 3 and stage["collectives"]["all_reduce"] > 0
+    assert "tiny on pp 1 x dp 2 x tp 2 = 4 ranks" in stdout, stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -411,4 +431,4 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
-          "memory_estimate": check_memory_estimate}
+          "memory_estimate": check_memory_estimate, "dry_run": check_dry_run}
