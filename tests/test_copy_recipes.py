@@ -104,6 +104,9 @@ RUNS = {
     # one probe (pp 1) of a fake world of 4: tensor parallel and fully_shard, each over 2 ranks
     "dry_run": ("python", ["--model", "tiny", "--world-size", "4", "--pp", "1", "--dp", "2",
                            "--tp", "2"]),
+    # the smallest default window (wait 1, warmup 1, active 2); traces in a fresh temporary folder
+    "profiling": ("torchrun", ["--steps", "4", "--backend", "gloo", "--precision", "fp32",
+                               "--top-ops", "3"]),
 }
 
 
@@ -421,6 +424,22 @@ def check_dry_run(stdout: str) -> None:
     assert "tiny on pp 1 x dp 2 x tp 2 = 4 ranks" in stdout, stdout
 
 
+def check_profiling(stdout: str) -> None:
+    # one line per step from rank 0 (its share); after the loop the losses averaged over the 2
+    # ranks, the package's own (results/profiling.json); DDP's all-reduce, once per active step,
+    # the only collective in the profile; both ranks' traces where rank 0 says
+    assert len(printed_losses(stdout)) == 4 and "top 3 ops by self_cpu_time_total:" in stdout
+    averaged = re.search(r"^losses \(mean over the ranks\): (.*)$", stdout, re.M)
+    assert averaged, stdout
+    losses = [float(x) for x in averaged[1].split()]
+    assert_losses_close(losses, committed_losses("profiling")[:4], atol=6e-5)
+    found = re.search(r"per profiled step: (\{.*\}); traces in (\S+)$", stdout, re.M)
+    assert found and found[1] == "{'c10d::allreduce_': 2, 'gloo:all_reduce': 2}", stdout
+    for rank in (0, 1):
+        assert json.loads(Path(found[2], f"trace-rank{rank}.json").read_text())["traceEvents"]
+    shutil.rmtree(found[2])  # the recipe's fresh temporary folder
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -431,4 +450,5 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
-          "memory_estimate": check_memory_estimate, "dry_run": check_dry_run}
+          "memory_estimate": check_memory_estimate, "dry_run": check_dry_run,
+          "profiling": check_profiling}

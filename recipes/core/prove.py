@@ -26,7 +26,8 @@ __all__ = ["PROVABLE", "main", "prove_command"]
 # The copyable recipes whose function takes an observer (model_ready, step_end).
 PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
             "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
-            "meta_init", "sharded_checkpoint")
+            "meta_init", "sharded_checkpoint",
+            "profiling")
 
 
 def prove_command(command: str, name: str) -> str:
@@ -48,8 +49,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     config_cls = inspect.signature(function).parameters["cfg"].annotation
     if isinstance(config_cls, str):  # from __future__ import annotations
         config_cls = getattr(module, config_cls)
-    cfg = config_cls(**vars(parser.parse_args(options)))
+    args = parser.parse_args(options)
     try:
+        cfg = config_cls(**vars(args))  # a config that checks itself refuses here (profiling)
         result = prove(function, cfg, name=name)
     except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
         write_torchrun_error_file(str(exc))
