@@ -72,7 +72,7 @@ class ProfilingConfig:
     wait: int = 1  # steps before the profiler starts (step 0 allocates state: not typical)
     warmup: int = 1  # steps profiled and thrown away: the profiler's start-up lands there
     active: int = 2  # steps recorded into the trace, the table and the figures
-    trace_dir: str = ""  # empty: a fresh temporary directory
+    trace_dir: str | None = None  # None: a fresh temporary directory
     top_ops: int = 10  # rows of the top-ops table
     memory_history_entries: int = 100_000  # CUDA: allocator events the memory snapshot keeps
 
@@ -227,7 +227,7 @@ class TraceDirError(ValueError):
     """A --trace-dir that no rank can write its trace into: one line that names the fix."""
 
 
-def shared_trace_dir(requested: str) -> str:
+def shared_trace_dir(requested: str | None) -> str:
     """``requested``, or a fresh temporary directory that rank 0 names for every rank."""
     fresh = not requested and dist.get_rank() == 0
     path = [tempfile.mkdtemp(prefix="recipes-profile-") if fresh else requested]
@@ -383,7 +383,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--active", type=int, default=d.active,
         help="steps recorded into the trace, the table and the figures")
     add("--trace-dir", default=d.trace_dir,
-        help="where traces and snapshots go; empty: a fresh temporary directory")
+        help="where traces and snapshots go (created if missing); default: a fresh temporary "
+             "directory that rank 0 names for all")
     add("--top-ops", type=int, default=d.top_ops, help="rows of the top-ops table")
     add("--memory-history-entries", type=int, default=d.memory_history_entries,
         help="CUDA: allocator events the memory snapshot keeps")
