@@ -34,28 +34,33 @@ so a second fake world in one process would reuse the first one's process groups
 Not counted: activations, communication buffers, the framework's own memory (memory_estimate's
 caveats). The fake backend exists since torch 2.1 (``torch.testing._internal``, a test utility).
 
-Length: about 300 lines, the cookbook's limit: the layout check, building and parallelizing
-one stage, counting its collectives, probing real ranks in forked children and printing the table
-are the steps of one plan; none is useful without the others.
+Copy with it: recipes/toy.py (the model you replace with yours), recipes/parallelize.py (apply_tp,
+apply_fully_shard: the layout under test), recipes/memory_estimate.py (the arithmetic each stage
+is checked against: its model_state_per_rank, composed here, not reimplemented).
+
+Length: about 360 lines, over the cookbook's 300: the layout check, building and parallelizing
+one stage, counting its collectives, probing real ranks in forked children, printing the table and
+the command line that refuses a layout in one line are the steps of one plan; none is useful
+without the others.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import multiprocessing as mp
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from recipes.core.cli import run_cli
-from recipes.core.config import Config, RecipeError, opt
-from recipes.core.result import RecipeResult
-from recipes.core.workload import MODEL_PRESETS, Block, ModelConfig, TransformerLM
 from recipes.memory_estimate import LAYOUTS, model_state_per_rank
-from recipes.parallelize import TPPlanError, apply_tp, check_tp_fits, transformer_lm_plan
+from recipes.parallelize import apply_fully_shard, apply_tp, check_tp_fits, transformer_lm_plan
+from recipes.toy import MODEL_PRESETS, Block, ModelConfig, TransformerLM
 
 # Large shapes for the cookbook's GPT-style TransformerLM (MLP 4x, learned positions).
 PRESETS: dict[str, ModelConfig] = {
@@ -66,36 +71,45 @@ PRESETS: dict[str, ModelConfig] = {
 FP32 = LAYOUTS["adam-fp32"]  # what fully_shard + AdamW hold: fp32 params, grads, m and v
 
 
+class LayoutError(ValueError):
+    """A layout that cannot exist: one line that names the fix."""
+
+
 @dataclass
-class DryRunConfig(Config):
-    model: Literal["tiny", "small", "100m", "7b", "70b"] = opt("7b", "model shape preset")
-    world_size: int = opt(512, "ranks in the world (pp x dp x tp must equal it)", ge=1)
-    pp: int = opt(8, "pipeline stages (must divide the layers)", ge=1)
-    dp: int = opt(8, "data-parallel ranks that fully_shard each stage over", ge=1)
-    tp: int = opt(8, "tensor-parallel ranks (must divide heads, MLP width, vocab, seq)", ge=1)
-    check_every_rank: bool = opt(
-        False, "build every rank's shard (meta) and assert it equals its stage's probe")
-    probe_timeout_s: float = opt(300.0, "deadline for each stage's probe process", gt=0)
+class DryRunConfig:
+    model: str = "7b"  # a key of PRESETS
+    world_size: int = 512  # pp x dp x tp must equal it
+    pp: int = 8  # pipeline stages (must divide the layers)
+    dp: int = 8  # data-parallel ranks that fully_shard each stage over
+    tp: int = 8  # tensor-parallel ranks (must divide heads, MLP width, vocab, seq)
+    check_every_rank: bool = False  # build every rank's shard and assert it equals its probe
+    probe_timeout_s: float = 300.0  # deadline for each stage's probe process
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        # Checked before any probe starts: a layout that cannot exist costs no fork.
+        if self.model not in PRESETS:
+            raise LayoutError(f"unknown model={self.model!r}; valid values: {', '.join(PRESETS)}")
+        for name in ("world_size", "pp", "dp", "tp"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.probe_timeout_s) and self.probe_timeout_s > 0):
+            raise LayoutError(f"probe_timeout_s must be a finite number > 0, got "
+                              f"{self.probe_timeout_s:g}")
         check_layout(PRESETS[self.model], self.world_size, self.pp, self.dp, self.tp)
 
 
 def check_layout(cfg: ModelConfig, world_size: int, pp: int, dp: int, tp: int) -> None:
-    """One line naming the fix for a layout that cannot exist."""
+    """One line naming the fix for a layout that cannot exist (tensor parallel's own refusal,
+    TPPlanError, is a ValueError of one line too)."""
     if pp * dp * tp != world_size:
-        raise RecipeError(f"pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp}, not world_size "
+        raise LayoutError(f"pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp}, not world_size "
                           f"{world_size}; pick degrees whose product is {world_size}")
     if cfg.n_layers % pp:
         fits = [n for n in range(1, cfg.n_layers + 1) if cfg.n_layers % n == 0]
-        raise RecipeError(f"{cfg.n_layers} layers do not split into pp={pp} equal stages; use "
+        raise LayoutError(f"{cfg.n_layers} layers do not split into pp={pp} equal stages; use "
                           f"pp in {', '.join(map(str, fits))}")
-    try:
-        check_tp_fits(tp, n_heads=cfg.n_heads, mlp_width=cfg.mlp_ratio * cfg.dim,
-                      vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
-    except TPPlanError as exc:  # a config's refusal is a RecipeError: parse_config prints it
-        raise RecipeError(str(exc)) from None
+    check_tp_fits(tp, n_heads=cfg.n_heads, mlp_width=cfg.mlp_ratio * cfg.dim,
+                  vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
 
 
 # --8<-- [start:stage]
@@ -121,8 +135,6 @@ def parallelize_stage(model: TransformerLM, mesh) -> TransformerLM:
     plan = {key: style for key, style in transformer_lm_plan().items()
             if key.startswith("layers.") or getattr(model, key.split(".")[0]) is not None}
     apply_tp(model, mesh["tp"], plan=plan)
-    from recipes.parallelize import apply_fully_shard
-
     return apply_fully_shard(model, mesh["dp"], block_types=(Block,))
 # --8<-- [end:stage]
 
@@ -249,7 +261,8 @@ def probe_in_fork(cfg: ModelConfig, rank: int, *layout: int, measure_step: bool,
 
 
 # --8<-- [start:dry_run]
-def run(cfg: DryRunConfig) -> RecipeResult:
+def run(cfg: DryRunConfig) -> dict[str, Any]:
+    """Probe each kind of stage, check it against memory_estimate; the report, JSON-able."""
     model_cfg, layout = PRESETS[cfg.model], (cfg.world_size, cfg.pp, cfg.dp, cfg.tp)
     stages, probes = [], {}
     for stage in range(cfg.pp):
@@ -283,14 +296,11 @@ def run(cfg: DryRunConfig) -> RecipeResult:
     ranks = [{"rank": r, "pp": r // (cfg.dp * cfg.tp), "dp": r // cfg.tp % cfg.dp, "tp": r % cfg.tp}
              for r in range(cfg.world_size)]
     worst = max(stages, key=lambda s: s["total_bytes"])
-    print(format_table(cfg, stages))
-    return RecipeResult(
-        recipe="dry_run", world_size=cfg.world_size, backend="fake", device="meta", losses=[],
-        param_checksum=0.0, seconds_per_step=0.0, peak_memory_bytes=0,
-        extras={"model": cfg.model, "layout": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
-                "stages": stages, "ranks": ranks, "ranks_checked": checked,
-                "max_model_state_bytes": worst["total_bytes"],
-                "all_match_estimate": all(s["matches_estimate"] for s in stages)})
+    return {"recipe": "dry_run", "model": cfg.model, "world_size": cfg.world_size,
+            "layout": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp}, "stages": stages,
+            "ranks": ranks, "ranks_checked": checked,
+            "max_model_state_bytes": worst["total_bytes"],
+            "all_match_estimate": all(s["matches_estimate"] for s in stages)}
 # --8<-- [end:dry_run]
 
 
@@ -310,5 +320,45 @@ def format_table(cfg: DryRunConfig, stages: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad input ends in one line on stderr and exit code 2, without argparse's usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\n")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    d = DryRunConfig()
+    parser = OneLineErrorParser(prog="python -m recipes.dry_run", allow_abbrev=False,
+                                description=(__doc__ or "").split("\n")[0])
+    add = parser.add_argument
+    add("--model", choices=list(PRESETS), default=d.model, help="model shape preset")
+    add("--world-size", type=int, default=d.world_size,
+        help="ranks in the world (pp x dp x tp must equal it)")
+    add("--pp", type=int, default=d.pp, help="pipeline stages (must divide the layers)")
+    add("--dp", type=int, default=d.dp,
+        help="data-parallel ranks that fully_shard each stage over")
+    add("--tp", type=int, default=d.tp,
+        help="tensor-parallel ranks (must divide heads, MLP width, vocab, seq)")
+    add("--check-every-rank", action=argparse.BooleanOptionalAction, default=d.check_every_rank,
+        help="build every rank's shard (meta) and assert it equals its stage's probe")
+    add("--probe-timeout-s", type=float, default=d.probe_timeout_s,
+        help="deadline in seconds for each stage's probe process")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = DryRunConfig(**vars(args))
+    except ValueError as exc:  # LayoutError, or tensor parallel's TPPlanError
+        parser.error(str(exc))
+    report = run(cfg)
+    print(format_table(cfg, report["stages"]))
+    print(json.dumps(report), flush=True)  # the last stdout line: the report, for scripts
+    return report
+
+
 if __name__ == "__main__":
-    run_cli(run, DryRunConfig, __doc__)
+    main()

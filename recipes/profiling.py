@@ -4,10 +4,13 @@
     python -m recipes.profiling --model 100m   # a world of 1; on a GPU also a memory snapshot
     torchrun --standalone --nproc_per_node=2 -m recipes.profiling --trace-dir traces --active 3
 
-The loop is ddp_torchrun's with the core speed settings, inside ``torch.profiler.profile``. Its
-schedule skips ``--wait`` steps (step 0 allocates AdamW's state, DDP rebuilds its buckets), profiles
-``--warmup`` steps and throws them away (the profiler's own start-up lands there), then records
-``--active`` steps. What comes out:
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (joining and
+leaving the world).
+
+The loop is ddp_torchrun's inside ``torch.profiler.profile``. Its schedule skips ``--wait`` steps
+(step 0 allocates AdamW's state, DDP rebuilds its buckets), profiles ``--warmup`` steps and throws
+them away (the profiler's own start-up lands there), then records ``--active`` steps. What comes
+out:
 
 - ``<trace-dir>/trace-rank<R>.json`` for every rank: a Chrome trace with "forward", "backward" and
   "optimizer" labelled (open it in https://ui.perfetto.dev or chrome://tracing);
@@ -17,18 +20,26 @@ schedule skips ``--wait`` steps (step 0 allocates AdamW's state, DDP rebuilds it
   ``c10d::allreduce_`` on the thread that launches it, then ``gloo:all_reduce`` on a gloo worker
   thread for as long as it runs (NCCL: ``nccl:all_reduce`` on the CPU, an NCCL kernel on the GPU);
 - on CUDA, ``<trace-dir>/memory-snapshot-rank<R>.pickle`` (drop it on pytorch.org/memory_viz): every
-  allocation of the profiled steps with its Python stack, and the peak it records, checked against
-  the result's ``peak_memory_bytes``.
+  allocation of the profiled steps with its Python stack, and the peak it records, next to the
+  allocator's own counters over the same steps and its peak before them.
 
-The steps are timed with the profiler on: it costs time, so compare speeds with the recipes that
-do not profile. ``--trace-dir`` defaults to a fresh temporary directory that rank 0 names for all.
+``train`` returns a ``ProfileRun``: each step's loss averaged over the ranks, and those figures.
+The profiler costs time: compare speeds with the recipes that do not profile. ``--trace-dir``
+defaults to a fresh temporary directory that rank 0 names for all.
+
+Length: about 400 lines, over the 300 of one idea: the profiled loop is useless without what it is
+for, the communication and top-ops figures read off its events and, on CUDA, the memory window
+whose snapshot is checked against the allocator's own counters.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import math
 import os
 import pickle
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -37,21 +48,10 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, record_function
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.paths import output_dir_problem, refuse
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.state import full_state_on_cpu
-from recipes.core.speed import (autocast, check_autocast, make_adamw, make_grad_scaler,
-                                setup_precision)
-from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, build_model, distributed_loader, iterate_steps,
-                                   lm_loss, make_dataset)
-from recipes.core.world import join_world
-
-log = get_logger(__name__)
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 # Substrings that mark a collective in a profiler event's name (lower-cased): "c10d" covers the
 # launch (c10d::allreduce_, _c10d_functional::all_gather_into_tensor), "gloo" and "nccl" the work
@@ -60,108 +60,201 @@ COLLECTIVE_MARKERS = ("c10d", "gloo", "nccl", "record_param_comms")
 
 
 @dataclass
-class ProfilingConfig(TrainConfig):
-    wait: int = opt(
-        1, "steps before the profiler starts (step 0 allocates state: not typical)", ge=0)
-    warmup: int = opt(
-        1, "steps profiled and discarded: the profiler's start-up cost lands there", ge=0)
-    active: int = opt(2, "steps recorded into the trace, the table and the figures", ge=1)
-    trace_dir: str = opt("", "where traces and snapshots go; empty = a fresh temporary directory")
-    top_ops: int = opt(10, "rows of the top-ops table", ge=1)
-    memory_history_entries: int = opt(
-        100_000, "CUDA: allocator events the memory snapshot keeps", ge=1)
+class ProfilingConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
+    wait: int = 1  # steps before the profiler starts (step 0 allocates state: not typical)
+    warmup: int = 1  # steps profiled and thrown away: the profiler's start-up lands there
+    active: int = 2  # steps recorded into the trace, the table and the figures
+    trace_dir: str | None = None  # None: a fresh temporary directory
+    top_ops: int = 10  # rows of the top-ops table
+    memory_history_entries: int = 100_000  # CUDA: allocator events the memory snapshot keeps
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        # Checked before any rank joins: every rank refuses the same config at once.
+        for name, least in (("steps", 1), ("global_batch_size", 1), ("seed", 0), ("wait", 0),
+                            ("warmup", 0), ("active", 1), ("top_ops", 1),
+                            ("memory_history_entries", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        for name in ("lr", "timeout_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         profiled = self.wait + self.warmup + self.active
         if profiled > self.steps:
-            raise RecipeError(f"--wait {self.wait} + --warmup {self.warmup} + --active "
-                              f"{self.active} = {profiled} profiled steps, more than --steps "
-                              f"{self.steps}; use --steps {profiled} or profile fewer steps")
+            raise ValueError(f"--wait {self.wait} + --warmup {self.warmup} + --active "
+                             f"{self.active} = {profiled} profiled steps, more than --steps "
+                             f"{self.steps}; use --steps {profiled} or profile fewer steps")
+
+
+@dataclass
+class ProfileRun:
+    """What ``train`` returns on every rank: the losses, and what this rank's profile found."""
+
+    losses: list[float]  # each step's loss, averaged over the ranks once, after the loop
+    trace_dir: str
+    trace_paths: list[str]  # every rank's trace (on several nodes, each on its own node)
+    communication_events: dict[str, int]  # each collective's event name: calls in the window
+    communication_ms_per_step: float  # the time a collective was running, per profiled step
+    profiled_step_ms: float  # a profiled step's wall time
+    top_ops_sorted_by: str
+    top_ops: list[tuple[str, float, int]]  # (name, milliseconds, calls), the table's rows
+    memory_snapshot: str  # CUDA: the snapshot's path; elsewhere, why there is none
+    # CUDA only (None elsewhere): the snapshot's events and the peaks of the window
+    memory_snapshot_events: int | None = None
+    snapshot_peak_requested_bytes: int | None = None  # replayed from the snapshot
+    window_peak_requested_bytes: int | None = None  # the allocator's counters, same steps
+    window_peak_allocated_bytes: int | None = None
+    peak_allocated_before_window_bytes: int | None = None  # the steps before the window
 
 
 # --8<-- [start:train]
-def train(cfg: ProfilingConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        precision = setup_precision(cfg.precision, world.device)
-        check_autocast(world.device, precision)
-        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
+def train(cfg: ProfilingConfig, observer=None) -> ProfileRun:
+    """Train under torch.profiler on this process's rank; returns the losses and the figures."""
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
+    try:
+        rank, local_rank, world_size, device = (world.rank, world.local_rank, world.world_size,
+                                                world.device)
+        if cfg.global_batch_size % world_size:
+            lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
+                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+        use_cuda = device.type == "cuda"
+        per_rank_batch = cfg.global_batch_size // world_size
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
+                                           and torch.cuda.is_bf16_supported())
+        if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         trace_dir = shared_trace_dir(cfg.trace_dir)
-        model = build_model(cfg.model, seed=cfg.seed, device=world.device)
-        on_cuda = world.device.type == "cuda"
-        ddp_model = DDP(model, device_ids=[world.device.index] if on_cuda else None)
-        optimizer = make_adamw(ddp_model.parameters(), lr=cfg.lr, device=world.device)
-        scaler = make_grad_scaler(world.device, precision)
-        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=world.world_size,
-                                             per_rank_batch_size=per_rank_batch, seed=cfg.seed)
-        first_active = cfg.wait + cfg.warmup
+        first_active = cfg.wait + cfg.warmup  # the steps the profiler records
         last_active = first_active + cfg.active - 1
-        snapshot_path = os.path.join(trace_dir, f"memory-snapshot-rank{world.rank}.pickle")
 
+        # --8<-- [start:loop]
+        # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
+        # rank 0's weights at construction, but a model built differently still diverges)
+        model = build_model(cfg.model, seed=cfg.seed, device=device)
+        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
+        if observer: observer.model_ready(ddp_model, optimizer)
+
+        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+        # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+        # at step s is one process's batch s. drop_last keeps every global batch full.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                            pin_memory=use_cuda)
         profiler = torch.profiler.profile(
-            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else []),
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else []),
             # repeat=1: one cycle. The default (0) starts a new cycle after each, and each cycle
             # replaces the last one's events.
             schedule=torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active,
                                              repeat=1),
             record_shapes=False)  # shapes split the table's rows and cost time; turn on to debug
-        local_losses, timer = [], StepTimer(world.device)
-        with profiler:
-            for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-                if on_cuda and step == first_active:
-                    peak_before = start_memory_window(world.device, cfg.memory_history_entries)
-                with timer:
-                    inputs, targets = inputs.to(world.device), targets.to(world.device)
-                    with record_function("forward"), autocast(world.device, precision):
-                        loss = lm_loss(ddp_model(inputs), targets)
-                    optimizer.zero_grad(set_to_none=True)
-                    with record_function("backward"):  # DDP launches its all-reduces in here
-                        scaler.scale(loss).backward()
-                    with record_function("optimizer"):
-                        scaler.step(optimizer)
-                        scaler.update()
-                profiler.step()  # after the timer's synchronize: the GPU's work is in this step
-                if on_cuda and step == last_active:
-                    memory = end_memory_window(world.device, snapshot_path)
-                # Pitfall: a global loss logged every step is an all-reduce every step, and the
-                # trace would show it next to DDP's. Log rank 0's share; average them at the end.
-                local_losses.append(loss.item())  # a float: no GPU scalar kept alive per step
-                log.info("step %d loss %.4f (rank 0's share) time %.1f ms", step, local_losses[-1],
-                         timer.durations[-1] * 1e3)
+        memory = {}  # CUDA: the peaks of the memory window
 
-        profiler.export_chrome_trace(os.path.join(trace_dir, f"trace-rank{world.rank}.json"))
-        # One file per rank. On several nodes each node holds its own ranks' files.
-        trace_paths = [os.path.join(trace_dir, f"trace-rank{rank}.json")
-                       for rank in range(world.world_size)]
-        figures, table = profile_figures(profiler, on_cuda=on_cuda, active_steps=cfg.active,
+        local_losses, step, epoch = [], 0, 0
+        with profiler:
+            while step < cfg.steps:
+                # Pitfall: without set_epoch every epoch repeats the first epoch's order
+                sampler.set_epoch(epoch)
+                for inputs, targets in loader:
+                    if step == cfg.steps:
+                        break
+                    if use_cuda and step == first_active:
+                        memory["peak_allocated_before_window_bytes"] = start_memory_window(
+                            device, cfg.memory_history_entries)
+                    inputs = inputs.to(device, non_blocking=True)
+                    targets = targets.to(device, non_blocking=True)
+                    optimizer.zero_grad(set_to_none=True)
+                    with record_function("forward"), torch.autocast(
+                            device.type, dtype=torch.bfloat16, enabled=bf16):
+                        loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
+                    with record_function("backward"):  # DDP launches its all-reduces in here
+                        loss.backward()
+                    with record_function("optimizer"):
+                        optimizer.step()  # every rank applies the same averaged gradient
+                    # Pitfall: a global loss every step is an all-reduce every step, and the
+                    # trace would show it next to DDP's. Keep this rank's share; average later.
+                    local_losses.append(loss.item())  # a float: no GPU scalar kept per step
+                    if rank == 0:
+                        print(f"step {step} loss {local_losses[-1]:.4f} (rank 0's share)",
+                              flush=True)
+                    if use_cuda:  # the GPU's work is in this step's span, not the next one's
+                        torch.cuda.synchronize(device)
+                    profiler.step()
+                    if use_cuda and step == last_active:
+                        memory.update(end_memory_window(device, os.path.join(
+                            trace_dir, f"memory-snapshot-rank{rank}.pickle")))
+                    # after profiler.step(): whatever an observer does is not in the profile
+                    if observer: observer.step_end(step, local_losses[-1])
+                    step += 1
+                epoch += 1
+        # --8<-- [end:loop]
+
+        profiler.export_chrome_trace(os.path.join(trace_dir, f"trace-rank{rank}.json"))
+        figures, table = profile_figures(profiler, on_cuda=use_cuda, active_steps=cfg.active,
                                          top_ops=cfg.top_ops)
-        log.info("top %d ops by %s:\n%s", cfg.top_ops, figures["top_ops_sorted_by"], table)
-        result = make_result(
-            "profiling", world, mean_over_ranks_each(local_losses, world.device),
-            model.parameters(), timer,
-            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            trace_dir=trace_dir, trace_paths=trace_paths, **figures)
-        if on_cuda:  # make_result read the peak since the window reset it: earlier steps count too
-            result.peak_memory_bytes = max(result.peak_memory_bytes, peak_before)
-            result.extras.update(memory)
-        else:
-            result.extras["memory_snapshot"] = ("needs CUDA (it records the CUDA caching "
-                                                f"allocator); this run is on {world.device.type}")
-        return result
+        losses = mean_over_ranks_each(local_losses, device)
+        if rank == 0:
+            print(f"top {cfg.top_ops} ops by {figures['top_ops_sorted_by']}:\n{table}")
+            print(f"communication {figures['communication_ms_per_step']:.2f} ms of "
+                  f"{figures['profiled_step_ms']:.2f} ms per profiled step: "
+                  f"{figures['communication_events']}; traces in {trace_dir}")
+            print("losses (mean over the ranks): " + " ".join(f"{x:.4f}" for x in losses),
+                  flush=True)
+        if not use_cuda:
+            memory["memory_snapshot"] = ("needs CUDA (it records the CUDA caching allocator); "
+                                         f"this run is on {device.type}")
+        # One file per rank. On several nodes each node holds its own ranks' files.
+        trace_paths = [os.path.join(trace_dir, f"trace-rank{r}.json") for r in range(world_size)]
+        return ProfileRun(losses=losses, trace_dir=trace_dir, trace_paths=trace_paths,
+                          **figures, **memory)
+    finally:
+        cleanup_distributed()
 # --8<-- [end:train]
 
 
-def shared_trace_dir(requested: str) -> str:
+class TraceDirError(ValueError):
+    """A --trace-dir that no rank can write its trace into: one line that names the fix."""
+
+
+def shared_trace_dir(requested: str | None) -> str:
     """``requested``, or a fresh temporary directory that rank 0 names for every rank."""
     fresh = not requested and dist.get_rank() == 0
     path = [tempfile.mkdtemp(prefix="recipes-profile-") if fresh else requested]
     dist.broadcast_object_list(path, src=0)  # before profiling: this collective is not in the trace
-    # Every rank writes its trace there: a file in its place, or above it, stops every rank.
-    refuse(output_dir_problem(path[0], "--trace-dir"))
+    # Every rank writes its trace there. A problem one rank sees (on its node) stops every rank,
+    # with the same line, rather than leaving the others waiting in the first all-reduce.
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, trace_dir_problem(path[0]))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise TraceDirError(problem)
     os.makedirs(path[0], exist_ok=True)  # on other nodes, rank 0's temporary name is created anew
     return path[0]
+
+
+def trace_dir_problem(path: str) -> str | None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--trace-dir {path} is a file; name a directory (created if missing)"
+    above = os.path.abspath(path)
+    while not os.path.exists(above):  # the nearest folder that exists is where it is created
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        return (f"--trace-dir {path}: {above} is a file, so nothing can be created under it; "
+                "name a directory you can write to")
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"--trace-dir {path}: cannot write in {above}; name a directory you can write to"
+    return None
 
 
 def mean_over_ranks_each(local_losses: list[float], device: torch.device) -> list[float]:
@@ -256,5 +349,57 @@ def end_memory_window(device: torch.device, path: str) -> dict:
 # --8<-- [end:memory_window]
 
 
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    d = ProfilingConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.profiling", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model size")
+    add("--steps", type=int, default=d.steps, help="optimizer steps")
+    add("--global-batch-size", type=int, default=d.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=float, default=d.lr, help="AdamW's")
+    add("--seed", type=int, default=d.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    add("--precision", choices=["auto", "fp32", "bf16"], default=d.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=d.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=float, default=d.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    add("--wait", type=int, default=d.wait,
+        help="steps before the profiler starts (step 0 allocates state: not typical)")
+    add("--warmup", type=int, default=d.warmup,
+        help="steps profiled and thrown away: the profiler's start-up cost lands there")
+    add("--active", type=int, default=d.active,
+        help="steps recorded into the trace, the table and the figures")
+    add("--trace-dir", default=d.trace_dir,
+        help="where traces and snapshots go (created if missing); default: a fresh temporary "
+             "directory that rank 0 names for all")
+    add("--top-ops", type=int, default=d.top_ops, help="rows of the top-ops table")
+    add("--memory-history-entries", type=int, default=d.memory_history_entries,
+        help="CUDA: allocator events the memory snapshot keeps")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    try:
+        train(ProfilingConfig(**vars(args)))
+    except ValueError as exc:  # bad input every rank sees: one line from rank 0, exit 2
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, ProfilingConfig, __doc__)
+    main()

@@ -110,6 +110,14 @@ RUNS = {
     # fp32, as results/sharded_accumulation.json was measured
     "sharded_accumulation": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
                                           "fp32"]),
+    # pure arithmetic: the command results/memory_estimate.json was made with
+    "memory_estimate": ("python", ["--params", "7.5e9", "--world-size", "64"]),
+    # one probe (pp 1) of a fake world of 4: tensor parallel and fully_shard, each over 2 ranks
+    "dry_run": ("python", ["--model", "tiny", "--world-size", "4", "--pp", "1", "--dp", "2",
+                           "--tp", "2"]),
+    # the smallest default window (wait 1, warmup 1, active 2); traces in a fresh temporary folder
+    "profiling": ("torchrun", ["--steps", "4", "--backend", "gloo", "--precision", "fp32",
+                               "--top-ops", "3"]),
 }
 
 
@@ -417,6 +425,45 @@ def check_hang_diagnosis(stdout: str) -> None:
     losses = printed_losses(stdout)
     assert len(losses) == 3 and "diagnosis:" not in stdout, stdout
     assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+def check_memory_estimate(stdout: str) -> None:
+    # the same figures as the package's own run of the same command, every row and the per-GPU
+    # figure, and the table before them (ZeRO-3 of mixed-precision Adam: 1.88 GB on the device)
+    expected = json.loads(Path(REPO_ROOT, "results", "memory_estimate.json").read_text())["result"]
+    assert _last_json(stdout) == expected
+    assert re.search(r"^ZeRO-3 \(P_os\+g\+p\) +.* 1\.88 +0\.00$", stdout, re.M), stdout
+
+
+def check_dry_run(stdout: str) -> None:
+    # the stage's bytes read off its shards are the package's memory_estimate ZeRO-3 figures of
+    # its tensor-parallel share; fully_shard's reduce-scatters: one per Block and one for the root
+    from recipes import dry_run
+    from recipes.memory_estimate import LAYOUTS, model_state_per_rank
+
+    report = _last_json(stdout)
+    (stage,) = report["stages"]
+    psi = dry_run.stage_params_per_tp_rank(dry_run.PRESETS["tiny"], 0, 1, 2)
+    expected = model_state_per_rank(psi, 2, "zero3", LAYOUTS["adam-fp32"])["device"]
+    assert {k: stage[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")} == {
+        k: expected[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}, stage
+    assert report["all_match_estimate"] and len(report["ranks"]) == 4, report
+    assert stage["collectives"]["reduce_scatter"] == 3 and stage["collectives"]["all_reduce"] > 0
+    assert "tiny on pp 1 x dp 2 x tp 2 = 4 ranks" in stdout, stdout
+
+
+def check_profiling(stdout: str) -> None:
+    # one line per step from rank 0 (its share); after the loop the losses averaged over the 2
+    # ranks, the package's own (results/profiling.json); DDP's all-reduce, once per active step,
+    # the only collective in the profile; both ranks' traces where rank 0 says
+    assert len(printed_losses(stdout)) == 4 and "top 3 ops by self_cpu_time_total:" in stdout
+    averaged = re.search(r"^losses \(mean over the ranks\): (.*)$", stdout, re.M)
+    assert averaged, stdout
+    losses = [float(x) for x in averaged[1].split()]
+    assert_losses_close(losses, committed_losses("profiling")[:4], atol=6e-5)
+    found = re.search(r"per profiled step: (\{.*\}); traces in (\S+)$", stdout, re.M)
+    assert found and found[1] == "{'c10d::allreduce_': 2, 'gloo:all_reduce': 2}", stdout
+    for rank in (0, 1):
+        assert json.loads(Path(found[2], f"trace-rank{rank}.json").read_text())["traceEvents"]
+    shutil.rmtree(found[2])  # the recipe's fresh temporary folder
 
 
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
@@ -455,3 +502,5 @@ def check_sharded_accumulation(stdout: str) -> None:
 
 
 CHECKS["sharded_accumulation"] = check_sharded_accumulation
+CHECKS.update({"memory_estimate": check_memory_estimate, "dry_run": check_dry_run,
+               "profiling": check_profiling})

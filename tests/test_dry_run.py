@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from recipes import dry_run
-from recipes.core.config import RecipeError
-from recipes.core.workload import TransformerLM
+from recipes.toy import TransformerLM
 from recipes.memory_estimate import model_state_per_rank
 from tests.helpers import PYTHON, last_json, run_cli
 
 
 def _run(**changes):
-    return dry_run.run(dry_run.DryRunConfig(**changes)).extras
+    return dry_run.run(dry_run.DryRunConfig(**changes))
 
 
 @pytest.mark.timeout(240)
@@ -64,7 +63,8 @@ def test_the_share_formula_adds_up_to_the_whole_model(preset):
      "tensor parallel over 3 ranks cannot split n_heads=4"),
 ])
 def test_bad_layouts_get_one_line(changes, message):
-    with pytest.raises(RecipeError, match=message) as caught:
+    # LayoutError, or tensor parallel's own TPPlanError: both ValueErrors of one line
+    with pytest.raises(ValueError, match=message) as caught:
         dry_run.DryRunConfig(**changes)
     assert "\n" not in str(caught.value)
 
@@ -87,7 +87,7 @@ def test_every_rank_equals_its_stage_probe():
 def test_512_ranks_of_7b():
     done = run_cli([PYTHON, "-m", "recipes.dry_run"], timeout_s=850)
     assert done.returncode == 0, done.stderr[-2000:]
-    extras = last_json(done.stdout)["extras"]
+    extras = last_json(done.stdout)
     assert len(extras["ranks"]) == 512 and len(extras["stages"]) == 8
     assert extras["all_match_estimate"]
     first, middle, last = (extras["stages"][i] for i in (0, 1, 7))

@@ -29,7 +29,8 @@ PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "da
             "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
             "meta_init", "sharded_checkpoint",
             "collectives", "hang_diagnosis",
-            "grad_clipping", "sharded_accumulation")
+            "grad_clipping", "sharded_accumulation",
+            "profiling")
 
 
 def prove_command(command: str, name: str) -> str:
@@ -51,10 +52,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     config_cls = inspect.signature(function).parameters["cfg"].annotation
     if isinstance(config_cls, str):  # from __future__ import annotations
         config_cls = getattr(module, config_cls)
-    options = vars(parser.parse_args(options))
+    args = parser.parse_args(options)
     try:
-        # the config's own checks (hang_diagnosis: a skip past the last step) are bad input too
-        result = prove(function, config_cls(**options), name=name)
+        # a config that checks itself refuses here (hang_diagnosis: a skip past the last step)
+        cfg = config_cls(**vars(args))
+        result = prove(function, cfg, name=name)
     except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
         write_torchrun_error_file(str(exc))
         if current_rank() == 0:
