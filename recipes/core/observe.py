@@ -663,3 +663,44 @@ OBSERVERS: dict[str, Callable[..., Observer]] = {
     "context_parallel": ContextParallelObserver,
     "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver,
     "sharded_checkpoint": CheckpointObserver}
+
+
+class ClassicFSDPObserver(ShardedObserver):
+    """recipes/fsdp.py (classic ``FullyShardedDataParallel``): ``ShardedObserver``'s figures, with
+    two differences the wrapper makes. Its parameters are not DTensors (``use_orig_params`` views
+    into flat shards): the checksum and the final state come from the full state gathered whole to
+    rank 0 (every rank, a collective). It clips with its own ``model.clip_grad_norm_`` (the whole
+    model's norm), not torch's function: the observer wraps that method on the model from
+    ``model_ready`` to ``close`` to record each norm in ``grad_norms``."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg, keep_final_state=keep_final_state)
+        self._clipped: nn.Module | None = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        # not torch's function: FSDP's method calls it itself where every unit is NO_SHARD
+        torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
+        clip = model.clip_grad_norm_
+
+        def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+            norm = clip(*args, **kwargs)
+            self.grad_norms.append(float(norm))
+            return norm
+
+        model.clip_grad_norm_ = record  # an instance attribute: it shadows the method
+        self._clipped = model
+
+    def gather_final_state(self) -> None:
+        state, self.param_checksum = full_state_on_rank0(self._model)
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+
+    def close(self) -> None:
+        if self._clipped is not None:
+            self._clipped.__dict__.pop("clip_grad_norm_", None)
+            self._clipped = None
+        super().close()
+
+
+OBSERVERS["fsdp"] = ClassicFSDPObserver
