@@ -101,6 +101,9 @@ RUNS = {
                                 "--assert-equal", "--atol", "1e-5"]),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/fsdp.json is CPU fp32
     "fsdp": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
+    # float8 trains only on a GPU of capability 8.9+ with torchao (tests/test_float8.py runs it
+    # there); everywhere the copy must import alone and parse its command line
+    "float8": ("python", ["--help"]),
 }
 
 
@@ -402,6 +405,12 @@ def check_fsdp(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
+def check_float8(stdout: str) -> None:
+    # the copy imported torch, toy, dist_setup and parallelize alone, and its parser answered
+    assert stdout.startswith("usage: python -m recipes.float8"), stdout
+    assert "--loss-rtol" in stdout and "--compile" in stdout, stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -412,4 +421,4 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
-          "fsdp": check_fsdp}
+          "fsdp": check_fsdp, "float8": check_float8}

@@ -91,6 +91,7 @@ class Observer:
         self.param_checksum: float | None = None
         self.final_state: dict[str, torch.Tensor] | None = None
         self.output_dtype: torch.dtype | None = None
+        self.precision_label: str | None = None  # the result's precision, if not the forward's
         self.extras: dict[str, Any] = {}
         # the recipe's EXTRAS function, if it has one (prove sets it); what it returns, like what
         # a subclass measures, is added to the result's extras
@@ -254,7 +255,9 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
         extras={"memory_per_rank": observer.memory_per_rank, **observer.extras,
                 **returned_extras},
         final_state=observer.final_state,
-        **workload.measure(observer.seconds_per_step, observer.device, devices),
+        **{**workload.measure(observer.seconds_per_step, observer.device, devices),
+           # where the forward's dtype is not the whole story (float8: bf16 outputs, bf16 peak)
+           **({"precision": observer.precision_label} if observer.precision_label else {})},
     )
 
 
@@ -704,3 +707,37 @@ class ClassicFSDPObserver(ShardedObserver):
 
 
 OBSERVERS["fsdp"] = ClassicFSDPObserver
+
+
+class Float8Observer(Observer):
+    """recipes/float8.py trains twice in one world, bf16 then float8, each run calling
+    ``model_ready`` and ``step_end`` for its own steps. The common figures are the float8 run's;
+    the bf16 run's seconds per step, measured the same way, become ``bf16_tokens_per_second`` and
+    ``speedup_vs_bf16`` (bf16's time over float8's) in ``extras``. Both runs' MFU is against the
+    bf16 peak (their forwards output bf16): float8 changes how fast the same model FLOPs run. The
+    result's precision reads ``float8``."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.model_name, self.global_batch_size = cfg.model, cfg.global_batch_size
+        self.runs = 0
+        self.bf16_seconds_per_step = 0.0
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.runs == 1:  # the bf16 run has ended: its times are the baseline
+            self.bf16_seconds_per_step, self.durations = self.seconds_per_step, []
+        self.runs += 1
+        super().model_ready(model, optimizer)
+
+    def measure(self, step: int) -> None:
+        super().measure(step)
+        if step == self.steps - 1 and self.runs == 2:
+            bf16 = Workload(MODEL_PRESETS[self.model_name], self.global_batch_size,
+                            self.precision).measure(self.bf16_seconds_per_step, self.device,
+                                                    self.world_size)
+            self.extras.update(bf16_tokens_per_second=bf16["tokens_per_second"],
+                               speedup_vs_bf16=self.bf16_seconds_per_step / self.seconds_per_step)
+            self.precision_label = "float8"
+
+
+OBSERVERS["float8"] = Float8Observer
