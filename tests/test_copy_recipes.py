@@ -104,6 +104,8 @@ RUNS = {
     # float8 trains only on a GPU of capability 8.9+ with torchao (tests/test_float8.py runs it
     # there); everywhere the copy must import alone and parse its command line
     "float8": ("python", ["--help"]),
+    # one device, no process group: a plain python run; cpu, where results/performance.json was
+    "performance": ("python", ["--steps", "3", "--device", "cpu"]),
 }
 
 
@@ -411,6 +413,14 @@ def check_float8(stdout: str) -> None:
     assert "--loss-rtol" in stdout and "--compile" in stdout, stdout
 
 
+def check_performance(stdout: str) -> None:
+    # fp32 on cpu, the default switches: the package's own losses, and the kernel it named
+    assert "fp32 on cpu, attention kernel: " in stdout, stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("performance")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -421,4 +431,4 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
-          "fsdp": check_fsdp, "float8": check_float8}
+          "fsdp": check_fsdp, "float8": check_float8, "performance": check_performance}

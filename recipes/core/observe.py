@@ -741,3 +741,37 @@ class Float8Observer(Observer):
 
 
 OBSERVERS["float8"] = Float8Observer
+
+
+class PerformanceObserver(Observer):
+    """recipes/performance.py (one device, no process group): what each switch was set to, from
+    its config, and the ``torch.backends`` flags a speed number depends on (TF32, the SDPA
+    backends, bf16 reductions), read at the last step: process-wide switches the recipe set, seen
+    from outside (into ``extras``). The attention kernel that ran is the recipe's own figure
+    (``PerformanceRun.sdpa_backend_ran``)."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras.update(
+            optimizer=cfg.optimizer, compiled=cfg.compile, zero_grad=cfg.zero_grad,
+            compile_scope=cfg.compile_scope if cfg.compile else None,
+            compile_mode=cfg.compile_mode if cfg.compile else None,
+            sdpa_backend_allowed=cfg.sdpa_backend, pin_memory=cfg.pin_memory)
+
+    def measure(self, step: int) -> None:
+        if step == self.steps - 1:
+            self.extras["backends"] = {
+                "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+                "cuda.matmul.allow_bf16_reduced_precision_reduction": (
+                    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+                "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                "sdp: flash / mem_efficient / cudnn / math": [
+                    torch.backends.cuda.flash_sdp_enabled(),
+                    torch.backends.cuda.mem_efficient_sdp_enabled(),
+                    torch.backends.cuda.cudnn_sdp_enabled(),
+                    torch.backends.cuda.math_sdp_enabled()]}
+        super().measure(step)
+
+
+OBSERVERS["performance"] = PerformanceObserver
