@@ -139,6 +139,8 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
     policy = wrap_policy_for(cfg.wrap_policy, block_types=(Block,),
                              min_num_params=cfg.min_num_params)
+    if cfg.micro_batches < 1:  # before joining: every rank refuses alike
+        raise ValueError(f"micro_batches={cfg.micro_batches}: use 1 or more")
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         device, parts = world.device, world.world_size * cfg.micro_batches
