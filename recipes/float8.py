@@ -3,9 +3,13 @@
     torchrun --standalone --nproc_per_node=1 -m recipes.float8
     torchrun --standalone --nproc_per_node=8 -m recipes.float8 --model 100m --steps 20 --compile
 
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
+leave the world), recipes/parallelize.py (``apply_fully_shard``, the part that shards).
+
 Needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell: float8 tensor
 cores) and torchao (``pip install -e ".[float8]"``). Anywhere else it refuses in one line
-(exit 2) and its tests skip with that line as the reason.
+(exit 2) and its tests skip with that line as the reason: this file's GPU path is exercised on
+such a GPU only.
 
 Measured on one H200 (torch 2.11, torchao 0.18, the 100m preset, a world of 1, ``--compile``, 20
 steps, results/float8.json): float8 ran at 0.57x bf16's tokens/s, its losses within 0.5% of
@@ -30,8 +34,10 @@ What changes against the bf16 fully_shard recipe (recipes/fsdp2.py), in this ord
    float8 weight's scale (its amax over all shards) in one all-reduce for the whole model,
    instead of one small all-reduce per weight inside the next forward.
 
-The same model, data and seed are then trained in bf16 (fully_shard's bf16 MixedPrecisionPolicy)
-in the same world; the result reports both tokens/s and the loss of every step of both.
+The same model, data and seed are trained in bf16 (fully_shard's bf16 MixedPrecisionPolicy), then
+in float8, in the same world: ``train`` returns a ``Float8Run``, the float8 run's losses with the
+bf16 run's beside them and how far apart they are. The harness (``python -m recipes.core.prove
+float8``) times both runs from outside and reports both tokens/s.
 Loss tolerance: float8 is not bitwise bf16, so the per-step losses are compared with a relative
 tolerance (``--loss-rtol``, 5% by default). Why 5%: e4m3 rounds each element with a relative
 error of up to 2**-4 (6.25%), but a matmul output sums K such products, whose independent
@@ -43,41 +49,58 @@ stalls the loss by far more). It is a chosen bound, not a measured one.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
+import math
+import os
+import sys
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.state import mean_over_ranks
-from recipes.core.speed import apply_compile, make_adamw, setup_precision
-from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, build_model, distributed_loader,
-                                   iterate_steps, lm_loss, make_dataset)
-from recipes.core.world import join_world
-
-log = get_logger(__name__)
+from recipes.dist_setup import DistInfo, cleanup_distributed, setup_distributed
+from recipes.parallelize import apply_fully_shard
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and later
 MIN_TORCHAO = (0, 10)
 
 
 @dataclass
-class Float8Config(CompileOption, TrainConfig):
+class Float8Config:
     # 100m: dims that are multiples of 16 (the tiny preset's 32-wide linears are too small for
     # float8 to pay off, and a speed comparison on them would measure launch overhead).
-    model: Literal["tiny", "small", "100m"] = opt(
-        "100m", "model size preset (see recipes.core.workload.MODEL_PRESETS)")
-    steps: int = opt(10, "optimizer steps of each run (bf16, then float8)", ge=2)
-    global_batch_size: int = opt(16, "sequences per optimizer step, summed over all ranks", ge=1)
-    loss_rtol: float = opt(0.05, "float8 loss must be within this fraction of bf16's, each step",
-                           gt=0)
+    model: str = "100m"  # a key of MODEL_PRESETS
+    steps: int = 10  # optimizer steps of each run (bf16, then float8)
+    global_batch_size: int = 16  # sequences per optimizer step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order in both runs, on every rank
+    loss_rtol: float = 0.05  # float8's loss must be within this fraction of bf16's, each step
+    compile: bool = False
+    compile_backend: str = "inductor"
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank (float8 needs it)
+    timeout_s: float = 300.0
+
+
+@dataclass
+class Float8Run:
+    """What ``train`` returns: the float8 run's losses, and the bf16 run's beside them."""
+    losses: list[float]  # float8's, one a step
+    bf16_losses: list[float]
+    float8_linears: int  # how many nn.Linear the swap converted
+    max_loss_rel_diff: float  # the largest |float8 - bf16| / bf16 over the steps
+    loss_rtol: float
+    loss_within_tolerance: bool
+
+
+class Float8UnavailableError(ValueError):
+    """float8 training cannot run here (no GPU with float8 tensor cores, or no torchao)."""
 
 
 def float8_unavailable() -> str | None:
@@ -118,72 +141,146 @@ def apply_float8(model: nn.Module) -> nn.Module:
 
 
 # --8<-- [start:run_one]
-def run_one(cfg: Float8Config, world, mesh, *, float8: bool) -> tuple[list[float], StepTimer, int]:
-    """Train cfg.steps in bf16 (float8=False) or float8: losses, timer, float8 linears."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def run_one(cfg: Float8Config, world: DistInfo, mesh: DeviceMesh, *, float8: bool,
+            observer=None) -> tuple[list[float], int]:
+    """Train cfg.steps in bf16 (float8=False) or float8: the losses, and the float8 linears."""
+    rank, world_size, device = world.rank, world.world_size, world.device
+    per_rank_batch = cfg.global_batch_size // world_size
+    label = "float8" if float8 else "bf16"
 
-    from recipes.parallelize import apply_fully_shard
-
+    # --8<-- [start:loop]
     model = build_model(cfg.model, seed=cfg.seed, device="cpu")
-    if float8:
+    if float8:  # before compile and before fully_shard: both see the Float8Linear modules
         apply_float8(model)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-    if cfg.compile:
-        apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+    if cfg.compile:  # each block's forward, before sharding: the hooks stay out of the graphs
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
+            block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
+    # bf16 compute and fp32 gradient reduction in both runs: float8 changes the matmuls only
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = apply_fully_shard(model, mesh, block_types=(Block,), mp_policy=policy)
-    optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)  # one kernel
+    if observer: observer.model_ready(model, optimizer)
     if float8:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-    per_rank = per_rank_batch_size(cfg.global_batch_size, world.world_size)
-    loader, sampler = distributed_loader(
-        make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed), rank=world.rank,
-        world_size=world.world_size, per_rank_batch_size=per_rank, seed=cfg.seed)
-    losses, timer = [], StepTimer(world.device)
-    for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-        with timer:
+
+    dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+    # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+    # at step s is one process's batch s. drop_last keeps every global batch full.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                        pin_memory=True)
+
+    losses, step, epoch = [], 0, 0
+    while step < cfg.steps:
+        # Pitfall: without set_epoch every epoch repeats the first epoch's order
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            if step == cfg.steps:
+                break
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            loss = lm_loss(model(inputs.to(world.device)), targets.to(world.device))
+            loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
             loss.backward()
             optimizer.step()
             if float8:  # one all-reduce of every weight's amax, ready for the next all-gather
                 precompute_float8_dynamic_scale_for_fsdp(model)
-        losses.append(mean_over_ranks(loss))
-        log.info("%s step %d loss %.4f time %.1f ms", "float8" if float8 else "bf16", step,
-                 losses[-1], timer.durations[-1] * 1e3)
-    return losses, timer, converted
+            # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
+            global_loss = loss.detach().float().clone()
+            dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+            losses.append(global_loss.item())
+            if rank == 0:
+                print(f"{label} step {step} loss {losses[-1]:.4f}", flush=True)
+            if observer: observer.step_end(step, losses[-1])
+            step += 1
+        epoch += 1
+    # --8<-- [end:loop]
+    return losses, converted
 # --8<-- [end:run_one]
 
 
-def train(cfg: Float8Config) -> RecipeResult:
+# --8<-- [start:train]
+def train(cfg: Float8Config, observer=None) -> Float8Run:
+    """bf16, then float8, on the same model, data and seed, in one world (every rank)."""
     reason = float8_unavailable()
-    if reason:
-        raise RecipeError(reason)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
+    if reason:  # before joining: every rank refuses alike, in one line
+        raise Float8UnavailableError(reason)
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
+    try:
         if world.device.type != "cuda":
-            raise RecipeError("float8 training runs on nccl ranks, one GPU each; use "
-                              "--backend nccl (or auto) under torchrun")
-        setup_precision("bf16", world.device)
+            raise ValueError("float8 training runs on nccl ranks, one GPU each; use "
+                             "--backend nccl (or auto) under torchrun")
+        if cfg.global_batch_size % world.world_size:
+            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide across "
+                             f"{world.world_size} ranks; use a multiple of {world.world_size}")
+        # bf16 is the baseline: no TF32 for what stays fp32 (a process-wide switch)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         mesh = init_device_mesh("cuda", (world.world_size,), mesh_dim_names=("shard",))
-        bf16_losses, bf16_timer, _ = run_one(cfg, world, mesh, float8=False)
-        f8_losses, f8_timer, converted = run_one(cfg, world, mesh, float8=True)
-        # Both against the bf16 peak: float8 changes how fast the same model FLOPs run.
-        workload = Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, "bf16")
-        devices = world.world_size
-        bf16_speed = workload.measure(bf16_timer.seconds_per_step, world.device, devices)
+        bf16_losses, _ = run_one(cfg, world, mesh, float8=False, observer=observer)
+        f8_losses, converted = run_one(cfg, world, mesh, float8=True, observer=observer)
         rel_diffs = [abs(a - b) / abs(b) for a, b in zip(f8_losses, bf16_losses)]
-        result = make_result(
-            "float8", world, f8_losses, [], f8_timer, workload=workload,
-            bf16_losses=bf16_losses, bf16_tokens_per_second=bf16_speed["tokens_per_second"],
-            float8_linears=converted, max_loss_rel_diff=max(rel_diffs), loss_rtol=cfg.loss_rtol,
-            loss_within_tolerance=max(rel_diffs) <= cfg.loss_rtol)
-        result.precision = "float8"
-        result.extras["speedup_vs_bf16"] = (bf16_timer.seconds_per_step
-                                            / f8_timer.seconds_per_step)
-        return result
+        return Float8Run(losses=f8_losses, bf16_losses=bf16_losses, float8_linears=converted,
+                         max_loss_rel_diff=max(rel_diffs), loss_rtol=cfg.loss_rtol,
+                         loss_within_tolerance=max(rel_diffs) <= cfg.loss_rtol)
+    finally:
+        cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+# --8<-- [end:train]
+
+
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = Float8Config()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.float8", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=2), default=defaults.steps,
+        help="optimizer steps of each run (bf16, then float8)")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order, the same in both runs")
+    add("--loss-rtol", type=_number(float, above=0), default=defaults.loss_rtol,
+        help="float8 loss must be within this fraction of bf16's, each step")
+    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
+        help="torch.compile each transformer block before sharding (fuses float8's scaling)")
+    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
+    add("--backend", choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank (float8 needs nccl)")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = Float8Config(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # float8 cannot run here, or bad input every rank sees
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    run_cli(train, Float8Config, __doc__)
+    main()

@@ -6,6 +6,8 @@
     python -m recipes.performance --sdpa-backend math                   # force an attention kernel
     python scripts/bench.py                      # every switch, one after the other, in one table
 
+Copy with it: recipes/toy.py (the model and data you replace).
+
 Before a second GPU, make one GPU fast: every recipe in this cookbook multiplies whatever one device
 does. The bare training loop below (one device, no wrapper) has one switch per habit:
 
@@ -13,55 +15,45 @@ does. The bare training loop below (one device, no wrapper) has one switch per h
   (autocast). On one H200 with the 100m preset these were 231, 76 and 40 ms a step (issue #9).
 - ``--optimizer``: AdamW's ``for_loop`` (one kernel per op per tensor), ``foreach`` (one per op over
   all tensors, torch's CUDA default) or ``fused`` (one kernel for the whole update).
-- ``--compile``: ``torch.compile`` each block and the loss (recipes.core.speed.apply_compile,
-  compile_loss). ``--compile-scope model`` compiles the whole forward and the loss as one graph
-  instead (one device and no wrapper only), and ``--compile-mode reduce-overhead`` records that
-  graph as CUDA graphs, so the host launches one graph instead of every kernel. On one H200
-  (100m, bf16, batch 64, torch 2.11): eager 67.4 ms a step (31.6% MFU), ``--compile`` 51.3 ms
-  (41.4%), the whole model 50.2 ms (42.3%), with CUDA graphs 50.8 ms (41.8%): at this batch the
-  GPU is the limit, not the host. Compiling the loss also took the peak memory from 18.9 GiB
-  to 13.2: the fp32 copies of the [tokens, 16384] logits are never written.
+- ``--compile``: ``torch.compile`` each block's forward and the loss. ``--compile-scope model``
+  compiles the whole forward and the loss as one graph instead (one device, no wrapper), and
+  ``--compile-mode reduce-overhead`` records that graph as CUDA graphs, so the host launches one
+  graph instead of every kernel. On one H200 (100m, bf16, batch 64, torch 2.11): eager 67.4 ms a
+  step (31.6% MFU), ``--compile`` 51.3 ms (41.4%), the whole model 50.2 ms (42.3%), with CUDA
+  graphs 50.8 ms (41.8%): at this batch the GPU is the limit, not the host. Compiling the loss
+  also took the peak memory from 18.9 GiB to 13.2: the fp32 copies of the [tokens, 16384]
+  logits are never written.
 - ``--zero-grad``: ``set_to_none=True`` frees the gradients (the next backward writes them fresh);
   ``zeros`` keeps them and launches a memset per gradient: more kernels and more memory traffic.
-- ``--sdpa-backend``: which scaled-dot-product-attention kernel may run. The result names the one
+- ``--sdpa-backend``: which scaled-dot-product-attention kernel may run. The run names the one
   that did, read from the aten op it dispatched: flash, efficient (memory-efficient), cudnn or math.
 - ``--pin-memory``: page-locked host batches, copied with ``non_blocking=True``: the copy overlaps
   with the step instead of stalling it (CUDA only: pinned memory needs an accelerator).
 
-The ``torch.backends`` flags that decide these (TF32, the SDPA backends, bf16 reductions) are
-reported in the result, so a measured number always comes with the settings it was measured with.
+One device and one process: no process group. ``train`` returns a ``PerformanceRun``, each step's
+loss and the attention kernel that ran. Timing, tokens/s and MFU come from the harness
+(``python -m recipes.core.prove performance``), which also reports the ``torch.backends`` flags that
+decide these (TF32, the SDPA backends, bf16 reductions): a measured number always comes with the
+settings it was measured with.
+
+Length: about 305 lines, over the cookbook's ~300: each switch is an option with its one-line
+check, and the GPU measurements above stay beside the code.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
+import sys
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, RandomSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import CompileOption, RecipeError, TrainConfig, opt
-from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.state import full_state_on_cpu
-from recipes.core.speed import (apply_compile, autocast, compile_loss, make_grad_scaler,
-                                setup_precision)
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    Block,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import join_world
-
-log = get_logger(__name__)
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -76,49 +68,38 @@ SDPA_OPS = {
     "cudnn": "_scaled_dot_product_cudnn_attention",
     "math": "_scaled_dot_product_attention_math",
 }
+OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True},  # as AdamW takes them
+              "for_loop": {"foreach": False, "fused": False}}
 
 
 @dataclass
-class PerformanceConfig(CompileOption, TrainConfig):
-    steps: int = opt(
-        8, "optimizer steps to run (the first, with warm-up and compilation, is not timed)", ge=1
-    )
-    optimizer: Literal["fused", "foreach", "for_loop"] = opt(
-        "fused",
-        "AdamW implementation: fused = one kernel for the whole update, foreach = one per op "
-        "over all tensors, for_loop = one per op per tensor",
-    )
-    zero_grad: Literal["none", "zeros"] = opt(
-        "none", "none = zero_grad(set_to_none=True), frees the gradients; zeros = fill them with 0"
-    )
-    sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = opt(
-        "auto",
-        "attention kernels allowed: auto = torch picks; the others force one (an error if it "
-        "cannot run these shapes on this device)",
-    )
-    pin_memory: bool = opt(False, "pinned host batches copied with non_blocking=True (CUDA only)")
-    compile_scope: Literal["blocks", "model"] = opt(
-        "blocks", "with --compile: blocks = each block and the loss (what every recipe does); "
-        "model = the whole forward and the loss as one graph")
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = opt(
-        "default", "torch.compile mode with --compile-scope model; reduce-overhead = CUDA graphs")
+class PerformanceConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 8  # the first, with warm-up and compilation, is not timed
+    global_batch_size: int = 12  # sequences per optimizer step (one device: all of them)
+    lr: float = 1e-3
+    seed: int = 0  # the weights and the data order
+    device: str = "auto"  # auto: the GPU when there is one, else cpu
+    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; fp16 adds a loss scaler
+    optimizer: str = "fused"  # fused, foreach, for_loop (see OPTIMIZERS)
+    zero_grad: str = "none"  # none: zero_grad(set_to_none=True); zeros: fill them with 0
+    sdpa_backend: str = "auto"  # auto: torch picks; flash, efficient, cudnn, math: force one
+    pin_memory: bool = False  # pinned host batches copied with non_blocking=True (CUDA only)
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_scope: str = "blocks"  # blocks: each block and the loss; model: one graph
+    compile_mode: str = "default"  # with compile_scope model; reduce-overhead: CUDA graphs
 
 
-def backend_flags() -> dict:
-    """The torch.backends switches a speed number depends on."""
-    return {
-        "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-        "cuda.matmul.allow_bf16_reduced_precision_reduction": (
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "sdp: flash / mem_efficient / cudnn / math": [
-            torch.backends.cuda.flash_sdp_enabled(),
-            torch.backends.cuda.mem_efficient_sdp_enabled(),
-            torch.backends.cuda.cudnn_sdp_enabled(),
-            torch.backends.cuda.math_sdp_enabled(),
-        ],
-    }
+class SpeedSwitchError(ValueError):
+    """A switch this device, or this combination of switches, cannot run."""
+
+
+@dataclass
+class PerformanceRun:
+    """What ``train`` returns: each step's loss, and the attention kernel that ran."""
+    losses: list[float]
+    sdpa_backend_ran: str
 
 
 class OpsThatRan(TorchDispatchMode):
@@ -133,100 +114,194 @@ class OpsThatRan(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def attention_kernel_that_ran(model: torch.nn.Module, inputs: torch.Tensor, allowed, precision: str,
-                              device: torch.device, requested: str) -> str:
+def attention_kernel_that_ran(model: torch.nn.Module, inputs: torch.Tensor, allowed,
+                              precision: str, requested: str) -> str:
     """Run one forward and name the SDPA backend whose aten op was dispatched."""
+    device, low = inputs.device, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     try:
-        with torch.no_grad(), allowed(), autocast(device, precision), OpsThatRan() as ops:
+        with (torch.no_grad(), allowed(), OpsThatRan() as ops,
+              torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None)):
             model(inputs)
     # a forced kernel does not fall back: it refuses shapes it cannot run
     except RuntimeError as exc:
         if "backend" not in str(exc) and "kernel" not in str(exc):
             raise
-        raise RecipeError(
+        raise SpeedSwitchError(
             f"--sdpa-backend {requested} cannot run this model's attention on "
-            f"{device.type} in {precision}; use --sdpa-backend auto (or math)"
-        ) from None
+            f"{device.type} in {precision}; use --sdpa-backend auto (or math)") from None
     ran = [backend for backend, op in SDPA_OPS.items() if any(op in name for name in ops.names)]
     if not ran and any("_softmax" in name for name in ops.names):
         return "math"  # the math path is composite: it reaches the dispatch mode as bmm + softmax
     return ran[0] if ran else "unknown"
 
 
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """auto -> bf16 on a GPU that has it, else fp32. Sets the fp32 matmul mode on CUDA: TF32 for
+    ``tf32`` only (a process-wide switch: set on every run, never inherited from an earlier one)."""
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if requested == "tf32" and not on_cuda:
+        raise SpeedSwitchError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
+        raise SpeedSwitchError(f"{torch.cuda.get_device_name(device)} has no bf16 support; "
+                         "use --precision fp16 (with its loss scaler) or tf32")
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            requested == "tf32")
+    return requested
+
+
 # --8<-- [start:train]
-def train(cfg: PerformanceConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        device = world.device
-        if world.world_size > 1:
-            raise RecipeError(f"performance measures one device, got a world of "
-                              f"{world.world_size}; run `python -m recipes.performance`")
-        if cfg.pin_memory and device.type != "cuda":
-            raise RecipeError("--pin-memory needs a GPU: pinned memory speeds up copies to one")
-        precision = setup_precision(cfg.precision, device)  # TF32 on for tf32 only
-        model = build_model(cfg.model, seed=cfg.seed, device=device)
-        # Pitfall: sdpa_kernel is a context manager, not a switch: the forward runs inside it.
-        allowed = (contextlib.nullcontext if cfg.sdpa_backend == "auto"
-                   else lambda: sdpa_kernel(SDPA_BACKENDS[cfg.sdpa_backend]))
-        dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        sample = dataset[0][0][None].to(device)
-        attention = attention_kernel_that_ran(model, sample, allowed, precision, device,
-                                              cfg.sdpa_backend)
-        if cfg.compile_scope == "model" and not cfg.compile:
-            raise RecipeError("--compile-scope model needs --compile")
-        if cfg.compile_mode != "default" and cfg.compile_scope != "model":
-            raise RecipeError("--compile-mode needs --compile --compile-scope model")
+def train(cfg: PerformanceConfig, observer=None) -> PerformanceRun:
+    """Train on one device, every speed switch as configured; returns each step's loss."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda") if use_cuda else torch.device("cpu")
+    if cfg.pin_memory and not use_cuda:
+        raise SpeedSwitchError("--pin-memory needs a GPU: pinned memory speeds up copies to one")
+    if cfg.compile_scope == "model" and not cfg.compile:
+        raise SpeedSwitchError("--compile-scope model needs --compile")
+    if cfg.compile_mode != "default" and cfg.compile_scope != "model":
+        raise SpeedSwitchError("--compile-mode needs --compile --compile-scope model")
+    precision = resolve_precision(cfg.precision, device)  # TF32 on for tf32 only
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
-        def forward_and_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return lm_loss(model(inputs), targets)
+    # --8<-- [start:loop]
+    model = build_model(cfg.model, seed=cfg.seed, device=device)
+    # Pitfall: sdpa_kernel is a context manager, not a switch: the forward runs inside it.
+    allowed = (contextlib.nullcontext if cfg.sdpa_backend == "auto"
+               else lambda: sdpa_kernel(SDPA_BACKENDS[cfg.sdpa_backend]))
+    dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
+    sample = dataset[0][0][None].to(device)  # before compiling: the probe sees the eager op
+    attention = attention_kernel_that_ran(model, sample, allowed, precision, cfg.sdpa_backend)
+    print(f"{precision} on {device.type}, attention kernel: {attention}", flush=True)
+    loss_fn = lm_loss
+    if cfg.compile and cfg.compile_scope == "blocks":  # each block's forward, and the loss
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
+            block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
+        loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
 
-        if cfg.compile and cfg.compile_scope == "model":  # one graph: embedding to loss
-            mode = None if cfg.compile_mode == "default" else cfg.compile_mode
-            forward_and_loss = torch.compile(forward_and_loss, backend=cfg.compile_backend,
-                                             mode=mode)
-        elif cfg.compile:  # after the probe, which must see the eager attention op
-            apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
-            compiled_loss = compile_loss(lm_loss, backend=cfg.compile_backend)
+    def forward_and_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(model(inputs), targets)
 
-            def forward_and_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-                return compiled_loss(model(inputs), targets)
-        cuda_graphs = cfg.compile_mode == "reduce-overhead"
-        implementation = {"fused": {"fused": True}, "foreach": {"foreach": True},
-                          "for_loop": {"foreach": False, "fused": False}}[cfg.optimizer]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **implementation)
-        scaler = make_grad_scaler(device, precision)
-        loader, sampler = distributed_loader(dataset, rank=0, world_size=1, seed=cfg.seed,
-                                             per_rank_batch_size=cfg.global_batch_size,
-                                             pin_memory=cfg.pin_memory)
+    if cfg.compile and cfg.compile_scope == "model":  # one graph: embedding to loss
+        mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+        forward_and_loss = torch.compile(forward_and_loss, backend=cfg.compile_backend, mode=mode)
+    cuda_graphs = cfg.compile_mode == "reduce-overhead"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **OPTIMIZERS[cfg.optimizer])
+    if observer: observer.model_ready(model, optimizer)
+    # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a pass-through)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
-        losses, timer = [], StepTimer(device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                # From pinned memory a non_blocking copy is asynchronous: it overlaps the step.
-                inputs = inputs.to(device, non_blocking=cfg.pin_memory)
-                targets = targets.to(device, non_blocking=cfg.pin_memory)
-                if cuda_graphs:  # a new step: the graphs' output buffers may be reused
-                    torch.compiler.cudagraph_mark_step_begin()
-                with allowed(), autocast(device, precision):
-                    loss = forward_and_loss(inputs, targets)
-                optimizer.zero_grad(set_to_none=cfg.zero_grad == "none")
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            losses.append(float(loss.item()))
-            log.info("step %d loss %.4f time %.1f ms", step, losses[-1],
-                     timer.durations[-1] * 1e3)
+    # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
+    # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
+    order = torch.Generator()
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, drop_last=True,
+                        pin_memory=cfg.pin_memory, sampler=RandomSampler(dataset, generator=order))
 
-        return make_result(
-            "performance", world, losses, model.parameters(), timer,
-            keep_final_state=full_state_on_cpu(model) if cfg.keep_final_state else None,
-            workload=Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, precision),
-            optimizer=cfg.optimizer, compiled=cfg.compile, zero_grad=cfg.zero_grad,
-            compile_scope=cfg.compile_scope if cfg.compile else None,
-            compile_mode=cfg.compile_mode if cfg.compile else None,
-            sdpa_backend_allowed=cfg.sdpa_backend, sdpa_backend_ran=attention,
-            pin_memory=cfg.pin_memory, backends=backend_flags())
+    losses, step, epoch = [], 0, 0
+    while step < cfg.steps:
+        order.manual_seed(cfg.seed + epoch)
+        for inputs, targets in loader:
+            if step == cfg.steps:
+                break
+            # From pinned memory a non_blocking copy is asynchronous: it overlaps the step.
+            inputs = inputs.to(device, non_blocking=cfg.pin_memory)
+            targets = targets.to(device, non_blocking=cfg.pin_memory)
+            if cuda_graphs:  # a new step: the graphs' output buffers may be reused
+                torch.compiler.cudagraph_mark_step_begin()
+            # none frees the gradients; zeros keeps them and launches a memset per gradient
+            optimizer.zero_grad(set_to_none=cfg.zero_grad == "none")
+            with allowed(), torch.autocast(device.type, dtype=low or torch.float32,
+                                           enabled=low is not None):
+                loss = forward_and_loss(inputs, targets)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # optimizer.step(), skipped on an fp16 inf/nan
+            scaler.update()
+            losses.append(loss.item())
+            print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+            if observer: observer.step_end(step, losses[-1])
+            step += 1
+        epoch += 1
+    # --8<-- [end:loop]
+    return PerformanceRun(losses=losses, sdpa_backend_ran=attention)
 # --8<-- [end:train]
 
 
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _device(text: str) -> str:
+    if text == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("--device cuda: this machine has no CUDA device; "
+                                         "use --device cpu (or auto)")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = PerformanceConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.performance", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps,
+        help="optimizer steps to run (the first, with warm-up and compilation, is not timed)")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order")
+    add("--device", type=_device, choices=["auto", "cpu", "cuda"], default=defaults.device,
+        help="auto: the GPU when there is one, else cpu")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: TF32 off "
+        "(torch's default); tf32: TF32 matmuls (CUDA); bf16/fp16: autocast (fp16 with a scaler)")
+    add("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
+        help="AdamW implementation: fused = one kernel for the whole update, foreach = one per "
+        "op over all tensors, for_loop = one per op per tensor")
+    add("--zero-grad", choices=["none", "zeros"], default=defaults.zero_grad,
+        help="none = zero_grad(set_to_none=True), frees the gradients; zeros = fill them with 0")
+    add("--sdpa-backend", choices=["auto", *SDPA_BACKENDS], default=defaults.sdpa_backend,
+        help="attention kernels allowed: auto = torch picks; the others force one (an error if "
+        "it cannot run these shapes on this device)")
+    add("--pin-memory", action=argparse.BooleanOptionalAction, default=defaults.pin_memory,
+        help="pinned host batches copied with non_blocking=True (CUDA only)")
+    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
+        help="torch.compile each transformer block and the loss (see --compile-scope)")
+    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
+    add("--compile-scope", choices=["blocks", "model"], default=defaults.compile_scope,
+        help="with --compile: blocks = each block and the loss (what every recipe does); "
+        "model = the whole forward and the loss as one graph")
+    add("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+        default=defaults.compile_mode,
+        help="torch.compile mode with --compile-scope model; reduce-overhead = CUDA graphs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = PerformanceConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, PerformanceConfig, __doc__)
+    main()

@@ -64,7 +64,7 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("RECIPES_BACKEND") != "glo
 
 
 def ladder(model: str, batch: int, steps: int, compile_backend: str) -> list[tuple[str, object]]:
-    base = performance.PerformanceConfig(
+    base = performance_config(
         model=model, global_batch_size=batch, steps=steps, compile_backend=compile_backend
     )
     fast = dataclasses.replace(base, precision="auto")
@@ -101,11 +101,11 @@ def recipes_at_world_1(
     common = dict(model=model, global_batch_size=batch, steps=steps, precision="auto")
     out = tempfile.mkdtemp(prefix="bench-lightning-")
     rows = [
-        ("bare loop (performance)", performance.train, performance.PerformanceConfig(**common)),
+        ("bare loop (performance)", proven, performance_config(**common)),
         ("ddp_torchrun", ddp_torchrun_proven, ddp_config(**common)),
         ("amp", proven, amp.AMPConfig(**common, device="auto" if ON_GPU else "cpu")),
         ("zero", proven, zero.ZeroConfig(**common, backend="auto" if ON_GPU else "gloo")),
-        ("fsdp", fsdp.train, fsdp.FSDPConfig(**common)),
+        ("fsdp", proven, fsdp.FSDPConfig(**common, backend="auto" if ON_GPU else "gloo")),
         ("fsdp2", fsdp2_proven, fsdp2_config(**common)),
         ("fsdp2, no reshard", fsdp2_proven, fsdp2_config(**common, reshard_after_forward=False)),
         ("tensor_parallel", tensor_parallel_proven, tp_config(**common)),
@@ -151,16 +151,16 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
     ``batch`` (64 on a GPU) and at ``batch`` (32), where the host shows."""
     common = dict(model=model, steps=steps, precision="auto")
     compiled = dict(compile=True, compile_backend=compile_backend)
-    perf, ac = performance.PerformanceConfig, ac_config
+    perf, ac = performance_config, ac_config
     out = tempfile.mkdtemp(prefix="bench-lightning-")
     b64, b32 = dict(common, global_batch_size=2 * batch), dict(common, global_batch_size=batch)
     return {
         str(2 * batch): [
-            ("bare loop", performance.train, perf(**b64)),
-            ("bare loop + compile (blocks + loss)", performance.train, perf(**b64, **compiled)),
-            ("bare loop + compile (whole model + loss)", performance.train,
+            ("bare loop", proven, perf(**b64)),
+            ("bare loop + compile (blocks + loss)", proven, perf(**b64, **compiled)),
+            ("bare loop + compile (whole model + loss)", proven,
              perf(**b64, **compiled, compile_scope="model")),
-            ("bare loop + compile (whole model + loss), CUDA graphs", performance.train,
+            ("bare loop + compile (whole model + loss), CUDA graphs", proven,
              perf(**b64, **compiled, compile_scope="model", compile_mode="reduce-overhead")),
             ("ddp_torchrun + compile", ddp_torchrun_proven, ddp_config(**b64, **compiled)),
             ("fsdp2 + compile", fsdp2_proven, fsdp2_config(**b64, **compiled)),
@@ -177,13 +177,14 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
              ac(**b64, **compiled, mode="op_selective")),
         ],
         str(batch): [
-            ("bare loop", performance.train, perf(**b32)),
-            ("bare loop + compile (blocks + loss)", performance.train, perf(**b32, **compiled)),
+            ("bare loop", proven, perf(**b32)),
+            ("bare loop + compile (blocks + loss)", proven, perf(**b32, **compiled)),
             ("fsdp2", fsdp2_proven, fsdp2_config(**b32)),
             ("fsdp2 + compile", fsdp2_proven, fsdp2_config(**b32, **compiled)),
             ("fsdp2, no reshard + compile", fsdp2_proven,
              fsdp2_config(**b32, **compiled, reshard_after_forward=False)),
-            ("fsdp (classic)", fsdp.train, fsdp.FSDPConfig(**b32)),
+            ("fsdp (classic)", proven,
+             fsdp.FSDPConfig(**b32, backend="auto" if ON_GPU else "gloo")),
             ("tensor_parallel --eager", tensor_parallel_proven, tp_config(**b32, eager=True)),
             ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
              tp_config(**b32, compile_backend=compile_backend)),
@@ -280,6 +281,11 @@ def tp_config(**fields) -> tensor_parallel.TPConfig:
 def fsdp2_proven(cfg):
     """recipes.fsdp2 returns its losses only: the harness measures it from outside."""
     return prove(fsdp2.train, cfg, name="fsdp2")
+
+
+def performance_config(**fields) -> performance.PerformanceConfig:
+    """performance runs on one device, no process group: --device cpu says cpu to it directly."""
+    return performance.PerformanceConfig(**fields, device="auto" if ON_GPU else "cpu")
 
 
 def fsdp2_config(**fields) -> fsdp2.FSDP2Config:
@@ -443,7 +449,7 @@ def main(argv=None) -> int:
         report["recipes"] = {}
     if "ladder" in parts:
         report["ladder"] = [
-            measure(label, performance.train, cfg)
+            measure(label, proven, cfg)
             for label, cfg in chosen(ladder(args.model, args.batch, args.steps, compile_backend))
         ]
         print(table(report["ladder"], report["ladder"][0].get("ms_per_step")), "\n", flush=True)
@@ -481,11 +487,11 @@ def main(argv=None) -> int:
         batch64 = dict(batch32, global_batch_size=2 * batch32["global_batch_size"])
         out = tempfile.mkdtemp(prefix="bench-lightning-")
         runs = [
-            ("bare loop", performance.train, performance.PerformanceConfig(**batch32)),
+            ("bare loop", performance.train, performance_config(**batch32)),
             ("fsdp2", fsdp2.train, fsdp2_config(**batch32)),
             ("fsdp2 + compile", fsdp2.train, fsdp2_config(
                 **batch32, compile=True, compile_backend=compile_backend)),
-            ("bare loop", performance.train, performance.PerformanceConfig(**batch64)),
+            ("bare loop", performance.train, performance_config(**batch64)),
             ("lightning_trainer", lightning_trainer.train, lightning_trainer.LightningConfig(
                 **batch64, output_dir=out, logger="none")),
         ]

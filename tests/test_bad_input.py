@@ -140,14 +140,13 @@ def test_each_recipes_path_options_fail_before_any_work(places, tmp_path):
 def test_a_step_option_past_the_last_step_is_refused():
     """A fault injected, or an all_reduce skipped, at a step the run never reaches: the run passed
     as a clean one, and looked like the demonstration it was not."""
-    # (amp's --overflow-at-step is gone: its fault injection lives in tests/test_amp.py now)
-    from recipes import fsdp, hang_diagnosis
+    # (amp's --overflow-at-step and fsdp's --inject-inf-step/--inject-inf-rank are gone: their
+    # fault injection lives in tests/test_amp.py and tests/test_fsdp.py now, as fsdp2's does)
+    from recipes import hang_diagnosis
 
     check_step_reached("skip_step", 3, 4)  # the last step is fine
     # hang_diagnosis is copyable: a plain ValueError (it cannot import RecipeError)
     cases = [
-        (lambda: fsdp.FSDPConfig(steps=4, inject_inf_step=7), "inject_inf_step=7 is never reached",
-         RecipeError),
         (lambda: hang_diagnosis.HangConfig(steps=4, skip_rank=1, skip_step=4),
          "skip_step=4 is never reached: the steps are 0 to 3; use --skip-step 3 or less",
          ValueError),
@@ -157,11 +156,6 @@ def test_a_step_option_past_the_last_step_is_refused():
             make()
         assert str(caught.value).startswith(message), str(caught.value)
     hang_diagnosis.HangConfig(steps=4, skip_step=9)  # no --skip-rank: --skip-step is not used
-    # A rank this world does not have never injects either. (fsdp2 has no such options: its
-    # fp16 fault is injected by tests/test_fsdp2.py, from an observer.)
-    with pytest.raises(RecipeError, match=r"^inject_inf_rank=1 is not a rank of this world of "
-                                          r"1; use 0 to 0$"):
-        fsdp.train(fsdp.FSDPConfig(steps=2, inject_inf_step=1, inject_inf_rank=1, backend="gloo"))
 
 
 def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):

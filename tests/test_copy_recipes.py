@@ -118,6 +118,13 @@ RUNS = {
     # the smallest default window (wait 1, warmup 1, active 2); traces in a fresh temporary folder
     "profiling": ("torchrun", ["--steps", "4", "--backend", "gloo", "--precision", "fp32",
                                "--top-ops", "3"]),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/fsdp.json is CPU fp32
+    "fsdp": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
+    # float8 trains only on a GPU of capability 8.9+ with torchao (tests/test_float8.py runs it
+    # there); everywhere the copy must import alone and parse its command line
+    "float8": ("python", ["--help"]),
+    # one device, no process group: a plain python run; cpu, where results/performance.json was
+    "performance": ("python", ["--steps", "3", "--device", "cpu"]),
 }
 
 
@@ -464,6 +471,27 @@ def check_profiling(stdout: str) -> None:
     for rank in (0, 1):
         assert json.loads(Path(found[2], f"trace-rank{rank}.json").read_text())["traceEvents"]
     shutil.rmtree(found[2])  # the recipe's fresh temporary folder
+def check_fsdp(stdout: str) -> None:
+    # FULL_SHARD over both ranks: the package's own 2-rank losses (results/fsdp.json), one line
+    # per step from rank 0
+    assert "FSDP full on 2 rank(s), wrap=block, fp32, 1 x 6 sequences per rank" in stdout, stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("fsdp")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+def check_float8(stdout: str) -> None:
+    # the copy imported torch, toy, dist_setup and parallelize alone, and its parser answered
+    assert stdout.startswith("usage: python -m recipes.float8"), stdout
+    assert "--loss-rtol" in stdout and "--compile" in stdout, stdout
+
+
+def check_performance(stdout: str) -> None:
+    # fp32 on cpu, the default switches: the package's own losses, and the kernel it named
+    assert "fp32 on cpu, attention kernel: " in stdout, stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("performance")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
 
 
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
@@ -504,3 +532,4 @@ def check_sharded_accumulation(stdout: str) -> None:
 CHECKS["sharded_accumulation"] = check_sharded_accumulation
 CHECKS.update({"memory_estimate": check_memory_estimate, "dry_run": check_dry_run,
                "profiling": check_profiling})
+CHECKS.update({"fsdp": check_fsdp, "float8": check_float8, "performance": check_performance})

@@ -1,15 +1,17 @@
 """float8: torchao float8 linears + FSDP2 float8 all-gather, against bf16 on the same model.
 
 Where there is no GPU of compute capability >= 8.9 or no torchao, the training test skips with
-the recipe's own one-line reason, and the refusal itself is tested (one line, exit 2).
+the recipe's own one-line reason, and the refusal itself is tested (one line, exit 2). The
+recipe is copyable and returns its losses (a ``Float8Run``); the harness (``prove``, with
+``recipes.core.observe.Float8Observer``) times both runs from outside.
 """
 
 import pytest
 import torch.nn as nn
 
 from recipes import float8
-from recipes.core.config import RecipeError
-from recipes.core.workload import MODEL_PRESETS
+from recipes.core.observe import prove
+from recipes.toy import MODEL_PRESETS
 from tests.helpers import PYTHON, run_cli
 
 REASON = float8.float8_unavailable()
@@ -24,7 +26,7 @@ def test_the_filter_keeps_the_head_and_misaligned_linears_out_of_float8():
 
 @pytest.mark.skipif(REASON is None, reason="float8 can run here: there is no refusal to test")
 def test_refuses_in_one_line_where_float8_cannot_run():
-    with pytest.raises(RecipeError) as caught:
+    with pytest.raises(float8.Float8UnavailableError) as caught:  # a ValueError
         float8.train(float8.Float8Config(steps=2))
     assert str(caught.value) == REASON and "\n" not in REASON
     done = run_cli([PYTHON, "-m", "recipes.float8", "--steps", "2"], timeout_s=120)
@@ -36,7 +38,7 @@ def test_refuses_in_one_line_where_float8_cannot_run():
 @pytest.mark.timeout(600)
 def test_float8_loss_stays_close_to_bf16_and_reports_both_speeds():
     cfg = float8.Float8Config(model="100m", steps=6, global_batch_size=8, backend="nccl")
-    result = float8.train(cfg)
+    result = prove(float8.train, cfg, name="float8")
     extras = result.extras
     # Every block linear converted (6 a block), the output head not.
     assert extras["float8_linears"] == 6 * MODEL_PRESETS["100m"].n_layers

@@ -1,13 +1,23 @@
-"""fsdp: every classic-FSDP strategy and option trains like DDP; its pitfalls are real and guarded."""
+"""fsdp: every classic-FSDP strategy and option trains like DDP; its pitfalls are real and guarded.
+
+The recipe is copyable (torch, recipes/toy.py, dist_setup.py and parallelize.py) and returns its
+losses; the harness (``prove``, with ``recipes.core.observe.ClassicFSDPObserver``) measures the rest
+from outside: final weights, bytes per rank, the last forward's bytes, clipped norms, skipped
+steps. The fp16 fault (an inf in one rank's gradient shard) is injected from here, through the
+recipe's own loss scaler."""
+
+import math
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from recipes import fsdp, zero
-from recipes.core.config import RecipeError
-from recipes.core.state import full_state_on_rank0
+from recipes.core.observe import ClassicFSDPObserver, prove
+from recipes.core.state import all_ranks, full_state_on_rank0
 from recipes.core.workload import Block, build_model
 from recipes.core.world import join_world
 from tests.helpers import (
@@ -36,7 +46,59 @@ from tests.helpers import (
 # weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2 of fp32.
 STEPS, CLIP, BF16_ATOL, INJECT_STEP = (SHARDED_STEPS, SHARDED_CLIP, SHARDED_BF16_ATOL,
                                        SHARDED_INJECT_STEP)
-CFG = fsdp.FSDPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120)
+INJECT_RANK = 1
+CFG = fsdp.FSDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
+
+
+def fsdp_result(cfg, observer=None):
+    """recipes.fsdp.train(cfg) measured by the harness, with the final state gathered to rank 0.
+    Module-level: spawn_world can pickle it."""
+    return prove(fsdp.train, cfg, name="fsdp", keep_final_state=True, observer=observer)
+
+
+class LossScaleObserver(ClassicFSDPObserver):
+    """Reads each rank's final loss scale from the recipe's own scaler (``scalers``: caught as it
+    is made, see ``fp16_with_an_inf_on_one_rank``), after its last ``update()``."""
+
+    def __init__(self, cfg, scalers: list):
+        super().__init__(cfg, keep_final_state=True)
+        self.scalers = scalers
+
+    def measure(self, step):
+        if step == self.steps - 1:  # after scaler.update(): the scale the next step would use
+            self.extras["loss_scale_per_rank"] = all_ranks(self.scalers[-1].get_scale())
+        super().measure(step)
+
+
+def fp16_with_an_inf_on_one_rank(cfg):
+    """fsdp in fp16, with the fp16 overflow that one rank sees injected from the test: both of the
+    recipe's scaler classes (``fsdp.ShardedGradScaler``, ``torch.amp.GradScaler``) are recording
+    subclasses for the run (this rank's process only) whose ``unscale_``, at INJECT_STEP on rank
+    INJECT_RANK, first puts an inf into that rank's first non-empty gradient shard: after the
+    step's backward (and its reduce-scatter), before the scaler looks for infs."""
+    scalers, real = [], (fsdp.ShardedGradScaler, torch.amp.GradScaler)
+
+    def recording(base):
+        class Recorded(base):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.unscaled = 0
+                scalers.append(self)
+
+            def unscale_(self, optimizer):
+                if self.unscaled == INJECT_STEP and dist.get_rank() == INJECT_RANK:
+                    grad = next(p.grad for group in optimizer.param_groups
+                                for p in group["params"] if p.grad is not None and p.grad.numel())
+                    grad.view(-1)[0] = math.inf
+                self.unscaled += 1
+                return super().unscale_(optimizer)
+        return Recorded
+
+    fsdp.ShardedGradScaler, torch.amp.GradScaler = (recording(base) for base in real)
+    try:
+        return fsdp_result(cfg, observer=LossScaleObserver(cfg, scalers))
+    finally:
+        fsdp.ShardedGradScaler, torch.amp.GradScaler = real
 
 # name -> config; every one runs in the same 2-rank world.
 RUNS = {
@@ -55,8 +117,9 @@ RUNS = {
     "accumulate_no_sync": with_fields(CFG, micro_batches=3, accumulation="no_sync"),
     "clipped": with_fields(CFG, max_grad_norm=CLIP),
     "bf16": with_fields(CFG, precision="bf16"),
-    "fp16": with_fields(CFG, precision="fp16", inject_inf_step=INJECT_STEP),
-    "fp16_amp_scaler": with_fields(CFG, precision="fp16", inject_inf_step=INJECT_STEP, grad_scaler="amp"),
+    # both with an inf in rank 1's shard at INJECT_STEP (fp16_with_an_inf_on_one_rank)
+    "fp16": with_fields(CFG, precision="fp16"),
+    "fp16_amp_scaler": with_fields(CFG, precision="fp16", grad_scaler="amp"),
 }
 FP32_EXACT = ["full", "shard_grad_op", "no_shard", "hybrid_one_rank_per_node", "checkpointed",
               "wrap_size", "wrap_module", "wrap_none", "prefetch", "prefetch_none", "accumulate_sync",
@@ -78,7 +141,8 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
     if backend == "nccl":  # CPU offload pins host memory: it needs a GPU
         runs["cpu_offload"] = with_fields(CFG, cpu_offload=True)
         exact.append("cpu_offload")
-    pairs = [(fsdp.train, with_fields(cfg, backend=backend)) for cfg in runs.values()]
+    pairs = [(fp16_with_an_inf_on_one_rank if name.startswith("fp16") else fsdp_result,
+              with_fields(cfg, backend=backend)) for name, cfg in runs.items()]
     pairs += [(recipe_result, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)),  # DDP's bytes
               (sync_module_states_check, None)]
     *outputs, ddp, synced = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
@@ -119,9 +183,11 @@ def test_bad_options_fail_in_one_line():
     proc = run_cli([PYTHON, "-m", "recipes.fsdp", "--sharding-strategy", "zero3"], timeout_s=60)
     assert proc.returncode == 2
     assert "invalid choice: 'zero3'" in proc.stderr and "Traceback" not in proc.stderr
-    with pytest.raises(RecipeError, match="unknown wrap_policy='layer'; valid values: block, size, module, none"):
-        fsdp.FSDPConfig(wrap_policy="layer")
-    with pytest.raises(RecipeError, match="hybrid: world size 1 is not a multiple of ranks_per_node=2"):
+    # refused by train before it joins the world (the config is a plain dataclass; the command line
+    # refuses it through argparse's choices)
+    with pytest.raises(ValueError, match="unknown wrap_policy='layer'; valid values: block, size, module, none"):
+        run_alone(fsdp.train, with_fields(CFG, wrap_policy="layer"))
+    with pytest.raises(ValueError, match="hybrid: world size 1 is not a multiple of ranks_per_node=2"):
         run_alone(fsdp.train, with_fields(CFG, sharding_strategy="hybrid", ranks_per_node=2))
 
 
@@ -142,7 +208,7 @@ def test_three_ranks_uneven_shards_equal_ddp():
     reference = single_process_reference(steps=STEPS)
     configs = [CFG, with_fields(CFG, sharding_strategy="shard_grad_op"),
                with_fields(CFG, activation_checkpointing=True)]
-    for result in run_world(fsdp.train, 3, configs, deadline_s=300):
+    for result in run_world(fsdp_result, 3, configs, deadline_s=300):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)
 

@@ -74,13 +74,15 @@ COMMON = dict(steps=3, keep_final_state=True, precision="fp32", timeout_s=240)
 FSDP2_COMMON = {key: value for key, value in COMMON.items() if key != "keep_final_state"}
 ZERO_COMMON = {k: v for k, v in COMMON.items() if k != "keep_final_state"}
 FOUR_RANK_RUNS = {
-    # zero is measured by the harness (its train returns the losses): the final state comes with it
+    # zero and fsdp are measured by the harness (their train returns the losses): the final state
+    # comes with it
     "ddp": (recipe_result, zero.ZeroConfig(optimizer="adamw", **ZERO_COMMON)),
     "zero1": (recipe_result, zero.ZeroConfig(**ZERO_COMMON)),
-    "full": (fsdp.train, fsdp.FSDPConfig(sharding_strategy="full", **COMMON)),
-    "shard_grad_op": (fsdp.train, fsdp.FSDPConfig(sharding_strategy="shard_grad_op", **COMMON)),
-    "no_shard": (fsdp.train, fsdp.FSDPConfig(sharding_strategy="no_shard", **COMMON)),
-    "hybrid": (fsdp.train, fsdp.FSDPConfig(sharding_strategy="hybrid", ranks_per_node=2, **COMMON)),
+    "full": (recipe_result, fsdp.FSDPConfig(sharding_strategy="full", **ZERO_COMMON)),
+    "shard_grad_op": (recipe_result, fsdp.FSDPConfig(sharding_strategy="shard_grad_op", **ZERO_COMMON)),
+    "no_shard": (recipe_result, fsdp.FSDPConfig(sharding_strategy="no_shard", **ZERO_COMMON)),
+    "hybrid": (recipe_result, fsdp.FSDPConfig(sharding_strategy="hybrid", ranks_per_node=2,
+                                              **ZERO_COMMON)),
     "fully_shard": (fsdp2_result, fsdp2.FSDP2Config(**FSDP2_COMMON)),
     "hsdp": (fsdp2_result, fsdp2.FSDP2Config(hsdp_replicas=2, **FSDP2_COMMON)),
     "reshard_to_2": (fsdp2_result, fsdp2.FSDP2Config(reshard_after_forward=2, **FSDP2_COMMON)),

@@ -1,12 +1,16 @@
 """performance: every speed switch keeps fp32 training exact, the attention kernel is named, and the
-benchmark runs its code on CPU (its GPU figures come from scripts/bench.py on a GPU, not tests)."""
+benchmark runs its code on CPU (its GPU figures come from scripts/bench.py on a GPU, not tests).
+
+The recipe is copyable and returns its losses and the attention kernel that ran; the harness
+(``prove``, with ``recipes.core.observe.PerformanceObserver``) measures the rest from outside: the
+final weights, the switches and the torch.backends flags."""
 
 import json
 
 import pytest
 
 from recipes import performance
-from recipes.core.config import RecipeError
+from recipes.core.observe import prove
 from tests.helpers import (
     PYTHON,
     assert_losses_close,
@@ -17,9 +21,12 @@ from tests.helpers import (
     with_fields,
 )
 
-CFG = performance.PerformanceConfig(
-    steps=4, keep_final_state=True, precision="fp32", backend="gloo"
-)
+CFG = performance.PerformanceConfig(steps=4, precision="fp32", device="cpu")
+
+
+def performance_result(cfg):
+    """recipes.performance.train(cfg) measured by the harness, with the final state."""
+    return prove(performance.train, cfg, name="performance", keep_final_state=True)
 
 
 def test_fast_switches_keep_fp32_training_exact():
@@ -31,7 +38,7 @@ def test_fast_switches_keep_fp32_training_exact():
         dict(optimizer="foreach", zero_grad="zeros"),
         dict(optimizer="for_loop", sdpa_backend="math"),
     ):
-        result = run_alone(performance.train, with_fields(CFG, **changes))
+        result = run_alone(performance_result, with_fields(CFG, **changes))
         # fused/foreach/for-loop AdamW order their arithmetic differently: 1e-6 covers it (measured
         # up to ~2e-7 on torch 2.13 CPU); the math attention kernel differs from flash by as much.
         assert_losses_close(result.losses, reference_losses, atol=1e-5)
@@ -41,7 +48,7 @@ def test_fast_switches_keep_fp32_training_exact():
 
 @pytest.mark.parametrize("allowed, expected", [("math", "math"), ("auto", None)])
 def test_forced_attention_kernel_is_the_one_that_ran(allowed, expected):
-    result = run_alone(performance.train, with_fields(CFG, steps=2, sdpa_backend=allowed))
+    result = run_alone(performance_result, with_fields(CFG, steps=2, sdpa_backend=allowed))
     ran = result.extras["sdpa_backend_ran"]
     assert ran == expected if expected else ran in performance.SDPA_OPS, ran
     assert set(result.extras["backends"]) >= {"cuda.matmul.allow_tf32", "float32_matmul_precision"}
@@ -49,20 +56,20 @@ def test_forced_attention_kernel_is_the_one_that_ran(allowed, expected):
 
 def test_a_forced_kernel_that_cannot_run_is_an_error_not_a_fallback():
     with pytest.raises(
-        RecipeError, match="--sdpa-backend cudnn cannot run this model's attention on cpu"
+        ValueError, match="--sdpa-backend cudnn cannot run this model's attention on cpu"
     ):
         run_alone(performance.train, with_fields(CFG, steps=2, sdpa_backend="cudnn"))
 
 
 def test_bad_input_is_one_line():
     proc = run_cli(
-        # gloo: a CPU run, also where a GPU would make --pin-memory valid
-        [PYTHON, "-m", "recipes.performance", "--pin-memory", "--steps", "2", "--backend", "gloo"],
+        # cpu: also where a GPU would make --pin-memory valid
+        [PYTHON, "-m", "recipes.performance", "--pin-memory", "--steps", "2", "--device", "cpu"],
         timeout_s=60,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: --pin-memory needs a GPU" in proc.stderr
-    with pytest.raises(RecipeError, match="tf32 is a CUDA matmul mode"):
+    with pytest.raises(ValueError, match="tf32 is a CUDA matmul mode"):
         run_alone(performance.train, with_fields(CFG, precision="tf32"))
 
 

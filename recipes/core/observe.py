@@ -92,6 +92,7 @@ class Observer:
         self.param_checksum: float | None = None
         self.final_state: dict[str, torch.Tensor] | None = None
         self.output_dtype: torch.dtype | None = None
+        self.precision_label: str | None = None  # the result's precision, if not the forward's
         self.extras: dict[str, Any] = {}
         # the recipe's EXTRAS function, if it has one (prove sets it); what it returns, like what
         # a subclass measures, is added to the result's extras
@@ -258,7 +259,9 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
         extras={"memory_per_rank": observer.memory_per_rank, **observer.extras,
                 **returned_extras},
         final_state=observer.final_state,
-        **workload.measure(observer.seconds_per_step, observer.device, devices),
+        **{**workload.measure(observer.seconds_per_step, observer.device, devices),
+           # where the forward's dtype is not the whole story (float8: bf16 outputs, bf16 peak)
+           **({"precision": observer.precision_label} if observer.precision_label else {})},
     )
 
 
@@ -886,3 +889,112 @@ class AccumulationObserver(Observer):
 
 
 OBSERVERS["sharded_accumulation"] = AccumulationObserver
+
+
+class ClassicFSDPObserver(ShardedObserver):
+    """recipes/fsdp.py (classic ``FullyShardedDataParallel``): ``ShardedObserver``'s figures, with
+    two differences the wrapper makes. Its parameters are not DTensors (``use_orig_params`` views
+    into flat shards): the checksum and the final state come from the full state gathered whole to
+    rank 0 (every rank, a collective). It clips with its own ``model.clip_grad_norm_`` (the whole
+    model's norm), not torch's function: the observer wraps that method on the model from
+    ``model_ready`` to ``close`` to record each norm in ``grad_norms``."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg, keep_final_state=keep_final_state)
+        self._clipped: nn.Module | None = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        # not torch's function: FSDP's method calls it itself where every unit is NO_SHARD
+        torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
+        clip = model.clip_grad_norm_
+
+        def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+            norm = clip(*args, **kwargs)
+            self.grad_norms.append(float(norm))
+            return norm
+
+        model.clip_grad_norm_ = record  # an instance attribute: it shadows the method
+        self._clipped = model
+
+    def gather_final_state(self) -> None:
+        state, self.param_checksum = full_state_on_rank0(self._model)
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+
+    def close(self) -> None:
+        if self._clipped is not None:
+            self._clipped.__dict__.pop("clip_grad_norm_", None)
+            self._clipped = None
+        super().close()
+
+
+OBSERVERS["fsdp"] = ClassicFSDPObserver
+
+
+class Float8Observer(Observer):
+    """recipes/float8.py trains twice in one world, bf16 then float8, each run calling
+    ``model_ready`` and ``step_end`` for its own steps. The common figures are the float8 run's;
+    the bf16 run's seconds per step, measured the same way, become ``bf16_tokens_per_second`` and
+    ``speedup_vs_bf16`` (bf16's time over float8's) in ``extras``. Both runs' MFU is against the
+    bf16 peak (their forwards output bf16): float8 changes how fast the same model FLOPs run. The
+    result's precision reads ``float8``."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.model_name, self.global_batch_size = cfg.model, cfg.global_batch_size
+        self.runs = 0
+        self.bf16_seconds_per_step = 0.0
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.runs == 1:  # the bf16 run has ended: its times are the baseline
+            self.bf16_seconds_per_step, self.durations = self.seconds_per_step, []
+        self.runs += 1
+        super().model_ready(model, optimizer)
+
+    def measure(self, step: int) -> None:
+        super().measure(step)
+        if step == self.steps - 1 and self.runs == 2:
+            bf16 = Workload(MODEL_PRESETS[self.model_name], self.global_batch_size,
+                            self.precision).measure(self.bf16_seconds_per_step, self.device,
+                                                    self.world_size)
+            self.extras.update(bf16_tokens_per_second=bf16["tokens_per_second"],
+                               speedup_vs_bf16=self.bf16_seconds_per_step / self.seconds_per_step)
+            self.precision_label = "float8"
+
+
+OBSERVERS["float8"] = Float8Observer
+
+
+class PerformanceObserver(Observer):
+    """recipes/performance.py (one device, no process group): what each switch was set to, from
+    its config, and the ``torch.backends`` flags a speed number depends on (TF32, the SDPA
+    backends, bf16 reductions), read at the last step: process-wide switches the recipe set, seen
+    from outside (into ``extras``). The attention kernel that ran is the recipe's own figure
+    (``PerformanceRun.sdpa_backend_ran``)."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.extras.update(
+            optimizer=cfg.optimizer, compiled=cfg.compile, zero_grad=cfg.zero_grad,
+            compile_scope=cfg.compile_scope if cfg.compile else None,
+            compile_mode=cfg.compile_mode if cfg.compile else None,
+            sdpa_backend_allowed=cfg.sdpa_backend, pin_memory=cfg.pin_memory)
+
+    def measure(self, step: int) -> None:
+        if step == self.steps - 1:
+            self.extras["backends"] = {
+                "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+                "cuda.matmul.allow_bf16_reduced_precision_reduction": (
+                    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+                "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                "sdp: flash / mem_efficient / cudnn / math": [
+                    torch.backends.cuda.flash_sdp_enabled(),
+                    torch.backends.cuda.mem_efficient_sdp_enabled(),
+                    torch.backends.cuda.cudnn_sdp_enabled(),
+                    torch.backends.cuda.math_sdp_enabled()]}
+        super().measure(step)
+
+
+OBSERVERS["performance"] = PerformanceObserver

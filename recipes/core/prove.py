@@ -30,7 +30,8 @@ PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "da
             "meta_init", "sharded_checkpoint",
             "collectives", "hang_diagnosis",
             "grad_clipping", "sharded_accumulation",
-            "profiling")
+            "profiling",
+            "fsdp", "float8", "performance")
 
 
 def prove_command(command: str, name: str) -> str:
