@@ -99,6 +99,8 @@ RUNS = {
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
+    # 2 experts a rank, the all-to-alls over 2 CPU ranks; fp32, as results/ was measured
+    "expert_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
 }
 
 
@@ -391,6 +393,15 @@ def check_sharded_checkpoint(stdout: str) -> None:
     assert len(losses) == 3 and "checkpoint of step 3 published in " in stdout, stdout
 
 
+def check_expert_parallel(stdout: str) -> None:
+    # the experts split over the 2 ranks: the package's own 2-rank losses (results/, aux loss
+    # included), one line per step from rank 0, and no token dropped (no capacity by default)
+    assert "expert parallel over 2 rank(s): 2 of 4 experts each, top_k=2" in stdout, stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("expert_parallel")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3 and "dropped [0, 0]" in stdout, stdout
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -400,4 +411,5 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "hybrid_parallel": check_hybrid_parallel, "ddp_spawn": check_ddp_spawn,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
-          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}
+          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
+          "expert_parallel": check_expert_parallel}

@@ -54,7 +54,8 @@ from recipes.core.world import _keep_groups_past_teardown
 
 __all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "HybridObserver",
            "ContextParallelObserver", "SpawnedObserver", "CheckpointingObserver",
-           "MetaInitObserver", "CheckpointObserver", "OBSERVERS", "prove"]
+           "MetaInitObserver", "CheckpointObserver", "OBSERVERS", "prove",
+           "ExpertParallelObserver"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -241,7 +242,9 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
                if observer.device.type == "cuda" else 1)
     # single_gpu: batch_size; meta_init trains nothing: no tokens per step (tokens/s and MFU 0)
     batch = getattr(cfg, "global_batch_size", None) or getattr(cfg, "batch_size", 0)
-    workload = Workload(MODEL_PRESETS[cfg.model], batch, observer.precision)
+    # an observer's model_config: the FLOPs a token costs where the preset's are not them (MoE)
+    workload = Workload(getattr(observer, "model_config", None) or MODEL_PRESETS[cfg.model],
+                        batch, observer.precision)
     return RecipeResult(
         recipe=name,
         world_size=observer.world_size,
@@ -655,6 +658,52 @@ class CheckpointObserver(Observer):
             self.final_state = state
 
 
+class ExpertParallelObserver(Observer):
+    """recipes/expert_parallel.py: the placement, read off the model's MoE layers (into
+    ``extras``), and the full state with every rank's experts gathered.
+
+    ``ep_size`` (the ranks the experts are spread over), ``experts_per_rank``, ``top_k`` and
+    ``capacity_factor`` (None: no capacity, nothing dropped). The final state and its checksum
+    hold every expert: each rank's slices of ``w_in``/``w_out`` all-gathered over the EP group
+    (a collective), the replicated parameters as they are. ``model_config``: the FLOPs a token
+    costs, for tokens/s and MFU: top_k expert MLPs the size of the dense one (router left out).
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        dense = MODEL_PRESETS[cfg.model]
+        self.model_config = dataclasses.replace(dense, mlp_ratio=dense.mlp_ratio * cfg.top_k)
+        self._moes: list[nn.Module] = []
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self._moes = [m for m in model.modules() if hasattr(m, "ep_group")
+                      and hasattr(m, "num_experts")]
+        moe = self._moes[0]
+        self.extras.update(
+            ep_size=dist.get_world_size(moe.ep_group) if moe.ep_group is not None else 1,
+            experts_per_rank=moe.w_in.shape[0], top_k=moe.top_k,
+            capacity_factor=moe.capacity_factor if moe.capacity_factor < float("inf") else None)
+
+    def gather_final_state(self) -> None:
+        sliced = {id(p): moe.ep_group for moe in self._moes for p in (moe.w_in, moe.w_out)}
+        state = {}
+        for name, p in self._model.named_parameters():
+            group = sliced.get(id(p))
+            if group is not None:  # this rank's experts: every rank's, in rank order
+                parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, p.detach().contiguous(), group=group)
+                p = torch.cat(parts)
+            state[name] = p.detach().cpu().clone()
+        self.param_checksum = param_checksum(state.values())
+        if self.keep_final_state:
+            self.final_state = state
+
+    def close(self) -> None:
+        self._moes = []
+        super().close()
+
+
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {
@@ -662,4 +711,5 @@ OBSERVERS: dict[str, Callable[..., Observer]] = {
     "hybrid_parallel": HybridObserver, "ddp_spawn": SpawnedObserver,
     "context_parallel": ContextParallelObserver,
     "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver,
-    "sharded_checkpoint": CheckpointObserver}
+    "sharded_checkpoint": CheckpointObserver,
+    "expert_parallel": ExpertParallelObserver}
