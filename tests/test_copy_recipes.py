@@ -101,6 +101,9 @@ RUNS = {
                                 "--assert-equal", "--atol", "1e-5"]),
     # 2 experts a rank, the all-to-alls over 2 CPU ranks; fp32, as results/ was measured
     "expert_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
+    # 1F1B over 2 stages (a stage per rank), the tiny model's 2 blocks: the smallest pipeline
+    "pipeline_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                       "fp32"]),
 }
 
 
@@ -402,6 +405,15 @@ def check_expert_parallel(stdout: str) -> None:
     assert len(losses) == 3 and "dropped [0, 0]" in stdout, stdout
 
 
+def check_pipeline_parallel(stdout: str) -> None:
+    # a stage on each rank, the micro-batches through 1F1B: one process's losses (the pipeline
+    # equals the unsplit model: tests/test_pipeline_parallel.py), one line per step from rank 0
+    assert "pipeline: 2 rank(s), 1f1b, 2 stages, 4 micro-batches of 3" in stdout, stdout
+    losses = printed_losses(stdout)
+    assert len(losses) == 3, stdout
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+
+
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "comm_bench": check_comm_bench, "data": check_data,
           "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
@@ -412,4 +424,5 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
-          "expert_parallel": check_expert_parallel}
+          "expert_parallel": check_expert_parallel,
+          "pipeline_parallel": check_pipeline_parallel}
