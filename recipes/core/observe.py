@@ -831,10 +831,13 @@ class PipelineObserver(Observer):
         stages = sorted(self._stage_ids)
         pp_size = dist.get_world_size()
         timings = statistics.median(self._run_durations[1:] or self._run_durations)
+        # one collective for every per-rank figure: (idle, actions, stage ids, window) per rank
+        idle, timeline, stage_ids, windows = map(list, zip(*all_ranks(
+            (sum(steady) / len(steady), actions, stages, round(self._window * 1e3, 3)))))
         row = {"schedule": self._schedule, "stages_per_rank": len(stages),
                "bubble_fraction_theory": _bubble(pp_size, self.cfg.microbatches, len(stages)),
-               "idle_fraction_measured_per_rank": all_ranks(sum(steady) / len(steady)),
-               "timeline_per_rank": all_ranks(actions), "seconds_per_step": timings}
+               "idle_fraction_measured_per_rank": idle, "timeline_per_rank": timeline,
+               "seconds_per_step": timings}
         self.rows[self._schedule] = row
         if self._runs == 1:
             split_points = self._recipe.even_split(
@@ -843,11 +846,10 @@ class PipelineObserver(Observer):
                 schedule=self._schedule, split=self.cfg.split, pp_size=pp_size,
                 num_stages=self._num_stages, stages_per_rank=len(stages),
                 microbatches=self.cfg.microbatches, n_layers=self.model_config.n_layers,
-                split_points=split_points, stage_ids_per_rank=all_ranks(stages),
+                split_points=split_points, stage_ids_per_rank=stage_ids,
                 bubble_fraction_theory=row["bubble_fraction_theory"],
-                idle_fraction_measured_per_rank=row["idle_fraction_measured_per_rank"],
-                step_window_ms_per_rank=all_ranks(round(self._window * 1e3, 3)),
-                timeline_per_rank=row["timeline_per_rank"])
+                idle_fraction_measured_per_rank=idle, step_window_ms_per_rank=windows,
+                timeline_per_rank=timeline)
         if self.cfg.compare:
             self.extras["schedule_table"] = [self.rows.get(name) or self._refused(name, pp_size)
                                              for name in self._recipe.SCHEDULES]
