@@ -253,6 +253,9 @@ def train_schedule(cfg: PPConfig, world, observer=None) -> list[float]:
     use_cuda = device.type == "cuda"
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
                                        and torch.cuda.is_bf16_supported())
+    if cfg.precision == "tf32" and not use_cuda:  # else it would run fp32 and say tf32
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
     if use_cuda:  # a process-wide switch: set it every run, never inherit it
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
             cfg.precision == "tf32")

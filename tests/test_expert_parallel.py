@@ -137,6 +137,11 @@ def test_torchrun_launch_equals_one_process():
     # (the line goes on with the fix, as for 0: train checks every capacity, in one place)
     (["--capacity-factor", "-1"], "error: capacity_factor must be > 0, got -1; leave it out "
                                   "(inf: none dropped) or use e.g. 1.25"),
+    # refused, not run as fp32 under tf32's name (a world of 1, in this process)
+    pytest.param(["--precision", "tf32", "--backend", "gloo"],
+                 "error: --precision tf32 is a CUDA matmul mode and this run is on cpu; use "
+                 "--precision fp32 (or bf16)",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="tf32 runs on CUDA")),
 ])
 def test_bad_command_line_is_one_line_and_exit_code_2(capsys, args, line):
     with pytest.raises(SystemExit) as exit_info:
