@@ -3,6 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.expert_parallel
     python -m recipes.expert_parallel                   # a world of 1: every expert on one rank
 
+Copy with it: recipes/toy.py, recipes/dist_setup.py
+
 Every block's MLP becomes a mixture of experts (MoE): a router scores each token against E experts
 (each an MLP), the token goes to its top-k, and their outputs are summed with the router's
 (renormalised) weights. Expert parallelism (EP) puts E/N experts on each of N ranks. Each rank
@@ -25,21 +27,26 @@ are replicated and their gradients are summed across ranks.
 Capacity is explicit: ``--capacity-factor inf`` (the default) drops no token, so EP is exactly the
 one-process MoE; 0 is refused (it would drop every token). With a finite c > 0 each expert takes at
 most ceil(c * tokens * top_k / E) of a rank's tokens, in token order; the rest are dropped (their
-MoE output is zero, the residual carries them) and counted in ``dropped_tokens``. The result
-reports ``tokens_per_expert`` of the last step: the assignments the router sent to each expert of
-each layer, over the whole batch, before any drop.
+MoE output is zero, the residual carries them) and counted in ``dropped_tokens``.
 
-Proven by tests/test_expert_parallel.py on gloo (torch 2.13): outputs, input, router and expert
-gradients and the token counts equal the one-process MoE; training equals one process.
+``train`` returns an ``EPRun``: the loss of each step (the global batch's, aux loss included), the
+aux loss of each step, and of the last step ``tokens_per_expert`` (the assignments the router sent
+to each expert of each layer, over the whole batch, before any drop) and ``dropped_tokens``. Rank 0
+prints one line per step. Proven by tests/test_expert_parallel.py on gloo (torch 2.13): outputs,
+input, router and expert gradients and the token counts equal the one-process MoE; training
+equals one process.
 
-Length: about 310 lines, just over the cookbook's ~300: the MoE layer, its all-to-all dispatch
-and ``apply_ep`` copy together, with the refusals that keep them exact.
+Length: about 400 lines, over the cookbook's ~300: the MoE layer, its all-to-all dispatch and
+``apply_ep`` copy together, with the refusals that keep them exact, and the training loop that
+sums the replicated gradients itself (no DDP: the experts must not be averaged).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -47,43 +54,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import autocast, make_adamw, setup_precision
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    build_model,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import join_world
-
-log = get_logger(__name__)
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
-class EPConfig(TrainConfig):
-    num_experts: int = opt(4, "experts per MoE layer, placed evenly on the ranks", ge=1)
-    top_k: int = opt(2, "experts each token is routed to", ge=1)
-    capacity_factor: float = opt(math.inf, "inf: no token is dropped (exact parity); c > 0: an "
-                                           "expert takes at most ceil(c * tokens * top_k / "
-                                           "experts) of a rank's tokens", gt=0, finite=False)
-    aux_loss_coef: float = opt(0.01, "weight of the load-balancing loss E * sum_e f_e * P_e",
-                               ge=0)
+class EPConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    num_experts: int = 4  # experts per MoE layer, placed evenly on the ranks
+    top_k: int = 2  # experts each token is routed to
+    capacity_factor: float = math.inf  # inf: no token is dropped (exact parity)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
 
-    def __post_init__(self) -> None:
-        if self.capacity_factor == 0:  # read as "no capacity" by some, as "room for 0" by others
-            raise RecipeError(capacity_problem(self.capacity_factor))
-        super().__post_init__()
-        if self.top_k > self.num_experts:
-            raise RecipeError(f"top_k={self.top_k} > num_experts={self.num_experts}: a token needs "
-                              f"top_k different experts; use --top-k {self.num_experts} or less")
+
+@dataclass
+class EPRun:
+    """What ``train`` returns: the losses, and what the router did."""
+    losses: list[float]  # the global batch's loss of each step, aux loss included
+    aux_losses: list[float]  # the load-balancing loss of each step (the whole batch's)
+    tokens_per_expert: list[list[int]]  # last step, per MoE layer: assignments per expert
+    dropped_tokens: list[int]  # last step, per MoE layer: assignments over capacity
 
 
 def capacity_problem(capacity_factor: float) -> str:
@@ -223,7 +222,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[MoE]:
 
 
 def build_moe_model(cfg: EPConfig, device: torch.device) -> nn.Module:
-    """The cookbook's transformer with an MoE in place of every MLP, the same on every rank."""
+    """The toy transformer with an MoE in place of every MLP, the same on every rank."""
     model_cfg = MODEL_PRESETS[cfg.model]
     model = build_model(cfg.model, seed=cfg.seed)
     with torch.random.fork_rng(devices=[]):
@@ -234,79 +233,168 @@ def build_moe_model(cfg: EPConfig, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-def full_state(model: nn.Module, moes: list[MoE]) -> dict[str, torch.Tensor]:
-    """Every parameter on CPU, expert slices all-gathered (a collective: every rank calls it)."""
-    sliced = {id(p): moe.ep_group for moe in moes for p in (moe.w_in, moe.w_out)}
-    state = {}
-    for name, p in model.named_parameters():
-        group = sliced.get(id(p))
-        if group is not None:
-            parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, p.detach().contiguous(), group=group)
-            p = torch.cat(parts)
-        state[name] = p.detach().cpu().clone()
-    return state
-
-
 # --8<-- [start:train]
-def train(cfg: EPConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        ep_size = world.world_size
-        check_ep_fits(cfg.num_experts, ep_size)
-        per_rank = per_rank_batch_size(cfg.global_batch_size, ep_size)
-        ep_mesh = init_device_mesh(world.device.type, (ep_size,), mesh_dim_names=("ep",))
-        model = build_moe_model(cfg, world.device)
-        moes = apply_ep(model, ep_mesh)
+def train(cfg: EPConfig, observer=None) -> EPRun:
+    """Train on this process's rank; returns the losses (every rank) and the router's counts."""
+    # Checked before joining: every rank refuses at once, with one line
+    if not cfg.capacity_factor > 0:  # nan too
+        raise ExpertParallelError(capacity_problem(cfg.capacity_factor))
+    if cfg.top_k > cfg.num_experts:
+        raise ValueError(f"top_k={cfg.top_k} > num_experts={cfg.num_experts}: a token needs "
+                         f"top_k different experts; use --top-k {cfg.num_experts} or less")
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
+    try:
+        device, rank, world_size = world.device, world.rank, world.world_size
+        check_ep_fits(cfg.num_experts, world_size)  # the EP group is the world
+        if cfg.global_batch_size % world_size:
+            lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
+            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide across "
+                             f"{world_size} ranks; use a multiple of {world_size}, e.g. {lower} "
+                             f"or {lower + world_size}")
+        per_rank_batch = cfg.global_batch_size // world_size
+        use_cuda = device.type == "cuda"
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
+                                           and torch.cuda.is_bf16_supported())
+        if cfg.precision == "tf32" and not use_cuda:  # else it would run fp32 and say tf32
+            raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                             f"{device.type}; use --precision fp32 (or bf16)")
+        if use_cuda:  # a process-wide switch: set it every run, never inherit it
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+                cfg.precision == "tf32")
+        ep_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
+        if rank == 0:
+            print(f"expert parallel over {world_size} rank(s): {cfg.num_experts // world_size} "
+                  f"of {cfg.num_experts} experts each, top_k={cfg.top_k}", flush=True)
+
+        # --8<-- [start:loop]
+        # The same seed on every rank: the same router and experts before each keeps its slice
+        model = build_moe_model(cfg, device)
+        moes = apply_ep(model, ep_mesh)  # before the optimizer: it must see the slices
         experts = {id(p) for moe in moes for p in (moe.w_in, moe.w_out)}
         replicated = [p for p in model.parameters() if id(p) not in experts]
-        precision = setup_precision(cfg.precision, world.device)
-        optimizer = make_adamw(model.parameters(), lr=cfg.lr, device=world.device)
-        # Each rank reads its share of the batch, as under DDP; the experts see every rank's tokens.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
+        if observer: observer.model_ready(model, optimizer)
+
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        loader, sampler = distributed_loader(dataset, rank=world.rank, world_size=ep_size,
-                                             per_rank_batch_size=per_rank, seed=cfg.seed)
-        log.info("expert parallel over %d rank(s): %d of %d experts each, top_k=%d",
-                 ep_size, cfg.num_experts // ep_size, cfg.num_experts, cfg.top_k)
-        losses, aux_losses, timer = [], [], StepTimer(world.device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                inputs, targets = inputs.to(world.device), targets.to(world.device)
-                with autocast(world.device, precision):
-                    logits = model(inputs)
-                lm = lm_loss(logits, targets)  # the mean over this rank's tokens
-                aux = sum(moe.aux_loss for moe in moes)  # this rank's share of the batch's aux loss
+        # Each rank reads a disjoint 1/world_size of every epoch, as under DDP; the experts see
+        # every rank's tokens through the all-to-alls.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                            pin_memory=use_cuda)
+
+        losses, aux_losses, step, epoch = [], [], 0, 0
+        while step < cfg.steps:
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                if step == cfg.steps:
+                    break
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                # Summed over the ranks, this is the one-process loss of the whole batch.
-                (lm / ep_size + cfg.aux_loss_coef * aux).backward()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
+                aux = sum(moe.aux_loss for moe in moes)  # this rank's share of the batch's
+                # No DDP: summed over the ranks, this is the one-process loss of the whole batch
+                (loss / world_size + cfg.aux_loss_coef * aux).backward()
                 # Expert gradients already hold every rank's tokens (the all-to-all backward
                 # brought them); the replicated parameters' gradients are summed here.
-                if ep_size > 1:
+                if world_size > 1:
                     for p in replicated:
                         dist.all_reduce(p.grad)
                 optimizer.step()
-            figures = torch.stack([lm.detach() / ep_size, aux.detach()]).float()
-            dist.all_reduce(figures)
-            losses.append(float(figures[0] + cfg.aux_loss_coef * figures[1]))
-            aux_losses.append(float(figures[1]))
-            log.info("step %d loss %.4f (aux %.4f) time %.1f ms", step, losses[-1], aux_losses[-1],
-                     timer.durations[-1] * 1e3)
+                # Pitfall: rank 0's loss alone is its share of the batch: sum the shares
+                global_loss = torch.stack([loss.detach() / world_size, aux.detach()]).float()
+                dist.all_reduce(global_loss)
+                losses.append(float(global_loss[0] + cfg.aux_loss_coef * global_loss[1]))
+                aux_losses.append(float(global_loss[1]))
+                if rank == 0:
+                    print(f"step {step} loss {losses[-1]:.4f} aux {aux_losses[-1]:.4f}",
+                          flush=True)
+                if observer: observer.step_end(step, losses[-1])
+                step += 1
+            epoch += 1
+        # --8<-- [end:loop]
 
-        state = full_state(model, moes)
-        # Active FLOPs: a token runs top_k expert MLPs the size of the dense one (router left out).
-        active = dataclasses.replace(MODEL_PRESETS[cfg.model],
-                                     mlp_ratio=MODEL_PRESETS[cfg.model].mlp_ratio * cfg.top_k)
-        return make_result(
-            "expert_parallel", world, losses, state.values(), timer,
-            keep_final_state=state if cfg.keep_final_state else None,
-            workload=Workload(active, cfg.global_batch_size, precision),
-            ep_size=ep_size, experts_per_rank=cfg.num_experts // ep_size, top_k=cfg.top_k,
-            capacity_factor=cfg.capacity_factor if math.isfinite(cfg.capacity_factor) else None,
-            aux_losses=aux_losses,
-            tokens_per_expert=[moe.tokens_per_expert for moe in moes],
-            dropped_tokens=[moe.dropped_tokens for moe in moes],
-        )
+        run = EPRun(losses, aux_losses, [moe.tokens_per_expert for moe in moes],
+                    [moe.dropped_tokens for moe in moes])
+        if rank == 0:
+            print(f"last step: tokens per expert {run.tokens_per_expert}, dropped "
+                  f"{run.dropped_tokens}", flush=True)
+        return run
+    finally:
+        cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
 # --8<-- [end:train]
 
 
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = EPConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.expert_parallel", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16"], default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA)")
+    add("--num-experts", type=_number(int, at_least=1), default=defaults.num_experts,
+        help="experts per MoE layer, placed evenly on the ranks")
+    add("--top-k", type=_number(int, at_least=1), default=defaults.top_k,
+        help="experts each token is routed to")
+    # a float, inf included: the check (> 0, with why 0 is refused) is train's, in one line
+    add("--capacity-factor", type=float, default=defaults.capacity_factor,
+        help="inf: no token is dropped (exact parity); c > 0: an expert takes at most "
+        "ceil(c * tokens * top_k / experts) of a rank's tokens")
+    add("--aux-loss-coef", type=_number(float, at_least=0), default=defaults.aux_loss_coef,
+        help="weight of the load-balancing loss E * sum_e f_e * P_e")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = EPConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input every rank sees (experts that do not split evenly)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, EPConfig, __doc__)
+    main()

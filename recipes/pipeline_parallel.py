@@ -8,6 +8,9 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.pipeline_parallel --split tracer
     python -m recipes.pipeline_parallel               # a world of 1: one stage, no bubble
 
+Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/_pipeline_parallel_split.py (the
+split by module names, the stage placement, the tied weights)
+
 Stages of consecutive modules, one or more per rank; activations and their gradients go between
 neighbours by send/recv. A schedule orders the micro-batches' forwards (F) and backwards (B):
 ``gpipe`` (all F, then all B), ``1f1b`` (one F then one B: fewer live activations),
@@ -15,50 +18,47 @@ neighbours by send/recv. A schedule orders the micro-batches' forwards (F) and b
 ``zbv_zero_bubble`` and ``dualpipev`` (backward split into input-gradient I and weight-gradient W
 work, W filling idle slots; the last two place stages in a V: rank r holds r and 2p-1-r). With p
 ranks, m micro-batches, v stages per rank, GPipe and 1F1B idle (p-1)/(v*m+p-1) of a step (the
-bubble). The result reports it beside each rank's measured idle fraction (1 - time in F/B/I/W /
-step time) and a per-action timeline; ``--compare``: every schedule in one table
-(the first command: 1F1B's result, plus each schedule's row in ``extras.schedule_table``).
+bubble); rank 0 prints it for the run. ``--compare`` trains every schedule this torch has, one
+after the other (same model, data and micro-batches); the cookbook's harness measures each one's
+idle time and timeline from outside (``python -m recipes.core.prove pipeline_parallel``).
 
-Cutting YOUR model (recipes/core/pipeline.py: the second idea, in its own file, with the timeline):
+Cutting YOUR model (recipes/_pipeline_parallel_split.py, the second idea, in its own file):
 ``--split manual`` keeps each stage's modules, named by split points (``["layers.2"]``) and wired
 by a ``StageWiring`` (ready-made for the cookbook's model, Llama and GPT-2); ``--split tracer``
 traces the model with ``pipeline()`` (torch.export) and cuts it at ``SplitPoint.BEGINNING`` of the
 same modules. Both keep the model's parameter names: checkpoints move between layouts.
 The schedule divides the summed per-micro-batch gradients by m (``scale_grads``), so with the mean
 loss a step equals the whole-batch step (tests/test_pipeline_parallel.py: every schedule, split).
+``train`` returns the loss of each step of ``--schedule`` (the same on every rank); rank 0 prints
+one line per step.
 
-Length: about 300 lines, the cookbook's limit: the split by module names, the step, the
-checks each schedule's layout must pass and the comparison table of every schedule are one lesson.
+Length: about 390 lines, over the cookbook's ~300: the split by module names, the step, the
+checks each schedule's layout must pass and the comparison of every schedule are one lesson.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
+import os
+import sys
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as torch_schedules
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.pipeline import (SINGLE_STAGE_SCHEDULES, TRANSFORMER_LM, V_SCHEDULES,
-                                   ActionTimeline, StageModule, StageWiring, bubble_fraction,
-                                   even_split, full_state_of_stages, stage_modules,
-                                   stage_placement, sync_tied_grads)
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import autocast, make_adamw, setup_precision
-from recipes.core.state import all_ranks
-from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, ModelConfig, build_model, distributed_loader,
-                                   iterate_steps, lm_loss, make_dataset)
-from recipes.core.world import join_world
-
-log = get_logger(__name__)
+from recipes._pipeline_parallel_split import (SINGLE_STAGE_SCHEDULES, TRANSFORMER_LM, V_SCHEDULES,
+                                              PipelineSplitError, StageModule, StageWiring,
+                                              bubble_fraction, even_split, stage_modules,
+                                              stage_placement, sync_tied_grads)
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.toy import MODEL_PRESETS, ModelConfig, build_model, lm_loss, make_dataset
 
 # torch's class for each schedule, looked up when used: an older torch may lack one (DualPipeV).
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
@@ -71,41 +71,38 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 SELF_SEND_FREE_TORCH = (2, 13)
 
 
+@dataclass
+class PPConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per step; the whole pipeline reads each of them
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    schedule: str = "1f1b"  # a key of SCHEDULES
+    microbatches: int = 4  # per optimizer step: more of them shrink the bubble
+    stages_per_rank: int = 0  # 0: what the schedule needs (1 for gpipe/1f1b, else 2)
+    n_layers: int = 0  # transformer blocks (0: the preset's own count; tiny has 2)
+    split: str = "manual"  # manual: keep each stage's modules; tracer: pipeline() traces them
+    compare: bool = False  # also train every other schedule this torch has
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
+
+
 def torch_version() -> tuple[int, int]:
     return tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 
 def check_schedule_runs_here(schedule: str, backend: str) -> None:
-    """A RecipeError naming the fix where this torch cannot run ``schedule`` on ``backend``."""
+    """A ValueError naming the fix where this torch cannot run ``schedule`` on ``backend``."""
     if not hasattr(torch_schedules, SCHEDULES[schedule]):
-        raise RecipeError(f"--schedule {schedule} needs torch.distributed.pipelining."
-                          f"{SCHEDULES[schedule]}, which torch {torch.__version__} lacks; "
-                          "upgrade torch or use --schedule 1f1b")
+        raise ValueError(f"--schedule {schedule} needs torch.distributed.pipelining."
+                         f"{SCHEDULES[schedule]}, which torch {torch.__version__} lacks; "
+                         "upgrade torch or use --schedule 1f1b")
     if schedule in V_SCHEDULES and backend == "gloo" and torch_version() < SELF_SEND_FREE_TORCH:
-        raise RecipeError(
-            f"{schedule} on gloo needs torch >= 2.13 (torch {torch.__version__} sends "
-            "from a rank to itself, which gloo cannot); use --backend nccl, or "
-            "--schedule interleaved_zero_bubble")
-
-
-@dataclass
-class PPConfig(TrainConfig):
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble",
-                      "zbv_zero_bubble", "dualpipev"] = opt(
-        "1f1b", "pipeline schedule: the order of the micro-batches' forwards and backwards")
-    microbatches: int = opt(4, "micro-batches per optimizer step: more of them shrink the bubble "
-                               "(p-1)/(m+p-1)", ge=1)
-    stages_per_rank: int = opt(
-        0, "pipeline stages per rank; 0 = what the schedule needs (1 for gpipe/1f1b, 2 for the "
-        "interleaved, zero-bubble and DualPipeV schedules)", ge=0)
-    n_layers: int = opt(0, "transformer blocks: the preset's dims with this many blocks (0 = the "
-                           "preset's own count; tiny has 2); every stage needs at least one", ge=0)
-    split: Literal["manual", "tracer"] = opt(
-        "manual", "manual: each stage keeps its modules of the built model; tracer: pipeline() "
-                  "traces the model and cuts it at SplitPoint.BEGINNING of the same modules")
-    compare: bool = opt(
-        False, "also run every other schedule this torch has (same model, data, micro-batches) "
-               "and report each one's idle fraction and timeline in extras.schedule_table")
+        raise ValueError(f"{schedule} on gloo needs torch >= 2.13 (torch {torch.__version__} sends "
+                         "from a rank to itself, which gloo cannot); use --backend nccl, or "
+                         "--schedule interleaved_zero_bubble")
 
 
 def model_config(model: str, n_layers: int = 0) -> ModelConfig:
@@ -116,23 +113,26 @@ def model_config(model: str, n_layers: int = 0) -> ModelConfig:
 
 def check_pipeline_fits(*, schedule: str, pp_size: int, n_layers: int, microbatches: int,
                         batch_size: int, stages_per_rank: int = 0) -> None:
-    """RecipeError naming the fix for a layout the schedule cannot run (before any stage exists):
+    """A ValueError naming the fix for a layout the schedule cannot run (before any stage exists):
     ``n_layers`` blocks, ``batch_size`` sequences a step cut into ``microbatches``."""
     _, num_stages = stage_placement(schedule, 0, pp_size, stages_per_rank)
     if n_layers < num_stages:
-        raise RecipeError(f"{n_layers} blocks cannot fill {num_stages} pipeline stages ({pp_size} "
-                          f"ranks x {num_stages // pp_size} stages); use --n-layers {num_stages} "
-                          "or more")
+        raise ValueError(f"{n_layers} blocks cannot fill {num_stages} pipeline stages ({pp_size} "
+                         f"ranks x {num_stages // pp_size} stages); use --n-layers {num_stages} "
+                         "or more")
     m = microbatches
     if schedule in ("1f1b", "dualpipev") and m < num_stages:
-        raise RecipeError(f"{schedule} needs at least one micro-batch per stage: microbatches="
-                          f"{m} < {num_stages} stages; use --microbatches {num_stages} or more")
+        raise ValueError(f"{schedule} needs at least one micro-batch per stage: microbatches="
+                         f"{m} < {num_stages} stages; use --microbatches {num_stages} or more")
     rounds = max(1, m // pp_size)
     if schedule not in SINGLE_STAGE_SCHEDULES and m % rounds:
-        raise RecipeError(f"{schedule} runs micro-batches in rounds of {pp_size}: microbatches="
-                          f"{m} is not a multiple of {rounds} rounds; use a multiple of {pp_size}, "
-                          f"e.g. {rounds * pp_size}")
-    per_rank_batch_size(batch_size, 1, m)  # every micro-batch the same size
+        raise ValueError(f"{schedule} runs micro-batches in rounds of {pp_size}: microbatches="
+                         f"{m} is not a multiple of {rounds} rounds; use a multiple of {pp_size}, "
+                         f"e.g. {rounds * pp_size}")
+    if batch_size % m:  # every micro-batch the same size
+        lower = max(m, batch_size - batch_size % m)
+        raise ValueError(f"global_batch_size={batch_size} does not divide across 1 ranks x {m} "
+                         f"micro-batches; use a multiple of {m}, e.g. {lower} or {lower + m}")
 
 
 def check_config_fits(cfg: PPConfig, pp_size: int) -> None:
@@ -149,7 +149,8 @@ def manual_stages(model: nn.Module, split: Sequence, stage_indices: list[int], n
                   group: dist.ProcessGroup | None = None,
                   parallelize: Callable[[nn.Module], nn.Module] | None = None,
                   ) -> list[PipelineStage]:
-    """This rank's stages of YOUR model, cut where ``split`` says (module names, see core/pipeline).
+    """This rank's stages of YOUR model, cut where ``split`` says (module names, see
+    recipes/_pipeline_parallel_split.py).
 
     Every rank builds the same model (same seed: same weights) and keeps its stages' modules; a big
     model is built on "meta" and materialised per stage. ``parallelize`` (e.g. TP then FSDP) is
@@ -157,8 +158,8 @@ def manual_stages(model: nn.Module, split: Sequence, stage_indices: list[int], n
     """
     modules = stage_modules(model, split, wiring)
     if len(modules) != num_stages:
-        raise RecipeError(f"the split gives {len(modules)} stages, the schedule places "
-                          f"{num_stages}; give {num_stages - 1} split points")
+        raise PipelineSplitError(f"the split gives {len(modules)} stages, the schedule places "
+                                 f"{num_stages}; give {num_stages - 1} split points")
     stages = []
     for s in stage_indices:
         module = StageModule(model, modules, s, wiring).to(device)
@@ -221,88 +222,174 @@ def pipeline_step(schedule, stages: list[PipelineStage], inputs: torch.Tensor,
 
 
 # --8<-- [start:train]
-def train(cfg: PPConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        result = train_in_world(cfg, world)
-        if cfg.compare:
-            table = []
-            for schedule in SCHEDULES:
-                other = dataclasses.replace(cfg, schedule=schedule, compare=False)
-                try:
-                    check_schedule_runs_here(schedule, world.backend)
-                    check_config_fits(other, world.world_size)
-                except RecipeError as refused:  # the same on every rank: a row says why
-                    table.append({"schedule": schedule, "refused": str(refused)})
-                    continue
-                run = result if schedule == cfg.schedule else train_in_world(other, world)
-                table.append({"schedule": schedule, **{k: run.extras[k] for k in (
-                    "stages_per_rank", "bubble_fraction_theory", "idle_fraction_measured_per_rank",
-                    "timeline_per_rank")}, "seconds_per_step": run.seconds_per_step})
-            result.extras["schedule_table"] = table
-        return result
+def train(cfg: PPConfig, observer=None) -> list[float]:
+    """Train on this process's rank; returns the loss of each step of ``cfg.schedule``. With
+    ``compare``, then every other schedule this torch can run here, each from the same start."""
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
+    try:
+        # Checked on every rank before any stage exists: each refuses the same way, at once
+        check_config_fits(cfg, world.world_size)
+        check_schedule_runs_here(cfg.schedule, world.backend)
+        losses = train_schedule(cfg, world, observer)
+        for schedule in SCHEDULES if cfg.compare else ():
+            if schedule == cfg.schedule:
+                continue
+            other = dataclasses.replace(cfg, schedule=schedule)
+            try:
+                check_schedule_runs_here(schedule, world.backend)
+                check_config_fits(other, world.world_size)
+            except ValueError as refused:  # the same on every rank: said, and the next one runs
+                if world.rank == 0:
+                    print(f"schedule {schedule} refused: {refused}", flush=True)
+                continue
+            train_schedule(other, world, observer)
+        return losses
+    finally:
+        cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
 
 
-def train_in_world(cfg: PPConfig, world) -> RecipeResult:
-    pp_size, pp_rank = world.world_size, world.rank  # the whole world is one pipeline
-    check_config_fits(cfg, pp_size)
-    check_schedule_runs_here(cfg.schedule, world.backend)
-    precision = setup_precision(cfg.precision, world.device)
-    if precision == "fp16":  # the schedule runs backward inside step(): no place to scale the loss
-        raise RecipeError("pipeline_parallel has no loss scaler for fp16; use --precision bf16")
+def train_schedule(cfg: PPConfig, world, observer=None) -> list[float]:
+    device, rank, pp_size = world.device, world.rank, world.world_size  # one pipeline: the world
+    use_cuda = device.type == "cuda"
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
+                                       and torch.cuda.is_bf16_supported())
+    if cfg.precision == "tf32" and not use_cuda:  # else it would run fp32 and say tf32
+        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                         f"{device.type}; use --precision fp32 (or bf16)")
+    if use_cuda:  # a process-wide switch: set it every run, never inherit it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            cfg.precision == "tf32")
     model_cfg = model_config(cfg.model, cfg.n_layers)
-    stage_ids, num_stages = stage_placement(cfg.schedule, pp_rank, pp_size, cfg.stages_per_rank)
-    microbatch_size = per_rank_batch_size(cfg.global_batch_size, 1, cfg.microbatches)
-    model = build_model(model_cfg, seed=cfg.seed)  # big models: build on "meta", then initialize
-    split = even_split(model, TRANSFORMER_LM, num_stages)  # e.g. ["layers.2"] for 2 stages of 4
+    stage_ids, num_stages = stage_placement(cfg.schedule, rank, pp_size, cfg.stages_per_rank)
+    microbatch_size = cfg.global_batch_size // cfg.microbatches
+    if rank == 0:
+        print(f"pipeline: {pp_size} rank(s), {cfg.schedule}, {num_stages} stages, "
+              f"{cfg.microbatches} micro-batches of {microbatch_size}; bubble (p-1)/(v*m+p-1) = "
+              f"{bubble_fraction(pp_size, cfg.microbatches, len(stage_ids)):.0%}", flush=True)
+
+    # --8<-- [start:loop]
+    # The same seed on every rank: each builds the whole model, then keeps its stages' modules
+    # (big models: build on "meta", then initialize each stage)
+    model = build_model(model_cfg, seed=cfg.seed)
+    split = even_split(model, TRANSFORMER_LM, num_stages)  # e.g. ["layers.2"]: 2 stages of 4
     if cfg.split == "manual":
         stages = manual_stages(model, split, stage_ids, num_stages, wiring=TRANSFORMER_LM,
-                               device=world.device)
+                               device=device)
     else:
         example = torch.zeros(microbatch_size, model_cfg.seq_len, dtype=torch.long)
-        stages = traced_stages(model, split, stage_ids, device=world.device,
-                               example_microbatch=example.to(world.device))
+        stages = traced_stages(model, split, stage_ids, device=device,
+                               example_microbatch=example.to(device))
     schedule = build_schedule(cfg.schedule, stages, cfg.microbatches)
-    optimizer = make_adamw([p for s in stages for p in s.submod.parameters()], lr=cfg.lr,
-                           device=world.device)  # one optimizer over every stage of this rank
-    # Every rank reads the whole batch (only the first and last stage use it): the pipeline is one
-    # data-parallel replica. Data parallel across pipelines: see recipes.hybrid_parallel.
+    # One optimizer over every stage this rank holds
+    optimizer = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=cfg.lr,
+                                  fused=True if use_cuda else None)  # one kernel on CUDA
+    if observer: observer.model_ready(nn.ModuleList(s.submod for s in stages), optimizer)
+
     dataset = make_dataset(model_cfg, cfg.global_batch_size, seed=cfg.seed)
-    loader, sampler = distributed_loader(dataset, rank=0, world_size=1,
-                                         per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
-    log.info("pipeline: %d rank(s), %s, %d stages (this rank: %s), %d micro-batches of %d",
-             pp_size, cfg.schedule, num_stages, stage_ids, cfg.microbatches, microbatch_size)
-    losses, idle, timer, timeline = [], [], StepTimer(world.device), ActionTimeline(stages)
-    for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-        with timer:
+    # Every rank reads the whole batch (only the first and last stage use it): the pipeline is one
+    # data-parallel replica. Data parallel across pipelines: see recipes/hybrid_parallel.py.
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed,
+                                 drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
+                        drop_last=True, pin_memory=use_cuda)
+
+    losses, step, epoch = [], 0, 0
+    while step < cfg.steps:
+        # Pitfall: without set_epoch every epoch repeats the first epoch's order
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            if step == cfg.steps:
+                break
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            timeline.start()
-            with autocast(world.device, precision):  # bf16: the stages run in this thread
-                loss = pipeline_step(schedule, stages, inputs.to(world.device),
-                                     targets.to(world.device))
-            idle.append(timeline.stop())
+            # The schedule runs forward, loss and backward of every micro-batch inside step()
+            # (in this thread: autocast applies); the batch's mean loss comes back on every rank
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                losses.append(pipeline_step(schedule, stages, inputs, targets))
             optimizer.step()
-        losses.append(loss)
-        log.info("step %d loss %.4f time %.1f ms idle %.0f%%", step, loss,
-                 timer.durations[-1] * 1e3, 100 * idle[-1])
-    steady = idle[1:] or idle  # after the first (warm-up) step
-    # The last step's actions on every rank, in milliseconds: a rank x time chart of the schedule.
-    actions = [(kind, s, mb, round(a * 1e3, 3), round(b * 1e3, 3))
-               for kind, s, mb, a, b in timeline.actions]
-    state = full_state_of_stages([s.submod for s in stages], stage_ids)
-    return make_result(
-        "pipeline_parallel", world, losses, state.values(), timer,
-        keep_final_state=state if cfg.keep_final_state else None,
-        workload=Workload(model_cfg, cfg.global_batch_size, precision),
-        schedule=cfg.schedule, split=cfg.split, pp_size=pp_size, num_stages=num_stages,
-        stages_per_rank=len(stage_ids), microbatches=cfg.microbatches, n_layers=model_cfg.n_layers,
-        split_points=split, stage_ids_per_rank=all_ranks(stage_ids),
-        bubble_fraction_theory=bubble_fraction(pp_size, cfg.microbatches, len(stage_ids)),
-        idle_fraction_measured_per_rank=all_ranks(sum(steady) / len(steady)),
-        step_window_ms_per_rank=all_ranks(round(timeline.window * 1e3, 3)),
-        timeline_per_rank=all_ranks(actions),
-    )
+            if rank == 0:
+                print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+            if observer: observer.step_end(step, losses[-1])
+            step += 1
+        epoch += 1
+    # --8<-- [end:loop]
+    return losses
 # --8<-- [end:train]
 
 
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = PPConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.pipeline_parallel", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
+    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per optimizer step, cut into the micro-batches")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    # no fp16: the schedule runs backward inside step(), where no loss scaler can scale the loss
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16"], default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA)")
+    add("--schedule", choices=list(SCHEDULES), default=defaults.schedule,
+        help="pipeline schedule: the order of the micro-batches' forwards and backwards")
+    add("--microbatches", type=_number(int, at_least=1), default=defaults.microbatches,
+        help="micro-batches per optimizer step: more of them shrink the bubble (p-1)/(m+p-1)")
+    add("--stages-per-rank", type=_number(int, at_least=0), default=defaults.stages_per_rank,
+        help="pipeline stages per rank; 0 = what the schedule needs (1 for gpipe/1f1b, 2 for the "
+        "interleaved, zero-bubble and DualPipeV schedules)")
+    add("--n-layers", type=_number(int, at_least=0), default=defaults.n_layers,
+        help="transformer blocks: the preset's dims with this many blocks (0 = the preset's own "
+        "count; tiny has 2); every stage needs at least one")
+    add("--split", choices=["manual", "tracer"], default=defaults.split,
+        help="manual: each stage keeps its modules of the built model; tracer: pipeline() traces "
+        "the model and cuts it at SplitPoint.BEGINNING of the same modules")
+    add("--compare", action=argparse.BooleanOptionalAction, default=defaults.compare,
+        help="then train every other schedule this torch has (same model, data, micro-batches)")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = PPConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input every rank sees (a layout the schedule cannot run)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, PPConfig, __doc__)
+    main()

@@ -111,7 +111,7 @@ def recipes_at_world_1(
         ("tensor_parallel", tensor_parallel_proven, tp_config(**common)),
         (
             "pipeline_parallel (1 stage)",
-            pipeline_parallel.train,
+            proven,
             pipeline_parallel.PPConfig(**common, microbatches=1),
         ),
         (

@@ -125,6 +125,11 @@ RUNS = {
     "float8": ("python", ["--help"]),
     # one device, no process group: a plain python run; cpu, where results/performance.json was
     "performance": ("python", ["--steps", "3", "--device", "cpu"]),
+    # 2 experts a rank, the all-to-alls over 2 CPU ranks; fp32, as results/ was measured
+    "expert_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
+    # 1F1B over 2 stages (a stage per rank), the tiny model's 2 blocks: the smallest pipeline
+    "pipeline_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                       "fp32"]),
 }
 
 
@@ -496,6 +501,22 @@ def check_performance(stdout: str) -> None:
     losses = printed_losses(stdout)
     assert_losses_close(losses, committed_losses("performance")[:len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
+def check_expert_parallel(stdout: str) -> None:
+    # the experts split over the 2 ranks: the package's own 2-rank losses (results/, aux loss
+    # included), one line per step from rank 0, and no token dropped (no capacity by default)
+    assert "expert parallel over 2 rank(s): 2 of 4 experts each, top_k=2" in stdout, stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("expert_parallel")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3 and "dropped [0, 0]" in stdout, stdout
+
+
+def check_pipeline_parallel(stdout: str) -> None:
+    # a stage on each rank, the micro-batches through 1F1B: one process's losses (the pipeline
+    # equals the unsplit model: tests/test_pipeline_parallel.py), one line per step from rank 0
+    assert "pipeline: 2 rank(s), 1f1b, 2 stages, 4 micro-batches of 3" in stdout, stdout
+    losses = printed_losses(stdout)
+    assert len(losses) == 3, stdout
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
 
 
 CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
@@ -537,3 +558,5 @@ CHECKS["sharded_accumulation"] = check_sharded_accumulation
 CHECKS.update({"memory_estimate": check_memory_estimate, "dry_run": check_dry_run,
                "profiling": check_profiling})
 CHECKS.update({"fsdp": check_fsdp, "float8": check_float8, "performance": check_performance})
+CHECKS.update({"expert_parallel": check_expert_parallel,
+               "pipeline_parallel": check_pipeline_parallel})

@@ -11,21 +11,21 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from recipes import expert_parallel
 from recipes.core import cli
-from recipes.core.config import RecipeError
+from recipes.core.config import TrainConfig
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from tests.helpers import (
     assert_losses_close,
     assert_states_close,
     last_json,
+    recipe_result,
     run_alone,
     run_cli,
     with_fields,
 )
 
 STEPS = 3
-CFG = expert_parallel.EPConfig(steps=STEPS, keep_final_state=True, precision="fp32", timeout_s=120,
-                               backend="gloo")
+CFG = expert_parallel.EPConfig(steps=STEPS, precision="fp32", timeout_s=120, backend="gloo")
 TOKENS, DIM, EXPERTS = 24, 16, 4
 
 
@@ -70,7 +70,9 @@ def layer_differences(world, capacity_factor: float) -> dict:
 def ep_world(configs):
     with join_world("gloo", timeout_s=120) as world:
         layers = [layer_differences(world, capacity) for capacity in (math.inf, 0.5)]
-        return layers, [expert_parallel.train(cfg) for cfg in configs]
+        # the recipe measured by the harness (recipes.core.observe.ExpertParallelObserver: the
+        # placement, the final state with every rank's experts gathered)
+        return layers, [recipe_result(cfg) for cfg in configs]
 
 
 def test_experts_on_2_ranks_equal_the_one_process_moe():
@@ -84,7 +86,7 @@ def test_experts_on_2_ranks_equal_the_one_process_moe():
     # With a capacity the same tokens are dropped as in one process on this rank's tokens.
     assert capped["output"] < 1e-5 and capped["dropped"][0] == capped["dropped"][1] > 0
     # 2. Training: losses (aux included), final weights (experts gathered), token counts.
-    expected = run_alone(expert_parallel.train, CFG)
+    expected = run_alone(recipe_result, CFG)
     assert result.extras["ep_size"] == 2 and result.extras["experts_per_rank"] == 2
     assert_losses_close(result.losses, expected.losses, atol=1e-5)
     assert_losses_close(result.extras["aux_losses"], expected.extras["aux_losses"], atol=1e-5)
@@ -101,8 +103,9 @@ def test_layouts_that_cannot_be_placed_fail_in_one_line():
                        match=r"num_experts=6 cannot be placed evenly on 4 ranks; use "
                              r"a multiple of 4 experts, or an EP size of 1, 2, 3, 6"):
         expert_parallel.check_ep_fits(6, 4)
-    with pytest.raises(RecipeError, match=r"top_k=5 > num_experts=4.*use --top-k 4 or less"):
-        expert_parallel.EPConfig(top_k=5)
+    # refused by train before it joins any world: every rank at once, no rank left waiting
+    with pytest.raises(ValueError, match=r"top_k=5 > num_experts=4.*use --top-k 4 or less"):
+        expert_parallel.train(expert_parallel.EPConfig(top_k=5))
     with pytest.raises(expert_parallel.ExpertParallelError,
                        match=r"apply_ep found no MoE layer.*Linear"):
         expert_parallel.apply_ep(nn.Sequential(nn.Linear(2, 2)), None)
@@ -112,15 +115,16 @@ def test_layouts_that_cannot_be_placed_fail_in_one_line():
 # default run. The parity it checks is proven in-process above; this adds the launcher path.
 @pytest.mark.slow
 def test_torchrun_launch_equals_one_process():
+    # through the harness (the recipe's own lines first, then the result's JSON)
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.expert_parallel", "--steps", str(STEPS), "--precision", "fp32",
-                        "--backend", "gloo"], timeout_s=180)
+                        "recipes.core.prove", "expert_parallel", "--steps", str(STEPS),
+                        "--precision", "fp32", "--backend", "gloo"], timeout_s=180)
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and len(result["extras"]["tokens_per_expert"]) == 2
-    expected = run_alone(expert_parallel.train, with_fields(CFG, keep_final_state=False))
+    expected = run_alone(recipe_result, CFG)
     assert_losses_close(result["losses"], expected.losses, atol=1e-5)
-    assert launched.stdout.count("] step ") == STEPS and "[rank1]" not in launched.stdout
+    assert launched.stdout.count("\nstep ") == STEPS and "[rank1]" not in launched.stdout
 
 
 @pytest.mark.parametrize("args, line", [
@@ -130,11 +134,18 @@ def test_torchrun_launch_equals_one_process():
     (["--capacity-factor", "0"], "error: capacity_factor must be > 0, got 0: an expert would take "
                                  "no token and every token would be dropped; leave it out (inf: "
                                  "none dropped) or use e.g. 1.25"),
-    (["--capacity-factor", "-1"], "error: capacity_factor must be > 0, got -1"),
+    # (the line goes on with the fix, as for 0: train checks every capacity, in one place)
+    (["--capacity-factor", "-1"], "error: capacity_factor must be > 0, got -1; leave it out "
+                                  "(inf: none dropped) or use e.g. 1.25"),
+    # refused, not run as fp32 under tf32's name (a world of 1, in this process)
+    pytest.param(["--precision", "tf32", "--backend", "gloo"],
+                 "error: --precision tf32 is a CUDA matmul mode and this run is on cpu; use "
+                 "--precision fp32 (or bf16)",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="tf32 runs on CUDA")),
 ])
 def test_bad_command_line_is_one_line_and_exit_code_2(capsys, args, line):
     with pytest.raises(SystemExit) as exit_info:
-        cli.run_cli(expert_parallel.train, expert_parallel.EPConfig, None, args)
+        expert_parallel.main(args)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [line]
     with pytest.raises(expert_parallel.ExpertParallelError,
@@ -142,17 +153,27 @@ def test_bad_command_line_is_one_line_and_exit_code_2(capsys, args, line):
         expert_parallel.MoE(8, 16, 4, 2, capacity_factor=0.0)  # the layer a user copies, too
 
 
-def test_a_refusal_of_a_copyable_function_is_one_line_and_exit_code_2(capsys):
+def test_a_refusal_of_a_copyable_function_is_one_line_and_exit_code_2(capsys, monkeypatch):
     """apply_ep raises ExpertParallelError (a ValueError of its module, so that it copies alone):
-    run_cli treats it as it treats RecipeError. A ValueError from outside the recipes is a bug and
+    the recipe's main says it in one line, exit code 2, and so does the harness's run_cli, which
+    treats it as it treats RecipeError. A ValueError from outside the recipes is a bug there and
     keeps its traceback."""
+    message = "apply_ep found no MoE layer in the model; its modules: ['Linear', 'Sequential']"
+    # a model without MoE layers where the recipe builds its own: apply_ep's refusal, in a
+    # world of 1 (this process), through the recipe's own main
+    monkeypatch.setattr(expert_parallel, "build_moe_model",
+                        lambda cfg, device: nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(SystemExit) as exit_info:
+        expert_parallel.main(["--backend", "gloo"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
+
     def run(cfg):
         expert_parallel.apply_ep(nn.Sequential(nn.Linear(2, 2)), None)
 
     with pytest.raises(SystemExit) as exit_info:
-        cli.run_cli(run, expert_parallel.EPConfig, None, [])
+        cli.run_cli(run, TrainConfig, None, [])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: apply_ep found no MoE layer in the model; its modules: ['Linear', 'Sequential']"]
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
     with pytest.raises(ValueError, match="invalid literal for int"):
-        cli.run_cli(lambda cfg: int("two"), expert_parallel.EPConfig, None, [])
+        cli.run_cli(lambda cfg: int("two"), TrainConfig, None, [])

@@ -8,18 +8,19 @@ import pytest
 import torch
 
 from recipes import pipeline_parallel as pp
-from recipes.core.config import RecipeError
-from recipes.core.pipeline import (GPT2, LLAMA, TRANSFORMER_LM, StageModule, even_split,
-                                   stage_modules)
+from recipes._pipeline_parallel_split import (GPT2, LLAMA, TRANSFORMER_LM, PipelineSplitError,
+                                              StageModule, even_split, stage_modules)
+from recipes.core.state import all_ranks
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json,
-                           plain_training_loop, require_world, run_cli, with_fields)
+                           plain_training_loop, recipe_result, require_world, run_cli,
+                           with_fields)
 
 STEPS = 3
-CFG = pp.PPConfig(steps=STEPS, n_layers=4, microbatches=4, keep_final_state=True, precision="fp32",
-                  timeout_s=120)
+# (the final state: recipe_result keeps it; the recipe itself returns its losses only)
+CFG = pp.PPConfig(steps=STEPS, n_layers=4, microbatches=4, precision="fp32", timeout_s=120)
 # Each schedule once; the tracer split with another micro-batch count; 4 stages for the
 # multi-stage ones.
 CONFIGS = [
@@ -74,14 +75,16 @@ def gradient_differences(world, configs) -> list[float]:
 
 def pipeline_world(configs, backend):
     with join_world(backend, timeout_s=120) as world:
-        return gradient_differences(world, configs), [pp.train(cfg) for cfg in configs]
+        # the recipe measured by the harness (recipes.core.observe.PipelineObserver: the layout,
+        # each rank's timeline, the final state gathered from every stage)
+        return gradient_differences(world, configs), [recipe_result(cfg) for cfg in configs]
 
 
 def runs_here(cfg: pp.PPConfig, backend: str) -> bool:
     try:
         pp.check_schedule_runs_here(cfg.schedule, backend)
         return True
-    except RecipeError:  # torch < 2.13 on gloo: the V schedules are refused, tested below
+    except ValueError:  # torch < 2.13 on gloo: the V schedules are refused, tested below
         return False
 
 
@@ -160,14 +163,14 @@ def test_layouts_the_schedule_cannot_run_are_rejected(changes, message):
     if message is None:  # 3 micro-batches on 2 ranks: 1 round of 3, which torch accepts
         pp.check_config_fits(cfg, 2)
         return
-    with pytest.raises(RecipeError, match=message):
+    with pytest.raises(ValueError, match=message):
         pp.check_config_fits(cfg, 2)
 
 
 def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):
     # torch 2.11 may lack a schedule: simulate it by removing the class from this torch
     monkeypatch.delattr(pp.torch_schedules, "ScheduleDualPipeV")
-    with pytest.raises(RecipeError, match=r"--schedule dualpipev needs torch.distributed.pipelining"
+    with pytest.raises(ValueError, match=r"--schedule dualpipev needs torch.distributed.pipelining"
                                           r"\.ScheduleDualPipeV, which torch \S+ lacks"):
         pp.check_schedule_runs_here("dualpipev", "gloo")
 
@@ -178,8 +181,9 @@ def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(270)  # after run_cli's own 240 s
 def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
+    # through the harness (the recipe's own lines first, then the result's JSON)
     launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.pipeline_parallel", "--compare", "--n-layers", "4",
+                        "recipes.core.prove", "pipeline_parallel", "--compare", "--n-layers", "4",
                         "--steps", "2"], timeout_s=240)
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
@@ -196,7 +200,7 @@ def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
             assert len(row["timeline_per_rank"]) == 2 and all(row["timeline_per_rank"]), schedule
     assert table["interleaved_1f1b"]["stages_per_rank"] == 2
     runs = sum("refused" not in row for row in table.values())
-    assert launched.stdout.count("] step ") == 2 * runs and "[rank1]" not in launched.stdout
+    assert launched.stdout.count("\nstep ") == 2 * runs and "[rank1]" not in launched.stdout
 
 
 @pytest.mark.skipif(pp.torch_version() >= pp.SELF_SEND_FREE_TORCH,
@@ -204,7 +208,7 @@ def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
                            "test covers them")
 def test_zbv_on_gloo_is_refused_where_torch_would_send_to_itself():
     cfg = with_fields(CFG, schedule="zbv_zero_bubble", backend="gloo")
-    with pytest.raises(RecipeError, match="zbv_zero_bubble on gloo needs torch >= 2.13"):
+    with pytest.raises(ValueError, match="zbv_zero_bubble on gloo needs torch >= 2.13"):
         spawn_world(pp.train, 2, cfg, deadline_s=60)
 
 
@@ -233,9 +237,6 @@ def hf_batches():
 def hf_pipeline_world(names):
     """Per model: 1F1B over 2 stages (one per rank); losses, first-step gradients, final state.
     Rank 0 also trains the unsplit model in one process, the reference."""
-    from recipes.core.pipeline import full_state_of_stages
-    from recipes.core.state import all_ranks
-
     out = {}
     with join_world("gloo", timeout_s=120) as world:
         for name in names:
@@ -256,11 +257,17 @@ def hf_pipeline_world(names):
             # --8<-- [end:your_model]
             grads = {n: g for piece in all_ranks(grads) for n, g in piece.items()}
             out[name] = dict(split=split, tied=stages[0].submod.tied, losses=losses, grads=grads,
-                             state=full_state_of_stages([stages[0].submod], [world.rank]))
+                             state=full_state_of_stages(stages[0].submod))
         if world.rank == 0:
             for name in names:
                 out[name]["reference"] = hf_reference(name)
     return out
+
+
+def full_state_of_stages(submod) -> dict:
+    """The whole model's state on every rank: each rank's one stage, in rank (= stage) order."""
+    local = {n: t.detach().cpu().clone() for n, t in submod.state_dict().items()}
+    return {n: t for piece in all_ranks(local) for n, t in piece.items()}
 
 
 def hf_reference(name: str):
@@ -302,21 +309,24 @@ def test_gpt2_and_llama_in_a_two_stage_pipeline_equal_one_process():
 
 def test_a_split_naming_a_missing_module_names_the_modules_found():
     model = build_model(pp.model_config("tiny", 4))
-    with pytest.raises(RecipeError, match=r"'layers\.9', which is not a module of TransformerLM; "
-                                          r"its modules there: layers\.0, layers\.1, layers\.2"):
+    with pytest.raises(PipelineSplitError,
+                       match=r"'layers\.9', which is not a module of TransformerLM; "
+                             r"its modules there: layers\.0, layers\.1, layers\.2"):
         stage_modules(model, ["layers.9"], TRANSFORMER_LM)
-    with pytest.raises(RecipeError, match=r"'blocks\.1'.* its modules there: tok_embeddings, "
-                                          r"pos_embeddings, layers, norm, output"):
+    with pytest.raises(PipelineSplitError,
+                       match=r"'blocks\.1'.* its modules there: tok_embeddings, "
+                             r"pos_embeddings, layers, norm, output"):
         stage_modules(model, ["blocks.1"], TRANSFORMER_LM)
-    with pytest.raises(RecipeError, match=r"no stage owns the parameters of norm, output"):
+    with pytest.raises(PipelineSplitError, match=r"no stage owns the parameters of norm, output"):
         stage_modules(model, [["tok_embeddings", "pos_embeddings", "layers"]], TRANSFORMER_LM)
-    with pytest.raises(RecipeError, match=r"layers\.3 named in more than one stage"):
+    with pytest.raises(PipelineSplitError, match=r"layers\.3 named in more than one stage"):
         stage_modules(model, [["tok_embeddings", "pos_embeddings", "layers.0", "layers.1",
                                "layers.2", "layers.3"], ["layers.3", "norm", "output"]],
                       TRANSFORMER_LM)
-    with pytest.raises(RecipeError, match=r"must be distinct, in the model's order"):
+    with pytest.raises(PipelineSplitError, match=r"must be distinct, in the model's order"):
         stage_modules(model, ["layers.3", "layers.1"], TRANSFORMER_LM)
-    with pytest.raises(RecipeError, match=r"the split gives 2 stages, the schedule places 4"):
+    with pytest.raises(PipelineSplitError,
+                       match=r"the split gives 2 stages, the schedule places 4"):
         pp.manual_stages(model, ["layers.2"], [0], 4, wiring=TRANSFORMER_LM, device="cpu")
 
 
@@ -341,5 +351,5 @@ def test_eager_attention_is_refused_it_would_not_be_causal_in_a_stage():
     model = build_model(pp.model_config("tiny", 4))
     model.config = types.SimpleNamespace(_attn_implementation="eager")
     split = stage_modules(model, ["layers.2"], TRANSFORMER_LM)
-    with pytest.raises(RecipeError, match=r"attn_implementation='eager'.*use 'sdpa'"):
+    with pytest.raises(PipelineSplitError, match=r"attn_implementation='eager'.*use 'sdpa'"):
         StageModule(model, split, 1, TRANSFORMER_LM)

@@ -31,7 +31,8 @@ PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "da
             "collectives", "hang_diagnosis",
             "grad_clipping", "sharded_accumulation",
             "profiling",
-            "fsdp", "float8", "performance")
+            "fsdp", "float8", "performance",
+            "expert_parallel", "pipeline_parallel")
 
 
 def prove_command(command: str, name: str) -> str:

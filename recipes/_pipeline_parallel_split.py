@@ -1,4 +1,6 @@
-"""Cutting YOUR model into pipeline stages by module names, placing them, timing what they do.
+"""Cutting YOUR model into pipeline stages by module names, and placing them on the ranks: the
+second idea of recipes/pipeline_parallel.py, in a file of its own (copy it with the recipe; it
+imports torch only).
 
 A split is in the model's own module names, nothing looked up behind the user's back: split points
 (``["layers.2"]``: a stage begins at each), or per-stage lists in execution order
@@ -9,7 +11,8 @@ position embeddings added to the first module's output, a rotary embedding every
 ``LLAMA``, ``GPT2``. The stage keeps its modules under their names in the model, so checkpoints move
 between layouts. Weights tied across stages (GPT-2's ``lm_head`` and ``wte``) are handled as
 Megatron does: each end stage keeps its own copy and, every step, the copies' gradients are summed
-across the pipeline (``sync_tied_grads``). ``ActionTimeline`` records when each rank computes.
+across the pipeline (``sync_tied_grads``). A split the model cannot take is refused with one line
+naming what the model has: ``PipelineSplitError``.
 """
 
 from __future__ import annotations
@@ -18,23 +21,24 @@ import copy
 from dataclasses import dataclass
 from typing import Sequence
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from recipes.core.config import RecipeError
-from recipes.core.state import all_ranks
-
-__all__ = ["StageWiring", "TRANSFORMER_LM", "LLAMA", "GPT2", "even_split", "stage_modules",
-           "StageModule", "sync_tied_grads", "full_state_of_stages", "ActionTimeline",
-           "stage_placement", "bubble_fraction"]
+__all__ = ["PipelineSplitError", "StageWiring", "TRANSFORMER_LM", "LLAMA", "GPT2", "even_split",
+           "stage_modules", "StageModule", "sync_tied_grads", "stage_placement", "bubble_fraction",
+           "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES"]
 
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # the schedules' names in recipes.pipeline_parallel
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # 2 stages per rank, placed in a V
+
+
+class PipelineSplitError(ValueError):
+    """A split or placement the model or the schedule cannot take, in one line with the fix.
+
+    A ValueError of this module's own, so that it copies without the cookbook's package.
+    """
 
 
 @dataclass(frozen=True)
@@ -71,17 +75,17 @@ def _module(model: nn.Module, name: str) -> nn.Module:
         else:
             found = [n for n, _ in model.named_children()]
         where = f"{parent}." if parent else ""
-        raise RecipeError(f"the split names {name!r}, which is not a module of "
-                          f"{type(model).__name__}; its modules there: "
-                          f"{', '.join(where + n for n in found)}") from None
+        raise PipelineSplitError(f"the split names {name!r}, which is not a module of "
+                                 f"{type(model).__name__}; its modules there: "
+                                 f"{', '.join(where + n for n in found)}") from None
 
 
 def even_split(model: nn.Module, wiring: StageWiring, num_stages: int) -> list[str]:
     """Split points giving each stage an even share of the blocks (earlier stages take the rest)."""
     blocks = [f"{wiring.blocks}.{n}" for n, _ in _module(model, wiring.blocks).named_children()]
     if len(blocks) < num_stages:
-        raise RecipeError(f"{len(blocks)} blocks cannot fill {num_stages} pipeline stages; "
-                          f"use a model with {num_stages} blocks or more, or fewer stages")
+        raise PipelineSplitError(f"{len(blocks)} blocks cannot fill {num_stages} pipeline stages; "
+                                 f"use a model with {num_stages} blocks or more, or fewer stages")
     base, extra = divmod(len(blocks), num_stages)
     starts = [s * base + min(s, extra) for s in range(num_stages)]
     return [blocks[start] for start in starts[1:]]
@@ -111,8 +115,8 @@ def stage_modules(model: nn.Module, split: Sequence, wiring: StageWiring) -> lis
         units = _units(model, split, wiring)
         cuts = [units.index(name) for name in split]
         if cuts != sorted(set(cuts)) or 0 in cuts:
-            raise RecipeError(f"split points {list(split)} must be distinct, in the model's order, "
-                              f"and after its first module {units[0]!r}")
+            raise PipelineSplitError(f"split points {list(split)} must be distinct, in the "
+                                     f"model's order, and after its first module {units[0]!r}")
         stages = [units[a:b] for a, b in zip([0, *cuts], [*cuts, len(units)])]
     else:  # per-stage lists
         stages = [list(names) for names in split]
@@ -122,17 +126,18 @@ def stage_modules(model: nn.Module, split: Sequence, wiring: StageWiring) -> lis
     listed = [name for names in stages for name in names]
     if len(set(listed)) != len(listed):
         twice = sorted({name for name in listed if listed.count(name) > 1})
-        raise RecipeError(f"{', '.join(twice)} named in more than one stage; name each module once")
+        raise PipelineSplitError(f"{', '.join(twice)} named in more than one stage; name each "
+                                 "module once")
     owned = {id(p) for name in listed for p in _module(model, name).parameters()}
     missing = sorted({n.rpartition(".")[0] for n, p in model.named_parameters()
                       if id(p) not in owned})
     if missing:
-        raise RecipeError(f"no stage owns the parameters of {', '.join(missing[:5])}; "
-                          "add these modules to a stage")
+        raise PipelineSplitError(f"no stage owns the parameters of {', '.join(missing[:5])}; "
+                                 "add these modules to a stage")
     for name in wiring.position_embeddings:
         if name not in stages[0]:
-            raise RecipeError(f"position embedding {name!r} must be on the first stage, with "
-                              f"{stages[0][0]!r}")
+            raise PipelineSplitError(f"position embedding {name!r} must be on the first stage, "
+                                     f"with {stages[0][0]!r}")
     return stages
 
 
@@ -149,8 +154,9 @@ class StageModule(nn.Module):
         # A stage passes its blocks no attention mask: HF's eager attention is then not causal
         # (sdpa and flash attention are), and the model silently trains on the future.
         if getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager":
-            raise RecipeError("a pipeline stage passes no attention mask, and attn_implementation="
-                              "'eager' is then not causal; use 'sdpa' (causal without a mask)")
+            raise PipelineSplitError("a pipeline stage passes no attention mask, and "
+                                     "attn_implementation='eager' is then not causal; use 'sdpa' "
+                                     "(causal without a mask)")
         self.stage_units, self.wiring = stages[stage_index], wiring
         self.is_first_stage = stage_index == 0
         # Weights tied across stages (lm_head.weight is transformer.wte.weight), found by identity
@@ -222,76 +228,24 @@ def sync_tied_grads(submods: Sequence[nn.Module], group: dist.ProcessGroup | Non
 # --8<-- [end:tied]
 
 
-def full_state_of_stages(submods: Sequence[nn.Module],
-                         stage_indices: Sequence[int]) -> dict[str, torch.Tensor]:
-    """The whole model's state on every rank, in model (stage) order (a collective of the world).
-
-    ``get_model_state_dict`` all-gathers any DTensor (TP/FSDP inside a stage). Not ``cpu_offload``:
-    it keeps the state on global rank 0 only, and rank 0 does not hold every stage.
-    """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    local = {index: {n: t.detach().cpu().clone()
-                     for n, t in get_model_state_dict(m, options=options).items()}
-             for m, index in zip(submods, stage_indices)}
-    pieces = {index: state for piece in all_ranks(local) for index, state in piece.items()}
-    return {n: t for index in sorted(pieces) for n, t in pieces[index].items()}
-
-
 def stage_placement(schedule: str, pp_rank: int, pp_size: int,
                     stages_per_rank: int = 0) -> tuple[list[int], int]:
     """(the stage indices this pipeline rank holds, the number of stages): "loop" or "v" style."""
     if stages_per_rank == 0:
         stages_per_rank = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
     if schedule in SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
-        raise RecipeError(f"schedule {schedule} runs one stage per rank, got stages_per_rank="
-                          f"{stages_per_rank}; use --schedule interleaved_1f1b for several")
+        raise PipelineSplitError(f"schedule {schedule} runs one stage per rank, got "
+                                 f"stages_per_rank={stages_per_rank}; use --schedule "
+                                 "interleaved_1f1b for several")
     if schedule in V_SCHEDULES:
         if stages_per_rank != 2:
-            raise RecipeError(f"{schedule} places exactly 2 stages per rank (a V), got "
-                              f"stages_per_rank={stages_per_rank}; use --stages-per-rank 2 or 0")
+            raise PipelineSplitError(f"{schedule} places exactly 2 stages per rank (a V), got "
+                                     f"stages_per_rank={stages_per_rank}; use --stages-per-rank "
+                                     "2 or 0")
         return [pp_rank, 2 * pp_size - 1 - pp_rank], 2 * pp_size  # rank 0: first AND last stage
     return [pp_rank + k * pp_size for k in range(stages_per_rank)], stages_per_rank * pp_size
-
 
 
 def bubble_fraction(pp_size: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """The idle fraction an ideal GPipe/1F1B pipeline pays: (p-1)/(v*m+p-1), v stages per rank."""
     return (pp_size - 1) / (stages_per_rank * microbatches + pp_size - 1)
-
-
-class ActionTimeline:
-    """When this rank runs each F, B (or I and W) of its stages, in seconds from ``start()``.
-
-    Wraps the stage methods every schedule calls (torch 2.4+): ``forward_one_chunk``,
-    ``backward_one_chunk`` (full_backward=False: I only) and ``backward_weight_one_chunk`` (W).
-    A receive's wait happens outside them, in the schedule: the gaps are the idle time.
-    """
-
-    def __init__(self, stages: Sequence):
-        self.actions: list[tuple[str, int, int, float, float]] = []
-        self.began = self.window = 0.0
-        for stage in stages:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self._timed(getattr(stage, name), name, stage.stage_index))
-
-    def _timed(self, method, name: str, stage_index: int):
-        def timed(chunk, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(chunk, *args, **kwargs)
-            finally:
-                kind = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}.get(name)
-                if kind is None:  # backward_one_chunk(chunk, loss, full_backward, ...)
-                    full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-                    kind = "B" if full else "I"
-                self.actions.append((kind, stage_index, chunk, start - self.began,
-                                     time.perf_counter() - self.began))
-        return timed
-
-    def start(self) -> None:
-        self.actions, self.began = [], time.perf_counter()
-
-    def stop(self) -> float:
-        """The idle fraction of this window: 1 - busy / window (not clamped: 0 <= it < 1 holds)."""
-        self.window = time.perf_counter() - self.began
-        return 1.0 - sum(end - start for *_, start, end in self.actions) / self.window
