@@ -34,16 +34,7 @@ C = TypeVar("C")
 def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: str | None,
             argv: Sequence[str] | None = None) -> None:
     description = (doc or "").strip().split("\n\n")[0] or None
-    captured = io.StringIO()
-    try:
-        with _tee_stderr(captured):
-            cfg = parse_config(config_cls, argv, description)
-    except SystemExit as exc:  # a bad option or value: argparse printed the line; record it too
-        if exc.code not in (0, None):
-            lines = [line for line in captured.getvalue().splitlines() if "error:" in line]
-            line = lines[-1].split("error: ", 1)[-1] if lines else f"bad command line ({exc.code})"
-            write_torchrun_error_file(line)
-        raise
+    cfg = parse_recording_errors(lambda: parse_config(config_cls, argv, description))
     try:
         result = run(cfg)
     except ValueError as exc:
@@ -88,6 +79,21 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
                 result.peak_memory_bytes / 2**20,
             )
         print(result.to_json(), flush=True)
+
+
+def parse_recording_errors(parse: Callable[[], C]) -> C:
+    """``parse()``; where argparse refuses the command line (it printed the line and exits), the
+    line goes into torchrun's error file too (``python -m recipes.core.prove`` parses this way)."""
+    captured = io.StringIO()
+    try:
+        with _tee_stderr(captured):
+            return parse()
+    except SystemExit as exc:  # a bad option or value: argparse printed the line; record it too
+        if exc.code not in (0, None):
+            lines = [line for line in captured.getvalue().splitlines() if "error:" in line]
+            line = lines[-1].split("error: ", 1)[-1] if lines else f"bad command line ({exc.code})"
+            write_torchrun_error_file(line)
+        raise
 
 
 @contextlib.contextmanager

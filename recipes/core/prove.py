@@ -16,17 +16,20 @@ import inspect
 import sys
 from typing import Sequence
 
+from recipes.core.cli import _record_unexpected, parse_recording_errors
 from recipes.core.config import exit_with
 from recipes.core.log import current_rank, get_logger
 from recipes.core.observe import prove
-from recipes.core.world import write_torchrun_error_file
+from recipes.core.world import (JoinError, guard_recipe_world, report_and_exit,
+                                write_torchrun_error_file)
 
 __all__ = ["PROVABLE", "main", "prove_command"]
 
 # The copyable recipes whose function takes an observer (model_ready, step_end).
 PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
             "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
-            "meta_init", "sharded_checkpoint")
+            "meta_init", "sharded_checkpoint",
+            "grad_accumulation")
 
 
 def prove_command(command: str, name: str) -> str:
@@ -48,14 +51,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     config_cls = inspect.signature(function).parameters["cfg"].annotation
     if isinstance(config_cls, str):  # from __future__ import annotations
         config_cls = getattr(module, config_cls)
-    cfg = config_cls(**vars(parser.parse_args(options)))
+    cfg = config_cls(**vars(parse_recording_errors(lambda: parser.parse_args(options))))
     try:
-        result = prove(function, cfg, name=name)
+        # run_cli's robustness for a recipe that joins the world itself: a bounded join, and a
+        # heartbeat that lets a survivor name the rank that died (recipes.core.world)
+        with guard_recipe_world(getattr(cfg, "timeout_s", 300.0)):
+            result = prove(function, cfg, name=name)
     except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
         write_torchrun_error_file(str(exc))
         if current_rank() == 0:
             exit_with(str(exc), 2)
         raise SystemExit(2) from None
+    except JoinError as exc:  # a store or a peer that never answered
+        report_and_exit(str(exc), 1)
+    except Exception as exc:  # a broken collective: one line naming the dead peer, exit 1
+        _record_unexpected(exc)  # anything else: torchrun's error file, then its traceback
+        raise
     if current_rank() != 0:
         return
     mfu = f"{100 * result.mfu:.1f}%" if result.mfu is not None else "n/a (no known peak)"
