@@ -83,40 +83,46 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
         raise ValueError(f"micro_batches must be >= 1, got {cfg.micro_batches}")
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
-        device, parts = world.device, world.world_size * cfg.micro_batches
+        rank, world_size, device = world.rank, world.world_size, world.device
+        use_cuda = device.type == "cuda"
+        parts = world_size * cfg.micro_batches
         if cfg.global_batch_size % parts:  # every rank refuses, after the join's barrier
             lower = max(parts, cfg.global_batch_size - cfg.global_batch_size % parts)
             over = f" x {cfg.micro_batches} micro-batches" if cfg.micro_batches > 1 else ""
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across "
-                f"{world.world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
+                f"{world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
                 f"{lower + parts}")
         micro_batch = cfg.global_batch_size // parts
         precision = resolve_precision(cfg.precision, device)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
         # --8<-- [start:loop]
-        # Pitfall: the same seed on every rank, or the replicas start different
+        # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
+        # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        ddp_model = DDP(model, device_ids=[world.local_rank] if device.type == "cuda" else None)
+        ddp_model = DDP(model, device_ids=[world.local_rank] if use_cuda else None)
         optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
-                                      fused=True if device.type == "cuda" else None)
+                                      fused=True if use_cuda else None)  # one kernel on CUDA
         if observer: observer.model_ready(ddp_model, optimizer)
         # fp16: scale every micro-batch's loss, unscale and step once (a disabled one passes
         # everything through)
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        sampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=world.rank,
-                                     shuffle=True, seed=cfg.seed, drop_last=True)
+        # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+        # at step s is one process's batch s. drop_last keeps every global batch full.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
         # One rank's share of a whole step, cut into micro-batches below: a step reads the same
-        # samples as without accumulation.
+        # samples as without accumulation
         loader = DataLoader(dataset, batch_size=micro_batch * cfg.micro_batches, sampler=sampler,
-                            drop_last=True, pin_memory=device.type == "cuda")
+                            drop_last=True, pin_memory=use_cuda)
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
-            sampler.set_epoch(epoch)  # Pitfall: without it every epoch repeats the first's order
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
             for inputs, targets in loader:
                 if step == cfg.steps:
                     break
@@ -144,7 +150,7 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
                 global_loss = step_loss.float().clone()
                 dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
                 losses.append(global_loss.item())
-                if world.rank == 0:
+                if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
                 if observer: observer.step_end(step, losses[-1])
                 step += 1

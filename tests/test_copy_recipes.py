@@ -99,6 +99,9 @@ RUNS = {
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
+    # 3 micro-batches of 2 on each of the 2 ranks, as results/grad_accumulation.json was measured
+    "grad_accumulation": ("torchrun", ["--steps", "3", "--micro-batches", "3", "--backend",
+                                       "gloo", "--precision", "fp32"]),
 }
 
 
@@ -401,3 +404,14 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}
+
+
+def check_grad_accumulation(stdout: str) -> None:
+    # 2 ranks x 3 micro-batches, one line per step from rank 0: the package's own losses
+    # (results/grad_accumulation.json: the same split, 6 steps)
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("grad_accumulation")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["grad_accumulation"] = check_grad_accumulation
