@@ -41,7 +41,7 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         # RecipeError, or a ValueError class a recipe defines beside a function a user copies
         # (apply_fully_shard's ShardingError...); any other ValueError is a bug: its traceback.
         if not is_user_error(exc):
-            _record_unexpected(exc)
+            record_unexpected(exc)
             raise
         # Every rank hits the same bad input: say it once, from rank 0, and exit non-zero
         # everywhere. Every rank writes the error file: torchrun may name any of them.
@@ -57,7 +57,7 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         write_torchrun_error_file(exc.args[0])
         exit_with(exc.args[0], 1)
     except Exception as exc:
-        _record_unexpected(exc)
+        record_unexpected(exc)
         raise
     release_ended_groups()  # the run's models are gone: free them, then their process groups
     if result is not None and current_rank() == 0:
@@ -116,7 +116,7 @@ def _tee_stderr(copy: io.StringIO) -> Iterator[None]:
         sys.stderr = real
 
 
-def _record_unexpected(exc: BaseException) -> None:
+def record_unexpected(exc: BaseException) -> None:
     """A failure that is not bad input: a broken collective ends the process with one line naming
     the peer; anything else goes into torchrun's error file, and the caller re-raises it."""
     if is_collective_failure(exc):

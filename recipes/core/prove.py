@@ -7,6 +7,14 @@ The recipe's own command line (its ``make_parser()``) follows its name; its func
 ``Observer`` (``recipes.core.observe``), and the last stdout line is the same ``RecipeResult`` JSON
 that ``run_cli`` prints for the harness-built recipes: what ``scripts/collect_results.py`` stores
 in results/. The recipe's own output (one line per step from rank 0) comes first, unchanged.
+
+It gives the recipe the robustness ``run_cli`` gives the harness-built ones, which no recipe a
+user copies carries (``recipes.core.world.guard_recipe_world``): a join that never completes ends
+in one line within ``--timeout-s``; a survivor of a rank that died names it in one line
+("error: rank 0: ... failed because rank 1 (pid ...) is no longer running ...") and exits
+1 without tearing the broken group down; bad input, from argparse or the recipe's ``ValueError``,
+is one line and exit 2. Under torchrun each of those lines also goes into torchrun's error file,
+which its "Root Cause" summary prints.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import inspect
 import sys
 from typing import Sequence
 
-from recipes.core.cli import _record_unexpected, parse_recording_errors
+from recipes.core.cli import parse_recording_errors, record_unexpected
 from recipes.core.config import exit_with
 from recipes.core.log import current_rank, get_logger
 from recipes.core.observe import prove
@@ -65,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except JoinError as exc:  # a store or a peer that never answered
         report_and_exit(str(exc), 1)
     except Exception as exc:  # a broken collective: one line naming the dead peer, exit 1
-        _record_unexpected(exc)  # anything else: torchrun's error file, then its traceback
+        record_unexpected(exc)  # anything else: torchrun's error file, then its traceback
         raise
     if current_rank() != 0:
         return

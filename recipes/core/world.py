@@ -18,6 +18,10 @@ itself is bounded by a timer; ``spawn_world`` polls its ranks, stops the world a
 and re-raises it with the rank's number, the collective it was in and its traceback, and a world
 that outlives its deadline is killed with a report of where each rank was waiting. When a peer
 dies, the survivors name it (``Liveness``) and exit without tearing down the broken group.
+
+A copyable recipe joins the world itself (recipes/dist_setup.py, or ``init_process_group`` in the
+open) and carries none of this: ``python -m recipes.core.prove`` runs it inside
+``guard_recipe_world``, which gives it the same bounded join, heartbeat and survivor's report.
 """
 
 from __future__ import annotations
