@@ -443,10 +443,14 @@ class Liveness:
             procs = self.procs or {r: json.loads(probe.get(f"proc/{r}")) for r in peers
                                    if probe.check([f"proc/{r}"])}
             gone = self._dead_here(procs)
-            if gone:
-                return _no_longer_running(gone, procs)
+            # The first survivor's verdict wins over /proc, read AFTER it: a survivor publishes,
+            # then exits, so one that exited before the look above has published by now, and
+            # must not be counted among the dead (two survivors that fail in the same collective
+            # look at the same moment).
             if probe.check(["verdict"]):
                 return probe.get("verdict").decode()
+            if gone:
+                return _no_longer_running(gone, procs)
             beats = {r: _count(probe, r) for r in peers}
             time.sleep(wait_s)  # a live peer beats every PERIOD_S: several times in wait_s
             stale = [r for r in peers if _count(probe, r) == beats[r]]
