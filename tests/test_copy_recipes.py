@@ -130,6 +130,9 @@ RUNS = {
     # 1F1B over 2 stages (a stage per rank), the tiny model's 2 blocks: the smallest pipeline
     "pipeline_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
                                        "fp32"]),
+    # 3 micro-batches of 2 on each of the 2 ranks, as results/grad_accumulation.json was measured
+    "grad_accumulation": ("torchrun", ["--steps", "3", "--micro-batches", "3", "--backend",
+                                       "gloo", "--precision", "fp32"]),
 }
 
 
@@ -560,3 +563,14 @@ CHECKS.update({"memory_estimate": check_memory_estimate, "dry_run": check_dry_ru
 CHECKS.update({"fsdp": check_fsdp, "float8": check_float8, "performance": check_performance})
 CHECKS.update({"expert_parallel": check_expert_parallel,
                "pipeline_parallel": check_pipeline_parallel})
+
+
+def check_grad_accumulation(stdout: str) -> None:
+    # 2 ranks x 3 micro-batches, one line per step from rank 0: the package's own losses
+    # (results/grad_accumulation.json: the same split, 6 steps)
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("grad_accumulation")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["grad_accumulation"] = check_grad_accumulation

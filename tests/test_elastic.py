@@ -138,6 +138,10 @@ def test_elastic_restart_loop(tmp_path, trial):
 
 # --------------------------------------------------------------------------------------------
 # Failures name their cause: the dead rank, and the one line of a bad input under torchrun.
+# The payload: a copyable recipe that joins the world itself (through recipes/dist_setup.py), run
+# by the harness, which gives it the heartbeat, the bounded join and torchrun's error file
+# (recipes.core.world.guard_recipe_world); the recipe prints one line per step from rank 0.
+PAYLOAD = ("recipes.core.prove", "grad_accumulation")
 
 
 def launch_plain_ranks(world_size: int, args: list[str], ranks=None) -> list[subprocess.Popen]:
@@ -155,11 +159,10 @@ def launch_plain_ranks(world_size: int, args: list[str], ranks=None) -> list[sub
 
 @pytest.mark.timeout(180)
 def test_survivors_name_the_rank_that_died_and_exit_cleanly():
-    procs = launch_plain_ranks(3, ["recipes.grad_accumulation", "--steps", "100000",
-                                   "--timeout-s", "60"])
+    procs = launch_plain_ranks(3, [*PAYLOAD, "--steps", "100000", "--timeout-s", "60"])
     try:
         first = procs[0].stdout.readline()
-        while first and not first.startswith("[rank0] step"):
+        while first and not first.startswith("step "):
             first = procs[0].stdout.readline()
         assert first, procs[0].stderr.read()[-3000:]
         os.kill(procs[1].pid, signal.SIGKILL)  # as the OOM killer would
@@ -180,7 +183,7 @@ def test_survivors_name_the_rank_that_died_and_exit_cleanly():
 @pytest.mark.timeout(180)
 def test_torchrun_root_cause_is_the_killed_rank_and_bad_input_keeps_exit_code_2(tmp_path):
     # A killed rank: torchrun's summary names it, not rank 0 whose collective broke first.
-    command = ["torchrun", "--standalone", "--nproc_per_node=3", "-m", "recipes.grad_accumulation",
+    command = ["torchrun", "--standalone", "--nproc_per_node=3", "-m", *PAYLOAD,
                "--steps", "100000", "--timeout-s", "60"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
@@ -190,7 +193,7 @@ def test_torchrun_root_cause_is_the_killed_rank_and_bad_input_keeps_exit_code_2(
                                     stdout=subprocess.PIPE, stderr=err)
         try:
             line = launcher.stdout.readline()
-            while line and not line.startswith("[rank0] step"):
+            while line and not line.startswith("step "):
                 line = launcher.stdout.readline()
             assert line, err_path.read_text()[-3000:]
             os.kill(worker_pid(launcher.pid, 1), signal.SIGKILL)
@@ -206,7 +209,7 @@ def test_torchrun_root_cause_is_the_killed_rank_and_bad_input_keeps_exit_code_2(
     # Bad input: the one line is what the summary reports, with the worker's exit code 2. One
     # worker: with two, torchrun stops the other as soon as one exits, so on a loaded machine the
     # rank whose report came first (the root cause) could show SIGTERM (-15) instead of 2.
-    bad = run_cli(["torchrun", "--standalone", "--nproc_per_node=1", "-m", "recipes.grad_accumulation",
+    bad = run_cli(["torchrun", "--standalone", "--nproc_per_node=1", "-m", *PAYLOAD,
                    "--lr", "-1"], timeout_s=120)
     root_cause = bad.stderr.split("Root Cause")[-1]
     assert bad.returncode != 0
@@ -218,7 +221,7 @@ def test_torchrun_root_cause_is_the_killed_rank_and_bad_input_keeps_exit_code_2(
 @pytest.mark.timeout(120)
 def test_joining_is_bounded_when_a_rank_never_comes(tmp_path):
     # Rank 1 of 2 is never started: rank 0 must end within --timeout-s (+2 s grace), one line.
-    (proc,) = launch_plain_ranks(2, ["recipes.grad_accumulation", "--timeout-s", "5"], ranks=[0])
+    (proc,) = launch_plain_ranks(2, [*PAYLOAD, "--timeout-s", "5"], ranks=[0])
     try:
         started = time.monotonic()
         _, err = proc.communicate(timeout=60)
@@ -244,7 +247,8 @@ def test_busy_master_port_fails_in_torchruns_agent():
         holder.listen()
         port = holder.getsockname()[1]
         busy = run_cli(["torchrun", "--nproc_per_node=2", "--master-addr=127.0.0.1",
-                        f"--master-port={port}", "-m", "recipes.grad_accumulation"], timeout_s=90)
+                        f"--master-port={port}", "-m", *PAYLOAD], timeout_s=90)
     assert busy.returncode != 0
     assert "static_tcp_rendezvous.py" in busy.stderr and "EADDRINUSE" in busy.stderr
-    assert "[rank0]" not in busy.stdout, "no worker may have started"
+    # no worker may have started: none printed a step (the recipe) or a result (the harness)
+    assert not re.search(r"^step 0 |\[rank0\]", busy.stdout, re.M), busy.stdout

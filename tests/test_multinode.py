@@ -66,9 +66,10 @@ def two_hosts():
 
 
 # What the nodes run: the canonical recipe measured by the harness (its JSON result), or, for the
-# failure tests, a recipe built on the harness's world (join_world names a lost peer).
+# failure tests, grad_accumulation under the same harness runner, whose heartbeat names a lost
+# peer (recipes.core.world.guard_recipe_world).
 PROVE_DDP = ("recipes.core.prove", "ddp_torchrun")
-HARNESS_DDP = ("recipes.grad_accumulation",)
+HARNESS_DDP = ("recipes.core.prove", "grad_accumulation")
 
 
 def launch_node(host, node_rank: int, master_address: str, rendezvous: str, tmp_path,
@@ -166,7 +167,7 @@ def test_a_host_that_vanishes_ends_the_other_with_a_clear_error(two_hosts, tmp_p
     vanished: list[int] = []
     try:
         deadline = time.monotonic() + 180
-        while "[rank0] step" not in read(tmp_path, 0, "out"):
+        while "step 0 loss" not in read(tmp_path, 0, "out"):  # the recipe's line, from rank 0
             assert time.monotonic() < deadline and nodes[0].poll() is None, \
                 read(tmp_path, 0, "err")[-4000:]
             time.sleep(0.2)

@@ -308,10 +308,11 @@ def test_lightning_slurm_script_trains_on_two_nodes_like_one_process(cluster, tm
 def test_a_bad_option_on_one_node_ends_the_job_with_its_one_line_error(cluster, inject_dir,
                                                                        script):
     timeout_s = 200  # what node 1's ranks would wait for the missing peer without -K
-    # a recipe built on the harness's world and config checks (its one-line error, exit 2)
+    # a recipe run by the harness runner (its argparse check: one line, exit 2, and torchrun's
+    # error file where torchrun runs it)
     job = cluster.submit(script, "--backend", "gloo", "--timeout-s", str(timeout_s),
                          env={"PYTHONPATH": f"{inject_dir}:{REPO_ROOT}",
-                              "RECIPE": "recipes.grad_accumulation"})
+                              "RECIPE": "recipes.core.prove grad_accumulation"})
     started = time.monotonic()
     fields = cluster.wait(job, 240)
     took = time.monotonic() - started

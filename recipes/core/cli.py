@@ -34,23 +34,14 @@ C = TypeVar("C")
 def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: str | None,
             argv: Sequence[str] | None = None) -> None:
     description = (doc or "").strip().split("\n\n")[0] or None
-    captured = io.StringIO()
-    try:
-        with _tee_stderr(captured):
-            cfg = parse_config(config_cls, argv, description)
-    except SystemExit as exc:  # a bad option or value: argparse printed the line; record it too
-        if exc.code not in (0, None):
-            lines = [line for line in captured.getvalue().splitlines() if "error:" in line]
-            line = lines[-1].split("error: ", 1)[-1] if lines else f"bad command line ({exc.code})"
-            write_torchrun_error_file(line)
-        raise
+    cfg = parse_recording_errors(lambda: parse_config(config_cls, argv, description))
     try:
         result = run(cfg)
     except ValueError as exc:
         # RecipeError, or a ValueError class a recipe defines beside a function a user copies
         # (apply_fully_shard's ShardingError...); any other ValueError is a bug: its traceback.
         if not is_user_error(exc):
-            _record_unexpected(exc)
+            record_unexpected(exc)
             raise
         # Every rank hits the same bad input: say it once, from rank 0, and exit non-zero
         # everywhere. Every rank writes the error file: torchrun may name any of them.
@@ -66,7 +57,7 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         write_torchrun_error_file(exc.args[0])
         exit_with(exc.args[0], 1)
     except Exception as exc:
-        _record_unexpected(exc)
+        record_unexpected(exc)
         raise
     release_ended_groups()  # the run's models are gone: free them, then their process groups
     if result is not None and current_rank() == 0:
@@ -90,6 +81,21 @@ def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: s
         print(result.to_json(), flush=True)
 
 
+def parse_recording_errors(parse: Callable[[], C]) -> C:
+    """``parse()``; where argparse refuses the command line (it printed the line and exits), the
+    line goes into torchrun's error file too (``python -m recipes.core.prove`` parses this way)."""
+    captured = io.StringIO()
+    try:
+        with _tee_stderr(captured):
+            return parse()
+    except SystemExit as exc:  # a bad option or value: argparse printed the line; record it too
+        if exc.code not in (0, None):
+            lines = [line for line in captured.getvalue().splitlines() if "error:" in line]
+            line = lines[-1].split("error: ", 1)[-1] if lines else f"bad command line ({exc.code})"
+            write_torchrun_error_file(line)
+        raise
+
+
 @contextlib.contextmanager
 def _tee_stderr(copy: io.StringIO) -> Iterator[None]:
     """What is written to stderr also goes into ``copy`` (argparse prints its errors itself)."""
@@ -110,7 +116,7 @@ def _tee_stderr(copy: io.StringIO) -> Iterator[None]:
         sys.stderr = real
 
 
-def _record_unexpected(exc: BaseException) -> None:
+def record_unexpected(exc: BaseException) -> None:
     """A failure that is not bad input: a broken collective ends the process with one line naming
     the peer; anything else goes into torchrun's error file, and the caller re-raises it."""
     if is_collective_failure(exc):

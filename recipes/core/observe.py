@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
@@ -1234,3 +1235,59 @@ def _meta_model(model_config: Any) -> nn.Module:
 
 
 OBSERVERS.update({"expert_parallel": ExpertParallelObserver, "pipeline_parallel": PipelineObserver})
+
+
+def _counting_allreduce_hook(observer, bucket):
+    # Unannotated: DDP checks a hook's annotations at run time, and this module's are strings.
+    observer.bucket_allreduces += 1
+    return default_hooks.allreduce_hook(None, bucket)  # DDP's own behaviour: average over the world
+
+
+class GradAccumulationObserver(Observer):
+    """recipes/grad_accumulation.py: the gradient all-reduces DDP launched, counted by a DDP
+    communication hook the observer registers on the recipe's DDP model in ``model_ready`` (before
+    the first backward, as DDP requires). Into ``extras``:
+
+    - ``allreduce_rounds_per_step``: the backward passes of each step that all-reduced (a forward
+      pre-hook on the DDP model starts each micro-batch): 1 with ``no_sync``, k without;
+    - ``bucket_allreduces``: the bucket all-reduces of the whole run;
+    - ``micro_batch_size``: the sequences of each forward on a rank.
+    """
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.bucket_allreduces = 0
+        self.rounds_per_step: list[int] = []
+        self._rounds = 0
+        self._buckets_at_forward = 0
+        self._pre_hook: Any = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        model.register_comm_hook(self, _counting_allreduce_hook)
+        self._pre_hook = model.register_forward_pre_hook(self._micro_batch_starts)
+
+    def _micro_batch_starts(self, module: nn.Module, args: Any) -> None:
+        self.extras.setdefault("micro_batch_size", len(args[0]))
+        self._backward_ended()
+
+    def _backward_ended(self) -> None:
+        self._rounds += self.bucket_allreduces > self._buckets_at_forward
+        self._buckets_at_forward = self.bucket_allreduces
+
+    def measure(self, step: int) -> None:
+        self._backward_ended()  # the step's last backward
+        self.rounds_per_step.append(self._rounds)
+        self._rounds = 0
+        self.extras.update(allreduce_rounds_per_step=list(self.rounds_per_step),
+                           bucket_allreduces=self.bucket_allreduces)
+        super().measure(step)
+
+    def close(self) -> None:
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        super().close()
+
+
+OBSERVERS["grad_accumulation"] = GradAccumulationObserver

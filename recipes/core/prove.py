@@ -7,6 +7,14 @@ The recipe's own command line (its ``make_parser()``) follows its name; its func
 ``Observer`` (``recipes.core.observe``), and the last stdout line is the same ``RecipeResult`` JSON
 that ``run_cli`` prints for the harness-built recipes: what ``scripts/collect_results.py`` stores
 in results/. The recipe's own output (one line per step from rank 0) comes first, unchanged.
+
+It gives the recipe the robustness ``run_cli`` gives the harness-built ones, which no recipe a
+user copies carries (``recipes.core.world.guard_recipe_world``): a join that never completes ends
+in one line within ``--timeout-s``; a survivor of a rank that died names it in one line
+("error: rank 0: ... failed because rank 1 (pid ...) is no longer running ...") and exits
+1 without tearing the broken group down; bad input, from argparse or the recipe's ``ValueError``,
+is one line and exit 2. Under torchrun each of those lines also goes into torchrun's error file,
+which its "Root Cause" summary prints.
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ import inspect
 import sys
 from typing import Sequence
 
+from recipes.core.cli import parse_recording_errors, record_unexpected
 from recipes.core.config import exit_with
 from recipes.core.log import current_rank, get_logger
 from recipes.core.observe import prove
-from recipes.core.world import write_torchrun_error_file
+from recipes.core.world import (JoinError, guard_recipe_world, report_and_exit,
+                                write_torchrun_error_file)
 
 __all__ = ["PROVABLE", "main", "prove_command"]
 
@@ -32,7 +42,8 @@ PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "da
             "grad_clipping", "sharded_accumulation",
             "profiling",
             "fsdp", "float8", "performance",
-            "expert_parallel", "pipeline_parallel")
+            "expert_parallel", "pipeline_parallel",
+            "grad_accumulation")
 
 
 def prove_command(command: str, name: str) -> str:
@@ -54,16 +65,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     config_cls = inspect.signature(function).parameters["cfg"].annotation
     if isinstance(config_cls, str):  # from __future__ import annotations
         config_cls = getattr(module, config_cls)
-    args = parser.parse_args(options)
+    args = parse_recording_errors(lambda: parser.parse_args(options))
     try:
         # a config that checks itself refuses here (hang_diagnosis: a skip past the last step)
         cfg = config_cls(**vars(args))
-        result = prove(function, cfg, name=name)
+        # run_cli's robustness for a recipe that joins the world itself: a bounded join, and a
+        # heartbeat that lets a survivor name the rank that died (recipes.core.world)
+        with guard_recipe_world(getattr(cfg, "timeout_s", 300.0)):
+            result = prove(function, cfg, name=name)
     except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
         write_torchrun_error_file(str(exc))
         if current_rank() == 0:
             exit_with(str(exc), 2)
         raise SystemExit(2) from None
+    except JoinError as exc:  # a store or a peer that never answered
+        report_and_exit(str(exc), 1)
+    except Exception as exc:  # a broken collective: one line naming the dead peer, exit 1
+        record_unexpected(exc)  # anything else: torchrun's error file, then its traceback
+        raise
     if current_rank() != 0:
         return
     if not result.losses:  # trained nothing (collectives), or stopped before a step ended

@@ -18,6 +18,10 @@ itself is bounded by a timer; ``spawn_world`` polls its ranks, stops the world a
 and re-raises it with the rank's number, the collective it was in and its traceback, and a world
 that outlives its deadline is killed with a report of where each rank was waiting. When a peer
 dies, the survivors name it (``Liveness``) and exit without tearing down the broken group.
+
+A copyable recipe joins the world itself (recipes/dist_setup.py, or ``init_process_group`` in the
+open) and carries none of this: ``python -m recipes.core.prove`` runs it inside
+``guard_recipe_world``, which gives it the same bounded join, heartbeat and survivor's report.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ __all__ = [
     "JoinError",
     "WorldTimeoutError",
     "is_collective_failure",
+    "guard_recipe_world",
     "join_world",
     "report_and_exit",
     "resolve_backend",
@@ -168,12 +173,7 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
                     device_id=device if device.type == "cuda" else None,
                 )
             except dist.DistError as exc:  # a store or a peer that never answered: one line
-                where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-                raise JoinError(
-                    f"rank {rank}: joining the world of {world_size} via {where} failed "
-                    f"({_first_line(str(exc))[:200]}); check that every rank was started with "
-                    "the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and can reach that address"
-                ) from None
+                raise _join_failed(rank, world_size, exc) from None
         if world_size > 1:
             liveness = Liveness(store, rank, world_size)
     else:  # a world of 1 needs no rendezvous: an in-memory store is enough
@@ -193,13 +193,7 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
             # gloo group whose peer is gone can block, or abort the process ("terminate called
             # without an active exception"); the caller exits without teardown (os._exit).
             world_broken = True
-            unnamed = (
-                f"rank {rank}: a collective failed ({_first_line(str(exc))[:160]}) and the store "
-                f"at {_store_address()} stopped answering while naming the lost rank: a host is "
-                "unreachable (network down, or the node of rank 0 / of torchrun's agent is gone)")
-            with _deadline(12.0, lambda: report_and_exit(unnamed, 1, echo=True)), \
-                    contextlib.suppress(AttributeError, TypeError):
-                exc.peer_report = liveness.explain()
+            _name_the_lost_peer(liveness, rank, exc)
         elif liveness is not None:
             liveness.record_exit(_first_line(f"{type(exc).__name__}: {exc}"))
         raise
@@ -209,6 +203,25 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
         if dist.is_initialized() and not world_broken:
             _keep_groups_past_teardown()
             dist.destroy_process_group()
+
+
+def _join_failed(rank: int, world_size: int, exc: BaseException) -> JoinError:
+    return JoinError(
+        f"rank {rank}: joining the world of {world_size} via {_store_address()} failed "
+        f"({_first_line(str(exc))[:200]}); check that every rank was started with the same "
+        "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and can reach that address")
+
+
+def _name_the_lost_peer(liveness: Liveness, rank: int, exc: BaseException) -> None:
+    """``exc.peer_report``: which peer died (``Liveness.explain``), for ``cli._collective_failed``
+    to print; a store that stops answering meanwhile ends the process with what is known."""
+    unnamed = (
+        f"rank {rank}: a collective failed ({_first_line(str(exc))[:160]}) and the store "
+        f"at {_store_address()} stopped answering while naming the lost rank: a host is "
+        "unreachable (network down, or the node of rank 0 / of torchrun's agent is gone)")
+    with _deadline(12.0, lambda: report_and_exit(unnamed, 1, echo=True)), \
+            contextlib.suppress(AttributeError, TypeError):
+        exc.peer_report = liveness.explain()
 
 
 # The process groups of worlds that ended, held until release_ended_groups() (see below).
@@ -255,14 +268,20 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     except dist.DistNetworkError as exc:
-        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
-            raise RecipeError(
-                f"MASTER_PORT {os.environ.get('MASTER_PORT')} is already in use on this host; pick "
-                "a free one (MASTER_PORT=<port>, or torchrun --standalone / --master-port)"
-            ) from None
+        if _port_in_use(exc):
+            raise _port_in_use(exc) from None
         raise
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"recipes/attempt{attempt}/world{world_size}", store)
+
+
+def _port_in_use(exc: BaseException) -> RecipeError | None:
+    """The one line for a store that could not listen on MASTER_PORT; None for other errors."""
+    if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+        return RecipeError(
+            f"MASTER_PORT {os.environ.get('MASTER_PORT')} is already in use on this host; pick "
+            "a free one (MASTER_PORT=<port>, or torchrun --standalone / --master-port)")
+    return None
 
 
 @contextlib.contextmanager
@@ -424,10 +443,14 @@ class Liveness:
             procs = self.procs or {r: json.loads(probe.get(f"proc/{r}")) for r in peers
                                    if probe.check([f"proc/{r}"])}
             gone = self._dead_here(procs)
-            if gone:
-                return _no_longer_running(gone, procs)
+            # The first survivor's verdict wins over /proc, read AFTER it: a survivor publishes,
+            # then exits, so one that exited before the look above has published by now, and
+            # must not be counted among the dead (two survivors that fail in the same collective
+            # look at the same moment).
             if probe.check(["verdict"]):
                 return probe.get("verdict").decode()
+            if gone:
+                return _no_longer_running(gone, procs)
             beats = {r: _count(probe, r) for r in peers}
             time.sleep(wait_s)  # a live peer beats every PERIOD_S: several times in wait_s
             stale = [r for r in peers if _count(probe, r) == beats[r]]
@@ -492,3 +515,81 @@ def _write_atomically(path: str, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def guard_recipe_world(timeout_s: float = 300.0) -> Iterator[None]:
+    """What ``join_world`` gives a harness-built recipe, for a copyable one that joins and leaves
+    the world itself (``init_process_group`` / ``destroy_process_group``, in the open or through
+    recipes/dist_setup.py): ``python -m recipes.core.prove`` runs every recipe inside it.
+
+    - Joining is bounded: a world of more than one rank that is not joined within ``timeout_s``
+      (+2 s) ends this process with one line (``_init_deadline``); a store or a peer that never
+      answered is a ``JoinError`` (a busy MASTER_PORT a ``RecipeError``), one line each.
+    - Once the group exists, every rank keeps a heartbeat (``Liveness``), in the store namespace
+      of this attempt and world size, as ``join_world``'s.
+    - The recipe's teardown (its ``finally``) while a collective failure propagates is skipped:
+      destroying a gloo group whose peer is gone can block or abort the process. The exception
+      leaves with ``peer_report``, the dead peer named, for ``cli._collective_failed`` to print
+      before the process ends without teardown. A rank failing with an error of its own writes
+      it for its peers (``exit/R``: "rank R failed first").
+
+    ``dist.init_process_group`` and ``dist.destroy_process_group`` are wrapped for the call; where
+    a process group exists already (a test's world), nothing changes.
+    """
+    if dist.is_initialized():
+        yield
+        return
+    env = os.environ
+    slurm_task = "SLURM_STEP_ID" in env  # srun's task: dist_setup reads Slurm's variables
+    rank = _env_int("RANK", _env_int("SLURM_PROCID", 0) if slurm_task else 0)
+    world_size = _env_int("WORLD_SIZE", _env_int("SLURM_NTASKS", 1) if slurm_task else 1)
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+    joining = contextlib.ExitStack()  # the join's deadline, ended once the group exists
+    if world_size > 1:
+        joining.enter_context(_init_deadline(rank, timeout_s))
+    joined, lives = [], []  # whether the group was made; its Liveness (worlds of 2 or more)
+
+    def guarded_init(*args, **kwargs):
+        init(*args, **kwargs)
+        joining.close()
+        joined.append(True)
+        if dist.get_world_size() > 1 and "MASTER_ADDR" in env:
+            with contextlib.suppress(RuntimeError, ValueError):  # no heartbeat: no names
+                lives.append(Liveness(_liveness_store(dist.get_world_size()), dist.get_rank(),
+                                      dist.get_world_size()))
+
+    def guarded_destroy(*args, **kwargs):
+        exc = sys.exc_info()[1]  # what propagates through the recipe's finally, if anything
+        if lives and exc is not None and is_collective_failure(exc):
+            return  # the broken group stays: the process ends without teardown (see above)
+        if lives and exc is not None:
+            lives[0].record_exit(_first_line(f"{type(exc).__name__}: {exc}"))
+        if lives:
+            lives.pop().stop()
+        destroy(*args, **kwargs)
+
+    dist.init_process_group, dist.destroy_process_group = guarded_init, guarded_destroy
+    try:
+        yield
+    except BaseException as exc:
+        if not joined and isinstance(exc, dist.DistError):
+            raise _port_in_use(exc) or _join_failed(rank, world_size, exc) from None
+        if lives and is_collective_failure(exc):
+            _name_the_lost_peer(lives[0], lives[0].rank, exc)
+        elif lives:
+            lives[0].record_exit(_first_line(f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        joining.close()
+        dist.init_process_group, dist.destroy_process_group = init, destroy
+        for liveness in lives:
+            liveness.stop()
+
+
+def _liveness_store(world_size: int) -> dist.Store:
+    """The launcher's store, in the namespace ``Liveness`` keeps its own connection in."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=datetime.timedelta(seconds=30))
+    return dist.PrefixStore(f"recipes/attempt{attempt}/world{world_size}", client)
