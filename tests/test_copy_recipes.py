@@ -99,6 +99,8 @@ RUNS = {
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
+    # the tiny GPT-2 written, loaded sharded, 2 steps, exported into the copy's project folder
+    "hf_checkpoint": ("torchrun", ["--steps", "2", "--backend", "gloo"]),
 }
 
 
@@ -401,3 +403,18 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}
+
+
+def check_hf_checkpoint(stdout: str) -> None:
+    # the package's own 2-rank losses (results/hf_checkpoint.json), and an export that
+    # from_pretrained loads with the trained model's logits
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("hf_checkpoint")[:2], atol=6e-5)
+    assert len(losses) == 2, stdout
+    difference = re.findall(r"^exported config.json, model.safetensors to checkpoints/"
+                            r"hf_checkpoint/hf; from_pretrained's logits differ from the trained "
+                            r"model's by at most (\S+)$", stdout, re.M)
+    assert len(difference) == 1 and float(difference[0]) <= 1e-6, stdout
+
+
+CHECKS["hf_checkpoint"] = check_hf_checkpoint

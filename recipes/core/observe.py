@@ -241,7 +241,12 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
                if observer.device.type == "cuda" else 1)
     # single_gpu: batch_size; meta_init trains nothing: no tokens per step (tokens/s and MFU 0)
     batch = getattr(cfg, "global_batch_size", None) or getattr(cfg, "batch_size", 0)
-    workload = Workload(MODEL_PRESETS[cfg.model], batch, observer.precision)
+    # an observer's own shapes where the model is not a cookbook preset (a Hugging Face model)
+    workload = Workload(getattr(observer, "workload_model", None) or MODEL_PRESETS[cfg.model],
+                        batch, observer.precision)
+    speed = workload.measure(observer.seconds_per_step, observer.device, devices)
+    if not getattr(observer, "counts_model_flops", True):  # the FLOPs formula does not fit it
+        speed.update(model_tflops=0.0, mfu=None)
     return RecipeResult(
         recipe=name,
         world_size=observer.world_size,
@@ -254,7 +259,7 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
         extras={"memory_per_rank": observer.memory_per_rank, **observer.extras,
                 **returned_extras},
         final_state=observer.final_state,
-        **workload.measure(observer.seconds_per_step, observer.device, devices),
+        **speed,
     )
 
 
@@ -663,3 +668,42 @@ OBSERVERS: dict[str, Callable[..., Observer]] = {
     "context_parallel": ContextParallelObserver,
     "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver,
     "sharded_checkpoint": CheckpointObserver}
+
+
+class HFCheckpointObserver(Observer):
+    """recipes/hf_checkpoint.py: a fully_shard run of a Hugging Face model. Into ``extras``:
+    ``param_bytes_per_rank`` (each rank's shards, read when the model is ready, before any
+    forward). The checksum sums ``model.parameters()`` (GPT-2's tied embedding once) shard by
+    shard; a run of 0 steps (a load, then the export) has the loaded weights as its final state.
+    tokens/s counts the recipe's sequences; the FLOPs formula is the cookbook model's: left out.
+    """
+
+    counts_model_flops = False
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        from recipes.core.workload import ModelConfig
+
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.workload_model = ModelConfig(vocab_size=128, seq_len=16, dim=64, n_layers=2,
+                                          n_heads=4)  # only seq_len counts: tokens per sequence
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self.extras["param_bytes_per_rank"] = all_ranks(
+            sum(p.to_local().nbytes for p in model.parameters()))
+        if self.steps == 0:
+            self.gather_final_state()
+        self._restart_clock()
+
+    def gather_final_state(self) -> None:
+        local = sum(p.to_local().double().sum().item() for p in self._model.parameters())
+        checksum = torch.tensor([local], dtype=torch.float64, device=self.device)
+        dist.all_reduce(checksum)  # every rank: the sum over all shards
+        self.param_checksum = float(checksum.item())
+        if self.keep_final_state:
+            state, _ = full_state_on_rank0(self._model)
+            if self.rank == 0:
+                self.final_state = state
+
+
+OBSERVERS["hf_checkpoint"] = HFCheckpointObserver
