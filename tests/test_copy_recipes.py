@@ -101,6 +101,8 @@ RUNS = {
                                 "--assert-equal", "--atol", "1e-5"]),
     # the tiny GPT-2 written, loaded sharded, 2 steps, exported into the copy's project folder
     "hf_checkpoint": ("torchrun", ["--steps", "2", "--backend", "gloo"]),
+    # LoRA under DDP, the defaults, 3 steps; gloo and fp32 as results/finetune.json was measured
+    "finetune": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
 }
 
 
@@ -418,3 +420,16 @@ def check_hf_checkpoint(stdout: str) -> None:
 
 
 CHECKS["hf_checkpoint"] = check_hf_checkpoint
+
+
+def check_finetune(stdout: str) -> None:
+    # the adapters alone train (2048 of the tiny model's 31872 parameters), with the package's
+    # own 2-rank losses (results/finetune.json: the defaults), one line per step from rank 0
+    assert ("lora fine-tuning with ddp on 2 rank(s): 2048 of 31872 parameters train (6.43%)"
+            in stdout), stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("finetune")[:3], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["finetune"] = check_finetune
