@@ -4,6 +4,9 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.finetune --strategy fully_shard --mode head
     python -m recipes.finetune --arch gpt2 --mode lora --lora-rank 8   # tiny Hugging Face GPT-2
 
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
+leave the world), recipes/parallelize.py (``apply_fully_shard``).
+
 The functions to copy take YOUR model and are told what they need: ``add_lora(model, targets=...,
 rank=..., alpha=...)`` wraps the modules whose names match the patterns (or a predicate) in a
 hand-written ``LoRA``; ``freeze_for(model, mode, head=..., block_types=..., last_k=...)`` sets
@@ -14,71 +17,83 @@ Order matters: add adapters, freeze, THEN wrap (DDP or fully_shard), then build 
 the trainable parameters only. Frozen parameters then get no gradient, no AdamW state and no
 all-reduce; ``find_unused_parameters`` stays False (a frozen parameter is not an unused one).
 
-The result reports the trainable fraction, the model-state bytes of this run and of full
-fine-tuning of the same model (both measured per rank, recipes/core/memory.py), the bytes DDP
-all-reduced per step and tokens/s. MFU is left out: its 6 x parameters FLOPs count the weight
-gradients that frozen weights never compute. ``--checkpoint-dir`` writes, on rank 0, the trained
-parameters alone (``trainable.pt``: the adapters for LoRA) and, for LoRA, ``merged.pt``, a plain
-state dict of the merged model that the un-adapted model class loads.
+``train`` prints how many parameters train and one line per step from rank 0, and returns the
+global batch's loss of each step. What fine-tuning saves (each rank's model-state bytes against
+full fine-tuning's, the bytes DDP all-reduces) is measured from outside, by the cookbook's
+harness. ``--checkpoint-dir`` writes, on rank 0, the trained parameters alone (``trainable.pt``:
+the adapters for LoRA) and, for LoRA, ``merged.pt``, a plain state dict of the merged model that
+the un-adapted model class loads.
 
-Length: about 390 lines, over the cookbook's ~300: besides the training loop it carries the pieces a
-user copies (LoRA, add_lora, merge_lora, freeze_for, the ready-made targets) and the baseline
-measurement of full fine-tuning's bytes; splitting them into core/ would hide the lesson.
+Length: about 480 lines, over the cookbook's ~300: besides the training loop it carries the pieces
+a user copies (LoRA, add_lora, merge_lora, freeze_for, the ready-made targets, the checkpoint) and
+the command line; splitting them apart would hide the lesson.
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import fnmatch
-import gc
 import math
 import os
+import sys
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import RecipeError, TrainConfig, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.memory import model_state_bytes
-from recipes.core.paths import output_dir_problem, refuse
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import (autocast, make_adamw, make_grad_scaler, mixed_precision_policy,
-                                 setup_precision)
-from recipes.core.state import all_ranks, full_state_on_rank0, mean_over_ranks
-from recipes.core.throughput import Workload
-from recipes.core.workload import (MODEL_PRESETS, Block, ModelConfig, build_model,
-                                   distributed_loader, iterate_steps, lm_loss, make_dataset)
-from recipes.core.world import join_world
+from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.parallelize import apply_fully_shard
+from recipes.toy import MODEL_PRESETS, Block, ModelConfig, build_model, lm_loss, make_dataset
 
-log = get_logger(__name__)
 MODES = ("full", "head", "partial", "lora")
 # The tiny Hugging Face models of the tests, and the shapes of the synthetic data they train on.
 HF_DATA = ModelConfig(vocab_size=128, seq_len=16, dim=64, n_layers=2, n_heads=4)
 
 
+class TuningError(ValueError):
+    """A model, a target or an option fine-tuning cannot use, in one line with the fix."""
+
+
 @dataclass
-class FinetuneConfig(TrainConfig):
-    arch: Literal["cookbook", "gpt2", "llama"] = opt(
-        "cookbook", "cookbook = recipes.core.workload.TransformerLM (size: --model); "
-        "gpt2 / llama = "
-        "tiny Hugging Face models built from config (needs transformers)")
-    mode: Literal["full", "head", "partial", "lora"] = opt(
-        "lora", "what trains: everything, the head, the last --last-k blocks + head, or adapters")
-    strategy: Literal["ddp", "fully_shard"] = opt("ddp", "how the ranks share the work")
-    last_k: int = opt(1, "partial: how many of the last blocks train (with the head)", ge=1)
-    lora_rank: int = opt(4, "LoRA: the rank r of each adapter (A: r x in, B: out x r)", ge=1)
-    lora_alpha: float = opt(8.0, "LoRA: the update is scaled by alpha / rank", gt=0)
-    lora_targets: str = opt("", "LoRA: comma-separated fnmatch patterns of module names, e.g. "
-                                "'*.attn.wq,*.attn.wv'; empty = the ready-made ones for --arch")
-    checkpoint_dir: str = opt("", "rank 0 writes trainable.pt (and merged.pt for LoRA) here")
+class FinetuneConfig:
+    arch: str = "cookbook"  # cookbook (recipes/toy.py's model, size: model) | gpt2 | llama
+    model: str = "tiny"  # a key of MODEL_PRESETS, for arch cookbook
+    mode: str = "lora"  # what trains: full | head | partial (last_k blocks + head) | lora
+    strategy: str = "ddp"  # ddp | fully_shard
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights, adapters and data order on every rank
+    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU; fp32 | tf32 | bf16 | fp16
+    last_k: int = 1  # partial: how many of the last blocks train (with the head)
+    lora_rank: int = 4  # LoRA: the rank r of each adapter (A: r x in, B: out x r)
+    lora_alpha: float = 8.0  # LoRA: the update is scaled by alpha / rank
+    lora_targets: str = ""  # comma-separated fnmatch patterns; "": the ready-made ones for arch
+    checkpoint_dir: str = ""  # rank 0 writes trainable.pt (and merged.pt for LoRA) here
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:  # built from Python too: refused here, before any work
+        for name, least in (("steps", 1), ("global_batch_size", 1), ("last_k", 1),
+                            ("lora_rank", 1), ("seed", 0)):
+            if getattr(self, name) < least:
+                raise TuningError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        for name, valid in (("arch", ("cookbook", "gpt2", "llama")), ("mode", MODES),
+                            ("strategy", ("ddp", "fully_shard")),
+                            ("precision", ("auto", "fp32", "tf32", "bf16", "fp16"))):
+            if getattr(self, name) not in valid:
+                raise TuningError(f"{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
+        for name in ("lr", "lora_alpha", "timeout_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise TuningError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
 
 
 # --8<-- [start:targets]
@@ -134,7 +149,7 @@ def add_lora(model: nn.Module, *, targets: Sequence[str] | Callable[[str, nn.Mod
     ``targets(name, module)`` is true, in a ``LoRA``; returns the names. Same seed, same adapters
     on every rank. Parameter names gain ``.base`` (``wq.weight`` -> ``wq.base.weight``)."""
     if rank < 1:
-        raise RecipeError(f"LoRA rank must be >= 1, got {rank}; typical ranks are 4, 8 or 16")
+        raise TuningError(f"LoRA rank must be >= 1, got {rank}; typical ranks are 4, 8 or 16")
     patterns = (targets,) if isinstance(targets, str) else () if callable(targets) else targets
     match = targets if callable(targets) else (
         lambda name, _: any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns))
@@ -143,11 +158,11 @@ def add_lora(model: nn.Module, *, targets: Sequence[str] | Callable[[str, nn.Mod
               if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
     if not names:
         found = sorted({name.split(".")[-1] for name in linear})
-        raise RecipeError(f"LoRA targets {targets!r} match no module of {type(model).__name__}; "
+        raise TuningError(f"LoRA targets {targets!r} match no module of {type(model).__name__}; "
                           f"its linear layers are called {', '.join(found)} (patterns match the "
                           "full name, e.g. '*.attn.wq')")
     if set(names) - linear:
-        raise RecipeError(f"LoRA targets match {sorted(set(names) - linear)[0]}, which is not a "
+        raise TuningError(f"LoRA targets match {sorted(set(names) - linear)[0]}, which is not a "
                           "Linear or Conv1D; narrow the patterns to the projections")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -177,24 +192,24 @@ def freeze_for(model: nn.Module, mode: str, *, head: Sequence[str] = (),
     """Set ``requires_grad`` for ``mode`` (full, head, partial, lora); returns (trainable, total)
     parameter counts. Call it BEFORE wrapping in DDP or fully_shard and before the optimizer."""
     if mode not in MODES:
-        raise RecipeError(f"unknown fine-tuning mode {mode!r}; valid: {', '.join(MODES)}")
+        raise TuningError(f"unknown fine-tuning mode {mode!r}; valid: {', '.join(MODES)}")
     trained: list[nn.Module | nn.Parameter] = [model]
     if mode == "lora":
         trained = [p for m in model.modules() if isinstance(m, LoRA) for p in (m.lora_a, m.lora_b)]
         if not trained:
-            raise RecipeError("mode 'lora' found no LoRA adapter; call add_lora(model, ...) first")
+            raise TuningError("mode 'lora' found no LoRA adapter; call add_lora(model, ...) first")
     elif mode in ("head", "partial"):
         children = {name for name, _ in model.named_modules()}
         missing = [name for name in head if name not in children]
         if missing or not head:
-            raise RecipeError(f"head modules {list(head)} are not all in {type(model).__name__} "
+            raise TuningError(f"head modules {list(head)} are not all in {type(model).__name__} "
                               f"(missing {missing}); pass head=(names), e.g. ('lm_head',)")
         trained = [model.get_submodule(name) for name in head]
         if mode == "partial":
             blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
             if not 1 <= last_k <= len(blocks):
                 kinds = ", ".join(t.__name__ for t in block_types) or "no block_types given"
-                raise RecipeError(f"last_k={last_k}, but {type(model).__name__} has {len(blocks)} "
+                raise TuningError(f"last_k={last_k}, but {type(model).__name__} has {len(blocks)} "
                                   f"blocks ({kinds}); use 1 to {len(blocks)}")
             trained += blocks[-last_k:]
     model.requires_grad_(False)
@@ -210,7 +225,7 @@ def load_trainable(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     loaded and, for LoRA, ``add_lora`` called with the same targets and rank."""
     unexpected = model.load_state_dict(state, strict=False).unexpected_keys
     if unexpected:
-        raise RecipeError(f"checkpoint keys not in the model: {', '.join(unexpected[:3])}; build "
+        raise TuningError(f"checkpoint keys not in the model: {', '.join(unexpected[:3])}; build "
                           "the model as it was trained (add_lora with the same targets) first")
 
 
@@ -221,7 +236,7 @@ def build_arch(arch: str, preset: str = "tiny", *, seed: int = 0) -> nn.Module:
     try:
         import transformers
     except ImportError:
-        raise RecipeError(f"--arch {arch} needs transformers: pip install transformers") from None
+        raise TuningError(f"--arch {arch} needs transformers: pip install transformers") from None
     shape = {"vocab_size": HF_DATA.vocab_size, "bos_token_id": 0, "eos_token_id": 0,
              "use_cache": False}
     with torch.random.fork_rng(devices=[]):
@@ -242,18 +257,6 @@ def logits_of(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits  # Hugging Face: .logits
 
 
-def count_reduced_bytes(ddp_model: DDP) -> dict[str, int]:
-    """A DDP comm hook that counts the bytes of each gradient bucket, then all-reduces it as the
-    default does (average). Register before the first forward."""
-    counter = {"bytes": 0}
-
-    def hook(_state, bucket):
-        counter["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-        return allreduce_hook(None, bucket)
-    ddp_model.register_comm_hook(None, hook)
-    return counter
-
-
 def lora_patterns(cfg: FinetuneConfig) -> tuple[str, ...]:
     given = tuple(p.strip() for p in cfg.lora_targets.split(",") if p.strip())
     return given or ready_made_targets(cfg.arch).lora_targets
@@ -272,111 +275,132 @@ def adapt(cfg: FinetuneConfig, mode: str) -> tuple[nn.Module, tuple[int, int]]:
     return model, counts
 
 
-def wrap(cfg: FinetuneConfig, model: nn.Module, world, mesh, precision: str):
-    """Wrap the adapted, frozen model; then the optimizer, over the trainable parameters only."""
-    counter = None
-    if cfg.strategy == "ddp":
+def wrap(model: nn.Module, strategy: str, *, mesh, device: torch.device,
+         block_types: tuple[type[nn.Module], ...], low: torch.dtype | None) -> nn.Module:
+    """The adapted, frozen model wrapped for ``strategy``, computing in ``low`` (None: fp32)."""
+    if strategy == "ddp":
         # Pitfall: DDP buckets the parameters that require grad WHEN IT IS BUILT. Frozen first, they
         # are simply left out (no find_unused_parameters); frozen after, DDP waits for their
         # gradients and the second step fails, asking for find_unused_parameters.
-        model.to(world.device)
-        device_ids = [world.device.index] if world.device.type == "cuda" else None
-        wrapped = DDP(model, device_ids=device_ids)
-        counter = count_reduced_bytes(wrapped)
-    else:  # frozen and trainable parameters may share a unit: fully_shard reduces only the grads
-        blocks = ready_made_targets(cfg.arch).block_types
-        wrapped = apply_fully_shard(model, mesh, block_types=blocks,
-                                    mp_policy=mixed_precision_policy(precision))
-    # Only trainable parameters: AdamW allocates no state for the others.
-    optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                           device=world.device)
-    return wrapped, optimizer, counter
+        model.to(device)
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # Frozen and trainable parameters may share a unit: fully_shard reduces only the gradients.
+    # Its own mixed precision (never autocast on top): compute in low, reduce in fp32.
+    return apply_fully_shard(model, mesh, block_types=block_types, mp_policy=MixedPrecisionPolicy(
+        param_dtype=low, reduce_dtype=torch.float32 if low else None))
 # --8<-- [end:prepare]
 
 
-def _step(cfg, wrapped, optimizer, scaler, batch, world, precision) -> torch.Tensor:
-    inputs, targets = (t.to(world.device) for t in batch)
-    # fully_shard casts with its own MixedPrecisionPolicy; DDP computes under autocast
-    cast = autocast(world.device, precision) if cfg.strategy == "ddp" else contextlib.nullcontext()
-    with cast:
-        loss = lm_loss(logits_of(wrapped(inputs)), targets)
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    return loss
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """``auto`` for ``device``, checked; sets the process's fp32 matmul mode (TF32 or not)."""
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if requested == "tf32" and not on_cuda:
+        raise TuningError(f"--precision tf32 is a CUDA matmul mode and this run is on "
+                          f"{device.type}; use --precision fp32 (or bf16)")
+    if on_cuda:  # Pitfall: a process-wide switch: set for every precision, never inherited
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            requested == "tf32")
+    return requested
+
+
+def check_checkpoint_dir(path: str) -> None:
+    """Rank 0 writes there after training: a file in the way fails now, not in makedirs then."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise TuningError(f"--checkpoint-dir {path} is a file; name a directory (created if "
+                          "missing)")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # what makedirs would create goes in here
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        why = (f"{existing} is a file, so nothing can be created under it"
+               if not os.path.isdir(existing) else f"cannot write in {existing}")
+        raise TuningError(f"--checkpoint-dir {path}: {why}; name a directory you can write to")
 
 
 # --8<-- [start:train]
-def train(cfg: FinetuneConfig) -> RecipeResult:
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        per_rank_batch = per_rank_batch_size(cfg.global_batch_size, world.world_size)
-        # Rank 0 writes the checkpoint: a file in the folder's place fails now, not after training.
-        refuse(output_dir_problem(cfg.checkpoint_dir, "--checkpoint-dir")
-               if cfg.checkpoint_dir and world.is_main else None)
-        precision = setup_precision(cfg.precision, world.device)
-        mesh = (init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
+def train(cfg: FinetuneConfig, observer=None) -> list[float]:
+    """Fine-tune on this process's rank; returns the global batch's loss of each step."""
+    if cfg.checkpoint_dir:  # before joining: every rank refuses at once
+        check_checkpoint_dir(cfg.checkpoint_dir)
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
+    try:
+        rank, world_size, device = world.rank, world.world_size, world.device
+        if cfg.global_batch_size % world_size:
+            raise TuningError(f"global_batch_size={cfg.global_batch_size} does not divide across "
+                              f"{world_size} ranks; use a multiple of {world_size}")
+        per_rank_batch = cfg.global_batch_size // world_size
+        precision = resolve_precision(cfg.precision, device)
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        mesh = (init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
                 if cfg.strategy == "fully_shard" else None)
-        data = MODEL_PRESETS[cfg.model] if cfg.arch == "cookbook" else HF_DATA
-        loader, sampler = distributed_loader(
-            make_dataset(data, cfg.global_batch_size, seed=cfg.seed), rank=world.rank,
-            world_size=world.world_size, per_rank_batch_size=per_rank_batch, seed=cfg.seed)
-        scaler = make_grad_scaler(world.device, precision)
-        model, (n_trainable, n_total) = adapt(cfg, cfg.mode)  # bad input stops here, at once
-        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-        full_bytes = None
-        if cfg.mode != "full":  # the baseline: full fine-tuning's bytes after one step, then freed
-            full_model, _ = adapt(cfg, "full")
-            full_wrapped, full_optimizer, _ = wrap(cfg, full_model, world, mesh, precision)
-            _step(cfg, full_wrapped, full_optimizer, make_grad_scaler(world.device, precision),
-                  next(iter(loader)), world, precision)
-            full_bytes = model_state_bytes(full_model, full_optimizer)
-            del full_model, full_wrapped, full_optimizer
-            gc.collect()
-            if world.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(world.device)
-        wrapped, optimizer, counter = wrap(cfg, model, world, mesh, precision)
-        log.info("%s fine-tuning with %s on %d rank(s): %d of %d parameters train (%.2f%%)",
-                 cfg.mode, cfg.strategy, world.world_size, n_trainable, n_total,
-                 100 * n_trainable / n_total)
-        losses, timer = [], StepTimer(world.device)
-        for step, batch in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                loss = _step(cfg, wrapped, optimizer, scaler, batch, world, precision)
-            losses.append(mean_over_ranks(loss))
-            log.info("step %d loss %.4f time %.1f ms", step, losses[-1], timer.durations[-1] * 1e3)
 
-        # After the step, before zero_grad: what each rank holds, and the frozen parameters' grads.
-        frozen = [p for p in model.parameters() if not p.requires_grad]
-        own_bytes = model_state_bytes(model, optimizer)
-        full_bytes = full_bytes or own_bytes
-        extras = {
-            "mode": cfg.mode, "strategy": cfg.strategy, "arch": cfg.arch,
-            "trainable_params": n_trainable, "total_params": n_total,
-            "trainable_fraction": n_trainable / n_total, "trainable_names": trainable,
-            "memory_per_rank": all_ranks(own_bytes),
-            "full_finetune_memory_per_rank": all_ranks(full_bytes),
-            "bytes_saved_per_rank": all_ranks(sum(full_bytes.values()) - sum(own_bytes.values())),
-            "frozen_grads_none_per_rank": all_ranks(all(p.grad is None for p in frozen)),
-            "optimizer_tensors": sum(len(group["params"]) for group in optimizer.param_groups),
-            "optimizer_state_tensors": len(optimizer.state),
-            "reduced_bytes_per_step": counter["bytes"] / cfg.steps if counter else None,
-        }
-        names = [name for name, _ in model.named_parameters()]
-        state, _ = full_state_on_rank0(model)  # every rank calls it; rank 0 gets the full state
-        state = {name: state[name] for name in names} if world.is_main else {}
-        if world.is_main and cfg.checkpoint_dir:
-            save_checkpoint(cfg, state, trainable)
-        result = make_result(
-            "finetune", world, losses, state.values(), timer, **extras,
-            keep_final_state=state if cfg.keep_final_state and world.is_main else None,
-            workload=Workload(data, cfg.global_batch_size, precision))
-        result.model_tflops, result.mfu = 0.0, None  # see the module docstring
-        # Pitfall: free the DDP wrapper while the process group is alive; a reducer collected
-        # after join_world destroyed the group can deadlock the gloo teardown
-        # (recipes/lightning_fabric.py).
-        del wrapped, optimizer
-        return result
+        # --8<-- [start:loop]
+        # Order: adapters and freezing, THEN the wrapper, then the optimizer. The same seed on
+        # every rank gives every rank the same weights and the same adapters.
+        model, (n_trainable, n_total) = adapt(cfg, cfg.mode)  # bad targets stop here, at once
+        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        block_types = ready_made_targets(cfg.arch).block_types
+        wrapped = wrap(model, cfg.strategy, mesh=mesh, device=device, block_types=block_types,
+                       low=low)
+        # Only trainable parameters: AdamW allocates no state for the others
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      lr=cfg.lr, fused=True if device.type == "cuda" else None)
+        if observer: observer.model_ready(wrapped, optimizer)
+        if rank == 0:
+            print(f"{cfg.mode} fine-tuning with {cfg.strategy} on {world_size} rank(s): "
+                  f"{n_trainable} of {n_total} parameters train "
+                  f"({100 * n_trainable / n_total:.2f}%)", flush=True)
+
+        data = MODEL_PRESETS[cfg.model] if cfg.arch == "cookbook" else HF_DATA
+        dataset = make_dataset(data, cfg.global_batch_size, seed=cfg.seed)
+        # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+        # at step s is one process's batch s. drop_last keeps every global batch full.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
+        # fp16 only: a loss scaler (5 exponent bits flush small gradients to zero)
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        autocast = low is not None and cfg.strategy == "ddp"  # fully_shard casts by its policy
+
+        losses, step, epoch = [], 0, 0
+        while step < cfg.steps:
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                if step == cfg.steps:
+                    break
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=low or torch.float32, enabled=autocast):
+                    loss = lm_loss(logits_of(wrapped(inputs)), targets)  # this rank's mean
+                scaler.scale(loss).backward()  # frozen parameters: no gradient, no reduction
+                scaler.step(optimizer)  # only the trainable parameters move
+                scaler.update()
+                # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
+                global_loss = loss.detach().float().clone()
+                dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+                losses.append(global_loss.item())
+                if rank == 0:
+                    print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+                if observer: observer.step_end(step, losses[-1])
+                step += 1
+            epoch += 1
+        # --8<-- [end:loop]
+
+        if cfg.checkpoint_dir:
+            # Every rank takes part (fully_shard gathers each shard); rank 0 alone receives the
+            # full state, in host memory, and writes it
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                         cpu_offload=True))
+            if rank == 0:
+                save_checkpoint(cfg, state, trainable)
+            dist.barrier()  # no rank reads the files or exits before they are complete
+        return losses
+    finally:
+        cleanup_distributed()
 # --8<-- [end:train]
 
 
@@ -395,5 +419,65 @@ def save_checkpoint(cfg: FinetuneConfig, state: dict[str, torch.Tensor], trainab
 # --8<-- [end:save]
 
 
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = FinetuneConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.finetune", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--arch", choices=["cookbook", "gpt2", "llama"], default=defaults.arch,
+        help="cookbook = recipes/toy.py's TransformerLM (size: --model); gpt2 / llama = tiny "
+        "Hugging Face models built from config (needs transformers)")
+    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model,
+        help="model size, for --arch cookbook")
+    add("--mode", choices=MODES, default=defaults.mode,
+        help="what trains: everything, the head, the last --last-k blocks + head, or adapters")
+    add("--strategy", choices=["ddp", "fully_shard"], default=defaults.strategy,
+        help="how the ranks share the work")
+    add("--steps", type=int, default=defaults.steps, help="optimizer steps (>= 1)")
+    add("--global-batch-size", type=int, default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=float, default=defaults.lr, help="AdamW's (> 0)")
+    add("--seed", type=int, default=defaults.seed,
+        help="model init, adapters and data order; the same losses on any world size")
+    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
+        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: mixed precision (fp16 with a loss scaler)")
+    add("--last-k", type=int, default=defaults.last_k,
+        help="partial: how many of the last blocks train (with the head)")
+    add("--lora-rank", type=int, default=defaults.lora_rank,
+        help="LoRA: the rank r of each adapter (A: r x in, B: out x r)")
+    add("--lora-alpha", type=float, default=defaults.lora_alpha,
+        help="LoRA: the update is scaled by alpha / rank")
+    add("--lora-targets", default=defaults.lora_targets,
+        help="LoRA: comma-separated fnmatch patterns of module names, e.g. '*.attn.wq,*.attn.wv'; "
+        "empty = the ready-made ones for --arch")
+    add("--checkpoint-dir", default=defaults.checkpoint_dir,
+        help="rank 0 writes trainable.pt (and merged.pt for LoRA) here")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=float, default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    try:
+        train(FinetuneConfig(**vars(args)))
+    except ValueError as exc:  # bad input every rank sees (a target that matches nothing)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    run_cli(train, FinetuneConfig, __doc__)
+    main()

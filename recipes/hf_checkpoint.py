@@ -4,6 +4,9 @@
     python -m recipes.hf_checkpoint --model llama --max-file-bytes 100000   # a world of 1
     torchrun --standalone --nproc_per_node=2 -m recipes.hf_checkpoint --hf-dir my_model/  # yours
 
+Copy with it: recipes/toy.py (the data you replace), recipes/dist_setup.py (join and leave the
+world), recipes/parallelize.py (``build_sharded_on_meta``, ``local_slices``).
+
 In: a directory that ``save_pretrained`` wrote (``config.json``, ``model.safetensors`` or several
 files with ``model.safetensors.index.json``) goes into a sharded model without ever being whole on
 one rank: the model is built on ``meta`` and sharded (recipes/meta_init.py), and each rank reads the
@@ -24,18 +27,26 @@ one name; ``from_pretrained`` ties the other back. Here the names of one paramet
 export writes the first name only, as ``save_pretrained`` does. A file whose names do not match the
 model's is refused before anything is read, in one line naming the missing and unexpected keys.
 
-Length: about 335 lines, over the cookbook's ~300: a user's folder is checked before any rank reads
-it (a file in its place, a config.json that is not one, a missing or truncated safetensors file),
-so that bad input is one line naming the file, not a crash on one rank and a hang on the others.
+``train`` prints one line per step from rank 0 and, after the export, how far the logits of
+``from_pretrained(out_dir/hf)`` are from the trained model's; it returns an ``HFCheckpointRun``:
+the global loss of each step, the files exported, that difference and which reader ran.
+
+Length: about 460 lines, over the cookbook's ~300: a user's folder is checked before any rank reads
+it (a file in its place, a config.json that is not one, a missing or truncated safetensors file,
+an output folder under a file), so that bad input is one line naming the file, not a crash on one
+rank and a hang on the others; and the command line checks each option's value in one line.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import shutil
-from dataclasses import dataclass
-from typing import Literal
+import sys
+import tempfile
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -47,42 +58,40 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.core.cli import run_cli
-from recipes.core.config import Config, RecipeError, opt, per_rank_batch_size
-from recipes.core.log import get_logger
-from recipes.core.paths import input_dir_problem, output_dir_problem, refuse
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.state import all_ranks, mean_over_ranks
-from recipes.core.workload import (
-    SyntheticTokens,
-    distributed_loader,
-    iterate_steps,
-    lm_loss,
-)
-from recipes.core.world import join_world
+from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.parallelize import build_sharded_on_meta, local_slices
+from recipes.toy import SyntheticTokens, lm_loss
 
-log = get_logger(__name__)
 INDEX, SEQ_LEN = "model.safetensors.index.json", 16
 
 
+class HFCheckpointError(ValueError):
+    """A folder or file that cannot be used, in one line that names it and the fix."""
+
+
 @dataclass
-class HFCheckpointConfig(Config):
-    model: Literal["gpt2", "llama"] = opt("gpt2", "tiny model built when --hf-dir is ''")
-    hf_dir: str = opt("", "a save_pretrained directory to start from; '' = write a tiny one first")
-    out_dir: str = opt("checkpoints/hf_checkpoint", "dcp/ (the run's checkpoint) and hf/ go here")
-    steps: int = opt(3, "fully_shard training steps between the load and the export", ge=0)
-    global_batch_size: int = opt(4, "sequences per step, summed over ranks", ge=1)
-    lr: float = opt(1e-3, "AdamW learning rate", gt=0)
-    seed: int = opt(0, "seed of the tiny model and the data", ge=0)
-    max_file_bytes: int = opt(0, "export into files of at most this many bytes, with an index "
-                                 "(0 = one model.safetensors)", ge=0)
-    reader: Literal["auto", "torch", "safetensors"] = opt(
-        "auto", "auto = torch's HuggingFaceStorageReader/Writer where it reads slices; "
-        "safetensors = read each shard with get_slice, export from rank 0")
-    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "process-group backend")
-    timeout_s: float = opt(300.0, "collective timeout in seconds", gt=0)
+class HFCheckpointConfig:
+    model: str = "gpt2"  # gpt2 | llama: the tiny model written first when hf_dir is ""
+    hf_dir: str = ""  # a save_pretrained directory to start from; "": write a tiny one first
+    out_dir: str = "checkpoints/hf_checkpoint"  # initial/, dcp/ (the run's checkpoint), hf/
+    steps: int = 3  # fully_shard training steps between the load and the export
+    global_batch_size: int = 4  # sequences per step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # of the tiny model and of the data
+    max_file_bytes: int = 0  # export into files of at most this many bytes; 0: one file
+    reader: str = "auto"  # auto | torch | safetensors (see the docstring)
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
+
+
+@dataclass
+class HFCheckpointRun:
+    losses: list[float]  # the global batch's loss of each step
+    files: list[str] = field(default_factory=list)  # what the export wrote into out_dir/hf
+    export_logits_max_abs_diff: float = math.nan  # from_pretrained(hf/) vs the trained model
+    torch_hf_storage: bool = False  # torch's HF reader/writer ran (else get_slice, rank 0)
 
 
 def tiny_config(name: str):
@@ -125,36 +134,42 @@ def safetensors_files(hf_dir: str) -> dict[str, str]:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise RecipeError(f"{index} is not an index save_pretrained writes ({exc!r}); "
-                              "save the model again, or remove the index") from None
+            raise HFCheckpointError(f"{index} is not an index save_pretrained writes ({exc!r}); "
+                                    "save the model again, or remove the index") from None
         files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
     else:
         single = os.path.join(hf_dir, "model.safetensors")
         if not os.path.exists(single):
-            raise RecipeError(f"no model.safetensors or {INDEX} in {hf_dir!r}; pass a directory "
-                              "that save_pretrained wrote")
+            raise HFCheckpointError(f"no model.safetensors or {INDEX} in {hf_dir!r}; pass a "
+                                    "directory that save_pretrained wrote")
         files = {}
     names = {}
     for path in sorted(set(files.values())) or [single]:
         if not os.path.isfile(path):
-            raise RecipeError(f"{INDEX} in {hf_dir!r} names {os.path.basename(path)}, which is "
-                              "missing; copy every file the index lists")
+            raise HFCheckpointError(f"{INDEX} in {hf_dir!r} names {os.path.basename(path)}, "
+                                    "which is missing; copy every file the index lists")
         try:
             with safe_open(path, framework="pt") as f:
                 names[path] = list(f.keys())
         except (OSError, SafetensorError) as exc:
-            raise RecipeError(f"{path} is not a readable safetensors file ({exc}); it may be "
-                              "truncated: save or download it again") from None
+            raise HFCheckpointError(f"{path} is not a readable safetensors file ({exc}); it may "
+                                    "be truncated: save or download it again") from None
     return files or dict.fromkeys(names[single], single)
 
 
 def check_hf_dir(hf_dir: str) -> None:
-    problem = input_dir_problem(hf_dir, "--hf-dir", "the directory save_pretrained wrote")
-    if problem:
-        raise RecipeError(problem)
+    """Every way a user's folder can be wrong, in one line naming the file, before any rank reads
+    it: otherwise one rank crashes inside the load while the others wait for it."""
+    what = "pass the directory save_pretrained wrote"
+    if not os.path.exists(hf_dir):
+        raise HFCheckpointError(f"--hf-dir {hf_dir} does not exist; {what}")
+    if not os.path.isdir(hf_dir):
+        raise HFCheckpointError(f"--hf-dir {hf_dir} is a file, not a directory; {what}")
+    if not os.access(hf_dir, os.R_OK | os.X_OK):
+        raise HFCheckpointError(f"--hf-dir {hf_dir} cannot be read by this user; {what}")
     config = os.path.join(hf_dir, "config.json")
     if not os.path.exists(config):
-        raise RecipeError(f"no config.json in {hf_dir!r}; pass a save_pretrained directory")
+        raise HFCheckpointError(f"no config.json in {hf_dir!r}; pass a save_pretrained directory")
     try:
         with open(config) as f:
             json.load(f)
@@ -162,8 +177,8 @@ def check_hf_dir(hf_dir: str) -> None:
         AutoConfig.from_pretrained(hf_dir)
     except (OSError, ValueError, KeyError) as exc:  # not JSON; JSON that names no known model
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RecipeError(f"{config} is not a model config ({first_line}); save it again with "
-                          "model.config.save_pretrained") from None
+        raise HFCheckpointError(f"{config} is not a model config ({first_line}); save it again "
+                                "with model.config.save_pretrained") from None
     safetensors_files(hf_dir)
 
 
@@ -172,7 +187,7 @@ def check_keys(model: nn.Module, names: set[str], where: str) -> None:
     expected = set(get_model_state_dict(model)) - set(aliases(model))
     missing, unexpected = sorted(expected - names), sorted(names - expected)
     if missing or unexpected:
-        raise RecipeError(
+        raise HFCheckpointError(
             f"{where} does not match {type(model).__name__}: missing keys {missing[:4]}"
             f"{' ...' if len(missing) > 4 else ''}, unexpected keys {unexpected[:4]}"
             f"{' ...' if len(unexpected) > 4 else ''}; pass the checkpoint of this architecture")
@@ -267,70 +282,186 @@ def build_hf_sharded(hf_config, mesh, device: torch.device) -> nn.Module:
     return model
 
 
-# --8<-- [start:run]
-def run(cfg: HFCheckpointConfig) -> RecipeResult:
-    if cfg.hf_dir:  # bad input fails here, before a world is started
+def check_out_dir(out_dir: str) -> None:
+    """Every rank writes under ``out_dir`` (its DCP shards): a file in the way, or a folder that
+    cannot be written, fails now, on every rank alike, not in ``makedirs`` after training."""
+    for path in (out_dir, *(os.path.join(out_dir, sub) for sub in ("initial", "dcp", "hf"))):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise HFCheckpointError(f"--out-dir {path} is a file; name a directory (created if "
+                                    "missing)")
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):  # what makedirs would create goes in here
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise HFCheckpointError(f"--out-dir {out_dir}: {existing} is a file, so nothing can be "
+                                "created under it; name a directory you can write to")
+    try:  # tried, not read off the mode bits, which say nothing to root or a read-only mount
+        with tempfile.NamedTemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise HFCheckpointError(f"--out-dir {out_dir}: cannot write in {existing} "
+                                f"({exc.strerror or exc}); name a directory you can write to")
+
+
+# --8<-- [start:train]
+def train(cfg: HFCheckpointConfig, observer=None) -> HFCheckpointRun:
+    """Load (or write a tiny one first), train sharded, save with DCP, export to Hugging Face."""
+    # Bad input fails here, before joining: every rank sees the same files and refuses at once
+    if cfg.hf_dir:
         check_hf_dir(cfg.hf_dir)
+    check_out_dir(cfg.out_dir)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        per_rank = per_rank_batch_size(cfg.global_batch_size, world.world_size)
-        # Every rank writes under --out-dir (its DCP shards): each looks, all stop together.
-        refuse(*(output_dir_problem(path, "--out-dir") for path in (
-            cfg.out_dir, *(os.path.join(cfg.out_dir, sub) for sub in ("initial", "dcp", "hf")))))
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
+    try:
+        if cfg.global_batch_size % world.world_size:
+            raise HFCheckpointError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across "
+                f"{world.world_size} ranks; use a multiple of {world.world_size}")
+        rank, world_size, device = world.rank, world.world_size, world.device
+        per_rank_batch = cfg.global_batch_size // world_size
         hf_dir = cfg.hf_dir or os.path.join(cfg.out_dir, "initial")
-        if not cfg.hf_dir and world.is_main:  # a from_pretrained-style start, as users have one
+        if not cfg.hf_dir and rank == 0:  # a from_pretrained-style start, as users have one
             torch.manual_seed(cfg.seed)
             AutoModelForCausalLM.from_config(tiny_config(cfg.model)).save_pretrained(hf_dir)
-        dist.barrier()
+        dist.barrier()  # nobody reads the folder before rank 0 has written it
         hf_config = AutoConfig.from_pretrained(hf_dir)
-        mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
-        model = build_hf_sharded(hf_config, mesh, world.device)
-        load_hf_sharded(model, hf_dir, reader=cfg.reader)
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
-        data = SyntheticTokens(cfg.global_batch_size * 4, SEQ_LEN, hf_config.vocab_size, cfg.seed)
-        loader, sampler = distributed_loader(data, rank=world.rank, world_size=world.world_size,
-                                             per_rank_batch_size=per_rank, seed=cfg.seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        losses, timer = [], StepTimer(world.device)
-        for step, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
-            with timer:
-                loss = lm_loss(model(inputs.to(world.device)).logits, targets.to(world.device))
+        # --8<-- [start:loop]
+        # Built on meta and sharded, then each rank reads only its own rows from the files: the
+        # model is never whole on one rank (from_pretrained on every rank would make it whole)
+        model = build_hf_sharded(hf_config, mesh, device)
+        load_hf_sharded(model, hf_dir, reader=cfg.reader)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # over this rank's shards
+        if observer: observer.model_ready(model, optimizer)
+
+        dataset = SyntheticTokens(cfg.global_batch_size * 4, SEQ_LEN, hf_config.vocab_size,
+                                  seed=cfg.seed)  # your tokenized text here
+        # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
+        # at step s is one process's batch s. drop_last keeps every global batch full.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
+
+        losses, step, epoch = [], 0, 0
+        while step < cfg.steps:
+            # Pitfall: without set_epoch every epoch repeats the first epoch's order
+            sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                if step == cfg.steps:
+                    break
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-            losses.append(mean_over_ranks(loss))
-            log.info("step %d loss %.4f", step, losses[-1])
+                loss = lm_loss(model(inputs).logits, targets)  # Hugging Face returns .logits
+                loss.backward()  # fully_shard reduce-scatters: each rank keeps its shard's grads
+                optimizer.step()  # each rank updates its own shards
+                # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
+                global_loss = loss.detach().float().clone()
+                dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+                losses.append(global_loss.item())
+                if rank == 0:
+                    print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+                if observer: observer.step_end(step, losses[-1])
+                step += 1
+            epoch += 1
+        # --8<-- [end:loop]
+
         # The run's own checkpoint (every rank writes its shards), then a fresh sharded model
         # loads it and exports it: the path from any fully_shard checkpoint to Hugging Face.
         dcp_dir, out = os.path.join(cfg.out_dir, "dcp"), os.path.join(cfg.out_dir, "hf")
-        if world.is_main:  # this recipe's own export directory: a rerun starts it afresh
+        if rank == 0:  # this recipe's own export directory: a rerun starts it afresh
             shutil.rmtree(out, ignore_errors=True)
         dcp.save(get_model_state_dict(model), checkpoint_id=dcp_dir)
-        exported = build_hf_sharded(hf_config, mesh, world.device)
+        exported = build_hf_sharded(hf_config, mesh, device)
         dcp.load(state := get_model_state_dict(exported), checkpoint_id=dcp_dir)
         set_model_state_dict(exported, state)
         files = export_hf(exported, out, max_file_bytes=cfg.max_file_bytes, reader=cfg.reader)
-        # Before the probe's forward: the root keeps its parameters unsharded after one.
-        local = sum(p.to_local().double().sum().item() for p in model.parameters())
-        checksum = torch.tensor([local], dtype=torch.float64, device=world.device)
-        dist.all_reduce(checksum)
-        shard_bytes = sum(p.to_local().nbytes for p in model.parameters())
-        probe = data.tokens[:2, :-1].to(world.device)
+        # The check a user would do: from_pretrained gives the trained model's logits
+        probe = dataset.tokens[:2, :-1].to(device)
         model.eval()  # as from_pretrained returns it: dropout off
         with torch.no_grad():
-            trained = model(probe).logits.float().cpu()
-        difference = float("nan")  # rank 0 measures it
-        if world.is_main:  # the check a user would do: from_pretrained gives the same logits
+            trained = model(probe).logits.float().cpu()  # a collective: every rank
+        difference = math.nan
+        if rank == 0:
             reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
             with torch.no_grad():
                 difference = (reloaded(probe.cpu()).logits - trained).abs().max().item()
-        return make_result("hf_checkpoint", world, losses, float(checksum.item()), timer,
-                           files=files, export_logits_max_abs_diff=difference,
-                           torch_hf_storage=cfg.reader != "safetensors" and torch_hf_storage(),
-                           param_bytes_per_rank=all_ranks(shard_bytes))
-# --8<-- [end:run]
+            print(f"exported {', '.join(files)} to {out}; from_pretrained's logits differ from "
+                  f"the trained model's by at most {difference:.3g}", flush=True)
+        return HFCheckpointRun(losses, files, difference,
+                               torch_hf_storage=cfg.reader != "safetensors" and torch_hf_storage())
+    finally:
+        cleanup_distributed()
+# --8<-- [end:train]
+
+
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def _backend(text: str) -> str:
+    if text == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
+            "use --backend gloo")
+    return text
+
+
+def make_parser() -> argparse.ArgumentParser:
+    defaults = HFCheckpointConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.hf_checkpoint", description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=["gpt2", "llama"], default=defaults.model,
+        help="the tiny model written first when --hf-dir is ''")
+    add("--hf-dir", default=defaults.hf_dir,
+        help="a save_pretrained directory to start from; '' = write a tiny one first")
+    add("--out-dir", default=defaults.out_dir,
+        help="initial/ (the tiny model), dcp/ (the run's checkpoint) and hf/ go here")
+    add("--steps", type=_number(int, at_least=0), default=defaults.steps,
+        help="fully_shard training steps between the load and the export")
+    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
+        help="sequences per step, summed over all ranks")
+    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
+    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
+        help="seed of the tiny model and of the data")
+    add("--max-file-bytes", type=_number(int, at_least=0), default=defaults.max_file_bytes,
+        help="export into files of at most this many bytes, with an index (0 = one "
+        "model.safetensors)")
+    add("--reader", choices=["auto", "torch", "safetensors"], default=defaults.reader,
+        help="auto = torch's HuggingFaceStorageReader/Writer where it reads slices; safetensors "
+        "= read each shard with get_slice, export from rank 0")
+    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = HFCheckpointConfig(**vars(make_parser().parse_args(argv)))
+    try:
+        train(cfg)
+    except ValueError as exc:  # bad input every rank sees (a truncated file, a file as a folder)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    run_cli(run, HFCheckpointConfig, __doc__)
+    main()

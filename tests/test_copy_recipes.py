@@ -133,6 +133,10 @@ RUNS = {
     # 3 micro-batches of 2 on each of the 2 ranks, as results/grad_accumulation.json was measured
     "grad_accumulation": ("torchrun", ["--steps", "3", "--micro-batches", "3", "--backend",
                                        "gloo", "--precision", "fp32"]),
+    # the tiny GPT-2 written, loaded sharded, 2 steps, exported into the copy's project folder
+    "hf_checkpoint": ("torchrun", ["--steps", "2", "--backend", "gloo"]),
+    # LoRA under DDP, the defaults, 3 steps; gloo and fp32 as results/finetune.json was measured
+    "finetune": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
 }
 
 
@@ -574,3 +578,31 @@ def check_grad_accumulation(stdout: str) -> None:
 
 
 CHECKS["grad_accumulation"] = check_grad_accumulation
+
+
+def check_hf_checkpoint(stdout: str) -> None:
+    # the package's own 2-rank losses (results/hf_checkpoint.json), and an export that
+    # from_pretrained loads with the trained model's logits
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("hf_checkpoint")[:2], atol=6e-5)
+    assert len(losses) == 2, stdout
+    difference = re.findall(r"^exported config.json, model.safetensors to checkpoints/"
+                            r"hf_checkpoint/hf; from_pretrained's logits differ from the trained "
+                            r"model's by at most (\S+)$", stdout, re.M)
+    assert len(difference) == 1 and float(difference[0]) <= 1e-6, stdout
+
+
+CHECKS["hf_checkpoint"] = check_hf_checkpoint
+
+
+def check_finetune(stdout: str) -> None:
+    # the adapters alone train (2048 of the tiny model's 31872 parameters), with the package's
+    # own 2-rank losses (results/finetune.json: the defaults), one line per step from rank 0
+    assert ("lora fine-tuning with ddp on 2 rank(s): 2048 of 31872 parameters train (6.43%)"
+            in stdout), stdout
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("finetune")[:3], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["finetune"] = check_finetune

@@ -247,9 +247,13 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
                if observer.device.type == "cuda" else 1)
     # single_gpu: batch_size; meta_init trains nothing: no tokens per step (tokens/s and MFU 0)
     batch = getattr(cfg, "global_batch_size", None) or getattr(cfg, "batch_size", 0)
-    # an observer's model_config: the FLOPs a token costs where the preset's are not them (MoE)
+    # an observer's model_config: the FLOPs a token costs where the preset's are not them (MoE),
+    # or the shapes of a model that is not a cookbook preset (a Hugging Face model)
     workload = Workload(getattr(observer, "model_config", None) or MODEL_PRESETS[cfg.model],
                         batch, observer.precision)
+    speed = workload.measure(observer.seconds_per_step, observer.device, devices)
+    if not getattr(observer, "counts_model_flops", True):  # the FLOPs formula does not fit it
+        speed.update(model_tflops=0.0, mfu=None)
     return RecipeResult(
         recipe=name,
         world_size=observer.world_size,
@@ -262,7 +266,7 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
         extras={"memory_per_rank": observer.memory_per_rank, **observer.extras,
                 **returned_extras},
         final_state=observer.final_state,
-        **{**workload.measure(observer.seconds_per_step, observer.device, devices),
+        **{**speed,
            # where the forward's dtype is not the whole story (float8: bf16 outputs, bf16 peak)
            **({"precision": observer.precision_label} if observer.precision_label else {})},
     )
@@ -1291,3 +1295,154 @@ class GradAccumulationObserver(Observer):
 
 
 OBSERVERS["grad_accumulation"] = GradAccumulationObserver
+
+
+class HFCheckpointObserver(Observer):
+    """recipes/hf_checkpoint.py: a fully_shard run of a Hugging Face model. Into ``extras``:
+    ``param_bytes_per_rank`` (each rank's shards, read when the model is ready, before any
+    forward). The checksum sums ``model.parameters()`` (GPT-2's tied embedding once) shard by
+    shard; a run of 0 steps (a load, then the export) has the loaded weights as its final state.
+    tokens/s counts the recipe's sequences; the FLOPs formula is the cookbook model's: left out.
+    """
+
+    counts_model_flops = False
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        from recipes.core.workload import ModelConfig
+
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.model_config = ModelConfig(vocab_size=128, seq_len=16, dim=64, n_layers=2,
+                                          n_heads=4)  # only seq_len counts: tokens per sequence
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().model_ready(model, optimizer)
+        self.extras["param_bytes_per_rank"] = all_ranks(
+            sum(p.to_local().nbytes for p in model.parameters()))
+        if self.steps == 0:
+            self.gather_final_state()
+        self._restart_clock()
+
+    def gather_final_state(self) -> None:
+        local = sum(p.to_local().double().sum().item() for p in self._model.parameters())
+        checksum = torch.tensor([local], dtype=torch.float64, device=self.device)
+        dist.all_reduce(checksum)  # every rank: the sum over all shards
+        self.param_checksum = float(checksum.item())
+        if self.keep_final_state:
+            state, _ = full_state_on_rank0(self._model)
+            if self.rank == 0:
+                self.final_state = state
+
+
+OBSERVERS["hf_checkpoint"] = HFCheckpointObserver
+
+
+class FinetuneObserver(Observer):
+    """recipes/finetune.py: what freezing saves, measured on the model it trains (into ``extras``).
+
+    When the model is ready: ``trainable_params``, ``total_params`` (tied weights once),
+    ``trainable_fraction``, ``trainable_names``, and, unless the mode is full, full fine-tuning's
+    bytes of the same model and strategy (``full_finetune_memory_per_rank``): built with the
+    recipe's own ``adapt``/``wrap``, one step, read, freed. Under DDP a comm hook counts the
+    gradient bytes all-reduced (``reduced_bytes_per_step``). After the last step, before the
+    recipe's next ``zero_grad``: ``memory_per_rank`` (this run's), ``bytes_saved_per_rank``,
+    ``frozen_grads_none_per_rank``, the optimizer's tensors and state tensors. The final state
+    holds the model's parameter names (GPT-2's tied ``lm_head.weight`` once), its checksum the
+    recipe's earlier one. No FLOPs count: 6 x parameters counts weight gradients that frozen
+    weights never compute.
+    """
+
+    counts_model_flops = False
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        from recipes import finetune
+
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.cfg = cfg
+        self.model_config = (MODEL_PRESETS[cfg.model] if cfg.arch == "cookbook"
+                               else finetune.HF_DATA)
+        self.extras.update(mode=cfg.mode, strategy=cfg.strategy, arch=cfg.arch)
+        self._full_bytes: dict[str, int] | None = None
+        self._reduced: dict[str, int] | None = None
+
+    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        base = getattr(model, "module", model)  # DDP's wrapped module
+        params = list(base.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        total = sum(p.numel() for p in params)
+        self.extras.update(
+            trainable_params=trainable, total_params=total, trainable_fraction=trainable / total,
+            trainable_names=[n for n, p in base.named_parameters() if p.requires_grad])
+        if self.cfg.mode != "full":  # before the clock starts: not the run's time
+            self._full_bytes = self._full_finetune_bytes(base)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self._reduced = {"bytes": 0}
+            model.register_comm_hook(None, self._count_and_allreduce)
+        super().model_ready(model, optimizer)
+
+    def _count_and_allreduce(self, state, bucket):  # DDP checks the annotations: none
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._reduced["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return allreduce_hook(None, bucket)  # what DDP does without a hook: the average
+
+    def _full_finetune_bytes(self, trained: nn.Module) -> dict[str, int]:
+        """Every parameter trainable, the same wrapper and precision: the bytes after one step."""
+        import gc
+
+        from recipes import finetune
+
+        cfg = dataclasses.replace(self.cfg, mode="full")
+        first = next(trained.parameters())
+        device = first.device
+        precision = finetune.resolve_precision(cfg.precision, device)
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        model, _ = finetune.adapt(cfg, "full")
+        wrapped = finetune.wrap(model, cfg.strategy, mesh=getattr(first, "device_mesh", None),
+                                device=device, low=low,
+                                block_types=finetune.ready_made_targets(cfg.arch).block_types)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                      fused=True if device.type == "cuda" else None)
+        per_rank = cfg.global_batch_size // (dist.get_world_size() if dist.is_initialized() else 1)
+        tokens = finetune.make_dataset(self.model_config, cfg.global_batch_size,
+                                       seed=cfg.seed).tokens[:per_rank].to(device)
+        autocast = low is not None and cfg.strategy == "ddp"
+        with torch.autocast(device.type, dtype=low or torch.float32, enabled=autocast):
+            loss = finetune.lm_loss(finetune.logits_of(wrapped(tokens[:, :-1])), tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        held = model_state_bytes(model, optimizer)
+        del model, wrapped, optimizer, loss
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        return held
+
+    def measure(self, step: int) -> None:
+        if step == self.steps - 1:  # after the optimizer step, before the next zero_grad
+            base = getattr(self._model, "module", self._model)
+            own = model_state_bytes(self._model, self._optimizer)
+            full = self._full_bytes or own
+            self.extras.update(
+                full_finetune_memory_per_rank=all_ranks(full),
+                bytes_saved_per_rank=all_ranks(sum(full.values()) - sum(own.values())),
+                frozen_grads_none_per_rank=all_ranks(
+                    all(p.grad is None for p in base.parameters() if not p.requires_grad)),
+                optimizer_tensors=sum(len(g["params"]) for g in self._optimizer.param_groups),
+                optimizer_state_tensors=len(self._optimizer.state),
+                reduced_bytes_per_step=(self._reduced["bytes"] / self.steps
+                                        if self._reduced else None))
+            super().measure(step)
+            self.memory_per_rank = all_ranks(own)  # after the last step, as full's was read
+        else:
+            super().measure(step)
+
+    def gather_final_state(self) -> None:
+        names = [n for n, _ in getattr(self._model, "module", self._model).named_parameters()]
+        state, _ = full_state_on_rank0(self._model)  # every rank: a collective; rank 0 has it
+        state = {name: state[name] for name in names} if state else {}
+        self.param_checksum = param_checksum(state.values())
+        if self.keep_final_state and self.rank == 0:
+            self.final_state = state
+
+
+OBSERVERS["finetune"] = FinetuneObserver

@@ -43,7 +43,8 @@ PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "da
             "profiling",
             "fsdp", "float8", "performance",
             "expert_parallel", "pipeline_parallel",
-            "grad_accumulation")
+            "grad_accumulation",
+            "hf_checkpoint", "finetune")
 
 
 def prove_command(command: str, name: str) -> str:
