@@ -119,7 +119,7 @@ def recipes_at_world_1(
             lightning_trainer.train,
             lightning_trainer.LightningConfig(**common, output_dir=out, logger="none"),
         ),
-        ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**common)),
+        ("lightning_fabric", proven, lightning_fabric.FabricConfig(**common)),
         (
             "checkpointing: none",
             proven,
@@ -168,7 +168,7 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
              tp_config(**b64, compile_backend=compile_backend)),
             ("lightning_trainer", lightning_trainer.train,
              lightning_trainer.LightningConfig(**b64, output_dir=out, logger="none")),
-            ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**b64)),
+            ("lightning_fabric", proven, lightning_fabric.FabricConfig(**b64)),
             ("checkpointing: none + compile", proven,
              ac(**b64, **compiled, mode="none")),
             ("checkpointing: per_block + compile", proven,

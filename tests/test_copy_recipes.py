@@ -99,6 +99,9 @@ RUNS = {
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
                                 "--assert-equal", "--atol", "1e-5"]),
+    # gloo and 32-true on a GPU host too: results/lightning_fabric.json is CPU fp32, 2 ranks
+    "lightning_fabric": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                      "32-true"]),
 }
 
 
@@ -401,3 +404,13 @@ CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
           "context_parallel": check_context_parallel,
           "activation_checkpointing": check_activation_checkpointing,
           "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint}
+
+
+def check_lightning_fabric(stdout: str) -> None:
+    # Fabric's DDP over the 2 ranks, rank 0 printing: the package's own 2-rank losses
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("lightning_fabric")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["lightning_fabric"] = check_lightning_fabric

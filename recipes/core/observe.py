@@ -663,3 +663,19 @@ OBSERVERS: dict[str, Callable[..., Observer]] = {
     "context_parallel": ContextParallelObserver,
     "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver,
     "sharded_checkpoint": CheckpointObserver}
+
+
+class ResumableObserver(Observer):
+    """recipes/lightning_fabric.py: ``start_step`` in ``extras``, the first step the run trained
+    (past 0 where it resumed from a checkpoint; the recipe returns the losses of the steps it
+    trained)."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+
+    def step_end(self, step: int, loss: float) -> None:
+        self.extras.setdefault("start_step", step)
+        super().step_end(step, loss)
+
+
+OBSERVERS["lightning_fabric"] = ResumableObserver

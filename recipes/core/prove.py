@@ -26,7 +26,8 @@ __all__ = ["PROVABLE", "main", "prove_command"]
 # The copyable recipes whose function takes an observer (model_ready, step_end).
 PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
             "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
-            "meta_init", "sharded_checkpoint")
+            "meta_init", "sharded_checkpoint",
+            "lightning_fabric")
 
 
 def prove_command(command: str, name: str) -> str:
