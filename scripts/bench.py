@@ -116,7 +116,7 @@ def recipes_at_world_1(
         ),
         (
             "lightning_trainer",
-            lightning_trainer.train,
+            proven,
             lightning_trainer.LightningConfig(**common, output_dir=out, logger="none"),
         ),
         ("lightning_fabric", proven, lightning_fabric.FabricConfig(**common)),
@@ -166,7 +166,7 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
             ("fsdp2 + compile", fsdp2_proven, fsdp2_config(**b64, **compiled)),
             ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
              tp_config(**b64, compile_backend=compile_backend)),
-            ("lightning_trainer", lightning_trainer.train,
+            ("lightning_trainer", proven,
              lightning_trainer.LightningConfig(**b64, output_dir=out, logger="none")),
             ("lightning_fabric", proven, lightning_fabric.FabricConfig(**b64)),
             ("checkpointing: none + compile", proven,
@@ -486,7 +486,7 @@ def main(argv=None) -> int:
             ("fsdp2 + compile", fsdp2.train, fsdp2_config(
                 **batch32, compile=True, compile_backend=compile_backend)),
             ("bare loop", performance.train, performance.PerformanceConfig(**batch64)),
-            ("lightning_trainer", lightning_trainer.train, lightning_trainer.LightningConfig(
+            ("lightning_trainer", proven, lightning_trainer.LightningConfig(
                 **batch64, output_dir=out, logger="none")),
         ]
         texts = []

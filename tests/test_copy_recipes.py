@@ -102,6 +102,9 @@ RUNS = {
     # gloo and 32-true on a GPU host too: results/lightning_fabric.json is CPU fp32, 2 ranks
     "lightning_fabric": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
                                       "32-true"]),
+    # the Trainer's DDP over the 2 ranks; no logger: nothing but the lines per step
+    "lightning_trainer": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                       "32-true", "--logger", "none"]),
 }
 
 
@@ -414,3 +417,13 @@ def check_lightning_fabric(stdout: str) -> None:
 
 
 CHECKS["lightning_fabric"] = check_lightning_fabric
+
+
+def check_lightning_trainer(stdout: str) -> None:
+    # the Trainer's DDP over the 2 ranks, rank 0 printing: the package's own 2-rank losses
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("lightning_trainer")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["lightning_trainer"] = check_lightning_trainer

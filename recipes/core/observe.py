@@ -679,3 +679,14 @@ class ResumableObserver(Observer):
 
 
 OBSERVERS["lightning_fabric"] = ResumableObserver
+
+
+def _lightning_observer(cfg: Any, *, keep_final_state: bool = False) -> Observer:
+    """recipes/lightning_trainer.py's: a Lightning Callback (recipes.core.lightning), imported
+    only when asked for: Lightning takes seconds to import."""
+    from recipes.core.lightning import LightningObserver
+
+    return LightningObserver(cfg, keep_final_state=keep_final_state)
+
+
+OBSERVERS["lightning_trainer"] = _lightning_observer

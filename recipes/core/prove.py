@@ -27,7 +27,7 @@ __all__ = ["PROVABLE", "main", "prove_command"]
 PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
             "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
             "meta_init", "sharded_checkpoint",
-            "lightning_fabric")
+            "lightning_fabric", "lightning_trainer")
 
 
 def prove_command(command: str, name: str) -> str:
