@@ -171,7 +171,10 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
         args = [arg.format(repo=REPO_ROOT) for arg in RUNS[name][1]]
         copies.append({"name": name, "project": str(project), "args": args, "timeout_s": 120})
     plan = where / "plan.json"
-    plan.write_text(json.dumps({"copies": copies, "out": str(where / "out")}))
+    # the Lightning recipes' copies import it: once per launched process, not once per copy
+    preimport = ["lightning"] if any(name.startswith("lightning") for name in names) else []
+    plan.write_text(json.dumps({"copies": copies, "out": str(where / "out"),
+                                "preimport": preimport}))
     launcher = where / "copy_launcher.py"  # beside no cookbook: it imports none of it
     shutil.copy(Path(REPO_ROOT, "tests", "copy_launcher.py"), launcher)
     env = users_environment(where / "launcher")

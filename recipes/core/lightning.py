@@ -21,7 +21,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from recipes.core.observe import Observer
