@@ -205,6 +205,19 @@ class ProfilerSteps:
         self.profiler.step()
 
 
+def lightning_profiler_steps(profiler):
+    """ProfilerSteps for recipes/lightning_trainer.py, whose observer is a Callback on its Trainer:
+    ``profiler.step()`` at the end of each optimizer step's last micro-batch."""
+    import lightning as L
+
+    class LightningProfilerSteps(ProfilerSteps, L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+                self.step_end(trainer.global_step - 1, float("nan"))
+
+    return LightningProfilerSteps(profiler)
+
+
 class StepMarks(logging.Handler):
     """Calls ``profiler.step()`` at each "step N loss ..." line a recipe logs: the profiler's
     schedule then counts the recipe's own steps, seen from outside."""
@@ -235,7 +248,9 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
             logger.addHandler(handler)
         try:
             if "observer" in inspect.signature(train).parameters:  # a copyable recipe
-                train(cfg, observer=ProfilerSteps(prof))
+                steps = (lightning_profiler_steps if cfg_recipe(cfg) == "lightning_trainer"
+                         else ProfilerSteps)
+                train(cfg, observer=steps(prof))
             else:
                 train(cfg)
         finally:
@@ -486,7 +501,7 @@ def main(argv=None) -> int:
             ("fsdp2 + compile", fsdp2.train, fsdp2_config(
                 **batch32, compile=True, compile_backend=compile_backend)),
             ("bare loop", performance.train, performance.PerformanceConfig(**batch64)),
-            ("lightning_trainer", proven, lightning_trainer.LightningConfig(
+            ("lightning_trainer", lightning_trainer.train, lightning_trainer.LightningConfig(
                 **batch64, output_dir=out, logger="none")),
         ]
         texts = []
