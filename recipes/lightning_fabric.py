@@ -78,6 +78,21 @@ class FabricConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        # what the command line checks, also for a config built in code: one line, not a
+        # ZeroDivisionError or a KeyError deep inside train
+        for name, low, above in (("steps", 1, False), ("global_batch_size", 1, False),
+                                 ("lr", 0, True), ("accumulate_grad_batches", 1, False),
+                                 ("gradient_clip_val", 0, False), ("timeout_s", 0, True),
+                                 ("checkpoint_every_n_steps", 0, False), ("seed", 0, False)):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < low or (above and value == low):
+                raise ValueError(f"{name} must be a finite number {'>' if above else '>='} "
+                                 f"{low}, got {value}")
+        for name, valid in (("model", sorted(MODEL_PRESETS)), ("precision", PRECISIONS),
+                            ("backend", ("auto", "nccl", "gloo"))):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r}; valid values: "
+                                 f"{', '.join(valid)}")
         if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
             raise ValueError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
                              f"steps={self.steps}: no checkpoint would be written; use "

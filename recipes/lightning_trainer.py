@@ -34,7 +34,7 @@ bare loop (+4.8%; scripts/bench.py): the Trainer wraps even one device in DDP, a
 ``train_loss`` with ``sync_dist`` synchronises the host with the GPU 5 times a step. Log less often
 (``log_every_n_steps``) where the step is short.
 
-Length: about 620 lines, over the cookbook's ~300, on purpose: one LightningModule and DataModule
+Length: about 650 lines, over the cookbook's ~300, on purpose: one LightningModule and DataModule
 serve four strategies and two command lines (the flags and LightningCLI's YAML). The workarounds
 around Lightning and torch (FSDP on CPU, HYBRID_SHARD with one rank per node, gloo teardown,
 warnings) live in recipes/_lightning_trainer_workarounds.py.
@@ -107,6 +107,27 @@ class LightningConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        # what the command line checks, also for a config built in code: one line, not a
+        # ZeroDivisionError or a KeyError deep inside Lightning
+        for name, low, above in (("steps", 1, False), ("global_batch_size", 1, False),
+                                 ("lr", 0, True), ("accumulate_grad_batches", 1, False),
+                                 ("gradient_clip_val", 0, False), ("timeout_s", 0, True),
+                                 ("devices", 0, False), ("num_nodes", 0, False),
+                                 ("tensor_parallel_size", 0, False),
+                                 ("checkpoint_every_n_steps", 0, False), ("seed", 0, False)):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < low or (above and value == low):
+                raise ConfigError(f"{name} must be a finite number {'>' if above else '>='} "
+                                  f"{low}, got {value}")
+        for name, valid in (("model", sorted(MODEL_PRESETS)), ("strategy", STRATEGIES),
+                            ("precision", PRECISIONS), ("sharding_strategy", SHARDING),
+                            ("state_dict_type", ("sharded", "full")),
+                            ("logger", ("csv", "tensorboard", "none")),
+                            ("progress_bar", ("auto", "on", "off")),
+                            ("backend", ("auto", "nccl", "gloo"))):
+            if getattr(self, name) not in valid:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; valid values: "
+                                  f"{', '.join(valid)}")
         if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
             raise ConfigError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
                               f"steps={self.steps}: no checkpoint would be written; use "

@@ -139,3 +139,14 @@ def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: --resume-from {truncated} cannot be read as a checkpoint"), err
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"accumulate_grad_batches": 0}, "accumulate_grad_batches must be a finite number >= 1, got 0"),
+    ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
+    ({"model": "huge"}, "model='huge'; valid values: 100m, small, tiny"),
+])
+def test_a_config_built_in_code_is_checked_like_the_command_line(changes, message):
+    # not a ZeroDivisionError (or a KeyError) from inside train: the command line's one line
+    with pytest.raises(ValueError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+        fabric_cfg(**changes)

@@ -454,3 +454,14 @@ def test_a_bad_number_is_one_line_and_exit_2(capsys):
     # argparse's own refusal, as every copyable recipe's: the usage line, then the one error line
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "error: argument --gradient-clip-val: must be a finite number >= 0, got nan")
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches must be a finite number >= 1, got 0"),
+    ({"tensor_parallel_size": -2}, r"tensor_parallel_size must be a finite number >= 0, got -2"),
+    ({"strategy": "deepspeed"}, r"strategy='deepspeed'; valid values: ddp, ddp_spawn, fsdp, model_parallel"),
+])
+def test_a_config_built_in_code_is_checked_like_the_command_line(tmp_path, changes, message):
+    # not a ZeroDivisionError from the batch check, or Lightning's traceback: one line
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        lightning_cfg(str(tmp_path), **changes)
