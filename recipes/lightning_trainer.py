@@ -5,6 +5,9 @@ The flags below run train(); a first argument `fit` or `validate` goes to Lightn
     python -m recipes.lightning_trainer --strategy ddp_spawn --devices 2   # Lightning spawns 2
     python -m recipes.lightning_trainer fit --config configs/lightning/ddp.yaml   # LightningCLI
 
+Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/parallelize.py,
+recipes/_lightning_trainer_workarounds.py
+
 Two command lines share this module, told apart by the first argument:
 
 - a LightningCLI subcommand (``fit``, ``validate``) goes to LightningCLI with this module's
@@ -12,10 +15,9 @@ Two command lines share this module, told apart by the first argument:
   YAML (``--config``) and ``--trainer.*`` / ``--model.*`` / ``--data.*`` flags; ``fit --help``
   and ``fit --print_config`` show them all. Lightning launches the processes itself
   (``trainer.devices: 2`` re-runs the command once per extra device). A bad value is one line.
-- anything else (``--strategy fsdp --steps 6``) goes to the project's dataclass command line:
-  ``train(cfg)`` returns a RecipeResult, printed as JSON on rank 0's last stdout line. The
-  processes come from torchrun (or the tests' spawned world); ``ddp_spawn`` is the exception,
-  Lightning spawns its ``--devices`` processes.
+- anything else (``--strategy fsdp --steps 6``) goes to ``make_parser``: ``train(cfg)`` fits and
+  prints one line per step from rank 0 (``step 0 loss 4.3398``). The processes come from torchrun;
+  ``ddp_spawn`` is the exception, Lightning spawns its ``--devices`` processes.
 
 Multi-node: under torchrun, run the same command on every node (the node count follows from
 WORLD_SIZE / LOCAL_WORLD_SIZE); under SLURM, ``srun`` starts one task per device and Lightning
@@ -25,151 +27,145 @@ Lightning and raw DDP agree exactly (tests/test_lightning_trainer.py): same init
 (``build_model``), same data order (our DistributedSampler, ``use_distributed_sampler=False``),
 same loss (``lm_loss``), same AdamW; the DDP strategy averages gradients the way DDP does.
 Pitfalls named where they bite: resuming mid-epoch, 16-bit AMP on CPU, FSDP on CPU, HYBRID_SHARD
-with one rank per node, reading the full weights out of a sharded model.
+with one rank per node.
 
 Speed: on one H200 (100m, bf16, batch 64, torch 2.11) a step ran 70.6 ms against 67.4 for the
-bare loop (+4.8%; scripts/bench.py, 2026-11-26). The profile names both parts: the Trainer wraps
-even one device in DDP (its bucket copies and per-gradient division: ddp_torchrun alone costs
-+2.5%), and logging ``train_loss`` with ``sync_dist`` and reading it back synchronises the host
-with the GPU 5 times a step (cudaStreamSynchronize), so the GPU idles while the next step is
-queued. Log less often (``log_every_n_steps``) where the step is short.
+bare loop (+4.8%; scripts/bench.py): the Trainer wraps even one device in DDP, and logging
+``train_loss`` with ``sync_dist`` synchronises the host with the GPU 5 times a step. Log less often
+(``log_every_n_steps``) where the step is short.
 
 Length: about 650 lines, over the cookbook's ~300, on purpose: one LightningModule and DataModule
-serve four strategies and two command lines. The workarounds around Lightning (FSDP on CPU, gloo
-teardown, gathering the full weights, warnings) live in recipes/core/lightning.py.
+serve four strategies and two command lines (the flags and LightningCLI's YAML). The workarounds
+around Lightning and torch (FSDP on CPU, HYBRID_SHARD with one rank per node, gloo teardown,
+warnings) live in recipes/_lightning_trainer_workarounds.py.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import math
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.utils.data import DataLoader, DistributedSampler
 
 # FSDPOnCPUStrategy: the YAML configs name it as recipes.lightning_trainer.FSDPOnCPUStrategy.
-__all__ = [
-    "FSDPOnCPUStrategy",
-    "LMDataModule",
-    "LMModule",
-    "LightningConfig",
-    "lightning_cli",
-    "train",
-]
-from torch.utils.data import DataLoader
-
-from recipes.core.cli import run_cli
-from recipes.core.config import (
-    RecipeError,
-    TrainConfig,
-    exit_with,
-    opt,
-    per_rank_batch_size,
-)
-from recipes.core.lightning import (
+from recipes._lightning_trainer_workarounds import (
     FSDPOnCPUStrategy,
     LeaveWorld,
-    RecipeMetrics,
-    StepLog,
     filter_known_warnings,
-    full_state,
-    tensorboard_available,
+    hybrid_shard_layout,
 )
-from recipes.core.log import get_logger
-from recipes.core.paths import input_file_problem, output_dir_problem, refuse
-from recipes.core.result import RecipeResult, StepTimer, make_result
-from recipes.core.speed import lightning_precision
-from recipes.core.throughput import Workload
-from recipes.core.workload import (
-    MODEL_PRESETS,
-    Block,
-    build_model,
-    distributed_loader,
-    lm_loss,
-    make_dataset,
-)
-from recipes.core.world import World, join_world, resolve_backend
+from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
-log = get_logger(__name__)
+__all__ = ["FSDPOnCPUStrategy", "LMDataModule", "LMModule", "LightningConfig", "LightningRun",
+           "ConfigError", "lightning_cli", "make_parser", "train"]
 
 LIGHTNING_CLI_SUBCOMMANDS = ("fit", "validate")
+STRATEGIES = ("ddp", "ddp_spawn", "fsdp", "model_parallel")
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed")  # Lightning's own names, plus auto
+SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot run: one line for the command line, never a traceback."""
 
 
 @dataclass
-class LightningConfig(TrainConfig):
-    strategy: Literal["ddp", "ddp_spawn", "fsdp", "model_parallel"] = opt(
-        "ddp",
-        "Lightning strategy; ddp_spawn starts --devices processes itself, the others join "
-        "torchrun's world",
-    )
-    # Lightning's own precision names (plus auto), not the cookbook's: Lightning users know these.
-    precision: Literal[  # type: ignore[assignment]
-        "auto", "32-true", "bf16-mixed", "16-mixed"
-    ] = opt(
-        "auto",
-        "Lightning precision; auto = bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA",
-    )
-    devices: int = opt(
-        0,
-        "processes per node; 0 = as the launcher says (LOCAL_WORLD_SIZE); ddp_spawn: how many "
-        "to start",
-        ge=0,
-    )
-    num_nodes: int = opt(0, "nodes; 0 = WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1", ge=0)
-    accumulate_grad_batches: int = opt(
-        1, "micro-batches per optimizer step (the global batch stays global_batch_size)", ge=1
-    )
-    gradient_clip_val: float = opt(
-        0.0, "clip the global gradient norm to this value; 0 = off", ge=0
-    )
-    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = opt(
-        "FULL_SHARD",
-        "fsdp: what to shard (FULL_SHARD = params, grads and optimizer state; HYBRID_SHARD: GPUs)",
-    )
-    activation_checkpointing: bool = opt(
-        False, "fsdp: recompute each Block's activations in backward"
-    )
-    cpu_offload: bool = opt(
-        False, "fsdp on GPUs: keep sharded params and optimizer state in CPU memory"
-    )
-    state_dict_type: Literal["sharded", "full"] = opt(
-        "sharded",
-        "fsdp checkpoints: a folder with one shard per rank, or one full file written by rank 0 "
-        "(GPUs)",
-    )
-    tensor_parallel_size: int = opt(
-        0, "model_parallel: ranks per tensor-parallel group; 0 = all ranks of a node", ge=0
-    )
-    checkpoint_every_n_steps: int = opt(
-        0, "ModelCheckpoint saves every N optimizer steps; 0 = no checkpoints", ge=0
-    )
-    resume_from: str = opt(
-        "", "checkpoint to resume from (Trainer.fit ckpt_path): a .ckpt file or FSDP folder"
-    )
-    logger: Literal["csv", "tensorboard", "none"] = opt(
-        "csv", "metrics logger, written under --output-dir"
-    )
-    output_dir: str = opt("lightning_logs", "where logs and checkpoints go")
-    progress_bar: Literal["auto", "on", "off"] = opt(
-        "auto", "auto = Lightning's bar on a terminal; in CI logs one line per step replaces it"
-    )
+class LightningConfig:
+    model: str = "tiny"  # a key of MODEL_PRESETS
+    steps: int = 6
+    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
+    lr: float = 1e-3
+    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    strategy: str = "ddp"  # ddp_spawn starts --devices processes itself; the others join torchrun's
+    precision: str = "auto"  # auto: bf16-mixed on a GPU, 32-true on CPU
+    devices: int = 0  # processes per node; 0: as the launcher says; ddp_spawn: how many to start
+    num_nodes: int = 0  # 0: WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun), else 1
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer step
+    gradient_clip_val: float = 0.0  # clip the global gradient norm to this (0: off)
+    sharding_strategy: str = "FULL_SHARD"  # fsdp: what to shard
+    activation_checkpointing: bool = False  # fsdp: recompute each Block's activations in backward
+    cpu_offload: bool = False  # fsdp on GPUs: sharded params and optimizer state in CPU memory
+    state_dict_type: str = "sharded"  # fsdp checkpoints: a folder of shards, or one full file
+    tensor_parallel_size: int = 0  # model_parallel: ranks per TP group; 0: a node's ranks
+    checkpoint_every_n_steps: int = 0  # ModelCheckpoint every N optimizer steps (0: none)
+    resume_from: str = ""  # Trainer.fit(ckpt_path=...): a .ckpt file or an FSDP folder
+    logger: str = "csv"  # csv, tensorboard or none: metrics under --output-dir
+    output_dir: str = "lightning_logs"  # where logs and checkpoints go
+    progress_bar: str = "auto"  # auto: Lightning's bar on a terminal; else one line per step
+    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        # what the command line checks, also for a config built in code: one line, not a
+        # ZeroDivisionError or a KeyError deep inside Lightning
+        for name, low, above in (("steps", 1, False), ("global_batch_size", 1, False),
+                                 ("lr", 0, True), ("accumulate_grad_batches", 1, False),
+                                 ("gradient_clip_val", 0, False), ("timeout_s", 0, True),
+                                 ("devices", 0, False), ("num_nodes", 0, False),
+                                 ("tensor_parallel_size", 0, False),
+                                 ("checkpoint_every_n_steps", 0, False), ("seed", 0, False)):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < low or (above and value == low):
+                raise ConfigError(f"{name} must be a finite number {'>' if above else '>='} "
+                                  f"{low}, got {value}")
+        for name, valid in (("model", sorted(MODEL_PRESETS)), ("strategy", STRATEGIES),
+                            ("precision", PRECISIONS), ("sharding_strategy", SHARDING),
+                            ("state_dict_type", ("sharded", "full")),
+                            ("logger", ("csv", "tensorboard", "none")),
+                            ("progress_bar", ("auto", "on", "off")),
+                            ("backend", ("auto", "nccl", "gloo"))):
+            if getattr(self, name) not in valid:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; valid values: "
+                                  f"{', '.join(valid)}")
         if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
-            raise RecipeError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
+            raise ConfigError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
                               f"steps={self.steps}: no checkpoint would be written; use "
                               f"--checkpoint-every-n-steps {self.steps} or less (0 = none)")
         if self.logger == "tensorboard" and not tensorboard_available():
-            raise RecipeError(
-                "logger 'tensorboard' needs the tensorboard package: pip install tensorboard, "
-                "or --logger csv"
-            )
+            raise ConfigError("logger 'tensorboard' needs the tensorboard package: pip install "
+                              "tensorboard, or --logger csv")
+
+
+@dataclass
+class LightningRun:
+    """What ``train`` returns: the global batch's loss of each step it trained, the step it
+    ended at, the checkpoints ModelCheckpoint wrote, the CSV logger's file (or None)."""
+
+    losses: list[float]
+    global_step: int
+    checkpoints: list[str] = field(default_factory=list)
+    metrics_file: str | None = None
+
+
+def tensorboard_available() -> bool:
+    return any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX"))
+
+
+def check_batch(global_batch_size: int, ranks: int, micro_batches: int = 1) -> int:
+    """Each data-parallel rank's micro-batch, or one line that names the sizes that would work."""
+    parts = ranks * micro_batches
+    if global_batch_size % parts:
+        lower = max(parts, global_batch_size - global_batch_size % parts)
+        what = f"{ranks} ranks" + (f" x {micro_batches} micro-batches" if micro_batches > 1 else "")
+        raise ConfigError(f"global_batch_size={global_batch_size} does not divide across {what}; "
+                          f"use a multiple of {parts}, e.g. {lower} or {lower + parts}")
+    return global_batch_size // parts
+
+
+def check_model_name(model: str, key: str) -> None:
+    if model not in MODEL_PRESETS:
+        raise ConfigError(f"unknown {key}={model!r}; valid values: {', '.join(MODEL_PRESETS)}")
 
 
 # --8<-- [start:module]
@@ -184,9 +180,7 @@ class LMModule(L.LightningModule):
         # weights.
         self.model = build_model(model, seed=seed)
         self.lr = lr
-        self.local_losses: list[
-            torch.Tensor
-        ] = []  # this rank's micro-batch losses, for the RecipeResult
+        self.local_losses: list[torch.Tensor] = []  # this rank's micro-batch losses
         self._parallelized = False
 
     def setup(self, stage: str) -> None:
@@ -208,15 +202,23 @@ class LMModule(L.LightningModule):
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
     ) -> torch.Tensor:
         inputs, targets = batch
-        loss = lm_loss(
-            self.model(inputs), targets
-        )  # this rank's mean; the strategy averages the gradients
-        # sync_dist: the logged value is the mean over ranks (the global batch's loss), not rank 0's
-        # alone.
+        # this rank's mean; the strategy averages the gradients
+        loss = lm_loss(self.model(inputs), targets)
+        # sync_dist: the logged value is the mean over ranks (the global batch's loss), not rank
+        # 0's alone.
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         self.local_losses.append(loss.detach())
         # Lightning divides by accumulate_grad_batches before backward: return the plain mean.
         return loss
+
+    def on_train_end(self) -> None:
+        # The global batch's loss of each optimizer step: the mean over its micro-batches, then
+        # over the ranks (one reduce, at the end). In callback_metrics: with ddp_spawn that is
+        # what Lightning sends back to the main process (with rank 0's weights).
+        k = self.trainer.accumulate_grad_batches
+        local = torch.stack(self.local_losses or [torch.zeros(0)]).view(-1, k).mean(dim=1)
+        losses = self.trainer.strategy.reduce(local, reduce_op="mean")
+        self.trainer.callback_metrics["step_losses"] = losses.detach().cpu()
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch
@@ -224,8 +226,7 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # self.parameters() after configure_model/FSDP wrapping: the sharded parameters
-        # (use_orig_params). fused=True on CUDA: one kernel for every parameter (as
-        # recipes.core.speed.make_adamw).
+        # (use_orig_params). fused=True on CUDA: one kernel for every parameter.
         return torch.optim.AdamW(
             self.parameters(), lr=self.lr, fused=True if self.device.type == "cuda" else None
         )
@@ -250,9 +251,8 @@ class ResumableLoader(DataLoader):
         self._resume_at: dict[str, int] | None = None
 
     def __iter__(self):
-        epoch = getattr(
-            self.sampler, "epoch", 0
-        )  # Lightning called sampler.set_epoch(epoch) just before
+        # Lightning called sampler.set_epoch(epoch) just before
+        epoch = getattr(self.sampler, "epoch", 0)
         resume, self._resume_at = self._resume_at, None
         # A checkpoint taken after an epoch's last batch resumes at the next epoch: skip nothing
         # there.
@@ -280,36 +280,28 @@ class LMDataModule(L.LightningDataModule):
         super().__init__()
         check_model_name(model, "data.model")
         if global_batch_size < 1:
-            raise RecipeError(f"data.global_batch_size must be >= 1, got {global_batch_size}")
+            raise ConfigError(f"data.global_batch_size must be >= 1, got {global_batch_size}")
         self.model, self.global_batch_size, self.seed = model, global_batch_size, seed
 
     def _loader(self, dataset) -> DataLoader:
         # The data-parallel shard from the strategy: (world, rank) for DDP/FSDP, the data-parallel
         # mesh dimension for ModelParallelStrategy (tensor-parallel ranks read the same batch).
         shard = self.trainer.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
-        per_rank = per_rank_batch_size(
-            self.global_batch_size, shard["num_replicas"], self.trainer.accumulate_grad_batches
-        )
+        per_rank = check_batch(self.global_batch_size, shard["num_replicas"],
+                               self.trainer.accumulate_grad_batches)
         # The same DistributedSampler (seed, shuffle, drop_last) as the raw recipe; Lightning calls
         # its set_epoch at every epoch start.
-        _, sampler = distributed_loader(
-            dataset,
-            rank=shard["rank"],
-            world_size=shard["num_replicas"],
-            per_rank_batch_size=per_rank,
-            seed=self.seed,
-        )
+        sampler = DistributedSampler(dataset, num_replicas=shard["num_replicas"],
+                                     rank=shard["rank"], shuffle=True, seed=self.seed,
+                                     drop_last=True)
         return ResumableLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(make_dataset(self.model, self.global_batch_size, seed=self.seed))
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(
-            make_dataset(
-                self.model, self.global_batch_size, batches_per_epoch=2, seed=self.seed + 1
-            )
-        )
+        return self._loader(make_dataset(self.model, self.global_batch_size,
+                                         batches_per_epoch=2, seed=self.seed + 1))
 
 
 # --8<-- [end:data]
@@ -350,18 +342,17 @@ def apply_block_tp(model: torch.nn.Module, tp_mesh) -> None:
 def build_strategy(cfg: LightningConfig, accelerator: str, world_size: int, num_nodes: int):
     """The Lightning strategy object for ``cfg``: FSDP and ModelParallel with their options."""
     if cfg.strategy == "fsdp":
-        # Pitfall: Lightning's FSDPStrategy assumes CUDA, yet torch's FSDP runs on CPU with gloo:
-        # see below.
+        # Pitfalls: Lightning's FSDPStrategy assumes CUDA, yet torch's FSDP runs on CPU with gloo;
+        # FSDP1's HYBRID_SHARD with one rank per node never reduces across nodes. Both worked
+        # around in recipes/_lightning_trainer_workarounds.py
         strategy_cls = FSDPStrategy if accelerator == "cuda" else FSDPOnCPUStrategy
-        sharding, mesh = hybrid_shard_layout(
-            cfg.sharding_strategy, accelerator, world_size, num_nodes
-        )
+        sharding, mesh = hybrid_shard_layout(cfg.sharding_strategy, accelerator, world_size,
+                                             num_nodes)
         return strategy_cls(
             sharding_strategy=sharding,
             device_mesh=mesh,
-            auto_wrap_policy={
-                Block
-            },  # one FSDP unit per Block: its params are gathered only while it runs
+            # one FSDP unit per Block: its params are gathered only while it runs
+            auto_wrap_policy={Block},
             activation_checkpointing_policy={Block} if cfg.activation_checkpointing else None,
             cpu_offload=cfg.cpu_offload,
             state_dict_type=cfg.state_dict_type,
@@ -369,69 +360,36 @@ def build_strategy(cfg: LightningConfig, accelerator: str, world_size: int, num_
     if cfg.strategy == "model_parallel":
         tp = cfg.tensor_parallel_size or world_size // num_nodes
         if world_size % tp:
-            raise RecipeError(
-                f"tensor_parallel_size={tp} does not divide the world of {world_size} ranks; "
-                f"use a divisor of {world_size}"
-            )
+            raise ConfigError(f"tensor_parallel_size={tp} does not divide the world of "
+                              f"{world_size} ranks; use a divisor of {world_size}")
         return ModelParallelStrategy(data_parallel_size=world_size // tp, tensor_parallel_size=tp)
     return cfg.strategy  # "ddp" / "ddp_spawn": Lightning's defaults match DistributedDataParallel's
 
 
-# --8<-- [start:hybrid]
-def hybrid_shard_layout(sharding_strategy: str, accelerator: str, world_size: int, num_nodes: int):
-    """FSDP1's sharding strategy and device mesh: HYBRID_SHARD gets an explicit (nodes, ranks) mesh.
+class PrintSteps(L.Callback):
+    """One line per optimizer step on rank 0, where no progress bar shows (CI logs, torchrun)."""
 
-    Pitfall (torch's FSDP1, seen on 2.13): HYBRID_SHARD shards over a node's ranks and all-reduces
-    across nodes. With one rank per node the shard group has one rank, FSDP clamps the strategy to
-    NO_SHARD over that group, and the cross-node all-reduce never runs: each rank trains on its own
-    half of the batch, its gradient divided by the world size (tests/test_lightning_trainer.py
-    keeps the reproduction). Without a mesh it is worse on CPU: FSDP counts ranks per node with
-    ``torch.cpu.device_count()``, which is 1, so every rank is a "node". With one rank per node,
-    HYBRID_SHARD means replication, which is NO_SHARD over the whole world: that is what runs.
-    """
-    if sharding_strategy != "HYBRID_SHARD" or not dist.is_initialized():
-        return sharding_strategy, None  # ddp_spawn has no world yet; it never runs FSDP
-    from torch.distributed.device_mesh import init_device_mesh
-
-    per_node = world_size // num_nodes
-    if per_node == 1:
-        log.info("HYBRID_SHARD with one rank per node is replication: NO_SHARD over the world")
-        return "NO_SHARD", None
-    return sharding_strategy, init_device_mesh(
-        accelerator, (num_nodes, per_node), mesh_dim_names=("replicate", "shard")
-    )
-
-
-# --8<-- [end:hybrid]
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 and trainer.is_global_zero:
+            loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
+            print(f"step {trainer.global_step - 1} loss {loss:.4f}", flush=True)
 
 
 # --8<-- [start:trainer]
-def make_trainer(
-    cfg: LightningConfig,
-    *,
-    accelerator: str,
-    devices: int,
-    num_nodes: int,
-    timer: StepTimer,
-    precision: str,
-) -> L.Trainer:
-    callbacks: list[L.Callback] = [
-        StepLog(timer, print_lines=not _progress_bar(cfg)),
-        RecipeMetrics(timer),
-    ]
-    if cfg.strategy == "ddp_spawn":  # Lightning owns that world; under torchrun join_world owns it
+def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_nodes: int,
+                 precision: str, callbacks: list[L.Callback]) -> L.Trainer:
+    progress_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto"
+                                                and sys.stdout.isatty())
+    callbacks = [*callbacks] + ([] if progress_bar else [PrintSteps()])
+    if cfg.strategy == "ddp_spawn":  # Lightning owns that world; under torchrun we own it
         callbacks.append(LeaveWorld())
     if cfg.checkpoint_every_n_steps:
-        # save_top_k=-1: keep every checkpoint (no metric to rank them by); FSDP "sharded" writes a
-        # folder.
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=os.path.join(cfg.output_dir, "checkpoints"),
-                filename="{step}",
-                every_n_train_steps=cfg.checkpoint_every_n_steps,
-                save_top_k=-1,
-            )
-        )
+        # save_top_k=-1: keep every checkpoint (no metric to rank them by); FSDP "sharded"
+        # writes a folder.
+        callbacks.append(ModelCheckpoint(
+            dirpath=os.path.join(cfg.output_dir, "checkpoints"), filename="{step}",
+            every_n_train_steps=cfg.checkpoint_every_n_steps, save_top_k=-1))
     return L.Trainer(
         accelerator=accelerator,
         devices=devices,
@@ -451,10 +409,9 @@ def make_trainer(
         callbacks=callbacks,
         logger=make_logger(cfg),
         log_every_n_steps=1,  # metrics of every step
-        enable_checkpointing=bool(
-            cfg.checkpoint_every_n_steps
-        ),  # else Lightning adds one that saves every epoch
-        enable_progress_bar=_progress_bar(cfg),
+        # else Lightning adds a checkpoint callback that saves every epoch
+        enable_checkpointing=bool(cfg.checkpoint_every_n_steps),
+        enable_progress_bar=progress_bar,
         default_root_dir=cfg.output_dir,
     )
 
@@ -471,154 +428,98 @@ def make_logger(cfg: LightningConfig):
     return logger_cls(save_dir=cfg.output_dir, name="lightning_trainer")
 
 
-def _progress_bar(cfg: LightningConfig) -> bool:
-    return cfg.progress_bar == "on" or (cfg.progress_bar == "auto" and sys.stdout.isatty())
+def _check_paths(cfg: LightningConfig) -> None:
+    """Before any work, on every rank alike: a file where --output-dir goes failed in makedirs; a
+    missing --resume-from in Lightning's traceback. DDP's checkpoint is one file; FSDP's sharded
+    one is a directory."""
+    if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
+        raise ConfigError(f"--output-dir {cfg.output_dir} is a file; name a directory (created "
+                          "if missing)")
+    what = "a .ckpt file (or the FSDP checkpoint directory) that an earlier run wrote"
+    if cfg.resume_from and not os.path.exists(cfg.resume_from):
+        raise ConfigError(f"--resume-from {cfg.resume_from} does not exist; pass {what}")
+    if cfg.resume_from and cfg.strategy in ("ddp", "ddp_spawn") and os.path.isdir(cfg.resume_from):
+        raise ConfigError(f"--resume-from {cfg.resume_from} is a directory, not a file; pass "
+                          f"{what}")
 
 
 # --8<-- [start:train]
-def train(cfg: LightningConfig) -> RecipeResult:
+def train(cfg: LightningConfig, observer: L.Callback | None = None) -> LightningRun:
+    """Fit on this process's rank (ddp_spawn: in the processes Lightning starts); returns the
+    global batch's loss of each step, on every rank. ``observer``: a Callback added to the
+    Trainer's (the cookbook's harness measures the run through it)."""
     filter_known_warnings()
+    _check_paths(cfg)
     if cfg.strategy == "ddp_spawn":
         # Lightning starts cfg.devices processes (torch.multiprocessing.spawn) and joins them
-        # itself.
         if dist.is_initialized() or "RANK" in os.environ:
-            raise RecipeError(
-                "strategy 'ddp_spawn' starts its own processes: run it with plain python and "
-                "--devices N, or use --strategy ddp under torchrun"
-            )
-        backend = resolve_backend(cfg.backend, max(cfg.devices, 1))
-        devices = cfg.devices or 1
-        # Checked here, in the parent: in the spawned processes a batch that does not divide fails N
-        # times over, as a 70-line ProcessRaisedException.
-        per_rank_batch_size(cfg.global_batch_size, devices, cfg.accumulate_grad_batches)
-        world = World(
-            0,
-            devices,
-            0,
-            devices,
-            backend,
-            torch.device("cuda" if backend == "nccl" else "cpu"),
-            "spawn",
-        )
-        return _fit(cfg, world, devices=devices, num_nodes=1)
-    with join_world(cfg.backend, timeout_s=cfg.timeout_s) as world:
-        devices, num_nodes = world.local_world_size, world.world_size // world.local_world_size
+            raise ConfigError("strategy 'ddp_spawn' starts its own processes: run it with plain "
+                              "python and --devices N, or use --strategy ddp under torchrun")
+        devices, num_nodes = cfg.devices or 1, 1
+        # Checked here, in the parent: in the spawned processes a batch that does not divide
+        # fails N times over, as a 70-line ProcessRaisedException.
+        check_batch(cfg.global_batch_size, devices, cfg.accumulate_grad_batches)
+        use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()
+                                             and torch.cuda.device_count() >= devices)
+        return _fit(cfg, observer, "cuda" if use_cuda else "cpu", devices, num_nodes)
+    world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
+    try:
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+        num_nodes = world.world_size // devices
         if cfg.devices not in (0, devices) or cfg.num_nodes not in (0, num_nodes):
-            raise RecipeError(
+            raise ConfigError(
                 f"the launcher started {num_nodes} node(s) x {devices} process(es); --devices "
-                f"{cfg.devices} --num-nodes {cfg.num_nodes} disagree: drop them or match torchrun"
-            )
-        return _fit(cfg, world, devices=devices, num_nodes=num_nodes)
+                f"{cfg.devices} --num-nodes {cfg.num_nodes} disagree: drop them or match torchrun")
+        return _fit(cfg, observer, world.device.type, devices, num_nodes)
+    finally:
+        # the Trainer and its DDP wrapper were freed in _fit, while the group was alive
+        cleanup_distributed()
 
 
-def _exists_problem(path: str, flag: str, what: str) -> str | None:
-    return None if os.path.exists(path) else f"{flag} {path} does not exist; pass {what}"
-
-
-def _fit(cfg: LightningConfig, world: World, *, devices: int, num_nodes: int) -> RecipeResult:
-    accelerator = "cuda" if world.device.type == "cuda" else "cpu"
-    precision, core_precision = lightning_precision(cfg.precision, world.device)
+def _fit(cfg: LightningConfig, observer: L.Callback | None, accelerator: str, devices: int,
+         num_nodes: int) -> LightningRun:
+    precision = cfg.precision
+    if precision == "auto":
+        bf16 = accelerator == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16-mixed" if bf16 else "32-true"
     if precision == "16-mixed" and accelerator == "cpu":
-        # Lightning would silently switch to bf16-mixed: say it instead of measuring the wrong
-        # thing.
-        raise RecipeError(
-            "precision '16-mixed' needs CUDA (fp16 autocast does not run on CPU); "
-            "use --precision bf16-mixed or 32-true"
-        )
+        # Lightning would silently switch to bf16-mixed: say it instead of training in another
+        raise ConfigError("precision '16-mixed' needs CUDA (fp16 autocast does not run on CPU); "
+                          "use --precision bf16-mixed or 32-true")
     if cfg.strategy == "model_parallel" and precision == "16-mixed":
-        raise RecipeError(
-            "ModelParallelStrategy does not take precision '16-mixed'; use bf16-mixed or 32-true"
-        )
+        raise ConfigError("ModelParallelStrategy does not take precision '16-mixed'; use "
+                          "bf16-mixed or 32-true")
+    if accelerator == "cuda" and precision == "32-true":  # fp32 means fp32: no TF32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if cfg.strategy == "fsdp" and accelerator == "cpu":
-        # GPU-only in practice: each found by running it on CPU with torch 2.13, and refused up
-        # front.
+        # GPU-only in practice: each found by running it on CPU with torch 2.13, refused up front
         if cfg.cpu_offload:
-            raise RecipeError(
-                "cpu_offload moves FSDP shards from GPU to CPU memory; on a CPU world they are "
-                "there already (and torch pins memory, which needs an accelerator): "
-                "drop --cpu-offload"
-            )
+            raise ConfigError("cpu_offload moves FSDP shards from GPU to CPU memory; on a CPU "
+                              "world they are there already (and torch pins memory, which needs "
+                              "an accelerator): drop --cpu-offload")
         if cfg.state_dict_type == "full":
-            raise RecipeError(
-                "state_dict_type 'full' crashes torch's FSDP on CPU (a segfault offloading the "
-                "gathered state to CPU); use --state-dict-type sharded on CPU, full on GPUs"
-            )
-    # Before fit: a file where --output-dir goes failed in makedirs; a missing --resume-from in
-    # Lightning's traceback. DDP's checkpoint is one file; FSDP's sharded one is a directory.
-    resume_what = "a .ckpt file (or the FSDP checkpoint directory) that an earlier run wrote"
-    refuse(output_dir_problem(cfg.output_dir, "--output-dir"),
-           cfg.resume_from and (input_file_problem if cfg.strategy in ("ddp", "ddp_spawn") else
-                                _exists_problem)(cfg.resume_from, "--resume-from", resume_what))
-    timer = StepTimer(world.device)
+            raise ConfigError("state_dict_type 'full' crashes torch's FSDP on CPU (a segfault "
+                              "offloading the gathered state to CPU); use --state-dict-type "
+                              "sharded on CPU, full on GPUs")
     module = LMModule(cfg.model, lr=cfg.lr, seed=cfg.seed)
     data = LMDataModule(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    trainer = make_trainer(
-        cfg,
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
-        timer=timer,
-        precision=precision,
-    )
-    log.info(
-        "Lightning %s on %d node(s) x %d device(s), precision %s",
-        cfg.strategy,
-        num_nodes,
-        devices,
-        precision,
-    )
+    trainer = make_trainer(cfg, accelerator=accelerator, devices=devices, num_nodes=num_nodes,
+                           precision=precision, callbacks=[observer] if observer else [])
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from or None)
-    # _fit returns inside join_world: the Trainer and its DDP wrapper are freed while the process
-    # group is alive (freed after it, a DDP reducer can deadlock the gloo teardown: see
-    # recipes/lightning_fabric.py).
 
-    metrics = trainer.callback_metrics
-    state = full_state(
-        trainer, module
-    )  # every rank takes part in the gather; rank 0 keeps the result
     checkpoint = trainer.checkpoint_callback if cfg.checkpoint_every_n_steps else None
-    extras = {
-        "strategy": cfg.strategy,
-        "lightning_precision": precision,
-        "global_step": trainer.global_step,
-        # Rank 0 holds the gathered state (with cpu_offload the other ranks hold none: max(..., 1)).
-        "param_fraction_per_rank": int(metrics["recipe/param_elements_per_rank"])
-        / max(sum(t.numel() for t in state.values()), 1),
-        "metrics_file": os.path.join(trainer.logger.log_dir, "metrics.csv")
-        if cfg.logger == "csv"
-        else None,
-        "checkpoints": sorted(
-            os.path.join(checkpoint.dirpath, name) for name in os.listdir(checkpoint.dirpath)
-        )
-        if checkpoint and os.path.isdir(checkpoint.dirpath)
-        else [],
-    }
-    result = make_result(
-        "lightning_trainer",
-        world,
-        [float(x) for x in metrics["recipe/losses"]],
-        state.values(),
-        timer,
-        keep_final_state=state if cfg.keep_final_state else None,
-        **extras,
+    folder = checkpoint.dirpath if checkpoint else None
+    return LightningRun(
+        losses=[float(x) for x in trainer.callback_metrics["step_losses"]],
+        global_step=trainer.global_step,
+        checkpoints=sorted(os.path.join(folder, name) for name in os.listdir(folder))
+        if folder and os.path.isdir(folder) else [],
+        metrics_file=os.path.join(trainer.logger.log_dir, "metrics.csv")
+        if cfg.logger == "csv" else None,
     )
-    # Measured in the training processes (with ddp_spawn, not this one): see RecipeMetrics.
-    result.seconds_per_step = float(metrics["recipe/seconds_per_step"])
-    result.peak_memory_bytes = int(metrics["recipe/peak_memory_bytes"])
-    speed = Workload(MODEL_PRESETS[cfg.model], cfg.global_batch_size, core_precision).measure(
-        result.seconds_per_step, world.device, devices * num_nodes if accelerator == "cuda" else 1
-    )
-    for name, value in speed.items():
-        setattr(result, name, value)
-    return result
 
 
 # --8<-- [end:train]
-
-
-def check_model_name(model: str, key: str) -> None:
-    if model not in MODEL_PRESETS:
-        raise RecipeError(f"unknown {key}={model!r}; valid values: {', '.join(MODEL_PRESETS)}")
 
 
 def lightning_cli(args: list[str] | None = None) -> None:
@@ -639,15 +540,13 @@ def lightning_cli(args: list[str] | None = None) -> None:
 
     filter_known_warnings()
     try:
-        RecipeCLI(
-            LMModule,
-            LMDataModule,
-            args=args,
-            save_config_kwargs={"overwrite": True},
-            trainer_defaults={"use_distributed_sampler": False, "callbacks": [LeaveWorld()]},
-        )
-    except RecipeError as exc:  # a bad YAML value: one line and exit 2, as the flags' CLI does
-        exit_with(str(exc), 2)
+        RecipeCLI(LMModule, LMDataModule, args=args, save_config_kwargs={"overwrite": True},
+                  trainer_defaults={"use_distributed_sampler": False,
+                                    "callbacks": [LeaveWorld()]})
+    except ConfigError as exc:  # a bad YAML value: one line and exit 2, as the flags' CLI does
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def check_cli_batch(trainer: L.Trainer, data: LMDataModule) -> None:
@@ -656,20 +555,95 @@ def check_cli_batch(trainer: L.Trainer, data: LMDataModule) -> None:
     if isinstance(trainer.strategy, ModelParallelStrategy):
         return  # its data-parallel size is known only once the mesh exists; the loader checks it
     try:
-        per_rank_batch_size(
-            data.global_batch_size,
-            trainer.num_devices * trainer.num_nodes,
-            trainer.accumulate_grad_batches,
-        )
-    except RecipeError as exc:
-        raise RecipeError(
-            f"data.{exc} (trainer.devices={trainer.num_devices}, "
-            f"trainer.num_nodes={trainer.num_nodes})"
-        ) from None
+        check_batch(data.global_batch_size, trainer.num_devices * trainer.num_nodes,
+                    trainer.accumulate_grad_batches)
+    except ConfigError as exc:
+        raise ConfigError(f"data.{exc} (trainer.devices={trainer.num_devices}, "
+                          f"trainer.num_nodes={trainer.num_nodes})") from None
+
+
+def _number(kind, *, above=None, at_least=None):
+    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
+    bound = f"> {above}" if above is not None else f">= {at_least}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or not (value > above if above is not None
+                                            else value >= at_least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
+
+
+def make_parser() -> argparse.ArgumentParser:
+    d = LightningConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.lightning_trainer", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    count, positive = _number(int, at_least=0), _number(int, at_least=1)
+    add("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model size")
+    add("--steps", type=positive, default=d.steps, help="optimizer steps")
+    add("--global-batch-size", type=positive, default=d.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks")
+    add("--lr", type=_number(float, above=0), default=d.lr, help="AdamW's")
+    add("--seed", type=count, default=d.seed,
+        help="model init and data order; the same seed gives the same losses on any world size")
+    add("--strategy", choices=STRATEGIES, default=d.strategy,
+        help="Lightning strategy; ddp_spawn starts --devices processes itself, the others join "
+             "torchrun's world")
+    add("--precision", choices=PRECISIONS, default=d.precision,
+        help="Lightning precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed: CUDA")
+    add("--devices", type=count, default=d.devices,
+        help="processes per node; 0: as the launcher says; ddp_spawn: how many to start")
+    add("--num-nodes", type=count, default=d.num_nodes,
+        help="nodes; 0: WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1")
+    add("--accumulate-grad-batches", type=positive, default=d.accumulate_grad_batches,
+        help="micro-batches per optimizer step (the global batch stays global_batch_size)")
+    add("--gradient-clip-val", type=_number(float, at_least=0), default=d.gradient_clip_val,
+        help="clip the global gradient norm to this value; 0: off")
+    add("--sharding-strategy", choices=SHARDING, default=d.sharding_strategy,
+        help="fsdp: what to shard (FULL_SHARD: params, grads and optimizer state)")
+    add("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+        default=d.activation_checkpointing, help="fsdp: recompute each Block in backward")
+    add("--cpu-offload", action=argparse.BooleanOptionalAction, default=d.cpu_offload,
+        help="fsdp on GPUs: keep sharded params and optimizer state in CPU memory")
+    add("--state-dict-type", choices=["sharded", "full"], default=d.state_dict_type,
+        help="fsdp checkpoints: a folder of one shard per rank, or one full file (GPUs)")
+    add("--tensor-parallel-size", type=count, default=d.tensor_parallel_size,
+        help="model_parallel: ranks per tensor-parallel group; 0: all ranks of a node")
+    add("--checkpoint-every-n-steps", type=count, default=d.checkpoint_every_n_steps,
+        help="ModelCheckpoint saves every N optimizer steps; 0: no checkpoints")
+    add("--resume-from", default=d.resume_from,
+        help="checkpoint to resume from (Trainer.fit ckpt_path): a .ckpt file or FSDP folder")
+    add("--logger", choices=["csv", "tensorboard", "none"], default=d.logger,
+        help="metrics logger, written under --output-dir")
+    add("--output-dir", default=d.output_dir, help="where logs and checkpoints go")
+    add("--progress-bar", choices=["auto", "on", "off"], default=d.progress_bar,
+        help="auto: Lightning's bar on a terminal; elsewhere one line per step replaces it")
+    add("--backend", choices=["auto", "nccl", "gloo"], default=d.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
+    add("--timeout-s", type=_number(float, above=0), default=d.timeout_s,
+        help="seconds a collective waits for its peers before failing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The flags' command line; ``fit`` / ``validate`` first go to LightningCLI."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in LIGHTNING_CLI_SUBCOMMANDS:
+        lightning_cli()  # reads sys.argv: Lightning's launcher re-runs the command per device
+        return
+    try:
+        train(LightningConfig(**vars(make_parser().parse_args(argv))))
+    except ValueError as exc:  # bad input every rank sees: one line, from rank 0
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in LIGHTNING_CLI_SUBCOMMANDS:
-        lightning_cli()
-    else:
-        run_cli(train, LightningConfig, __doc__)
+    main()

@@ -116,10 +116,10 @@ def recipes_at_world_1(
         ),
         (
             "lightning_trainer",
-            lightning_trainer.train,
+            proven,
             lightning_trainer.LightningConfig(**common, output_dir=out, logger="none"),
         ),
-        ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**common)),
+        ("lightning_fabric", proven, lightning_fabric.FabricConfig(**common)),
         (
             "checkpointing: none",
             proven,
@@ -166,9 +166,9 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
             ("fsdp2 + compile", fsdp2_proven, fsdp2_config(**b64, **compiled)),
             ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
              tp_config(**b64, compile_backend=compile_backend)),
-            ("lightning_trainer", lightning_trainer.train,
+            ("lightning_trainer", proven,
              lightning_trainer.LightningConfig(**b64, output_dir=out, logger="none")),
-            ("lightning_fabric", lightning_fabric.train, lightning_fabric.FabricConfig(**b64)),
+            ("lightning_fabric", proven, lightning_fabric.FabricConfig(**b64)),
             ("checkpointing: none + compile", proven,
              ac(**b64, **compiled, mode="none")),
             ("checkpointing: per_block + compile", proven,
@@ -206,6 +206,19 @@ class ProfilerSteps:
         self.profiler.step()
 
 
+def lightning_profiler_steps(profiler):
+    """ProfilerSteps for recipes/lightning_trainer.py, whose observer is a Callback on its Trainer:
+    ``profiler.step()`` at the end of each optimizer step's last micro-batch."""
+    import lightning as L
+
+    class LightningProfilerSteps(ProfilerSteps, L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+                self.step_end(trainer.global_step - 1, float("nan"))
+
+    return LightningProfilerSteps(profiler)
+
+
 class StepMarks(logging.Handler):
     """Calls ``profiler.step()`` at each "step N loss ..." line a recipe logs: the profiler's
     schedule then counts the recipe's own steps, seen from outside."""
@@ -236,7 +249,9 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
             logger.addHandler(handler)
         try:
             if "observer" in inspect.signature(train).parameters:  # a copyable recipe
-                train(cfg, observer=ProfilerSteps(prof))
+                steps = (lightning_profiler_steps if cfg_recipe(cfg) == "lightning_trainer"
+                         else ProfilerSteps)
+                train(cfg, observer=steps(prof))
             else:
                 train(cfg)
         finally:

@@ -137,6 +137,12 @@ RUNS = {
     "hf_checkpoint": ("torchrun", ["--steps", "2", "--backend", "gloo"]),
     # LoRA under DDP, the defaults, 3 steps; gloo and fp32 as results/finetune.json was measured
     "finetune": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
+    # gloo and 32-true on a GPU host too: results/lightning_fabric.json is CPU fp32, 2 ranks
+    "lightning_fabric": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                      "32-true"]),
+    # the Trainer's DDP over the 2 ranks; no logger: nothing but the lines per step
+    "lightning_trainer": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
+                                       "32-true", "--logger", "none"]),
 }
 
 
@@ -203,7 +209,10 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
         args = [arg.format(repo=REPO_ROOT) for arg in RUNS[name][1]]
         copies.append({"name": name, "project": str(project), "args": args, "timeout_s": 120})
     plan = where / "plan.json"
-    plan.write_text(json.dumps({"copies": copies, "out": str(where / "out")}))
+    # the Lightning recipes' copies import it: once per launched process, not once per copy
+    preimport = ["lightning"] if any(name.startswith("lightning") for name in names) else []
+    plan.write_text(json.dumps({"copies": copies, "out": str(where / "out"),
+                                "preimport": preimport}))
     launcher = where / "copy_launcher.py"  # beside no cookbook: it imports none of it
     shutil.copy(Path(REPO_ROOT, "tests", "copy_launcher.py"), launcher)
     env = users_environment(where / "launcher")
@@ -606,3 +615,23 @@ def check_finetune(stdout: str) -> None:
 
 
 CHECKS["finetune"] = check_finetune
+
+
+def check_lightning_fabric(stdout: str) -> None:
+    # Fabric's DDP over the 2 ranks, rank 0 printing: the package's own 2-rank losses
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("lightning_fabric")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["lightning_fabric"] = check_lightning_fabric
+
+
+def check_lightning_trainer(stdout: str) -> None:
+    # the Trainer's DDP over the 2 ranks, rank 0 printing: the package's own 2-rank losses
+    losses = printed_losses(stdout)
+    assert_losses_close(losses, committed_losses("lightning_trainer")[:len(losses)], atol=6e-5)
+    assert len(losses) == 3, stdout
+
+
+CHECKS["lightning_trainer"] = check_lightning_trainer

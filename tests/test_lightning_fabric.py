@@ -1,7 +1,11 @@
-"""lightning_fabric: the raw DDP loop converted to Fabric gives the raw loop's losses and weights."""
+"""lightning_fabric: the raw DDP loop converted to Fabric gives the raw loop's losses and weights.
+
+The recipe is copyable (torch, lightning, recipes/toy.py and dist_setup.py) and returns its losses;
+the harness (``prove``, through ``tests.helpers.recipe_result``) measures the rest from outside:
+final weights, the first step a resumed run trained (``recipes.core.observe.ResumableObserver``),
+and here, through an observer of the test's own, the gradient all-reduces DDP ran."""
 
 import os
-from unittest import mock
 
 import pytest
 import torch
@@ -14,40 +18,34 @@ L = pytest.importorskip("lightning", reason="the Lightning recipes need lightnin
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from recipes import ddp_torchrun, lightning_fabric
-from recipes.core.config import RecipeError
+from recipes.core.observe import ResumableObserver
 from recipes.core.spawn import spawn_world
-from tests.helpers import (ddp_result, CUDA_DEVICES, assert_losses_close, assert_states_close, in_one_world, last_json,
-                           run_alone, run_cli)
+from tests.helpers import (ddp_result, CUDA_DEVICES, assert_losses_close, assert_states_close,
+                           in_one_world, last_json, recipe_result, run_alone, run_cli)
 
 STEPS = 6
 REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 
 
 def fabric_cfg(**changes) -> lightning_fabric.FabricConfig:
-    fields = {"steps": STEPS, "keep_final_state": True, "timeout_s": 120, "precision": "32-true"}
+    fields = {"steps": STEPS, "timeout_s": 120, "precision": "32-true"}
     return lightning_fabric.FabricConfig(**(fields | changes))
 
 
-def _train_counting_grad_syncs(cfg):
-    """Fabric's train, with a DDP comm hook that counts gradient all-reduces (buckets x synced backwards)."""
-    syncs = []
-    original_setup = L.Fabric.setup
+class CountingGradSyncs(ResumableObserver):
+    """A DDP comm hook on the DistributedDataParallel inside Fabric's wrapper, registered when the
+    model is ready (before the first backward): it counts the gradient all-reduces (buckets x
+    synced backwards) into ``extras["grad_syncs"]``."""
 
-    def setup(self, module, *optimizers, **kwargs):
-        wrapped = original_setup(self, module, *optimizers, **kwargs)
-        ddp = wrapped[0]._forward_module  # the DistributedDataParallel inside Fabric's wrapper
+    def model_ready(self, model, optimizer):
+        super().model_ready(model, optimizer)
+        self.extras["grad_syncs"] = 0
 
         def counting_allreduce(state, bucket):
-            syncs.append(bucket.index())
+            self.extras["grad_syncs"] += 1
             return default_hooks.allreduce_hook(state, bucket)
 
-        ddp.register_comm_hook(None, counting_allreduce)
-        return wrapped
-
-    with mock.patch.object(L.Fabric, "setup", setup):
-        result = lightning_fabric.train(cfg)
-    result.extras["grad_syncs"] = len(syncs)
-    return result
+        model._forward_module.register_comm_hook(None, counting_allreduce)
 
 
 def _run_phase(phase):
@@ -55,8 +53,8 @@ def _run_phase(phase):
     if name == "raw_ddp":
         return ddp_result(cfg)
     if name.startswith("count"):
-        return _train_counting_grad_syncs(cfg)
-    return lightning_fabric.train(cfg)
+        return recipe_result(cfg, observer=CountingGradSyncs(cfg, keep_final_state=True))
+    return recipe_result(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -105,25 +103,50 @@ def test_accumulation_with_no_backward_sync_equals_one_big_batch_and_syncs_once_
 
 # Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
 # The same code runs in a spawned world in the default run; test_ddp_torchrun, test_elastic
-# and test_multinode cover the launch path itself there.
+# and test_multinode cover the launch path itself there, and tests/test_copy_recipes.py runs a
+# copy of this recipe under torchrun.
 @pytest.mark.slow
 def test_torchrun_launch_equals_raw_and_logs_from_rank_zero_only():
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.lightning_fabric",
-                    "--accumulate-grad-batches", "2"], timeout_s=240)
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.core.prove",
+                    "lightning_fabric", "--accumulate-grad-batches", "2"], timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["world_size"] == 2
     assert_losses_close(result["losses"], run_alone(ddp_result, REFERENCE).losses, atol=1e-5)
-    assert proc.stdout.count("] step ") == STEPS and "[rank1]" not in proc.stdout
+    # one line per step, from rank 0 only (the recipe prints them there)
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("step ")]) == STEPS
+    assert "[rank1]" not in proc.stdout
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.skipif(CUDA_DEVICES > 0, reason="on a GPU machine 16-mixed is valid")
 def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run():
-    with pytest.raises(RecipeError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"):
+    with pytest.raises(ValueError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"):
         lightning_fabric.train(fabric_cfg(precision="16-mixed"))
 
 
 def test_global_batch_that_does_not_divide_into_micro_batches_is_rejected():
-    with pytest.raises(RecipeError, match=r"global_batch_size=12 does not divide across 1 ranks x 5 micro-batches"):
+    with pytest.raises(ValueError, match=r"global_batch_size=12 does not divide across 1 ranks x 5 micro-batches"):
         lightning_fabric.train(fabric_cfg(accumulate_grad_batches=5))
+
+
+def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    # a save cut short (a full disk, a killed job): refused as bad input, not fabric.load's traceback
+    truncated = tmp_path / "step-3.ckpt"
+    truncated.write_bytes(b"PK\x03\x04 not a whole checkpoint")
+    with pytest.raises(SystemExit) as exit_info:
+        lightning_fabric.main(["--resume-from", str(truncated), "--precision", "32-true"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --resume-from {truncated} cannot be read as a checkpoint"), err
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"accumulate_grad_batches": 0}, "accumulate_grad_batches must be a finite number >= 1, got 0"),
+    ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
+    ({"model": "huge"}, "model='huge'; valid values: 100m, small, tiny"),
+])
+def test_a_config_built_in_code_is_checked_like_the_command_line(changes, message):
+    # not a ZeroDivisionError (or a KeyError) from inside train: the command line's one line
+    with pytest.raises(ValueError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+        fabric_cfg(**changes)

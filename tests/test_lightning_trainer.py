@@ -2,6 +2,11 @@
 
 One spawned world of 2 runs every in-world phase (Lightning imports cost seconds per process): the module
 fixture ``world`` returns rank 0's results by name, and each test asserts one claim about them.
+
+The recipe is copyable and returns its losses, its last step, its checkpoints and its CSV file; the
+harness (``prove``, through ``tests.helpers.recipe_result``) measures the rest from outside, through a
+Lightning Callback it adds to the Trainer (``recipes.core.lightning.LightningObserver``): the final
+weights gathered to rank 0 and the fraction of them each rank holds.
 """
 
 import glob
@@ -17,10 +22,8 @@ pytest.importorskip("lightning", reason="the Lightning recipes need lightning: p
 from torch.utils.data import DataLoader
 
 from recipes import ddp_torchrun, fsdp, lightning_fabric, lightning_trainer
-from recipes.core.cli import run_cli as core_run_cli
-from recipes.core.config import RecipeError
-from recipes.core.workload import build_model
 from recipes.core.spawn import spawn_world
+from recipes.toy import build_model
 from tests.helpers import (ddp_result, CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, in_one_world,
                            last_json, recipe_result, run_alone, run_cli)
 
@@ -38,7 +41,7 @@ REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 
 
 def lightning_cfg(out: str, **changes) -> lightning_trainer.LightningConfig:
-    fields = {"steps": STEPS, "keep_final_state": True, "timeout_s": 120, "output_dir": out, "logger": "none",
+    fields = {"steps": STEPS, "timeout_s": 120, "output_dir": out, "logger": "none",
               "precision": "32-true"}
     return lightning_trainer.LightningConfig(**(fields | changes))
 
@@ -46,7 +49,7 @@ def lightning_cfg(out: str, **changes) -> lightning_trainer.LightningConfig:
 def _train_with_plain_loader(cfg):
     """The pitfall: the same resume with a plain DataLoader, which Lightning cannot resume mid-epoch."""
     with mock.patch.object(lightning_trainer, "ResumableLoader", DataLoader):
-        return lightning_trainer.train(cfg)
+        return recipe_result(cfg)
 
 
 def as_nodes(ranks_per_node: int) -> None:
@@ -90,11 +93,9 @@ def _run_phase(phase):
         return recipe_result(cfg)
     if name == "raw_ddp":
         return ddp_result(cfg)
-    if name == "fabric_clip":
-        return lightning_fabric.train(cfg)
     if name.startswith("plain_loader"):
         return _train_with_plain_loader(cfg)
-    return lightning_trainer.train(cfg)
+    return recipe_result(cfg)  # lightning_trainer's phases, and fabric_clip
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +115,7 @@ def world(tmp_path_factory):
                                                resume_from=os.path.join(out, "plain", "checkpoints", "step=3.ckpt"))),
         ("ddp_accumulate", lightning_cfg(f"{out}/acc", accumulate_grad_batches=3)),
         ("ddp_clip", lightning_cfg(f"{out}/clip", gradient_clip_val=0.05, logger="tensorboard" if TENSORBOARD else "none")),
-        ("fabric_clip", lightning_fabric.FabricConfig(steps=STEPS, keep_final_state=True, timeout_s=120,
-                                                      gradient_clip_val=0.05)),
+        ("fabric_clip", lightning_fabric.FabricConfig(steps=STEPS, timeout_s=120, gradient_clip_val=0.05)),
         ("fsdp", lightning_cfg(f"{out}/fsdp", strategy="fsdp", checkpoint_every_n_steps=3)),
         ("fsdp_resumed", lightning_cfg(f"{out}/fsdp_resumed", strategy="fsdp", resume_from=fsdp_ckpt,
                                        checkpoint_every_n_steps=3)),
@@ -282,7 +282,7 @@ def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
     reference = run_alone(ddp_result, REFERENCE)
     # ddp_spawn sets MASTER_PORT & co. in this process: restore the environment for the tests after it.
     with mock.patch.dict(os.environ):
-        result = lightning_trainer.train(lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2))
+        result = recipe_result(lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2))
     assert (result.world_size, result.extras["strategy"]) == (2, "ddp_spawn")
     assert_losses_close(result.losses, reference.losses, atol=1e-5)
     assert_states_close(result.final_state, reference.final_state, atol=1e-5)  # rank 0's weights came back
@@ -293,13 +293,14 @@ def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
 # and test_multinode cover the launch path itself there.
 @pytest.mark.slow
 def test_torchrun_launch_prints_readable_logs_and_the_result(tmp_path):
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.lightning_trainer",
-                    "--output-dir", str(tmp_path)], timeout_s=240)
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.core.prove",
+                    "lightning_trainer", "--output-dir", str(tmp_path)], timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert_losses_close(result["losses"], run_alone(ddp_result, REFERENCE).losses, atol=1e-5)
     # One log line per step, from rank 0 only; no progress-bar carriage returns in a non-terminal log.
-    assert proc.stdout.count("] step ") == STEPS and "[rank1]" not in proc.stdout and "\r" not in proc.stdout
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == STEPS and "[rank1]" not in proc.stdout and "\r" not in proc.stdout
     # No warnings: the known-harmless ones are filtered in the recipe, each with its reason.
     assert "Warning" not in proc.stderr and "warn" not in proc.stderr.lower(), proc.stderr[-3000:]
     assert "Tip:" not in proc.stdout + proc.stderr
@@ -366,7 +367,7 @@ def test_fsdp_yaml_config_trains_on_cpu_with_the_cpu_strategy(tmp_path):
 
 @pytest.mark.skipif(CUDA_DEVICES > 0, reason="on a GPU machine 16-mixed is valid")
 def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run(tmp_path):
-    with pytest.raises(RecipeError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"):
+    with pytest.raises(ValueError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"):
         lightning_trainer.train(lightning_cfg(str(tmp_path), precision="16-mixed"))
 
 
@@ -380,19 +381,19 @@ def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run(tmp_path):
 def test_settings_that_do_not_fit_the_world_are_rejected(tmp_path, changes, message):
     if "strategy" in changes and changes["strategy"] == "fsdp" and CUDA_DEVICES:
         pytest.skip("these FSDP settings are valid on GPUs")
-    with pytest.raises(RecipeError, match=message):
+    with pytest.raises(ValueError, match=message):
         lightning_trainer.train(lightning_cfg(str(tmp_path), **changes))
 
 
 def test_ddp_spawn_inside_a_launched_world_is_rejected(tmp_path):
     with mock.patch.dict(os.environ, {"RANK": "0"}):
-        with pytest.raises(RecipeError, match="ddp_spawn' starts its own processes"):
+        with pytest.raises(ValueError, match="ddp_spawn' starts its own processes"):
             lightning_trainer.train(lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2))
 
 
 def test_help_names_both_command_lines(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        core_run_cli(lightning_trainer.train, lightning_trainer.LightningConfig, lightning_trainer.__doc__, ["--help"])
+        lightning_trainer.main(["--help"])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "--strategy {ddp,ddp_spawn,fsdp,model_parallel}" in printed and "LightningCLI" in printed
@@ -408,7 +409,7 @@ def test_ddp_spawn_checks_the_batch_in_the_parent_before_spawning(tmp_path, chan
     # Once a 70-line ProcessRaisedException from every spawned process; now one line, no spawn.
     cfg = lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2, **changes)
     with mock.patch.object(lightning_trainer, "_fit", side_effect=AssertionError("spawned")):
-        with pytest.raises(RecipeError, match=message):
+        with pytest.raises(ValueError, match=message):
             lightning_trainer.train(cfg)
 
 
@@ -439,8 +440,7 @@ def test_ddp_spawn_batch_from_the_command_line_is_one_line_and_exit_2(capsys):
     argv = ["--strategy", "ddp_spawn", "--devices", "2", "--global-batch-size", "9"]
     with mock.patch.object(lightning_trainer, "_fit", side_effect=AssertionError("spawned")):
         with pytest.raises(SystemExit) as exit_info:
-            core_run_cli(lightning_trainer.train, lightning_trainer.LightningConfig,
-                         lightning_trainer.__doc__, argv)
+            lightning_trainer.main(argv)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: global_batch_size=9 does not divide across 2 ranks; use a multiple of 2, "
@@ -449,8 +449,19 @@ def test_ddp_spawn_batch_from_the_command_line_is_one_line_and_exit_2(capsys):
 
 def test_a_bad_number_is_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        core_run_cli(lightning_trainer.train, lightning_trainer.LightningConfig,
-                     lightning_trainer.__doc__, ["--gradient-clip-val", "nan"])
+        lightning_trainer.main(["--gradient-clip-val", "nan"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: gradient_clip_val must be a finite number >= 0, got nan"]
+    # argparse's own refusal, as every copyable recipe's: the usage line, then the one error line
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: argument --gradient-clip-val: must be a finite number >= 0, got nan")
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches must be a finite number >= 1, got 0"),
+    ({"tensor_parallel_size": -2}, r"tensor_parallel_size must be a finite number >= 0, got -2"),
+    ({"strategy": "deepspeed"}, r"strategy='deepspeed'; valid values: ddp, ddp_spawn, fsdp, model_parallel"),
+])
+def test_a_config_built_in_code_is_checked_like_the_command_line(tmp_path, changes, message):
+    # not a ZeroDivisionError from the batch check, or Lightning's traceback: one line
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        lightning_cfg(str(tmp_path), **changes)

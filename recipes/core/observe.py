@@ -1446,3 +1446,30 @@ class FinetuneObserver(Observer):
 
 
 OBSERVERS["finetune"] = FinetuneObserver
+
+
+class ResumableObserver(Observer):
+    """recipes/lightning_fabric.py: ``start_step`` in ``extras``, the first step the run trained
+    (past 0 where it resumed from a checkpoint; the recipe returns the losses of the steps it
+    trained)."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+
+    def step_end(self, step: int, loss: float) -> None:
+        self.extras.setdefault("start_step", step)
+        super().step_end(step, loss)
+
+
+OBSERVERS["lightning_fabric"] = ResumableObserver
+
+
+def _lightning_observer(cfg: Any, *, keep_final_state: bool = False) -> Observer:
+    """recipes/lightning_trainer.py's: a Lightning Callback (recipes.core.lightning), imported
+    only when asked for: Lightning takes seconds to import."""
+    from recipes.core.lightning import LightningObserver
+
+    return LightningObserver(cfg, keep_final_state=keep_final_state)
+
+
+OBSERVERS["lightning_trainer"] = _lightning_observer

@@ -44,7 +44,8 @@ PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "da
             "fsdp", "float8", "performance",
             "expert_parallel", "pipeline_parallel",
             "grad_accumulation",
-            "hf_checkpoint", "finetune")
+            "hf_checkpoint", "finetune",
+            "lightning_fabric", "lightning_trainer")
 
 
 def prove_command(command: str, name: str) -> str:
