@@ -89,6 +89,13 @@ class EstimateError(ValueError):
     """Input the arithmetic cannot take: one line that names the option and the fix."""
 
 
+# Two help texts too long for a field's line (the API reference shows each field's default)
+_STRATEGY_HELP = ("per-GPU figure: zero3 = FSDP FULL_SHARD, zero2 = SHARD_GRAD_OP, hsdp = ZeRO-3 "
+                  "over shard_size ranks, replicated across the groups")
+_PRECISION_HELP = ("per-GPU figure: mixed = 2+2+12 bytes/param, bf16 activations; autocast = "
+                   "fp32 params (4+4+8), bf16 activations; fp32 = 4+4+8, fp32 activations")
+
+
 def _opt(default: Any, help_text: str) -> Any:
     return field(default=default, metadata={"help": help_text})  # --help shows the text
 
@@ -109,18 +116,14 @@ class EstimateConfig:
     hidden: int = _opt(4096, "hidden size (h) (>= 1)")
     heads: int = _opt(32, "attention heads (a) (>= 1)")
     vocab: int = _opt(32000, "vocabulary size (V) (>= 1)")
-    strategy: str = _opt(
-        "zero3", "per-GPU figure: zero3 = FSDP FULL_SHARD, zero2 = SHARD_GRAD_OP, hsdp = ZeRO-3 "
-        "over shard_size ranks, replicated across the groups")
+    strategy: str = _opt("zero3", _STRATEGY_HELP)
     shard_size: int = _opt(8, "hsdp only: data-parallel ranks in one sharding group (>= 1)")
     offload: bool = _opt(False, "per-GPU figure: CPU offload of the sharded parts (not for ddp)")
     tp: int = _opt(1, "tensor-parallel degree (t); GPUs = world_size * tp * pp (>= 1)")
     pp: int = _opt(1, "pipeline-parallel degree (stages, 1F1B schedule) (>= 1)")
     sequence_parallel: bool = _opt(
         True, "with tp > 1: norms and dropout sharded over the sequence")
-    precision: str = _opt(
-        "mixed", "per-GPU figure: mixed = 2+2+12 bytes/param, bf16 activations; autocast = "
-        "fp32 params (4+4+8), bf16 activations; fp32 = 4+4+8, fp32 activations")
+    precision: str = _opt("mixed", _PRECISION_HELP)
     seq_len: int = _opt(4096, "sequence length (s) (>= 1)")
     micro_batch: int = _opt(1, "sequences per micro-batch on each GPU (b) (>= 1)")
     checkpointing: str = _opt(

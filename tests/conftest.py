@@ -38,3 +38,22 @@ def pytest_collection_finish(session):
     run, and a full collection over them costs ~0.3 s of CPU each time. Objects the tests create
     later are collected as before."""
     gc.freeze()
+
+
+# A world's variables that an in-process run may set in the test's own process: Lightning's
+# Fabric and Trainer write MASTER_ADDR, MASTER_PORT, WORLD_SIZE and LOCAL_RANK into os.environ
+# when they launch, even a world of 1. Left behind, a later test in the same worker would meet at
+# that port and find it taken ("MASTER_PORT ... is already in use": 30 tests failed so).
+WORLD_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                   "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _restore_world_variables():
+    before = {name: os.environ.get(name) for name in WORLD_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
