@@ -53,13 +53,18 @@ def _two_ranks() -> tuple:
     # a group its caller made first is used as it is, and left for that caller to destroy. Its
     # own store: on env:// again, rank 1 could reach rank 0's first store server while it closes
     # (seen once under load: "Failed to recv, got 0 bytes" in init_process_group).
-    store_file = Path(tempfile.gettempdir(), f"dist_setup_test_{os.environ['MASTER_PORT']}")
+    # A file of this run alone (the spawning test's pid and the port): a FileStore file outlives
+    # its run, and one a past run left under the same name would hand out its stale addresses.
+    store_file = Path(tempfile.gettempdir(),
+                      f"dist_setup_test_{os.getppid()}_{os.environ['MASTER_PORT']}")
     dist.init_process_group("gloo", store=dist.FileStore(str(store_file), 2), rank=info.rank,
                             world_size=2, timeout=datetime.timedelta(seconds=60))
     reused = dist_setup.setup_distributed("gloo")
     dist_setup.cleanup_distributed()
     kept = dist.is_initialized()
     dist.destroy_process_group()
+    if info.rank == 0:
+        store_file.unlink(missing_ok=True)
     return joined, destroyed, (reused.rank, reused.world_size), kept
 
 
