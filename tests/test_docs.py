@@ -697,7 +697,7 @@ def chromium_binary() -> str:
 @pytest.mark.parametrize(
     "page, code_text, diagram_text",
     [
-        ("", "python -m recipes.ddp_torchrun", "join_world"),
+        ("", "python -m recipes.ddp_torchrun", "setup_distributed"),
         ("recipes/ddp_torchrun/", "def train(cfg: DDPConfig, observer=None) -> list[float]:",
          "optimizer.step()"),
     ],
