@@ -158,6 +158,11 @@ def test_two_hosts_train_like_one_process(two_hosts, rendezvous, tmp_path):
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
 
 
+# slow: two network-namespace hosts started and one torn down, 12 s of CPU and 25-42 s of wall on
+# 2 cores; with every recipe run as a copy the default suite measured 240.9 s from a fresh clone,
+# at its 4-minute budget. CI runs it (the slow set); the default run keeps a survivor naming the
+# rank that died on one host (test_elastic.test_survivors_name_the_rank_that_died_and_exit_cleanly).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_host_that_vanishes_ends_the_other_with_a_clear_error(two_hosts, tmp_path):
     timeout_s = 15
