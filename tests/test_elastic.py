@@ -184,7 +184,8 @@ def test_survivors_name_the_rank_that_died_and_exit_cleanly():
 # as a copy the default suite measured 240.9 s from a fresh clone, at its 4-minute budget. CI runs
 # it (the slow set); the default run keeps torchrun's error file in its Root Cause summary
 # (test_troubleshooting.test_child_failed_error_hides_the_traceback_until_record) and the
-# survivors' one line naming the dead rank (test_survivors_name_the_rank_that_died_and_exit_cleanly).
+# survivors' one line naming the dead rank
+# (test_survivors_name_the_rank_that_died_and_exit_cleanly).
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_torchrun_root_cause_is_the_killed_rank_and_bad_input_keeps_exit_code_2(tmp_path):

@@ -662,7 +662,8 @@ def test_files_altered_together_with_the_manifest_fail_in_one_line(checkpoint_co
 def test_a_resume_with_other_settings_is_refused_before_loading(checkpoint_copy, change, message):
     # --model small on a tiny checkpoint once died in DCP with size-mismatch tracebacks, or SIGABRT.
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy), **change)
-    with mock.patch.object(_sharded_checkpoint_store.dcp, "load", side_effect=AssertionError("loaded")):
+    store = _sharded_checkpoint_store
+    with mock.patch.object(store.dcp, "load", side_effect=AssertionError("loaded")):
         with pytest.raises(CheckpointError, match=rf"^{checkpoint_copy} {message}"):
             run_alone(recipe_result, cfg)
 
