@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -374,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, "error: --steps and --num-workers must be at least 0\n")
     if not 256 <= cfg.vocab_size <= 65536 or not 0 < cfg.val_fraction < 1:
         parser.exit(2, "error: --vocab-size must be 256..65536 and --val-fraction in (0, 1)\n")
+    if not math.isfinite(cfg.lr) or cfg.lr <= 0:  # nan fails no comparison: finite first
+        parser.exit(2, f"error: --lr must be a finite number > 0, got {cfg.lr}\n")
     try:
         result = run(cfg)
     except ValueError as exc:  # an input the checks above could not see (an empty corpus)

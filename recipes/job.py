@@ -535,9 +535,19 @@ def main(argv: list[str] | None = None) -> None:
                               f"python -m recipes.data --steps 0 --data-dir {cfg.data_dir}, "
                               "or set prepare: true")
         for key in ("steps", "global_batch_size", "accumulation", "eval_every",
-                    "checkpoint_every", "keep", "log_every", "seq_len", "warmup_steps"):
+                    "checkpoint_every", "keep", "log_every", "seq_len", "warmup_steps",
+                    "eval_windows", "max_bytes", "dp_replicate", "tp"):
             if getattr(cfg, key) < 1:
                 raise ConfigError(f"{key}={getattr(cfg, key)}: must be at least 1")
+        for key in ("num_workers", "seed"):
+            if getattr(cfg, key) < 0:
+                raise ConfigError(f"{key}={getattr(cfg, key)}: must be at least 0")
+        # nan fails no comparison: checked as finite first (else AdamW's traceback, or nan losses)
+        for key, bound in (("lr", "> 0"), ("min_lr", ">= 0"), ("weight_decay", ">= 0"),
+                           ("clip", ">= 0")):
+            value = getattr(cfg, key)
+            if not math.isfinite(value) or (value <= 0 if bound == "> 0" else value < 0):
+                raise ConfigError(f"{key}={value}: must be a finite number {bound}")
         result = train(cfg)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:

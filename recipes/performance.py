@@ -143,10 +143,10 @@ def resolve_precision(requested: str, device: torch.device) -> str:
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
         raise SpeedSwitchError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+                               f"{device.type}; use --precision fp32 (or bf16)")
     if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
         raise SpeedSwitchError(f"{torch.cuda.get_device_name(device)} has no bf16 support; "
-                         "use --precision fp16 (with its loss scaler) or tf32")
+                               "use --precision fp16 (with its loss scaler) or tf32")
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
             requested == "tf32")

@@ -212,7 +212,7 @@ def test_a_run_resumed_from_its_checkpoint_continues_exactly(shards, tmp_path):
     assert straight["vocab_size"] == 300 and second["steps"] == 6
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     proc = run_cli([PYTHON, "-m", "recipes.data", "--corpus", str(tmp_path / "missing")])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: --corpus {tmp_path / 'missing'}: not a folder; name a folder of text files"]
@@ -222,6 +222,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
                     "--data-dir", str(tmp_path / "out")])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: corpus {empty}: no UTF-8 text files found")
+    # in-process: main's own checks, before any data is read (nan once reached AdamW's message)
+    with pytest.raises(SystemExit) as exit_info:
+        data.main(["--lr", "nan", "--data-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --lr must be a finite number > 0, got nan\n"
+    assert not (tmp_path / "out").exists()
 
 
 def test_two_ranks_train_past_an_epoch_with_both_loaders(tmp_path):

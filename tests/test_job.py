@@ -279,6 +279,16 @@ def test_bad_configurations_are_one_line_naming_the_fix(capsys, tmp_path, monkey
     assert "not a folder" in one_line_error(capsys, ["--corpus", str(tmp_path / "none")])
     assert "not a multiple of 1 data-parallel ranks x accumulation=3" in one_line_error(
         capsys, ["--global-batch-size", "8", "--accumulation", "3"])
+    # every number, not only the counts: nan once reached AdamW's traceback on every rank
+    for flag, value, message in [("--lr", "nan", "lr=nan: must be a finite number > 0"),
+                                 ("--lr", "0", "lr=0.0: must be a finite number > 0"),
+                                 ("--min-lr", "-1", "min_lr=-1.0: must be a finite number >= 0"),
+                                 ("--clip", "inf", "clip=inf: must be a finite number >= 0"),
+                                 ("--weight-decay", "nan", "weight_decay=nan: must be a finite"),
+                                 ("--num-workers", "-1", "num_workers=-1: must be at least 0"),
+                                 ("--tp", "0", "tp=0: must be at least 1"),
+                                 ("--eval-windows", "0", "eval_windows=0: must be at least 1")]:
+        assert message in one_line_error(capsys, [flag, value]), (flag, value)
 
 
 def test_the_shipped_configurations_load(capsys):

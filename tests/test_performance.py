@@ -8,6 +8,7 @@ final weights, the switches and the torch.backends flags."""
 import json
 
 import pytest
+import torch
 
 from recipes import performance
 from recipes.core.observe import prove
@@ -109,3 +110,16 @@ def test_bench_prints_its_tables_and_writes_json(tmp_path):
         assert [row["label"] for row in rows] == labels
         assert all(row["precision"] == "fp32" and row["batch"] == int(batch) for row in rows)
     assert "| bf16 + fused AdamW | 4 |" in proc.stdout and "| fsdp2 | 8 |" in proc.stdout
+
+
+def test_tf32_is_set_from_the_flag_on_every_run():
+    """The page's pitfall: TF32 is a process-wide switch, so the recipe sets it from --precision on
+    every run and never inherits it from an earlier one."""
+    cuda = torch.device("cuda", 0)  # resolve_precision only sets flags for it: no GPU needed
+    try:
+        assert performance.resolve_precision("tf32", cuda) == "tf32"
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert performance.resolve_precision("fp32", cuda) == "fp32"
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True

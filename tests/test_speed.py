@@ -1,12 +1,12 @@
-"""recipes.core.speed and recipes.core.throughput: precision, fused AdamW, compile, tokens/s, MFU"""
+"""Speed: compile (recipes/parallelize.py's apply_compile) and the harness's tokens/s and MFU
+(recipes.core.throughput)"""
 
 import pytest
 import torch
 import torch.nn as nn
 
 from recipes import amp, ddp_torchrun, fsdp2, tensor_parallel
-from recipes.core.config import RecipeError
-from recipes.core.speed import CompileTargetError, apply_compile, setup_precision
+from recipes.parallelize import CompileTargetError, apply_compile
 from recipes.core.throughput import PEAK_TFLOPS, Workload, flops_per_token, peak_flops
 from recipes.core.workload import MODEL_PRESETS, Block, build_model
 from tests.helpers import (
@@ -49,25 +49,6 @@ def test_mfu_is_null_on_cpu_and_uses_the_device_peak_on_a_gpu(monkeypatch):
     assert workload.measure(0.0369, gpu, devices=2)["mfu"] == pytest.approx(on_h200["mfu"] / 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     assert workload.measure(0.0369, gpu, devices=1)["mfu"] is None  # never a made-up peak
-
-
-def test_auto_is_fp32_on_cpu_and_tf32_is_refused_there():
-    assert setup_precision("auto", torch.device("cpu")) == "fp32"
-    assert setup_precision("bf16", torch.device("cpu")) == "bf16"
-    with pytest.raises(RecipeError, match="tf32 is a CUDA matmul mode.*use --precision fp32"):
-        setup_precision("tf32", torch.device("cpu"))
-
-
-def test_precision_sets_tf32_from_the_flag_every_time():
-    cuda = torch.device(
-        "cuda", 0
-    )  # setup_precision only sets flags for it: no GPU needed for tf32/fp32
-    try:
-        assert setup_precision("tf32", cuda) == "tf32" and torch.backends.cuda.matmul.allow_tf32
-        assert setup_precision("fp32", cuda) == "fp32" and not torch.backends.cuda.matmul.allow_tf32
-        assert not torch.backends.cudnn.allow_tf32
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
 
 
 def test_a_result_reports_tokens_per_second_from_its_step_time():

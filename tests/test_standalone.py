@@ -315,10 +315,10 @@ def test_each_copyable_function_extracts_without_our_package():
 
 def test_a_package_import_is_found():
     """The check above must see a copyable function that picks up a name from our package."""
-    # the harness's setup_precision raises RecipeError (recipes/fsdp.py's hybrid_mesh did, until
-    # fsdp became copyable; the harness keeps its modules, so this example stays)
-    extraction = extract("recipes.core.speed", ("setup_precision",))
-    assert extraction.package_uses == ["recipes.core.speed: RecipeError from recipes.core.config"]
+    # the harness's check_port_free raises RecipeError (recipes/fsdp.py's hybrid_mesh did, until
+    # fsdp became copyable: no recipe imports the harness now, so the example is the harness's)
+    extraction = extract("recipes.core.spawn", ("check_port_free",))
+    assert extraction.package_uses == ["recipes.core.spawn: RecipeError from recipes.core.config"]
 
 
 @pytest.mark.timeout(180)
@@ -336,12 +336,11 @@ def test_extracted_functions_run_alone(tmp_path):
     messages = json.loads(proc.stdout.strip().splitlines()[-1])
     # The same classes and one-line messages as the package's own functions give.
     from recipes import activation_checkpointing, expert_parallel, parallelize
-    from recipes.core import speed
     from recipes.core.workload import Block
     same = {
         "ac": lambda: activation_checkpointing.apply_activation_checkpointing(
             nn.Linear(2, 2), block_types=(Block,)),
-        "compile": lambda: speed.apply_compile(nn.Linear(2, 2), block_types=(Block,)),
+        "compile": lambda: parallelize.apply_compile(nn.Linear(2, 2), block_types=(Block,)),
         "fully_shard": lambda: parallelize.apply_fully_shard(nn.Linear(2, 2), None,
                                                              block_types=(Block,)),
         "ep": lambda: expert_parallel.apply_ep(nn.Sequential(nn.Linear(2, 2)), None),

@@ -138,7 +138,7 @@ class TrainConfig(Config):
         "auto",
         "auto = bf16 on a GPU, fp32 on CPU; fp32 = true fp32 (TF32 off); "
         "tf32 = TF32 matmuls (CUDA); "
-        "bf16/fp16 = mixed precision (fp16 with a loss scaler); see recipes.core.speed",
+        "bf16/fp16 = mixed precision (fp16 with a loss scaler)",
     )
 
 
