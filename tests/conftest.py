@@ -22,9 +22,19 @@ def pytest_xdist_auto_num_workers(config):
 # timeout it asserts, for 15-60 s. Started last, one of them leaves a single worker running alone
 # at the end of the run. (pytest-xdist hands out the xdist_group modules first, largest first,
 # then the other tests in this order.)
-LONG_FIRST = ("test_multinode", "test_elastic", "test_ddp_torchrun", "test_performance",
-              "test_collect_results", "test_third_party_models", "test_hang_diagnosis",
-              "test_recipes_index", "test_ddp_spawn", "test_collectives", "test_world")
+LONG_FIRST = (
+    "test_multinode",
+    "test_elastic",
+    "test_ddp_torchrun",
+    "test_performance",
+    "test_collect_results",
+    "test_third_party_models",
+    "test_hang_diagnosis",
+    "test_recipes_index",
+    "test_ddp_spawn",
+    "test_collectives",
+    "test_world",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,8 +54,16 @@ def pytest_collection_finish(session):
 # Fabric and Trainer write MASTER_ADDR, MASTER_PORT, WORLD_SIZE and LOCAL_RANK into os.environ
 # when they launch, even a world of 1. Left behind, a later test in the same worker would meet at
 # that port and find it taken ("MASTER_PORT ... is already in use": 30 tests failed so).
-WORLD_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                   "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+WORLD_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -57,3 +75,7 @@ def _restore_world_variables():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+# CPU seconds per test file, printed at the end of the run (tests/cpu_accounting.py).
+from tests.cpu_accounting import pytest_addoption, pytest_configure  # noqa: E402, F401
