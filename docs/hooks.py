@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # mkdocs loads this file by its path, not as part of a package: docs/ goes on sys.path so that the
 # package beside it imports by name (mkdocs adds it only while it loads this file; the tests not
@@ -49,18 +50,29 @@ from _hooks.api import copyable_recipes, render_api  # noqa: E402
 from _hooks.base import FENCE, REPO_ROOT, MarkerError, escape, log  # noqa: E402
 from _hooks.charts import loss_series, model_state_rows, render_chart  # noqa: E402
 from _hooks.diagrams import simulated_schedule  # noqa: E402
+from _hooks.diff import render_diff  # noqa: E402
 from _hooks.index import recipe_groups, render_recipe_index  # noqa: E402
 from _hooks.mermaid import symmetric_collective, with_mermaid_script  # noqa: E402
 from _hooks.options import render_options  # noqa: E402
 from _hooks.page import fold_pitfalls, link_api, link_recipes, run_command_on_top  # noqa: E402
 from _hooks.results import PART_LABELS, render_bench, render_results, results_markdown  # noqa: E402
-from _hooks.diff import render_diff  # noqa: E402
 from _hooks.source import append_proofs, render_source  # noqa: E402
 
 # What the tests call through this module (tests/test_docs.py), besides the mkdocs events.
-__all__ = ["MarkerError", "PART_LABELS", "base", "copyable_recipes", "loss_series",
-           "model_state_rows", "recipe_groups", "render_bench", "render_chart", "render_results",
-           "results_markdown", "simulated_schedule"]
+__all__ = [
+    "MarkerError",
+    "PART_LABELS",
+    "base",
+    "copyable_recipes",
+    "loss_series",
+    "model_state_rows",
+    "recipe_groups",
+    "render_bench",
+    "render_chart",
+    "render_results",
+    "results_markdown",
+    "simulated_schedule",
+]
 
 MARKER = re.compile(
     r"^(\s*)<!--\s*(options|results|api|recipe-index|bench|chart|source|diff)"
@@ -119,8 +131,12 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
         indent, kind, argument = match.group(1), match.group(2), match.group(3) or ""
         try:
             rendered = RENDERERS[kind](argument, page=page, config=config)
-            out.append("\n".join(indent + link_recipes(part, page, config) if part else part
-                                 for part in rendered.split("\n")))
+            out.append(
+                "\n".join(
+                    indent + link_recipes(part, page, config) if part else part
+                    for part in rendered.split("\n")
+                )
+            )
         except MarkerError as exc:
             log.warning("%s: %s", page.file.src_uri, exc)
             out.append(f'!!! failure "Generated content missing"\n    {escape(str(exc))}\n')

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import recipes
 
-
 # What recipes share and a user copies with them: the toy model/data, the world set-up and the
 # functions that parallelize a model.
 SHARED_MODULES = ("toy", "dist_setup", "parallelize")
@@ -18,8 +17,11 @@ SHARED_MODULES = ("toy", "dist_setup", "parallelize")
 def recipe_modules() -> list[str]:
     """Recipe module names: every module of the package except the shared ``core``, the shared
     modules a user copies with a recipe, and private ones."""
-    return sorted(m.name for m in pkgutil.iter_modules(recipes.__path__)
-                  if not m.ispkg and not m.name.startswith("_") and m.name not in SHARED_MODULES)
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(recipes.__path__)
+        if not m.ispkg and not m.name.startswith("_") and m.name not in SHARED_MODULES
+    )
 
 
 def describe(name: str) -> tuple[str, str]:

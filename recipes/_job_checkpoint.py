@@ -58,12 +58,15 @@ def latest(root: Path) -> Path | None:
             shutil.rmtree(partial, ignore_errors=True)
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0]) if choice[0] else None
+
+
 # --8<-- [end:find]
 
 
 # --8<-- [start:save]
-def save(root: Path, step: int, model, optimizer, rank_state: dict, *, val_loss: float | None,
-         keep: int) -> Path:
+def save(
+    root: Path, step: int, model, optimizer, rank_state: dict, *, val_loss: float | None, keep: int
+) -> Path:
     """Write step ``step`` on every rank (a collective), publish it with one rename, keep the
     last ``keep`` and the best by validation loss. Returns the published folder."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -107,8 +110,7 @@ def update_best(root: Path, step: int, val_loss: float | None) -> None:
     best = root / "best.json"
     old = json.loads(best.read_text()) if best.exists() else None
     if val_loss is not None and (old is None or val_loss < old["val_loss"]):
-        write_atomically(best, {"step": step, "val_loss": val_loss,
-                                "path": f"step_{step:08d}"})
+        write_atomically(best, {"step": step, "val_loss": val_loss, "path": f"step_{step:08d}"})
 
 
 def prune(root: Path, keep: int) -> None:
@@ -119,6 +121,8 @@ def prune(root: Path, keep: int) -> None:
     for step, path in checkpoints[: max(len(checkpoints) - keep, 0)]:
         if step != best_step:
             shutil.rmtree(path)
+
+
 # --8<-- [end:save]
 
 
@@ -136,13 +140,19 @@ def load(path: Path, model, optimizer) -> dict:
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     meta = json.loads((path / "meta.json").read_text())
     same_world = meta["world_size"] == dist.get_world_size()
     own = path / f"rank_{dist.get_rank() if same_world else 0:05d}.pt"
-    return {"meta": meta, "same_world": same_world,
-            "rank": torch.load(own, weights_only=True)}  # weights_only: tensors, plain values
+    return {
+        "meta": meta,
+        "same_world": same_world,
+        "rank": torch.load(own, weights_only=True),
+    }  # weights_only: tensors, plain values
+
+
 # --8<-- [end:load]
 
 
@@ -150,10 +160,12 @@ def load(path: Path, model, optimizer) -> dict:
 def rng_states() -> dict:
     """Every generator a step may draw from (dropout, a random crop, a shuffle in user code)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
-            "python": random.getstate()}
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
+        "python": random.getstate(),
+    }
 
 
 def set_rng_states(states: dict) -> None:
@@ -164,4 +176,6 @@ def set_rng_states(states: dict) -> None:
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
+
+
 # --8<-- [end:rng]

@@ -36,8 +36,13 @@ class FSDPOnCPUStrategy(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = FullyShardedDataParallel(
-            module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs)
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
         _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)  # after
         return model
 
@@ -61,8 +66,10 @@ def hybrid_shard_layout(sharding_strategy: str, accelerator: str, world_size: in
     per_node = world_size // num_nodes
     if per_node == 1:
         if dist.get_rank() == 0:
-            print("HYBRID_SHARD with one rank per node is replication: NO_SHARD over the world",
-                  flush=True)
+            print(
+                "HYBRID_SHARD with one rank per node is replication: NO_SHARD over the world",
+                flush=True,
+            )
         return "NO_SHARD", None
     return sharding_strategy, init_device_mesh(
         accelerator, (num_nodes, per_node), mesh_dim_names=("replicate", "shard")
@@ -93,8 +100,11 @@ def filter_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     # Lightning 2.6 builds a torch.utils._pytree.LeafSpec, which torch 2.13 deprecates: nothing
     # for a user to do.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+    )
     # FSDP1's state dicts and checkpoints run through torch's own deprecated internals
     # (ShardedTensor, _get_pg_default_device, dcp.load_state_dict); torch warns itself, on every
     # rank, at every save.

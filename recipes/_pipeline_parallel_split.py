@@ -18,16 +18,28 @@ naming what the model has: ``PipelineSplitError``.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["PipelineSplitError", "StageWiring", "TRANSFORMER_LM", "LLAMA", "GPT2", "even_split",
-           "stage_modules", "StageModule", "sync_tied_grads", "stage_placement", "bubble_fraction",
-           "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES"]
+__all__ = [
+    "PipelineSplitError",
+    "StageWiring",
+    "TRANSFORMER_LM",
+    "LLAMA",
+    "GPT2",
+    "even_split",
+    "stage_modules",
+    "StageModule",
+    "sync_tied_grads",
+    "stage_placement",
+    "bubble_fraction",
+    "SINGLE_STAGE_SCHEDULES",
+    "V_SCHEDULES",
+]
 
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # the schedules' names in recipes.pipeline_parallel
@@ -75,17 +87,21 @@ def _module(model: nn.Module, name: str) -> nn.Module:
         else:
             found = [n for n, _ in model.named_children()]
         where = f"{parent}." if parent else ""
-        raise PipelineSplitError(f"the split names {name!r}, which is not a module of "
-                                 f"{type(model).__name__}; its modules there: "
-                                 f"{', '.join(where + n for n in found)}") from None
+        raise PipelineSplitError(
+            f"the split names {name!r}, which is not a module of "
+            f"{type(model).__name__}; its modules there: "
+            f"{', '.join(where + n for n in found)}"
+        ) from None
 
 
 def even_split(model: nn.Module, wiring: StageWiring, num_stages: int) -> list[str]:
     """Split points giving each stage an even share of the blocks (earlier stages take the rest)."""
     blocks = [f"{wiring.blocks}.{n}" for n, _ in _module(model, wiring.blocks).named_children()]
     if len(blocks) < num_stages:
-        raise PipelineSplitError(f"{len(blocks)} blocks cannot fill {num_stages} pipeline stages; "
-                                 f"use a model with {num_stages} blocks or more, or fewer stages")
+        raise PipelineSplitError(
+            f"{len(blocks)} blocks cannot fill {num_stages} pipeline stages; "
+            f"use a model with {num_stages} blocks or more, or fewer stages"
+        )
     base, extra = divmod(len(blocks), num_stages)
     starts = [s * base + min(s, extra) for s in range(num_stages)]
     return [blocks[start] for start in starts[1:]]
@@ -93,6 +109,7 @@ def even_split(model: nn.Module, wiring: StageWiring, num_stages: int) -> list[s
 
 def _units(model: nn.Module, points: Sequence[str], wiring: StageWiring) -> list[str]:
     """The model's modules in registration order, opened down to each split point and block."""
+
     def walk(module: nn.Module, prefix: str) -> list[str]:
         names = []
         for child_name, child in module.named_children():
@@ -103,20 +120,22 @@ def _units(model: nn.Module, points: Sequence[str], wiring: StageWiring) -> list
             inside = any(p.startswith(name + ".") for p in [*points, wiring.blocks + "."])
             names += walk(child, name + ".") if inside else [name]
         return names
+
     return walk(model, "")
 
 
 def stage_modules(model: nn.Module, split: Sequence, wiring: StageWiring) -> list[list[str]]:
-    """Per stage, the module names it owns in execution order; checks the split against the model.
-    """
+    """Per stage, the module names it owns in execution order; checks the split against the model."""
     if all(isinstance(s, str) for s in split):  # split points; none: one stage
         for name in split:
             _module(model, name)
         units = _units(model, split, wiring)
         cuts = [units.index(name) for name in split]
         if cuts != sorted(set(cuts)) or 0 in cuts:
-            raise PipelineSplitError(f"split points {list(split)} must be distinct, in the "
-                                     f"model's order, and after its first module {units[0]!r}")
+            raise PipelineSplitError(
+                f"split points {list(split)} must be distinct, in the "
+                f"model's order, and after its first module {units[0]!r}"
+            )
         stages = [units[a:b] for a, b in zip([0, *cuts], [*cuts, len(units)])]
     else:  # per-stage lists
         stages = [list(names) for names in split]
@@ -126,18 +145,23 @@ def stage_modules(model: nn.Module, split: Sequence, wiring: StageWiring) -> lis
     listed = [name for names in stages for name in names]
     if len(set(listed)) != len(listed):
         twice = sorted({name for name in listed if listed.count(name) > 1})
-        raise PipelineSplitError(f"{', '.join(twice)} named in more than one stage; name each "
-                                 "module once")
+        raise PipelineSplitError(
+            f"{', '.join(twice)} named in more than one stage; name each module once"
+        )
     owned = {id(p) for name in listed for p in _module(model, name).parameters()}
-    missing = sorted({n.rpartition(".")[0] for n, p in model.named_parameters()
-                      if id(p) not in owned})
+    missing = sorted(
+        {n.rpartition(".")[0] for n, p in model.named_parameters() if id(p) not in owned}
+    )
     if missing:
-        raise PipelineSplitError(f"no stage owns the parameters of {', '.join(missing[:5])}; "
-                                 "add these modules to a stage")
+        raise PipelineSplitError(
+            f"no stage owns the parameters of {', '.join(missing[:5])}; "
+            "add these modules to a stage"
+        )
     for name in wiring.position_embeddings:
         if name not in stages[0]:
-            raise PipelineSplitError(f"position embedding {name!r} must be on the first stage, "
-                                     f"with {stages[0][0]!r}")
+            raise PipelineSplitError(
+                f"position embedding {name!r} must be on the first stage, with {stages[0][0]!r}"
+            )
     return stages
 
 
@@ -148,15 +172,18 @@ class StageModule(nn.Module):
     rest. A module holding a weight tied to an earlier stage's (found by identity) is copied.
     """
 
-    def __init__(self, model: nn.Module, stages: list[list[str]], stage_index: int,
-                 wiring: StageWiring):
+    def __init__(
+        self, model: nn.Module, stages: list[list[str]], stage_index: int, wiring: StageWiring
+    ):
         super().__init__()
         # A stage passes its blocks no attention mask: HF's eager attention is then not causal
         # (sdpa and flash attention are), and the model silently trains on the future.
         if getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager":
-            raise PipelineSplitError("a pipeline stage passes no attention mask, and "
-                                     "attn_implementation='eager' is then not causal; use 'sdpa' "
-                                     "(causal without a mask)")
+            raise PipelineSplitError(
+                "a pipeline stage passes no attention mask, and "
+                "attn_implementation='eager' is then not causal; use 'sdpa' "
+                "(causal without a mask)"
+            )
         self.stage_units, self.wiring = stages[stage_index], wiring
         self.is_first_stage = stage_index == 0
         # Weights tied across stages (lm_head.weight is transformer.wte.weight), found by identity
@@ -164,16 +191,20 @@ class StageModule(nn.Module):
         holders: dict[int, list[tuple[int, str, str, nn.Parameter]]] = {}
         for index, names in enumerate(stages):
             for unit in names:
-                for name, p in _module(model, unit).named_parameters(prefix=unit,
-                                                                     remove_duplicate=False):
+                for name, p in _module(model, unit).named_parameters(
+                    prefix=unit, remove_duplicate=False
+                ):
                     holders.setdefault(id(p), []).append((index, unit, name, p))
         crossing = [h for h in holders.values() if len({index for index, *_ in h}) > 1]
-        self.tied = [([name for _, _, name, _ in h], torch.empty_like(h[0][3], device="meta"))
-                     for h in crossing]  # (the copies' names, shape and dtype)
+        self.tied = [
+            ([name for _, _, name, _ in h], torch.empty_like(h[0][3], device="meta"))
+            for h in crossing
+        ]  # (the copies' names, shape and dtype)
         # A later stage's unit that holds a tie is copied: its own copy of the weight, the user's
         # model untouched; sync_tied_grads sums the copies' gradients.
-        copied = {unit for h in crossing for index, unit, *_ in h
-                  if index == stage_index != h[0][0]}
+        copied = {
+            unit for h in crossing for index, unit, *_ in h if index == stage_index != h[0][0]
+        }
         for name in self.stage_units + ([wiring.rotary] if wiring.rotary else []):
             *path, leaf = name.split(".")
             parent = self
@@ -205,6 +236,7 @@ class StageModule(nn.Module):
                 for embedding in self.wiring.position_embeddings:
                     x = x + self.get_submodule(embedding)(positions)
         return x
+
     # --8<-- [end:stage_forward]
 
 
@@ -225,23 +257,30 @@ def sync_tied_grads(submods: Sequence[nn.Module], group: dist.ProcessGroup | Non
         dist.all_reduce(total, group=group)
         for p in local:
             p.grad = total.clone()
+
+
 # --8<-- [end:tied]
 
 
-def stage_placement(schedule: str, pp_rank: int, pp_size: int,
-                    stages_per_rank: int = 0) -> tuple[list[int], int]:
+def stage_placement(
+    schedule: str, pp_rank: int, pp_size: int, stages_per_rank: int = 0
+) -> tuple[list[int], int]:
     """(the stage indices this pipeline rank holds, the number of stages): "loop" or "v" style."""
     if stages_per_rank == 0:
         stages_per_rank = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
     if schedule in SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
-        raise PipelineSplitError(f"schedule {schedule} runs one stage per rank, got "
-                                 f"stages_per_rank={stages_per_rank}; use --schedule "
-                                 "interleaved_1f1b for several")
+        raise PipelineSplitError(
+            f"schedule {schedule} runs one stage per rank, got "
+            f"stages_per_rank={stages_per_rank}; use --schedule "
+            "interleaved_1f1b for several"
+        )
     if schedule in V_SCHEDULES:
         if stages_per_rank != 2:
-            raise PipelineSplitError(f"{schedule} places exactly 2 stages per rank (a V), got "
-                                     f"stages_per_rank={stages_per_rank}; use --stages-per-rank "
-                                     "2 or 0")
+            raise PipelineSplitError(
+                f"{schedule} places exactly 2 stages per rank (a V), got "
+                f"stages_per_rank={stages_per_rank}; use --stages-per-rank "
+                "2 or 0"
+            )
         return [pp_rank, 2 * pp_size - 1 - pp_rank], 2 * pp_size  # rank 0: first AND last stage
     return [pp_rank + k * pp_size for k in range(stages_per_rank)], stages_per_rank * pp_size
 

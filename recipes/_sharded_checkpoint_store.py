@@ -77,18 +77,27 @@ class PendingSave:
         return publish(self)
 
 
-def save_checkpoint(root: str, app: Stateful, step: int, *, group: dist.ProcessGroup | None,
-                    async_save: bool = False, keep_last: int = 0,
-                    made_with: dict[str, Any] | None = None,
-                    async_kwargs: dict[str, Any] | None = None) -> PendingSave:
+def save_checkpoint(
+    root: str,
+    app: Stateful,
+    step: int,
+    *,
+    group: dist.ProcessGroup | None,
+    async_save: bool = False,
+    keep_last: int = 0,
+    made_with: dict[str, Any] | None = None,
+    async_kwargs: dict[str, Any] | None = None,
+) -> PendingSave:
     """Write every rank's shard into ``root/.tmp-step_N``; ``finish()`` on the result publishes
     it. ``made_with`` (what a resume must repeat) goes into the manifest; ``async_kwargs`` (from
     async_options) choose the background writer."""
     pending = PendingSave(root, step, group, keep_last, dict(made_with or {}))
     final_dir = os.path.join(root, step_dir_name(step))
     if os.path.exists(final_dir):  # every rank sees it (shared filesystem): all raise, none hangs
-        raise CheckpointError(f"{final_dir} already exists: a checkpoint is never written over; "
-                              "resume from it or use another --checkpoint-dir")
+        raise CheckpointError(
+            f"{final_dir} already exists: a checkpoint is never written over; "
+            "resume from it or use another --checkpoint-dir"
+        )
     if dist.get_rank() == 0:  # the remains of saves that died part-way: never published, never read
         os.makedirs(root, exist_ok=True)
         for name in os.listdir(root):
@@ -99,8 +108,9 @@ def save_checkpoint(root: str, app: Stateful, step: int, *, group: dist.ProcessG
         # The state is copied to host memory before async_save returns, so training may change the
         # parameters right away; the write runs in the background, with collectives on `group`
         # only (a background process gets a gloo world of its own, set up through `group`).
-        future = dcp.async_save({"app": app}, checkpoint_id=pending.tmp_dir, process_group=group,
-                                **(async_kwargs or {}))
+        future = dcp.async_save(
+            {"app": app}, checkpoint_id=pending.tmp_dir, process_group=group, **(async_kwargs or {})
+        )
         pending.future = getattr(future, "upload_completion", future)  # newer torch: a response
     else:
         dcp.save({"app": app}, checkpoint_id=pending.tmp_dir, process_group=group)
@@ -117,8 +127,10 @@ def async_options(mode: str, device: torch.device) -> dict[str, Any]:
 
     kind = getattr(getattr(state_dict_saver, "AsyncCheckpointerType", None), "PROCESS", None)
     if kind is None:  # checked, not assumed: older torch lacks it
-        raise CheckpointError(f"--async-mode process needs dcp's AsyncCheckpointerType.PROCESS, "
-                              f"which torch {torch.__version__} lacks; use --async-mode thread")
+        raise CheckpointError(
+            f"--async-mode process needs dcp's AsyncCheckpointerType.PROCESS, "
+            f"which torch {torch.__version__} lacks; use --async-mode thread"
+        )
     options: dict[str, Any] = {"async_checkpointer_type": kind}
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -130,10 +142,17 @@ def async_options(mode: str, device: torch.device) -> dict[str, Any]:
     # its pipe; pinned memory and non-blocking copies only help a device-to-host copy. The caller
     # owns this stager and closes it after the last save.
     cuda = device.type == "cuda"
-    options["async_stager"] = DefaultStager(StagingOptions(
-        use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=False,
-        use_non_blocking_copy=cuda))
+    options["async_stager"] = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=True,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+    )
     return options
+
+
 # --8<-- [end:save]
 
 
@@ -146,21 +165,26 @@ def publish(pending: PendingSave) -> str:
     dist.barrier(group=group)  # every rank's writes have returned: .metadata and all shards exist
     files = sorted(os.listdir(pending.tmp_dir))
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    mine = {name: file_entry(os.path.join(pending.tmp_dir, name))  # the hashing is split
-            for name in files[rank::world_size]}
+    mine = {
+        name: file_entry(os.path.join(pending.tmp_dir, name))  # the hashing is split
+        for name in files[rank::world_size]
+    }
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine, group=group)
     final_dir = os.path.join(pending.root, step_dir_name(pending.step))
     if rank == 0:
-        manifest = {"step": pending.step, "world_size": dist.get_world_size(),
-                    "made_with": pending.made_with,
-                    "files": dict(sorted(kv for part in gathered for kv in part.items()))}
+        manifest = {
+            "step": pending.step,
+            "world_size": dist.get_world_size(),
+            "made_with": pending.made_with,
+            "files": dict(sorted(kv for part in gathered for kv in part.items())),
+        }
         write_durably(os.path.join(pending.tmp_dir, MANIFEST), json.dumps(manifest, indent=1))
         os.rename(pending.tmp_dir, final_dir)  # atomic: the checkpoint appears whole or not at all
         fsync_dir(pending.root)
         write_durably(os.path.join(pending.root, LATEST), step_dir_name(pending.step))
         if pending.keep_last > 0:
-            for step in published_steps(pending.root)[:-pending.keep_last]:
+            for step in published_steps(pending.root)[: -pending.keep_last]:
                 shutil.rmtree(os.path.join(pending.root, step_dir_name(step)))
     dist.barrier(group=group)  # nobody reads 'latest' before it names the new checkpoint
     return final_dir
@@ -184,6 +208,8 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)  # makes the rename itself durable, not only the file contents
     finally:
         os.close(fd)
+
+
 # --8<-- [end:publish]
 
 
@@ -200,8 +226,11 @@ def published_steps(root: str | os.PathLike) -> list[int]:
     """Steps of the published checkpoints in ``root`` (with a manifest), oldest first."""
     if not os.path.isdir(root):
         return []
-    return sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(root))
-                  if m and os.path.exists(os.path.join(root, m.group(0), MANIFEST)))
+    return sorted(
+        int(m.group(1))
+        for m in map(STEP_DIR.match, os.listdir(root))
+        if m and os.path.exists(os.path.join(root, m.group(0), MANIFEST))
+    )
 
 
 # --8<-- [start:find]
@@ -221,16 +250,19 @@ def find_checkpoint(resume_from: str, checkpoint_dir: str) -> str | None:
     # That step_N is the newest work; it is verified on load like any other.
     if newest and (pointed is None or newest[0] > int(STEP_DIR.match(pointed).group(1))):
         path = os.path.join(checkpoint_dir, step_dir_name(newest[0]))
-        say(f"resuming from {path}, the newest published checkpoint: "
+        say(
+            f"resuming from {path}, the newest published checkpoint: "
             f"{f'{pointer} names {pointed}' if pointed else f'{pointer} does not exist'} (a run "
-            f"that stopped between publishing it and updating {LATEST})")
+            f"that stopped between publishing it and updating {LATEST})"
+        )
         return path
     if pointed is None:
         return None  # the first run of a job that always says --resume-from latest
     path = os.path.join(checkpoint_dir, pointed)
     if not os.path.isdir(path):
-        raise CheckpointError(f"{pointer} names {path}, which does not exist; "
-                              "pass --resume-from <a step_* directory>")
+        raise CheckpointError(
+            f"{pointer} names {path}, which does not exist; pass --resume-from <a step_* directory>"
+        )
     return path
 
 
@@ -240,15 +272,24 @@ def read_pointer(pointer: str) -> str:
         name = f.read().strip()
     if not STEP_DIR.match(name):  # publish() writes it whole (write_durably): not written by us
         what = "is empty" if not name else f"holds {name[:40]!r}, not a step_NNNNNNNN name"
-        raise CheckpointError(f"{pointer} {what}; delete it to resume from the newest published "
-                              "checkpoint, or pass --resume-from <a step_* directory>")
+        raise CheckpointError(
+            f"{pointer} {what}; delete it to resume from the newest published "
+            "checkpoint, or pass --resume-from <a step_* directory>"
+        )
     return name
+
+
 # --8<-- [end:find]
 
 
 # --8<-- [start:load]
-def load_checkpoint(path: str, app: Stateful, *, group: dist.ProcessGroup | None,
-                    made_with: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str,
+    app: Stateful,
+    *,
+    group: dist.ProcessGroup | None,
+    made_with: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Verify, compare ``made_with`` with the manifest's, then read into the model and optimizer
     that already exist (DCP loads in place, resharding). Returns the manifest."""
     manifest = verify_checkpoint(path, group)
@@ -257,40 +298,53 @@ def load_checkpoint(path: str, app: Stateful, *, group: dist.ProcessGroup | None
     saved = manifest.get("made_with", {})
     for name, value in (made_with or {}).items():
         if name in saved and saved[name] != value:
-            other = ("start the new model in another --checkpoint-dir" if name == "model"
-                     else "the resumed run reads other data")
-            raise CheckpointError(f"{path} was trained with {name}={saved[name]}; resume with the "
-                                  f"same --{name.replace('_', '-')}, or {other}")
+            other = (
+                "start the new model in another --checkpoint-dir"
+                if name == "model"
+                else "the resumed run reads other data"
+            )
+            raise CheckpointError(
+                f"{path} was trained with {name}={saved[name]}; resume with the "
+                f"same --{name.replace('_', '-')}, or {other}"
+            )
     with dcp_errors_in_one_line(path):
         dcp.load({"app": app}, checkpoint_id=path, process_group=group)
     return manifest
 
 
-def verify_checkpoint(path: str | os.PathLike,
-                      group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def verify_checkpoint(
+    path: str | os.PathLike, group: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
     """Check every file against the manifest written at publish time, naming the first bad one.
     Works without a world too. In a world, the hashing is split over the ranks and every rank
     raises the same error. Returns the manifest."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest_path):
-        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing (a save "
-                              "that did not finish?); resume from a published step_* directory, "
-                              "e.g. --resume-from latest")
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint: {MANIFEST} is missing (a save "
+            "that did not finish?); resume from a published step_* directory, "
+            "e.g. --resume-from latest"
+        )
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
         expected = manifest["files"]
     except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"{manifest_path} is unreadable ({exc}); "
-                              "the checkpoint cannot be verified") from None
+        raise CheckpointError(
+            f"{manifest_path} is unreadable ({exc}); the checkpoint cannot be verified"
+        ) from None
     if ".metadata" not in expected:
-        raise CheckpointError(f"{manifest_path} lists no .metadata file; this is not a DCP "
-                              "checkpoint")
+        raise CheckpointError(
+            f"{manifest_path} lists no .metadata file; this is not a DCP checkpoint"
+        )
     names = sorted(expected)
-    rank, world_size = ((dist.get_rank(group), dist.get_world_size(group))
-                        if dist.is_initialized() else (0, 1))
-    problems = {name: file_problem(os.path.join(path, name), expected[name])
-                for name in names[rank::world_size]}
+    rank, world_size = (
+        (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    )
+    problems = {
+        name: file_problem(os.path.join(path, name), expected[name])
+        for name in names[rank::world_size]
+    }
     if world_size > 1:
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, problems, group=group)
@@ -300,6 +354,8 @@ def verify_checkpoint(path: str | os.PathLike,
         more = f" ({len(bad) - 1} more bad file(s))" if len(bad) > 1 else ""
         raise CheckpointError(f"{bad[0]}{more}; resume from another checkpoint")
     return manifest
+
+
 # --8<-- [end:load]
 
 
@@ -308,8 +364,10 @@ def file_problem(path: str, expected: dict[str, Any]) -> str | None:
         return f"checkpoint file {path} is missing"
     size = os.path.getsize(path)
     if size != expected["bytes"]:
-        return (f"checkpoint file {path} is truncated or overwritten: {size} bytes, "
-                f"the manifest says {expected['bytes']}")
+        return (
+            f"checkpoint file {path} is truncated or overwritten: {size} bytes, "
+            f"the manifest says {expected['bytes']}"
+        )
     if file_entry(path)["sha256"] != expected["sha256"]:
         return f"checkpoint file {path} is corrupt: its sha256 differs from the manifest's"
     return None
@@ -339,9 +397,11 @@ def dcp_errors_in_one_line(path: str) -> Iterator[None]:
         if isinstance(exc, CheckpointException) and exc.failures:
             exc = min(exc.failures.items())[1][0]  # {rank: (exception, traceback)}: lowest rank's
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"{path} matches its {MANIFEST} but DCP cannot load it "
-                              f"({type(exc).__name__}: {first_line}); resume from another "
-                              "checkpoint") from None
+        raise CheckpointError(
+            f"{path} matches its {MANIFEST} but DCP cannot load it "
+            f"({type(exc).__name__}: {first_line}); resume from another "
+            "checkpoint"
+        ) from None
     finally:
         logging.getLogger().removeFilter(not_from_dcp)
 

@@ -83,13 +83,17 @@ class ACConfig:
 # The ops whose outputs op-level selective checkpointing keeps: the matmuls (nn.Linear is mm, or
 # addmm with a bias) and the fused attention kernels, as torchtitan's _save_list does. Pitfall: the
 # CPU attention kernel has a name of its own; a list written for GPUs recomputes attention on CPU.
-MATMUL_OPS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-})
+MATMUL_OPS = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+)
 
 
 def save_matmul_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -100,12 +104,15 @@ def save_matmul_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     output projection, here (torchtitan's policy also recomputed every second mm, to keep less).
     """
     return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 # --8<-- [end:policy]
 
 
 # --8<-- [start:sequential]
-def sequential_forward(model: TransformerLM, tokens: torch.Tensor, *,
-                       segments: int) -> torch.Tensor:
+def sequential_forward(
+    model: TransformerLM, tokens: torch.Tensor, *, segments: int
+) -> torch.Tensor:
     """``model(tokens)`` with ``checkpoint_sequential`` over the blocks (mirrors its forward).
 
     checkpoint_sequential splits the blocks into ``segments`` runs of len // segments blocks and
@@ -123,17 +130,23 @@ def sequential_segment_starts(n_blocks: int, segments: int) -> list[int]:
     """The first block of each checkpointed segment, as checkpoint_sequential splits them."""
     size = n_blocks // segments
     return list(range(0, size * (segments - 1), size))
+
+
 # --8<-- [end:sequential]
 
 
 def pick_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)")
+            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)"
+        )
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device("cuda", torch.cuda.current_device()) if requested == "cuda" else \
-        torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if requested == "cuda"
+        else torch.device("cpu")
+    )
 
 
 def pick_precision(requested: str, device: torch.device) -> str:
@@ -142,11 +155,14 @@ def pick_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if on_cuda:  # a process-wide switch: set it for every precision, never inherit it
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     dtype = LOW_PRECISION.get(requested)
     if dtype is not None:
         # Pitfall: autocast to a dtype the device cannot do is no error: torch warns and runs
@@ -154,8 +170,10 @@ def pick_precision(requested: str, device: torch.device) -> str:
         probe = torch.ones(2, 2, device=device)
         with torch.autocast(device.type, dtype=dtype):
             if (probe @ probe).dtype != dtype:
-                raise ValueError(f"torch {torch.__version__} cannot autocast to {requested} on "
-                                 f"{device.type}; use --precision bf16, or a GPU")
+                raise ValueError(
+                    f"torch {torch.__version__} cannot autocast to {requested} on "
+                    f"{device.type}; use --precision bf16, or a GPU"
+                )
     return requested
 
 
@@ -163,13 +181,16 @@ def pick_precision(requested: str, device: torch.device) -> str:
 def train(cfg: ACConfig, observer=None) -> list[float]:
     """Train on one device with ``cfg.mode``'s checkpointing; returns the loss of each step."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise ValueError(f"activation_checkpointing trains on one device, got a launcher's world "
-                         f"of {os.environ['WORLD_SIZE']}; run `python -m "
-                         "recipes.activation_checkpointing`")
+        raise ValueError(
+            f"activation_checkpointing trains on one device, got a launcher's world "
+            f"of {os.environ['WORLD_SIZE']}; run `python -m "
+            "recipes.activation_checkpointing`"
+        )
     n_blocks = MODEL_PRESETS[cfg.model].n_layers
     if not 1 <= cfg.segments <= n_blocks:
-        raise ValueError(f"segments must be between 1 and the model's {n_blocks} blocks, "
-                         f"got {cfg.segments}")
+        raise ValueError(
+            f"segments must be between 1 and the model's {n_blocks} blocks, got {cfg.segments}"
+        )
     if cfg.every_k < 1:
         raise ValueError(f"every_k must be >= 1, got {cfg.every_k}")
     device = pick_device(cfg.device)
@@ -184,8 +205,11 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
         checkpointed = sequential_segment_starts(len(blocks), cfg.segments)
     elif cfg.mode != "none":
         regions = apply_activation_checkpointing(
-            model, block_types=(Block,), every_k=cfg.every_k if cfg.mode == "selective" else 1,
-            policy=save_matmul_outputs if cfg.mode == "op_selective" else None)
+            model,
+            block_types=(Block,),
+            every_k=cfg.every_k if cfg.mode == "selective" else 1,
+            policy=save_matmul_outputs if cfg.mode == "op_selective" else None,
+        )
         checkpointed = [blocks.index(region) for region in regions]
     else:
         checkpointed = []
@@ -193,19 +217,26 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
     if cfg.compile:  # after checkpointing: each block's checkpoint is traced with its policy
         apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
         loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                  fused=True if use_cuda else None)  # one kernel on CUDA
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+    )  # one kernel on CUDA
     # fp16 only; a disabled scaler (bf16, fp32) passes scale() and step() through unchanged
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    if observer: observer.model_ready(model, optimizer)
+    if observer:
+        observer.model_ready(model, optimizer)
     print(f"mode {cfg.mode} ({precision}): blocks {checkpointed} checkpointed", flush=True)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
     # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
     # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
     order = torch.Generator()
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, drop_last=True,
-                        pin_memory=use_cuda, sampler=RandomSampler(dataset, generator=order))
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.global_batch_size,
+        drop_last=True,
+        pin_memory=use_cuda,
+        sampler=RandomSampler(dataset, generator=order),
+    )
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
         order.manual_seed(cfg.seed + epoch)
@@ -214,8 +245,9 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
                 break
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                enabled=dtype is not None):  # forward and loss only
+            with torch.autocast(
+                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+            ):  # forward and loss only
                 loss = loss_fn(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # checkpointed blocks run their forward again here
@@ -223,11 +255,14 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
             scaler.update()
             losses.append(loss.item())
             print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-            if observer: observer.step_end(step, losses[-1])
+            if observer:
+                observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
     # --8<-- [end:loop]
     return losses
+
+
 # --8<-- [end:train]
 
 
@@ -240,44 +275,89 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = ACConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.activation_checkpointing", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.activation_checkpointing",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model,
-        help="model size; small has 4 blocks, enough to compare modes")
-    add("--mode", choices=MODES, default=defaults.mode,
+    add(
+        "--model",
+        choices=sorted(MODEL_PRESETS),
+        default=defaults.model,
+        help="model size; small has 4 blocks, enough to compare modes",
+    )
+    add(
+        "--mode",
+        choices=MODES,
+        default=defaults.mode,
         help="none | per_block: checkpoint every block | selective: every k-th block | "
         "sequential: checkpoint_sequential over the blocks | op_selective: every block, keeping "
-        "the matmul outputs and recomputing the rest")
-    add("--every-k", type=_number(int, at_least=1), default=defaults.every_k,
-        help="selective: checkpoint blocks 0, k, 2k, ...")
-    add("--segments", type=_number(int, at_least=1), default=defaults.segments,
-        help="sequential: segments of the blocks; all but the last are checkpointed")
+        "the matmul outputs and recomputing the rest",
+    )
+    add(
+        "--every-k",
+        type=_number(int, at_least=1),
+        default=defaults.every_k,
+        help="selective: checkpoint blocks 0, k, 2k, ...",
+    )
+    add(
+        "--segments",
+        type=_number(int, at_least=1),
+        default=defaults.segments,
+        help="sequential: segments of the blocks; all but the last are checkpointed",
+    )
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: autocast (fp16 with a loss scaler)")
-    add("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
-        help="where to train; auto: cuda if a GPU is visible, else cpu")
-    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
-        help="torch.compile each transformer block (after checkpointing) and the loss")
-    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
+        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: autocast (fp16 with a loss scaler)",
+    )
+    add(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=defaults.device,
+        help="where to train; auto: cuda if a GPU is visible, else cpu",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
+        help="torch.compile each transformer block (after checkpointing) and the loss",
+    )
+    add(
+        "--compile-backend",
+        choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend,
+        help="torch.compile's backend; inductor is the fast one",
+    )
     return parser
 
 

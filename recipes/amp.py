@@ -72,11 +72,15 @@ class AMPRun:
 def pick_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)")
+            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)"
+        )
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device("cuda", torch.cuda.current_device()) if requested == "cuda" else \
-        torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if requested == "cuda"
+        else torch.device("cpu")
+    )
 
 
 def pick_precision(requested: str, device: torch.device) -> str:
@@ -85,14 +89,19 @@ def pick_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"{torch.cuda.get_device_name(device)} has no bf16 support; use "
-                         "--precision fp16 (with its loss scaler) or tf32")
+        raise ValueError(
+            f"{torch.cuda.get_device_name(device)} has no bf16 support; use "
+            "--precision fp16 (with its loss scaler) or tf32"
+        )
     if on_cuda:  # a process-wide switch: set it for every precision, never inherit it
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     dtype = LOW_PRECISION.get(requested)
     if dtype is not None:
         # Pitfall: autocast to a dtype the device cannot do is no error: torch warns and runs
@@ -100,9 +109,11 @@ def pick_precision(requested: str, device: torch.device) -> str:
         probe = torch.ones(2, 2, device=device)
         with torch.autocast(device.type, dtype=dtype):
             if (probe @ probe).dtype != dtype:
-                raise ValueError(f"torch {torch.__version__} cannot autocast to {requested} on "
-                                 f"{device.type} (needs torch >= 2.3 for cpu fp16); use "
-                                 "--precision bf16, or a GPU")
+                raise ValueError(
+                    f"torch {torch.__version__} cannot autocast to {requested} on "
+                    f"{device.type} (needs torch >= 2.3 for cpu fp16); use "
+                    "--precision bf16, or a GPU"
+                )
     return requested
 
 
@@ -110,9 +121,11 @@ def pick_precision(requested: str, device: torch.device) -> str:
 def train(cfg: AMPConfig, observer=None) -> AMPRun:
     """Train on one device; returns the losses, the scale after each step and the skipped steps."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise ValueError("amp trains on one device, got a launcher's world of "
-                         f"{os.environ['WORLD_SIZE']}; run `python -m recipes.amp` (AMP with DDP: "
-                         "see ddp_torchrun, add this loop's autocast)")
+        raise ValueError(
+            "amp trains on one device, got a launcher's world of "
+            f"{os.environ['WORLD_SIZE']}; run `python -m recipes.amp` (AMP with DDP: "
+            "see ddp_torchrun, add this loop's autocast)"
+        )
     device = pick_device(cfg.device)
     use_cuda = device.type == "cuda"
     precision = pick_precision(cfg.precision, device)
@@ -124,22 +137,32 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
         loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                  fused=True if use_cuda else None)  # one kernel on CUDA
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+    )  # one kernel on CUDA
     # fp16 only; a disabled scaler (bf16, fp32) passes scale() and step() through unchanged
-    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
-                                  enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(
+        device.type, init_scale=cfg.init_scale, enabled=precision == "fp16"
+    )
     if precision == "fp16" and not scaler.is_enabled():  # it disables itself where unsupported
-        raise ValueError(f"torch.amp.GradScaler is unavailable on {device.type} in this torch "
-                         "build; use --precision bf16 (no scaler needed)")
-    if observer: observer.model_ready(model, optimizer)
+        raise ValueError(
+            f"torch.amp.GradScaler is unavailable on {device.type} in this torch "
+            "build; use --precision bf16 (no scaler needed)"
+        )
+    if observer:
+        observer.model_ready(model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
     # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
     # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
     order = torch.Generator()
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, drop_last=True,
-                        pin_memory=use_cuda, sampler=RandomSampler(dataset, generator=order))
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.global_batch_size,
+        drop_last=True,
+        pin_memory=use_cuda,
+        sampler=RandomSampler(dataset, generator=order),
+    )
     run, step, epoch = AMPRun(), 0, 0
     while step < cfg.steps:
         order.manual_seed(cfg.seed + epoch)
@@ -150,8 +173,9 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
             targets = targets.to(device, non_blocking=True)
             # Only the forward (and the loss) runs under autocast; backward reuses the dtypes
             # the forward chose. lm_loss computes the cross entropy in fp32 either way.
-            with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                enabled=dtype is not None):
+            with torch.autocast(
+                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+            ):
                 loss = loss_fn(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # fp16: loss * scale, so small gradients survive
@@ -164,13 +188,19 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
                 run.skipped_steps.append(step)
             run.losses.append(loss.item())
             run.scales.append(scaler.get_scale())
-            print(f"step {step} loss {run.losses[-1]:.4f} scale {run.scales[-1]:g}"
-                  + (" (skipped: inf/nan gradient)" if skipped else ""), flush=True)
-            if observer: observer.step_end(step, run.losses[-1])
+            print(
+                f"step {step} loss {run.losses[-1]:.4f} scale {run.scales[-1]:g}"
+                + (" (skipped: inf/nan gradient)" if skipped else ""),
+                flush=True,
+            )
+            if observer:
+                observer.step_end(step, run.losses[-1])
             step += 1
         epoch += 1
     # --8<-- [end:loop]
     return run
+
+
 # --8<-- [end:train]
 
 
@@ -183,38 +213,70 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = AMPConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.amp", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.amp",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
         default=defaults.precision,
         help="bf16: autocast, no scaler; fp16: autocast + GradScaler; fp32: no autocast (the "
-             "reference); tf32: fp32 with TF32 matmuls (CUDA); auto: bf16 on a GPU, fp32 on CPU")
-    add("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
-        help="where to train; auto: cuda if a GPU is visible, else cpu")
-    add("--init-scale", type=_number(float, above=0), default=defaults.init_scale,
-        help="fp16: the GradScaler's initial loss scale")
-    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
-        help="torch.compile each transformer block (and the loss)")
-    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
+        "reference); tf32: fp32 with TF32 matmuls (CUDA); auto: bf16 on a GPU, fp32 on CPU",
+    )
+    add(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=defaults.device,
+        help="where to train; auto: cuda if a GPU is visible, else cpu",
+    )
+    add(
+        "--init-scale",
+        type=_number(float, above=0),
+        default=defaults.init_scale,
+        help="fp16: the GradScaler's initial loss scale",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
+        help="torch.compile each transformer block (and the loss)",
+    )
+    add(
+        "--compile-backend",
+        choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend,
+        help="torch.compile's backend; inductor is the fast one",
+    )
     return parser
 
 

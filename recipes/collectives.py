@@ -35,8 +35,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,8 +70,13 @@ class Unsupported(Exception):
     """Raised by an op to take its portable fallback."""
 
 
-_UNSUPPORTED_WORDS = ("not supported", "unsupported", "does not support", "cannot use",
-                      "not implemented")
+_UNSUPPORTED_WORDS = (
+    "not supported",
+    "unsupported",
+    "does not support",
+    "cannot use",
+    "not implemented",
+)
 
 
 class Ctx:
@@ -187,6 +193,8 @@ def reduce_scatter_single(ctx: Ctx) -> str:
         note = f"fallback: {why}; all_reduce + slice"
     ctx.check(output, sum(ctx.contribution(r) + 1000 * ctx.rank for r in range(ctx.world_size)))
     return note
+
+
 # --8<-- [end:reductions]
 
 
@@ -230,6 +238,8 @@ def gather(ctx: Ctx) -> str:
             torch.stack(gathered), torch.stack([ctx.contribution(r) for r in range(ctx.world_size)])
         )
     return "ok"
+
+
 # --8<-- [end:one_to_all]
 
 
@@ -283,6 +293,8 @@ def all_to_all_single(ctx: Ctx) -> str:
         output, torch.cat([ctx.contribution(r) + 1000 * ctx.rank for r in range(ctx.world_size)])
     )
     return note
+
+
 # --8<-- [end:all_to_all]
 
 
@@ -360,6 +372,8 @@ def new_group(ctx: Ctx) -> str:
     for group in groups.values():
         dist.destroy_process_group(group)
     return "ok"
+
+
 # --8<-- [end:sync_and_p2p]
 
 
@@ -392,14 +406,34 @@ def scatter_object_list(ctx: Ctx) -> str:
     )
     ctx.check(received[0], f"work item {ctx.rank}")
     return "ok"
+
+
 # --8<-- [end:objects]
 
 
 # The order every rank runs them in. Each returns "ok", "fallback: <why>" or "skipped: <why>".
-OPS: dict[str, Callable[[Ctx], str]] = {op.__name__: op for op in (
-    all_reduce_sum, all_reduce_avg, all_reduce_max, broadcast, all_gather, all_gather_single,
-    reduce_scatter_single, gather, scatter, all_to_all_single, barrier, send_recv_ring,
-    isend_irecv_ring, new_group, all_gather_object, broadcast_object_list, scatter_object_list)}
+OPS: dict[str, Callable[[Ctx], str]] = {
+    op.__name__: op
+    for op in (
+        all_reduce_sum,
+        all_reduce_avg,
+        all_reduce_max,
+        broadcast,
+        all_gather,
+        all_gather_single,
+        reduce_scatter_single,
+        gather,
+        scatter,
+        all_to_all_single,
+        barrier,
+        send_recv_ring,
+        isend_irecv_ring,
+        new_group,
+        all_gather_object,
+        broadcast_object_list,
+        scatter_object_list,
+    )
+}
 _passes = itertools.count()  # every rank runs the same passes, so the counters agree across ranks
 
 
@@ -409,14 +443,20 @@ def run(cfg: CollectivesConfig) -> dict[str, str]:
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
         # Checked on every rank alike, before any collective: all of them refuse together
-        if cfg.skip_on_rank >= world.world_size or (cfg.skip_on_rank >= 0
-                                                     and world.world_size == 1):
-            raise ValueError(f"skip_on_rank={cfg.skip_on_rank} needs a world of at least 2 with "
-                             f"that rank in it; this world has {world.world_size} rank(s)")
+        if cfg.skip_on_rank >= world.world_size or (
+            cfg.skip_on_rank >= 0 and world.world_size == 1
+        ):
+            raise ValueError(
+                f"skip_on_rank={cfg.skip_on_rank} needs a world of at least 2 with "
+                f"that rank in it; this world has {world.world_size} rank(s)"
+            )
         ctx = Ctx(world, cfg, next(_passes))
         if world.is_main:
-            print(f"{len(OPS)} collectives on {world.world_size} rank(s), backend "
-                  f"{world.backend}, device {world.device}", flush=True)
+            print(
+                f"{len(OPS)} collectives on {world.world_size} rank(s), backend "
+                f"{world.backend}, device {world.device}",
+                flush=True,
+            )
         report = {}
         for name, op in OPS.items():
             ctx.op = name
@@ -426,6 +466,8 @@ def run(cfg: CollectivesConfig) -> dict[str, str]:
         return report
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:run]
 
 
@@ -438,10 +480,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -449,29 +493,58 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = CollectivesConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.collectives", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.collectives",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="seed of the values each rank contributes (any rank can recompute any other's)")
-    add("--numel", type=_number(int, at_least=1), default=defaults.numel,
-        help="elements in each rank's tensor")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="collective timeout in seconds: a rank left waiting errors out instead of hanging")
-    add("--portable-only", action=argparse.BooleanOptionalAction, default=defaults.portable_only,
-        help="use the portable fallbacks even where the backend has the op")
-    add("--skip-on-rank", type=_number(int, at_least=-1), default=defaults.skip_on_rank,
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="seed of the values each rank contributes (any rank can recompute any other's)",
+    )
+    add(
+        "--numel",
+        type=_number(int, at_least=1),
+        default=defaults.numel,
+        help="elements in each rank's tensor",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="collective timeout in seconds: a rank left waiting errors out instead of hanging",
+    )
+    add(
+        "--portable-only",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.portable_only,
+        help="use the portable fallbacks even where the backend has the op",
+    )
+    add(
+        "--skip-on-rank",
+        type=_number(int, at_least=-1),
+        default=defaults.skip_on_rank,
         help="this rank does not call the first all_reduce, to watch the others time out in it "
-             "(after --timeout-s) instead of hanging; -1 = none")
+        "(after --timeout-s) instead of hanging; -1 = none",
+    )
     return parser
 
 

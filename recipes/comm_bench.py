@@ -30,8 +30,12 @@ import torch.distributed as dist
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass
@@ -61,16 +65,20 @@ BUSBW_FACTOR = {
 }
 
 
-def bandwidths_gb_per_s(op: str, size_bytes: int, seconds: float, world_size: int
-                        ) -> tuple[float, float]:
+def bandwidths_gb_per_s(
+    op: str, size_bytes: int, seconds: float, world_size: int
+) -> tuple[float, float]:
     """(algbw, busbw) in GB/s (10^9 bytes per second, as nccl-tests prints them)."""
     algbw = size_bytes / seconds / 1e9
     return algbw, algbw * BUSBW_FACTOR[op](world_size)
+
+
 # --8<-- [end:bandwidth]
 
 
-def sizes_bytes(min_bytes: int, max_bytes: int, factor: int, world_size: int,
-                element_size: int) -> list[int]:
+def sizes_bytes(
+    min_bytes: int, max_bytes: int, factor: int, world_size: int, element_size: int
+) -> list[int]:
     """min, min*factor, ... up to max, each rounded down to whole elements split evenly over the
     ranks (nccl-tests rounds the count to a multiple of n the same way); duplicates dropped."""
     step = world_size * element_size
@@ -99,8 +107,9 @@ def sent_values(rank: int, dtype: torch.dtype, device: torch.device) -> torch.Te
 
 
 # --8<-- [start:collectives]
-def collective(op: str, numel: int, world: int, rank: int, dtype: torch.dtype,
-               device: torch.device):
+def collective(
+    op: str, numel: int, world: int, rank: int, dtype: torch.dtype, device: torch.device
+):
     """(run, output, expected_at): one call of `op` on a buffer of `numel` elements in all (the
     nccl-tests size), the tensor it writes, and the value each output position must hold."""
     chunk = numel // world
@@ -114,16 +123,25 @@ def collective(op: str, numel: int, world: int, rank: int, dtype: torch.dtype,
         return (lambda: dist.all_reduce(out)), out, lambda i: total[i % PERIOD]
     if op == "all_gather":  # each rank sends one chunk (its first), every rank receives all n
         send, out = mine[:chunk].clone(), torch.empty(numel, dtype=dtype, device=device)
-        return ((lambda: all_gather_single(out, send)), out,
-                lambda i: sent[i // chunk, i % chunk % PERIOD])
+        return (
+            (lambda: all_gather_single(out, send)),
+            out,
+            lambda i: sent[i // chunk, i % chunk % PERIOD],
+        )
     if op == "reduce_scatter":  # rank k keeps chunk k, summed over the ranks
         out = torch.empty(chunk, dtype=dtype, device=device)
-        return ((lambda: reduce_scatter_single(out, mine)), out,
-                lambda i: total[(rank * chunk + i) % PERIOD])
+        return (
+            (lambda: reduce_scatter_single(out, mine)),
+            out,
+            lambda i: total[(rank * chunk + i) % PERIOD],
+        )
     if op == "all_to_all":  # chunk k of rank j lands on rank k, at position j
         out = torch.empty(numel, dtype=dtype, device=device)
-        return ((lambda: dist.all_to_all_single(out, mine)), out,
-                lambda i: sent[i // chunk, (rank * chunk + i % chunk) % PERIOD])
+        return (
+            (lambda: dist.all_to_all_single(out, mine)),
+            out,
+            lambda i: sent[i // chunk, (rank * chunk + i % chunk) % PERIOD],
+        )
     raise ValueError(f"unknown op {op!r}; one of {', '.join(OPS)}")
 
 
@@ -137,6 +155,8 @@ def count_wrong(out: torch.Tensor, expected_at, rtol: float, piece: int = 2**22)
         close = (out[index].double() - expected).abs() <= rtol * expected.abs()
         wrong += int((~close).sum())
     return wrong
+
+
 # --8<-- [end:collectives]
 
 
@@ -167,16 +187,26 @@ def measure(op: str, size_bytes: int, cfg: CommBenchConfig, device: torch.device
     for _ in range(cfg.iters):
         run_op()
     synchronize(device)
-    seconds = torch.tensor([(time.perf_counter() - start) / cfg.iters], dtype=torch.float64,
-                           device=device)
+    seconds = torch.tensor(
+        [(time.perf_counter() - start) / cfg.iters], dtype=torch.float64, device=device
+    )
     # nccl-tests averages each rank's mean time over the ranks (Allreduce(..., average))
     stats = torch.cat([seconds, wrong])
     dist.all_reduce(stats)
     seconds_mean, wrong_total = stats[0].item() / world, int(stats[1].item())
     algbw, busbw = bandwidths_gb_per_s(op, size_bytes, seconds_mean, world)
-    return {"op": op, "size_bytes": size_bytes, "count": numel, "dtype": cfg.dtype,
-            "time_us": seconds_mean * 1e6, "algbw_gb_per_s": algbw, "busbw_gb_per_s": busbw,
-            "wrong_elements": wrong_total}
+    return {
+        "op": op,
+        "size_bytes": size_bytes,
+        "count": numel,
+        "dtype": cfg.dtype,
+        "time_us": seconds_mean * 1e6,
+        "algbw_gb_per_s": algbw,
+        "busbw_gb_per_s": busbw,
+        "wrong_elements": wrong_total,
+    }
+
+
 # --8<-- [end:measure]
 
 
@@ -184,25 +214,39 @@ def run(cfg: CommBenchConfig) -> dict:
     """Every op at every size on the current world; returns the rows and the world they ran on."""
     info = setup_distributed(cfg.backend)
     try:
-        sizes = sizes_bytes(cfg.min_bytes, cfg.max_bytes, cfg.factor, info.world_size,
-                            DTYPES[cfg.dtype].itemsize)
+        sizes = sizes_bytes(
+            cfg.min_bytes, cfg.max_bytes, cfg.factor, info.world_size, DTYPES[cfg.dtype].itemsize
+        )
         if info.is_main:
-            print(f"# {info.world_size} rank(s), {info.backend} on {info.device.type}, "
-                  f"{cfg.dtype}, {cfg.warmup_iters} warm-up + {cfg.iters} timed iterations")
-            print(f"# {'op':<15}{'size (B)':>12}{'count':>11}{'time (us)':>12}"
-                  f"{'algbw GB/s':>12}{'busbw GB/s':>12}{'wrong':>7}")
+            print(
+                f"# {info.world_size} rank(s), {info.backend} on {info.device.type}, "
+                f"{cfg.dtype}, {cfg.warmup_iters} warm-up + {cfg.iters} timed iterations"
+            )
+            print(
+                f"# {'op':<15}{'size (B)':>12}{'count':>11}{'time (us)':>12}"
+                f"{'algbw GB/s':>12}{'busbw GB/s':>12}{'wrong':>7}"
+            )
         rows = []
         for op in cfg.ops:
             for size in sizes:
                 row = measure(op, size, cfg, info.device)
                 rows.append(row)
                 if info.is_main:
-                    print(f"  {row['op']:<15}{size:>12}{row['count']:>11}{row['time_us']:>12.1f}"
-                          f"{row['algbw_gb_per_s']:>12.3f}{row['busbw_gb_per_s']:>12.3f}"
-                          f"{row['wrong_elements']:>7}", flush=True)
-        result = {"recipe": "comm_bench", "world_size": info.world_size,
-                  "backend": info.backend, "device": info.device.type, "dtype": cfg.dtype,
-                  "torch": torch.__version__, "rows": rows}
+                    print(
+                        f"  {row['op']:<15}{size:>12}{row['count']:>11}{row['time_us']:>12.1f}"
+                        f"{row['algbw_gb_per_s']:>12.3f}{row['busbw_gb_per_s']:>12.3f}"
+                        f"{row['wrong_elements']:>7}",
+                        flush=True,
+                    )
+        result = {
+            "recipe": "comm_bench",
+            "world_size": info.world_size,
+            "backend": info.backend,
+            "device": info.device.type,
+            "dtype": cfg.dtype,
+            "torch": torch.__version__,
+            "rows": rows,
+        }
         if info.is_main and cfg.json_path:
             with open(cfg.json_path, "w") as f:
                 json.dump(result, f, indent=2)
@@ -228,24 +272,46 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="python -m recipes.comm_bench",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", default=",".join(OPS),
-                        help="comma-separated collectives to run, of " + ", ".join(OPS))
-    parser.add_argument("--min-bytes", type=parse_bytes, default="1K",
-                        help="smallest buffer (the nccl-tests size: the whole buffer), e.g. 1K")
-    parser.add_argument("--max-bytes", type=parse_bytes, default="4M",
-                        help="largest buffer, e.g. 4M; 1G or more to reach a GPU link's peak")
+    parser = OneLineErrorParser(
+        prog="python -m recipes.comm_bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--ops",
+        default=",".join(OPS),
+        help="comma-separated collectives to run, of " + ", ".join(OPS),
+    )
+    parser.add_argument(
+        "--min-bytes",
+        type=parse_bytes,
+        default="1K",
+        help="smallest buffer (the nccl-tests size: the whole buffer), e.g. 1K",
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=parse_bytes,
+        default="4M",
+        help="largest buffer, e.g. 4M; 1G or more to reach a GPU link's peak",
+    )
     parser.add_argument("--factor", type=int, default=2, help="size multiplier between rows")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="element type of the buffers")
-    parser.add_argument("--warmup-iters", type=int, default=5,
-                        help="untimed calls per op and size (connection set-up)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="element type of the buffers"
+    )
+    parser.add_argument(
+        "--warmup-iters",
+        type=int,
+        default=5,
+        help="untimed calls per op and size (connection set-up)",
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per op and size")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                        help="auto: NCCL with a GPU per local rank, else gloo")
-    parser.add_argument("--json", dest="json_path", metavar="PATH",
-                        help="write the rows to this JSON file (rank 0)")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="auto: NCCL with a GPU per local rank, else gloo",
+    )
+    parser.add_argument(
+        "--json", dest="json_path", metavar="PATH", help="write the rows to this JSON file (rank 0)"
+    )
     return parser
 
 
@@ -255,30 +321,50 @@ def main(argv: list[str] | None = None) -> dict:
     ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
-        parser.error(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; "
-                     f"use any of {','.join(OPS)}")
+        parser.error(
+            f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; "
+            f"use any of {','.join(OPS)}"
+        )
     if args.min_bytes <= 0 or args.min_bytes > args.max_bytes:
-        parser.error(f"--min-bytes {args.min_bytes} must be positive and at most --max-bytes "
-                     f"{args.max_bytes}")
-    for flag, value, least in (("--iters", args.iters, 1), ("--warmup-iters", args.warmup_iters, 0),
-                               ("--factor", args.factor, 2)):
+        parser.error(
+            f"--min-bytes {args.min_bytes} must be positive and at most --max-bytes "
+            f"{args.max_bytes}"
+        )
+    for flag, value, least in (
+        ("--iters", args.iters, 1),
+        ("--warmup-iters", args.warmup_iters, 0),
+        ("--factor", args.factor, 2),
+    ):
         if value < least:
             parser.error(f"{flag} {value}: use {least} or more")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.backend == "nccl" and gpus < local_ranks:
-        parser.error(f"--backend nccl needs a GPU per rank: {local_ranks} rank(s) on this node, "
-                     f"{gpus} GPU(s); use --backend gloo (or auto)")
-    cfg = CommBenchConfig(ops=ops, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
-                          factor=args.factor, dtype=args.dtype, warmup_iters=args.warmup_iters,
-                          iters=args.iters, backend=args.backend, json_path=args.json_path)
+        parser.error(
+            f"--backend nccl needs a GPU per rank: {local_ranks} rank(s) on this node, "
+            f"{gpus} GPU(s); use --backend gloo (or auto)"
+        )
+    cfg = CommBenchConfig(
+        ops=ops,
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        factor=args.factor,
+        dtype=args.dtype,
+        warmup_iters=args.warmup_iters,
+        iters=args.iters,
+        backend=args.backend,
+        json_path=args.json_path,
+    )
     result = run(cfg)
     if os.environ.get("RANK", "0") == "0":  # the result as the last line, as recipes print it
         print(json.dumps({**result, "config": asdict(cfg)}), flush=True)
     wrong = [f"{r['op']} {r['size_bytes']} B" for r in result["rows"] if r["wrong_elements"]]
     if wrong:
-        print(f"error: wrong results for {', '.join(wrong)}: the collective returned values "
-              "that differ from the expected ones; do not trust this link", file=sys.stderr)
+        print(
+            f"error: wrong results for {', '.join(wrong)}: the collective returned values "
+            "that differ from the expected ones; do not trust this link",
+            file=sys.stderr,
+        )
         raise SystemExit(1)
     return result
 

@@ -78,9 +78,11 @@ def check_cp_fits(seq_len: int, cp_size: int, load_balance: bool) -> None:
         per = 2 if load_balance else 1
         fits = [n for n in range(1, seq_len // per + 1) if seq_len % (per * n) == 0]
         hint = " (2 per rank: load balancing)" if load_balance else ""
-        raise ValueError(f"context parallel over {cp_size} ranks cannot split seq_len={seq_len} "
-                         f"into {chunks} equal chunks{hint}; use a CP size of "
-                         f"{', '.join(map(str, fits))}")
+        raise ValueError(
+            f"context parallel over {cp_size} ranks cannot split seq_len={seq_len} "
+            f"into {chunks} equal chunks{hint}; use a CP size of "
+            f"{', '.join(map(str, fits))}"
+        )
 
 
 # --8<-- [start:layout]
@@ -93,13 +95,19 @@ def shard_positions(seq_len: int, cp_rank: int, cp_size: int, *, load_balance: b
         return torch.arange(cp_rank * size, (cp_rank + 1) * size)
     size = seq_len // (2 * cp_size)
     tail = 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(cp_rank * size, (cp_rank + 1) * size),
-                      torch.arange(tail * size, (tail + 1) * size)])
+    return torch.cat(
+        [
+            torch.arange(cp_rank * size, (cp_rank + 1) * size),
+            torch.arange(tail * size, (tail + 1) * size),
+        ]
+    )
 
 
 def score_entries(layout: torch.Tensor, cp_rank: int) -> int:
     """How many query-key scores ``cp_rank`` computes per head under a causal mask: its work."""
     return sum(int((layout[cp_rank][:, None] >= k_pos[None, :]).sum()) for k_pos in layout)
+
+
 # --8<-- [end:layout]
 
 
@@ -109,14 +117,18 @@ def ring_send_recv(tensor: torch.Tensor, group: dist.ProcessGroup):
     Started before a block's compute, waited after it: the transfer hides behind the math."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(tensor)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
-        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % size), group)])
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
+            dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % size), group),
+        ]
+    )
 
     def wait() -> torch.Tensor:
         for work in works:
             work.wait()
         return received
+
     return wait
 
 
@@ -148,8 +160,10 @@ class RingAttention(torch.autograd.Function):
                     # Online softmax: the new log-sum-exp rescales the sum so far. Step 0 is the
                     # rank's own block, where every query sees itself: lse is finite from then on.
                     new_lse = torch.logaddexp(lse, scores.logsumexp(-1))
-                    out = (out * torch.exp(lse - new_lse)[..., None]
-                           + torch.exp(scores - new_lse[..., None]) @ kv[1])
+                    out = (
+                        out * torch.exp(lse - new_lse)[..., None]
+                        + torch.exp(scores - new_lse[..., None]) @ kv[1]
+                    )
                     lse = new_lse
                 if wait is not None:
                     kv = wait()
@@ -193,22 +207,33 @@ def ring_attention(group: dist.ProcessGroup, layout: torch.Tensor):
     calls it runs on sequence shards unchanged (torch's context_parallel patches it too)."""
     original = F.scaled_dot_product_attention
 
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-             enable_gqa=False):
+    def sdpa(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
         if attn_mask is not None or dropout_p:
             raise NotImplementedError("ring attention here supports is_causal, scale, enable_gqa")
         if enable_gqa:  # grouped-query attention: each K/V head serves H / H_kv query heads
             groups = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        return RingAttention.apply(query, key, value, layout.to(query.device), group, is_causal,
-                                   scale)
+        return RingAttention.apply(
+            query, key, value, layout.to(query.device), group, is_causal, scale
+        )
 
     F.scaled_dot_product_attention = sdpa
     try:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
 # --8<-- [end:ring]
 
 
@@ -220,11 +245,20 @@ def torch_context_parallel(mesh, buffers: list[torch.Tensor], seq_dims: list[int
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-               SDPBackend.CUDNN_ATTENTION]
-    with sdpa_kernel(kernels), context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims,
-                                                no_restore_buffers=set(buffers)):
+    kernels = [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+    ]
+    with (
+        sdpa_kernel(kernels),
+        context_parallel(
+            mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=set(buffers)
+        ),
+    ):
         yield
+
+
 # --8<-- [end:torch_cp]
 
 
@@ -240,35 +274,53 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
         if cfg.impl == "torch" and device.type != "cuda":
             raise ValueError(
                 "--impl torch needs CUDA: torch's context_parallel has no CPU sharding rule for "
-                "SDPA; use --impl ring (any backend, gloo included)")
+                "SDPA; use --impl ring (any backend, gloo included)"
+            )
         if cfg.impl == "torch" and not cfg.load_balance:
-            raise ValueError("--no-load-balance applies to --impl ring; torch's context_parallel "
-                             "picks its own (head-tail) load balancer")
+            raise ValueError(
+                "--no-load-balance applies to --impl ring; torch's context_parallel "
+                "picks its own (head-tail) load balancer"
+            )
         dtype = autocast_dtype(cfg.precision, device)
         mesh = init_device_mesh(device.type, (cp_size,), mesh_dim_names=("cp",))
         group = mesh.get_group()
-        layout = torch.stack([shard_positions(seq_len, r, cp_size, load_balance=cfg.load_balance)
-                              for r in range(cp_size)])
+        layout = torch.stack(
+            [
+                shard_positions(seq_len, r, cp_size, load_balance=cfg.load_balance)
+                for r in range(cp_size)
+            ]
+        )
         mine = layout[rank].to(device)
         # --8<-- [start:loop]
         # Same seed everywhere: CP ranks hold the same weights, like data-parallel replicas
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
         # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        if observer: observer.model_ready(model, optimizer)
+        if observer:
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Pitfall: a DistributedSampler over the CP ranks would give each a different batch.
         # Every CP rank reads the whole batch (single-process order) and keeps its positions.
-        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
-                            drop_last=True, pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=cfg.global_batch_size,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=use_cuda,
+        )
         if rank == 0:
-            print(f"context parallel ({cfg.impl}) over {cp_size} rank(s): {len(mine)} of "
-                  f"{seq_len} positions each, load_balance={cfg.load_balance}", flush=True)
+            print(
+                f"context parallel ({cfg.impl}) over {cp_size} rank(s): {len(mine)} of "
+                f"{seq_len} positions each, load_balance={cfg.load_balance}",
+                flush=True,
+            )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
@@ -289,8 +341,9 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
                     sharding = torch_context_parallel(mesh, [inputs, targets, positions], [1, 1, 1])
                 optimizer.zero_grad(set_to_none=True)
                 with sharding:
-                    with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                        enabled=dtype is not None):
+                    with torch.autocast(
+                        device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+                    ):
                         logits = model(inputs, positions=positions)
                     # Each rank's mean over its tokens; ranks hold as many, so their mean is the
                     # global mean. Backward inside: torch's CP must see the SDPA backward too.
@@ -307,13 +360,16 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
                 losses.append(global_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -323,11 +379,14 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bf16" if cuda_bf16 else "fp32"
     if precision == "tf32" and device.type != "cuda":
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if device.type == "cuda":  # a process-wide switch: set it every run, never inherit it
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            precision == "tf32")
+            precision == "tf32"
+        )
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
@@ -340,10 +399,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -351,37 +412,69 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = CPConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.context_parallel", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.context_parallel",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step; every CP rank holds a slice of each")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step; every CP rank holds a slice of each",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
         default=defaults.precision,
         help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA); fp16: autocast with a loss scaler")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
-    add("--impl", choices=["ring", "torch"], default=defaults.impl,
+        "matmuls (CUDA); fp16: autocast with a loss scaler",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
+    add(
+        "--impl",
+        choices=["ring", "torch"],
+        default=defaults.impl,
         help="ring: this recipe's ring attention over send/recv (any backend); torch: "
-        "torch.distributed.tensor.experimental.context_parallel (CUDA only)")
-    add("--load-balance", action=argparse.BooleanOptionalAction, default=defaults.load_balance,
+        "torch.distributed.tensor.experimental.context_parallel (CUDA only)",
+    )
+    add(
+        "--load-balance",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.load_balance,
         help="rank i holds chunks i and 2N-1-i of every sequence, so that causal attention "
-        "costs every rank the same")
+        "costs every rank the same",
+    )
     return parser
 
 

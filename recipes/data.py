@@ -101,8 +101,11 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -112,8 +115,10 @@ def prepare_shards(cfg: DataConfig) -> dict:
 
     Call it on one rank, then ``dist.barrier()``: every rank reads the same files."""
     out = Path(cfg.data_dir)
-    settings = {k: getattr(cfg, k) for k in
-                ("corpus", "max_bytes", "vocab_size", "val_fraction", "shard_tokens")}
+    settings = {
+        k: getattr(cfg, k)
+        for k in ("corpus", "max_bytes", "vocab_size", "val_fraction", "shard_tokens")
+    }
     if (out / "index.json").exists():
         index = json.loads((out / "index.json").read_text())
         if index["settings"] == settings:
@@ -145,6 +150,8 @@ def prepare_shards(cfg: DataConfig) -> dict:
     (out / "index.json.tmp").write_text(json.dumps(index, indent=1))
     os.replace(out / "index.json.tmp", out / "index.json")
     return index
+
+
 # --8<-- [end:prepare]
 
 
@@ -175,8 +182,9 @@ class TokenWindows(Dataset):
             self.maps[shard] = np.memmap(self.paths[shard], dtype=np.uint16, mode="r")
         offset = (i - self.starts[shard]) * self.seq_len
         # int64: embeddings take long indices (uint16 tensors have few ops)
-        window = torch.from_numpy(self.maps[shard][offset : offset + self.seq_len + 1]
-                                  .astype(np.int64))
+        window = torch.from_numpy(
+            self.maps[shard][offset : offset + self.seq_len + 1].astype(np.int64)
+        )
         return window[:-1], window[1:]
 
 
@@ -206,26 +214,43 @@ class TokenStream(IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         self.skip = state["yielded"]
+
+
 # --8<-- [end:datasets]
 
 
 # --8<-- [start:loaders]
-def build_loader(windows: Dataset, *, kind: str, rank: int, world_size: int, batch_size: int,
-                 num_workers: int, seed: int = 0, device: torch.device | None = None):
+def build_loader(
+    windows: Dataset,
+    *,
+    kind: str,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    num_workers: int,
+    seed: int = 0,
+    device: torch.device | None = None,
+):
     """(loader, sampler or None). ``kind="map"``: ``DistributedSampler`` with ``drop_last=True``:
     without it the sampler pads with repeated samples so that every rank gets as many."""
     if kind == "map":
-        sampler = DistributedSampler(windows, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=seed, drop_last=True)
+        sampler = DistributedSampler(
+            windows, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
         dataset = windows
     else:
         sampler, dataset = None, TokenStream(windows, rank=rank, world_size=world_size)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in 2.13
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         loader = StatefulDataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, drop_last=kind == "map",
-            num_workers=num_workers, persistent_workers=num_workers > 0,
-            pin_memory=device is not None and device.type == "cuda")  # pinned: async host->GPU
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=kind == "map",
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+            pin_memory=device is not None and device.type == "cuda",
+        )  # pinned: async host->GPU
     return loader, sampler
 
 
@@ -241,6 +266,8 @@ def restore_loader(loader, sampler, state: dict) -> int:
         sampler.set_epoch(state["epoch"])  # not in the loader's state: set it first
     loader.load_state_dict(state["loader"])
     return state["epoch"]
+
+
 # --8<-- [end:loaders]
 
 
@@ -277,6 +304,8 @@ def train_with_join(ddp_model: DDP, optimizer, batches, device: torch.device) ->
             optimizer.step()
             steps += 1
     return steps
+
+
 # --8<-- [end:uneven]
 
 
@@ -292,11 +321,18 @@ def run(cfg: DataConfig) -> dict:
         index = json.loads((Path(cfg.data_dir) / "index.json").read_text())
         windows = TokenWindows(cfg.data_dir, "train", cfg.seq_len)
         loader, sampler = build_loader(
-            windows, kind=cfg.loader, rank=world.rank, world_size=world.world_size,
-            batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed,
-            device=world.device)
-        model_cfg = ModelConfig(vocab_size=index["vocab_size"], seq_len=cfg.seq_len, dim=64,
-                                n_layers=2, n_heads=4)
+            windows,
+            kind=cfg.loader,
+            rank=world.rank,
+            world_size=world.world_size,
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            seed=cfg.seed,
+            device=world.device,
+        )
+        model_cfg = ModelConfig(
+            vocab_size=index["vocab_size"], seq_len=cfg.seq_len, dim=64, n_layers=2, n_heads=4
+        )
         model = DDP(build_model(model_cfg, seed=cfg.seed, device=world.device))
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         step, epoch = 0, 0
@@ -326,37 +362,66 @@ def run(cfg: DataConfig) -> dict:
                 epoch += 1  # the next iter(loader) starts the data from its beginning
         if cfg.checkpoint:
             Path(cfg.checkpoint).mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step, "data": loader_state(loader, epoch)}, saved)
-        return {"losses": losses, "steps": step, "epoch": epoch,
-                "vocab_size": index["vocab_size"], "windows": len(windows),
-                "train_tokens": sum(s["tokens"] for s in index["train"]),
-                "val_tokens": sum(s["tokens"] for s in index["val"]),
-                "world_size": world.world_size}
+            torch.save(
+                {
+                    "model": model.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "data": loader_state(loader, epoch),
+                },
+                saved,
+            )
+        return {
+            "losses": losses,
+            "steps": step,
+            "epoch": epoch,
+            "vocab_size": index["vocab_size"],
+            "windows": len(windows),
+            "train_tokens": sum(s["tokens"] for s in index["train"]),
+            "val_tokens": sum(s["tokens"] for s in index["val"]),
+            "world_size": world.world_size,
+        }
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:run]
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m recipes.data", description=__doc__.split(
-        "\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.data",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     defaults = DataConfig()
     add = parser.add_argument
     add("--corpus", default=None, help="folder of text files (default: Python's stdlib sources)")
     add("--data-dir", default=defaults.data_dir, help="where the shards and index.json go")
     add("--max-bytes", type=int, default=defaults.max_bytes, help="text read from the corpus")
-    add("--vocab-size", type=int, default=defaults.vocab_size,
-        help="BPE vocabulary (256 = plain bytes, no tokenizer)")
+    add(
+        "--vocab-size",
+        type=int,
+        default=defaults.vocab_size,
+        help="BPE vocabulary (256 = plain bytes, no tokenizer)",
+    )
     add("--val-fraction", type=float, default=defaults.val_fraction, help="tokens held out")
     add("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per .bin shard")
-    add("--loader", choices=("map", "stream"), default=defaults.loader,
-        help="map: windows + DistributedSampler; stream: IterableDataset split by rank and worker")
+    add(
+        "--loader",
+        choices=("map", "stream"),
+        default=defaults.loader,
+        help="map: windows + DistributedSampler; stream: IterableDataset split by rank and worker",
+    )
     add("--seq-len", type=int, default=defaults.seq_len, help="tokens per training window")
     add("--batch-size", type=int, default=defaults.batch_size, help="windows per rank per step")
     add("--num-workers", type=int, default=defaults.num_workers, help="DataLoader worker processes")
-    add("--steps", type=int, default=defaults.steps,
-        help="optimizer steps in all, counting those before a resume; 0: prepare the shards only")
+    add(
+        "--steps",
+        type=int,
+        default=defaults.steps,
+        help="optimizer steps in all, counting those before a resume; 0: prepare the shards only",
+    )
     add("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
     add("--seed", type=int, default=defaults.seed, help="model init and shuffle seed")
     add("--checkpoint", default=None, help="folder: resume from it if it holds one, save at end")

@@ -53,15 +53,19 @@ def train(cfg: DataParallelConfig, observer=None) -> list[float]:
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
     if gpus and cfg.global_batch_size % gpus:
         lower = max(gpus, cfg.global_batch_size - cfg.global_batch_size % gpus)
-        raise ValueError(f"global_batch_size={cfg.global_batch_size} does not split across {gpus} "
-                         f"GPUs; use a multiple of {gpus}, e.g. {lower} or {lower + gpus}")
+        raise ValueError(
+            f"global_batch_size={cfg.global_batch_size} does not split across {gpus} "
+            f"GPUs; use a multiple of {gpus}, e.g. {lower} or {lower + gpus}"
+        )
     if gpus:
         print(f"DataParallel over {gpus} GPU(s); outputs gather on {device}", flush=True)
     else:
-        print("no GPU visible: DataParallel calls the module directly on CPU (one device)",
-              flush=True)
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and gpus > 0
-                                       and torch.cuda.is_bf16_supported())
+        print(
+            "no GPU visible: DataParallel calls the module directly on CPU (one device)", flush=True
+        )
+    bf16 = cfg.precision == "bf16" or (
+        cfg.precision == "auto" and gpus > 0 and torch.cuda.is_bf16_supported()
+    )
     if gpus and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
@@ -69,16 +73,21 @@ def train(cfg: DataParallelConfig, observer=None) -> list[float]:
     # Pitfall: the parameters must live on device_ids[0] (GPU 0) before wrapping
     model = build_model(cfg.model, seed=cfg.seed, device=device)
     dp_model = nn.DataParallel(model)  # every visible GPU; on CPU a pass-through
-    optimizer = torch.optim.AdamW(dp_model.parameters(), lr=cfg.lr,
-                                  fused=True if gpus else None)
-    if observer: observer.model_ready(dp_model, optimizer)
+    optimizer = torch.optim.AdamW(dp_model.parameters(), lr=cfg.lr, fused=True if gpus else None)
+    if observer:
+        observer.model_ready(dp_model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
     # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
     # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
     order = torch.Generator()
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, drop_last=True,
-                        pin_memory=gpus > 0, sampler=RandomSampler(dataset, generator=order))
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.global_batch_size,
+        drop_last=True,
+        pin_memory=gpus > 0,
+        sampler=RandomSampler(dataset, generator=order),
+    )
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
         order.manual_seed(cfg.seed + epoch)
@@ -94,7 +103,8 @@ def train(cfg: DataParallelConfig, observer=None) -> list[float]:
             optimizer.step()
             losses.append(loss.item())
             print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-            if observer: observer.step_end(step, losses[-1])
+            if observer:
+                observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
     # --8<-- [end:loop]
@@ -104,6 +114,8 @@ def train(cfg: DataParallelConfig, observer=None) -> list[float]:
         # start with "module." and no longer load into a plain model.
         torch.save(dp_model.module.state_dict(), cfg.save_path)
     return losses
+
+
 # --8<-- [end:train]
 
 
@@ -116,30 +128,50 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = DataParallelConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.data_parallel", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.data_parallel",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, split across the GPUs")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, split across the GPUs",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order")
-    add("--precision", choices=["auto", "fp32", "bf16"], default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
-    add("--save-path", default=defaults.save_path,
-        help="save the trained model's state_dict here (torch.save)")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+    )
+    add(
+        "--save-path",
+        default=defaults.save_path,
+        help="save the trained model's state_dict here (torch.save)",
+    )
     return parser
 
 

@@ -91,31 +91,40 @@ def train(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     results = mp.get_context("spawn").SimpleQueue()
     # join=True: wait for all; if a child raises, mp.spawn terminates the others and raises
     # ProcessRaisedException here (ProcessExitedException for one that died without raising)
-    mp.spawn(worker, args=(cfg.nprocs, port, cfg, results, observer),
-             nprocs=cfg.nprocs, join=True)
+    mp.spawn(worker, args=(cfg.nprocs, port, cfg, results, observer), nprocs=cfg.nprocs, join=True)
     return results.get()
 
 
-def worker(rank: int, world_size: int, port: int, cfg: DDPSpawnConfig, results,
-           observer=None) -> None:
+def worker(
+    rank: int, world_size: int, port: int, cfg: DDPSpawnConfig, results, observer=None
+) -> None:
     """What mp.spawn runs in each child: ``rank`` comes first, then ``args``."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # one machine: mp.spawn cannot span nodes
     os.environ["MASTER_PORT"] = str(port)
-    use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()
-                                         and torch.cuda.device_count() >= world_size)
+    use_cuda = cfg.backend == "nccl" or (
+        cfg.backend == "auto"
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() >= world_size
+    )
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         # Pitfall: without set_device every rank's NCCL work and allocations land on cuda:0
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                            device_id=device if use_cuda else None)
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        device_id=device if use_cuda else None,
+    )
     try:
         losses = train_one_rank(cfg, observer)
         if rank == 0:
             results.put(losses)  # mp.spawn returns nothing: a queue is how results come back
     finally:
         dist.destroy_process_group()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:launch]
 
 
@@ -139,19 +148,27 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
         static_graph=cfg.static_graph,
         bucket_cap_mb=cfg.bucket_cap_mb,
     )
-    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
-                                  fused=True if use_cuda else None)  # one kernel on CUDA
+    optimizer = torch.optim.AdamW(
+        ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+    )  # one kernel on CUDA
     # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    if observer: observer.model_ready(ddp_model, optimizer)
+    if observer:
+        observer.model_ready(ddp_model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
     # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
     # at step s is one process's batch s. drop_last keeps every global batch full.
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size // world_size,
-                        sampler=sampler, drop_last=True, pin_memory=use_cuda)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.global_batch_size // world_size,
+        sampler=sampler,
+        drop_last=True,
+        pin_memory=use_cuda,
+    )
 
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
@@ -163,8 +180,9 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                enabled=dtype is not None):
+            with torch.autocast(
+                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+            ):
                 loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
             # DDP all-reduces the gradients in buckets, overlapped with the backward
             scaler.scale(loss).backward()
@@ -176,7 +194,8 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
             losses.append(global_loss.item())
             if rank == 0:
                 print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-            if observer: observer.step_end(step, losses[-1])
+            if observer:
+                observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
     # --8<-- [end:loop]
@@ -192,15 +211,19 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
             if not torch.equal(trained, loaded):
                 raise RuntimeError(f"rank {rank}: {name} differs after loading the checkpoint")
     return losses
+
+
 # --8<-- [end:train]
 
 
 # --8<-- [start:checkpoint]
-def save_checkpoint(ddp_model: DDP, optimizer: torch.optim.Optimizer, step: int,
-                    path: str) -> None:
+def save_checkpoint(ddp_model: DDP, optimizer: torch.optim.Optimizer, step: int, path: str) -> None:
     # Pitfall: save ddp_model.module: DDP's own state_dict prefixes every key with "module."
-    state = {"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict(),
-             "step": step}
+    state = {
+        "model": ddp_model.module.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # readers never see a half-written file
@@ -213,6 +236,8 @@ def load_checkpoint(path: str, model_name: str, device: torch.device) -> nn.Modu
     restored = build_model(model_name, seed=12345, device=device)
     restored.load_state_dict(state["model"])
     return restored
+
+
 # --8<-- [end:checkpoint]
 
 
@@ -222,11 +247,14 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bf16" if cuda_bf16 else "fp32"
     if precision == "tf32" and device.type != "cuda":
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if device.type == "cuda":  # a process-wide switch: set it every run, never inherit it
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            precision == "tf32")
+            precision == "tf32"
+        )
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
@@ -236,22 +264,29 @@ def check_config(cfg: DDPSpawnConfig) -> None:
         lower = max(cfg.nprocs, cfg.global_batch_size - cfg.global_batch_size % cfg.nprocs)
         raise ValueError(
             f"global_batch_size={cfg.global_batch_size} does not divide across {cfg.nprocs} "
-            f"ranks; use a multiple of {cfg.nprocs}, e.g. {lower} or {lower + cfg.nprocs}")
+            f"ranks; use a multiple of {cfg.nprocs}, e.g. {lower} or {lower + cfg.nprocs}"
+        )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.backend == "nccl" and gpus < cfg.nprocs:
-        raise ValueError(f"backend 'nccl' needs one CUDA device per process: {cfg.nprocs} "
-                         f"processes, {gpus} device(s); use --backend gloo or fewer --nprocs")
+        raise ValueError(
+            f"backend 'nccl' needs one CUDA device per process: {cfg.nprocs} "
+            f"processes, {gpus} device(s); use --backend gloo or fewer --nprocs"
+        )
     if cfg.precision == "tf32" and (cfg.backend == "gloo" or gpus < cfg.nprocs):
         autocast_dtype("tf32", torch.device("cpu"))  # its one line, once, before any child
     path, existing = cfg.checkpoint_path, os.path.dirname(os.path.abspath(cfg.checkpoint_path))
     if path and os.path.isdir(path):  # found only after training otherwise
-        raise ValueError(f"--checkpoint-path {path} is a directory; name a file, e.g. "
-                         f"{os.path.join(path, 'model.pt')}")
+        raise ValueError(
+            f"--checkpoint-path {path} is a directory; name a file, e.g. "
+            f"{os.path.join(path, 'model.pt')}"
+        )
     while path and not os.path.exists(existing):  # what makedirs would create goes in here
         existing = os.path.dirname(existing)
     if path and not os.path.isdir(existing):
-        raise ValueError(f"--checkpoint-path {path}: {existing} is a file, so nothing can be "
-                         "created under it; name a file in a directory you can write to")
+        raise ValueError(
+            f"--checkpoint-path {path}: {existing} is a file, so nothing can be "
+            "created under it; name a file in a directory you can write to"
+        )
 
 
 def master_port() -> int:
@@ -262,9 +297,10 @@ def master_port() -> int:
         try:  # a busy port would fail in every child, after a wait: refused here instead
             sock.bind(("127.0.0.1", port))
         except OSError:
-            raise ValueError(f"MASTER_PORT {port} is already in use on 127.0.0.1; set "
-                             "MASTER_PORT to a free port, or unset it and a free one is picked"
-                             ) from None
+            raise ValueError(
+                f"MASTER_PORT {port} is already in use on 127.0.0.1; set "
+                "MASTER_PORT to a free port, or unset it and a free one is picked"
+            ) from None
         return sock.getsockname()[1]
 
 
@@ -277,47 +313,94 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = DDPSpawnConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.ddp_spawn", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.ddp_spawn",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
-    add("--nprocs", type=_number(int, at_least=1), default=defaults.nprocs,
-        help="processes (ranks) to start on this machine")
+    add(
+        "--nprocs",
+        type=_number(int, at_least=1),
+        default=defaults.nprocs,
+        help="processes (ranks) to start on this machine",
+    )
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
         default=defaults.precision,
         help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA); fp16: autocast with a loss scaler")
-    add("--backend", choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per process, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "matmuls (CUDA); fp16: autocast with a loss scaler",
+    )
+    add(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per process, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     switch = argparse.BooleanOptionalAction  # --static-graph / --no-static-graph
-    add("--find-unused-parameters", action=switch, default=defaults.find_unused_parameters,
-        help="walk the graph for parameters without gradients (costs time)")
-    add("--gradient-as-bucket-view", action=switch, default=defaults.gradient_as_bucket_view,
-        help="let gradients alias DDP's all-reduce buckets (saves memory)")
-    add("--static-graph", action=switch, default=defaults.static_graph,
-        help="promise DDP the graph never changes between steps")
-    add("--bucket-cap-mb", type=_number(float, above=0), default=defaults.bucket_cap_mb,
-        help="gradient bucket size in MiB for the overlapped all-reduce")
-    add("--checkpoint-path", default=defaults.checkpoint_path,
-        help="where rank 0 saves the checkpoint; empty: a temporary file")
+    add(
+        "--find-unused-parameters",
+        action=switch,
+        default=defaults.find_unused_parameters,
+        help="walk the graph for parameters without gradients (costs time)",
+    )
+    add(
+        "--gradient-as-bucket-view",
+        action=switch,
+        default=defaults.gradient_as_bucket_view,
+        help="let gradients alias DDP's all-reduce buckets (saves memory)",
+    )
+    add(
+        "--static-graph",
+        action=switch,
+        default=defaults.static_graph,
+        help="promise DDP the graph never changes between steps",
+    )
+    add(
+        "--bucket-cap-mb",
+        type=_number(float, above=0),
+        default=defaults.bucket_cap_mb,
+        help="gradient bucket size in MiB for the overlapped all-reduce",
+    )
+    add(
+        "--checkpoint-path",
+        default=defaults.checkpoint_path,
+        help="where rank 0 saves the checkpoint; empty: a temporary file",
+    )
     return parser
 
 
@@ -330,12 +413,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     except mp.ProcessRaisedException as exc:  # a child raised: its traceback, then one line
         print(exc.msg.rstrip(), file=sys.stderr)
-        print(f"error: rank {exc.error_index} failed: {exc.msg.strip().splitlines()[-1]}",
-              file=sys.stderr)
+        print(
+            f"error: rank {exc.error_index} failed: {exc.msg.strip().splitlines()[-1]}",
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None
     except mp.ProcessExitedException as exc:  # killed, os._exit, a segfault: no traceback
-        print(f"error: rank {exc.error_index} died with exit code {exc.exit_code}; the other "
-              "ranks were stopped", file=sys.stderr)
+        print(
+            f"error: rank {exc.error_index} died with exit code {exc.exit_code}; the other "
+            "ranks were stopped",
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None
 
 

@@ -74,12 +74,15 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
         lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
         raise ValueError(
             f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
-            f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+            f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}"
+        )
     # auto: NCCL when this node has a GPU for each of its ranks, else gloo on CPU
     gpus_needed = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     use_cuda = cfg.backend == "nccl" or (
-        cfg.backend == "auto" and torch.cuda.is_available()
-        and torch.cuda.device_count() >= gpus_needed)
+        cfg.backend == "auto"
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() >= gpus_needed
+    )
     backend = "nccl" if use_cuda else "gloo"
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -90,13 +93,15 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
     if "RANK" in os.environ:  # torchrun: meet at MASTER_ADDR:MASTER_PORT (init_method env://)
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
     else:  # alone: a world of 1, which needs no rendezvous
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     try:
         rank = dist.get_rank()
         per_rank_batch = cfg.global_batch_size // world_size
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
-                                           and torch.cuda.is_bf16_supported())
+        bf16 = cfg.precision == "bf16" or (
+            cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+        )
         if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
@@ -110,17 +115,21 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
                 block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
             loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
         ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
-        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
-        if observer: observer.model_ready(ddp_model, optimizer)
+        optimizer = torch.optim.AdamW(
+            ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
+        if observer:
+            observer.model_ready(ddp_model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s. drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                            pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
+        )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
@@ -142,7 +151,8 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
                 losses.append(global_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
@@ -162,6 +172,8 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
         ddp_model = None
         gc.collect()
         dist.destroy_process_group()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -174,10 +186,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -185,35 +199,71 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = DDPConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.ddp_torchrun", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.ddp_torchrun",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "bf16"], default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
-    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
-        help="torch.compile each transformer block (and the loss) before DDP")
-    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
-    add("--save-path", default=defaults.save_path,
-        help="rank 0 saves the trained model's state_dict here (torch.save)")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
+        help="torch.compile each transformer block (and the loss) before DDP",
+    )
+    add(
+        "--compile-backend",
+        choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend,
+        help="torch.compile's backend; inductor is the fast one",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
+    add(
+        "--save-path",
+        default=defaults.save_path,
+        help="rank 0 saves the trained model's state_dict here (torch.save)",
+    )
     return parser
 
 

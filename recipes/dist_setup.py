@@ -67,8 +67,9 @@ def setup_distributed(backend: str = "auto", *, timeout_s: float = 300.0) -> Dis
     timeout = datetime.timedelta(seconds=timeout_s)
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         # a world of one needs no rendezvous: an in-memory store is enough
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     else:
         # Pitfall: torchrun --max-restarts keeps ONE store for the whole job and torch adds no
         # per-restart prefix: a restarted rank reads the dead attempt's gloo addresses
@@ -77,8 +78,11 @@ def setup_distributed(backend: str = "auto", *, timeout_s: float = 300.0) -> Dis
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
-            backend, store=dist.PrefixStore(f"attempt{attempt}/world{world_size}", store),
-            rank=rank, world_size=world_size, timeout=timeout,
+            backend,
+            store=dist.PrefixStore(f"attempt{attempt}/world{world_size}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,  # NCCL: connect eagerly, one GPU
         )
         # Every rank past its handshake before any goes on: a rank that refuses bad input right
@@ -118,14 +122,17 @@ def _world_from_environment() -> tuple[int, int, int, int]:
     if "RANK" in env and "WORLD_SIZE" in env:
         world_size = int(env["WORLD_SIZE"])
         local_rank = int(env.get("LOCAL_RANK", env["RANK"]))
-        return int(env["RANK"]), world_size, local_rank, int(env.get("LOCAL_WORLD_SIZE",
-                                                                      world_size))
+        return (
+            int(env["RANK"]),
+            world_size,
+            local_rank,
+            int(env.get("LOCAL_WORLD_SIZE", world_size)),
+        )
     # --8<-- [start:slurm]
     # Pitfall: the batch script itself (sbatch, no srun) also has SLURM_PROCID=0 and
     # SLURM_NTASKS=N; only a task that srun started has SLURM_STEP_ID. Without this check a
     # `python train.py` in the batch script waits for N-1 peers that nobody starts.
-    if ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env
-            and int(env.get("SLURM_NTASKS", "1")) > 1):
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local_rank = int(env.get("SLURM_LOCALID", 0))
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")

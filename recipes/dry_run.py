@@ -93,8 +93,9 @@ class DryRunConfig:
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.probe_timeout_s) and self.probe_timeout_s > 0):
-            raise LayoutError(f"probe_timeout_s must be a finite number > 0, got "
-                              f"{self.probe_timeout_s:g}")
+            raise LayoutError(
+                f"probe_timeout_s must be a finite number > 0, got {self.probe_timeout_s:g}"
+            )
         check_layout(PRESETS[self.model], self.world_size, self.pp, self.dp, self.tp)
 
 
@@ -102,14 +103,23 @@ def check_layout(cfg: ModelConfig, world_size: int, pp: int, dp: int, tp: int) -
     """One line naming the fix for a layout that cannot exist (tensor parallel's own refusal,
     TPPlanError, is a ValueError of one line too)."""
     if pp * dp * tp != world_size:
-        raise LayoutError(f"pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp}, not world_size "
-                          f"{world_size}; pick degrees whose product is {world_size}")
+        raise LayoutError(
+            f"pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp}, not world_size "
+            f"{world_size}; pick degrees whose product is {world_size}"
+        )
     if cfg.n_layers % pp:
         fits = [n for n in range(1, cfg.n_layers + 1) if cfg.n_layers % n == 0]
-        raise LayoutError(f"{cfg.n_layers} layers do not split into pp={pp} equal stages; use "
-                          f"pp in {', '.join(map(str, fits))}")
-    check_tp_fits(tp, n_heads=cfg.n_heads, mlp_width=cfg.mlp_ratio * cfg.dim,
-                  vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+        raise LayoutError(
+            f"{cfg.n_layers} layers do not split into pp={pp} equal stages; use "
+            f"pp in {', '.join(map(str, fits))}"
+        )
+    check_tp_fits(
+        tp,
+        n_heads=cfg.n_heads,
+        mlp_width=cfg.mlp_ratio * cfg.dim,
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+    )
 
 
 # --8<-- [start:stage]
@@ -132,10 +142,15 @@ def build_stage(cfg: ModelConfig, stage: int, pp: int) -> TransformerLM:
 def parallelize_stage(model: TransformerLM, mesh) -> TransformerLM:
     """TP over mesh["tp"] first (the optimizer and fully_shard must see its DTensors), then
     fully_shard over mesh["dp"]: fully_shard shards the TP shards again on dim 0 (2-D DTensors)."""
-    plan = {key: style for key, style in transformer_lm_plan().items()
-            if key.startswith("layers.") or getattr(model, key.split(".")[0]) is not None}
+    plan = {
+        key: style
+        for key, style in transformer_lm_plan().items()
+        if key.startswith("layers.") or getattr(model, key.split(".")[0]) is not None
+    }
     apply_tp(model, mesh["tp"], plan=plan)
     return apply_fully_shard(model, mesh["dp"], block_types=(Block,))
+
+
 # --8<-- [end:stage]
 
 
@@ -156,10 +171,16 @@ def local_bytes(tensors) -> int:
     return sum(getattr(t, "_local_tensor", t).nbytes for t in tensors)
 
 
-COLLECTIVE_KINDS = (("allgather", "all_gather"), ("all_gather", "all_gather"),
-                    ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
-                    ("all_reduce", "all_reduce"), ("all_to_all", "all_to_all"),
-                    ("alltoall", "all_to_all"), ("broadcast", "broadcast"))
+COLLECTIVE_KINDS = (
+    ("allgather", "all_gather"),
+    ("all_gather", "all_gather"),
+    ("reduce_scatter", "reduce_scatter"),
+    ("allreduce", "all_reduce"),
+    ("all_reduce", "all_reduce"),
+    ("all_to_all", "all_to_all"),
+    ("alltoall", "all_to_all"),
+    ("broadcast", "broadcast"),
+)
 
 
 def collective_kind(op: Any) -> str:
@@ -168,8 +189,9 @@ def collective_kind(op: Any) -> str:
 
 
 # --8<-- [start:probe]
-def probe_rank(cfg: ModelConfig, rank: int, world_size: int, pp: int, dp: int, tp: int,
-               *, measure_step: bool) -> dict[str, Any]:
+def probe_rank(
+    cfg: ModelConfig, rank: int, world_size: int, pp: int, dp: int, tp: int, *, measure_step: bool
+) -> dict[str, Any]:
     """Join a fake world as ``rank``, build and shard its stage, and read what it holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
@@ -180,9 +202,15 @@ def probe_rank(cfg: ModelConfig, rank: int, world_size: int, pp: int, dp: int, t
         stage, dp_rank, tp_rank = mesh.get_coordinate()
         model = parallelize_stage(build_stage(cfg, stage, pp), mesh)
         params = list(model.parameters())
-        figures = {"rank": rank, "pp": stage, "dp": dp_rank, "tp": tp_rank,
-                   "layers": sorted(int(n) for n in model.layers),
-                   "param_bytes": local_bytes(params), "grad_bytes": local_bytes(params)}
+        figures = {
+            "rank": rank,
+            "pp": stage,
+            "dp": dp_rank,
+            "tp": tp_rank,
+            "layers": sorted(int(n) for n in model.layers),
+            "param_bytes": local_bytes(params),
+            "grad_bytes": local_bytes(params),
+        }
         if not measure_step:
             return figures
         # Real storage for this rank's shards only (uninitialised: values do not matter).
@@ -192,8 +220,11 @@ def probe_rank(cfg: ModelConfig, rank: int, world_size: int, pp: int, dp: int, t
         optimizer = torch.optim.AdamW(model.parameters())
         optimizer.step()
         figures["optimizer_bytes"] = local_bytes(
-            value for state in optimizer.state.values() for key, value in state.items()
-            if key != "step")
+            value
+            for state in optimizer.state.values()
+            for key, value in state.items()
+            if key != "step"
+        )
         figures["collectives"] = count_collectives(cfg, stage, pp, mesh)
         return figures
     finally:
@@ -205,12 +236,21 @@ def count_collectives(cfg: ModelConfig, stage: int, pp: int, mesh) -> dict[str, 
     from torch.distributed.tensor.debug import CommDebugMode
 
     tp = mesh["tp"].size()
-    twin = ModelConfig(vocab_size=8 * tp, seq_len=2 * tp, dim=2 * cfg.n_heads,
-                       n_layers=cfg.n_layers, n_heads=cfg.n_heads, mlp_ratio=cfg.mlp_ratio)
+    twin = ModelConfig(
+        vocab_size=8 * tp,
+        seq_len=2 * tp,
+        dim=2 * cfg.n_heads,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        mlp_ratio=cfg.mlp_ratio,
+    )
     model = parallelize_stage(build_stage(twin, stage, pp), mesh)
     model.to_empty(device="cpu")
-    inputs = (torch.zeros(1, twin.seq_len, dtype=torch.long) if stage == 0
-              else torch.zeros(1, twin.seq_len, twin.dim, requires_grad=True))
+    inputs = (
+        torch.zeros(1, twin.seq_len, dtype=torch.long)
+        if stage == 0
+        else torch.zeros(1, twin.seq_len, twin.dim, requires_grad=True)
+    )
     with CommDebugMode() as comm, warnings.catch_warnings():
         # fully_shard warns that the root returns a view, autograd that the input needs no grad:
         # both are true of this throwaway step and neither matters to the count.
@@ -223,6 +263,8 @@ def count_collectives(cfg: ModelConfig, stage: int, pp: int, mesh) -> dict[str, 
     counts["send"] += (stage < pp - 1) + (stage > 0)
     counts["recv"] += (stage > 0) + (stage < pp - 1)
     return dict(sorted((k, v) for k, v in counts.items() if v))
+
+
 # --8<-- [end:probe]
 
 
@@ -235,8 +277,9 @@ def _probe_in_child(conn, *args, **kwargs) -> None:
         conn.close()
 
 
-def probe_in_fork(cfg: ModelConfig, rank: int, *layout: int, measure_step: bool,
-                  timeout_s: float) -> dict[str, Any]:
+def probe_in_fork(
+    cfg: ModelConfig, rank: int, *layout: int, measure_step: bool, timeout_s: float
+) -> dict[str, Any]:
     """A fresh fake world per probe: fork (torch is already imported; no world exists yet).
 
     On a CUDA host the probe is spawned instead, which imports torch again: once the parent has
@@ -244,8 +287,12 @@ def probe_in_fork(cfg: ModelConfig, rank: int, *layout: int, measure_step: bool,
     "initialization error" (seen on the H200)."""
     context = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     parent, child = context.Pipe(duplex=False)
-    process = context.Process(target=_probe_in_child, args=(child, cfg, rank, *layout),
-                              kwargs={"measure_step": measure_step}, daemon=True)
+    process = context.Process(
+        target=_probe_in_child,
+        args=(child, cfg, rank, *layout),
+        kwargs={"measure_step": measure_step},
+        daemon=True,
+    )
     process.start()
     child.close()
     try:
@@ -270,53 +317,80 @@ def run(cfg: DryRunConfig) -> dict[str, Any]:
         # differ): one probe stands for all of them. --check-every-rank builds them all.
         kind = min(stage, 1) if stage < cfg.pp - 1 else "last"
         if kind not in probes:
-            probes[kind] = probe_in_fork(model_cfg, stage * cfg.dp * cfg.tp, *layout,
-                                         measure_step=True, timeout_s=cfg.probe_timeout_s)
+            probes[kind] = probe_in_fork(
+                model_cfg,
+                stage * cfg.dp * cfg.tp,
+                *layout,
+                measure_step=True,
+                timeout_s=cfg.probe_timeout_s,
+            )
         per_stage = model_cfg.n_layers // cfg.pp
-        probe = {**probes[kind], "pp": stage, "rank": stage * cfg.dp * cfg.tp,
-                 "layers": list(range(stage * per_stage, (stage + 1) * per_stage))}
+        probe = {
+            **probes[kind],
+            "pp": stage,
+            "rank": stage * cfg.dp * cfg.tp,
+            "layers": list(range(stage * per_stage, (stage + 1) * per_stage)),
+        }
         psi = stage_params_per_tp_rank(model_cfg, stage, cfg.pp, cfg.tp)
         expected = model_state_per_rank(psi, cfg.dp, "zero3", FP32)["device"]
-        probe["estimate"] = {k: expected[k] for k in ("param_bytes", "grad_bytes",
-                                                       "optimizer_bytes")}
+        probe["estimate"] = {
+            k: expected[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")
+        }
         probe["matches_estimate"] = all(probe[k] == v for k, v in probe["estimate"].items())
         probe["total_bytes"] = probe["param_bytes"] + probe["grad_bytes"] + probe["optimizer_bytes"]
         stages.append(probe)
     checked = 0
     if cfg.check_every_rank:
         for rank in range(cfg.world_size):
-            got = probe_in_fork(model_cfg, rank, *layout, measure_step=False,
-                                timeout_s=cfg.probe_timeout_s)
+            got = probe_in_fork(
+                model_cfg, rank, *layout, measure_step=False, timeout_s=cfg.probe_timeout_s
+            )
             stage = stages[got["pp"]]
             if (got["param_bytes"], got["layers"]) != (stage["param_bytes"], stage["layers"]):
-                raise AssertionError(f"rank {rank} holds {got['param_bytes']} parameter bytes of "
-                                     f"layers {got['layers']}, its stage's probe "
-                                     f"{stage['param_bytes']} of {stage['layers']}")
+                raise AssertionError(
+                    f"rank {rank} holds {got['param_bytes']} parameter bytes of "
+                    f"layers {got['layers']}, its stage's probe "
+                    f"{stage['param_bytes']} of {stage['layers']}"
+                )
             checked += 1
-    ranks = [{"rank": r, "pp": r // (cfg.dp * cfg.tp), "dp": r // cfg.tp % cfg.dp, "tp": r % cfg.tp}
-             for r in range(cfg.world_size)]
+    ranks = [
+        {"rank": r, "pp": r // (cfg.dp * cfg.tp), "dp": r // cfg.tp % cfg.dp, "tp": r % cfg.tp}
+        for r in range(cfg.world_size)
+    ]
     worst = max(stages, key=lambda s: s["total_bytes"])
-    return {"recipe": "dry_run", "model": cfg.model, "world_size": cfg.world_size,
-            "layout": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp}, "stages": stages,
-            "ranks": ranks, "ranks_checked": checked,
-            "max_model_state_bytes": worst["total_bytes"],
-            "all_match_estimate": all(s["matches_estimate"] for s in stages)}
+    return {
+        "recipe": "dry_run",
+        "model": cfg.model,
+        "world_size": cfg.world_size,
+        "layout": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
+        "stages": stages,
+        "ranks": ranks,
+        "ranks_checked": checked,
+        "max_model_state_bytes": worst["total_bytes"],
+        "all_match_estimate": all(s["matches_estimate"] for s in stages),
+    }
+
+
 # --8<-- [end:dry_run]
 
 
 def format_table(cfg: DryRunConfig, stages: list[dict[str, Any]]) -> str:
     gib = 2.0**30
-    lines = [f"{cfg.model} on pp {cfg.pp} x dp {cfg.dp} x tp {cfg.tp} = {cfg.world_size} ranks; "
-             "model state per rank in GiB (activations come on top)",
-             f"{'stage':>5} {'ranks':>11} {'params':>8} {'grads':>8} {'adamw':>8} {'total':>8}"
-             "  collectives per micro-batch"]
+    lines = [
+        f"{cfg.model} on pp {cfg.pp} x dp {cfg.dp} x tp {cfg.tp} = {cfg.world_size} ranks; "
+        "model state per rank in GiB (activations come on top)",
+        f"{'stage':>5} {'ranks':>11} {'params':>8} {'grads':>8} {'adamw':>8} {'total':>8}"
+        "  collectives per micro-batch",
+    ]
     per_stage = cfg.dp * cfg.tp
     for s in stages:
         ranks = f"{s['pp'] * per_stage}-{(s['pp'] + 1) * per_stage - 1}"
         comms = ", ".join(f"{k} {v}" for k, v in s["collectives"].items())
-        lines.append(f"{s['pp']:>5} {ranks:>11} {s['param_bytes'] / gib:>8.3f} "
-                     f"{s['grad_bytes'] / gib:>8.3f} {s['optimizer_bytes'] / gib:>8.3f} "
-                     f"{s['total_bytes'] / gib:>8.3f}  {comms}")
+        lines.append(
+            f"{s['pp']:>5} {ranks:>11} {s['param_bytes'] / gib:>8.3f} "
+            f"{s['grad_bytes'] / gib:>8.3f} {s['optimizer_bytes'] / gib:>8.3f} "
+            f"{s['total_bytes'] / gib:>8.3f}  {comms}"
+        )
     return "\n".join(lines)
 
 
@@ -329,21 +403,39 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def make_parser() -> argparse.ArgumentParser:
     d = DryRunConfig()
-    parser = OneLineErrorParser(prog="python -m recipes.dry_run", allow_abbrev=False,
-                                description=(__doc__ or "").split("\n")[0])
+    parser = OneLineErrorParser(
+        prog="python -m recipes.dry_run",
+        allow_abbrev=False,
+        description=(__doc__ or "").split("\n")[0],
+    )
     add = parser.add_argument
     add("--model", choices=list(PRESETS), default=d.model, help="model shape preset")
-    add("--world-size", type=int, default=d.world_size,
-        help="ranks in the world (pp x dp x tp must equal it)")
+    add(
+        "--world-size",
+        type=int,
+        default=d.world_size,
+        help="ranks in the world (pp x dp x tp must equal it)",
+    )
     add("--pp", type=int, default=d.pp, help="pipeline stages (must divide the layers)")
-    add("--dp", type=int, default=d.dp,
-        help="data-parallel ranks that fully_shard each stage over")
-    add("--tp", type=int, default=d.tp,
-        help="tensor-parallel ranks (must divide heads, MLP width, vocab, seq)")
-    add("--check-every-rank", action=argparse.BooleanOptionalAction, default=d.check_every_rank,
-        help="build every rank's shard (meta) and assert it equals its stage's probe")
-    add("--probe-timeout-s", type=float, default=d.probe_timeout_s,
-        help="deadline in seconds for each stage's probe process")
+    add("--dp", type=int, default=d.dp, help="data-parallel ranks that fully_shard each stage over")
+    add(
+        "--tp",
+        type=int,
+        default=d.tp,
+        help="tensor-parallel ranks (must divide heads, MLP width, vocab, seq)",
+    )
+    add(
+        "--check-every-rank",
+        action=argparse.BooleanOptionalAction,
+        default=d.check_every_rank,
+        help="build every rank's shard (meta) and assert it equals its stage's probe",
+    )
+    add(
+        "--probe-timeout-s",
+        type=float,
+        default=d.probe_timeout_s,
+        help="deadline in seconds for each stage's probe process",
+    )
     return parser
 
 

@@ -98,21 +98,28 @@ def evaluate(model, loader, device: torch.device, *, lockstep: bool = False) -> 
     dist.all_reduce(totals)  # one collective, after each rank's own (uneven) loop
     model.train()
     return (totals[0] / totals[1]).item()
+
+
 # --8<-- [end:evaluate]
 
 
 # --8<-- [start:naive]
 @torch.no_grad()
-def evaluate_naively(model, dataset: Dataset, rank: int, world_size: int, batch_size: int,
-                     device: torch.device) -> float:
+def evaluate_naively(
+    model, dataset: Dataset, rank: int, world_size: int, batch_size: int, device: torch.device
+) -> float:
     """WRONG, for comparison: DistributedSampler's padded repeats, a mean of batch means, then a
     mean of the ranks' means."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    means = [F.cross_entropy(model(x.to(device)).float().flatten(0, 1), y.to(device).flatten())
-             for x, y in DataLoader(dataset, batch_size=batch_size, sampler=sampler)]
+    means = [
+        F.cross_entropy(model(x.to(device)).float().flatten(0, 1), y.to(device).flatten())
+        for x, y in DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    ]
     rank_mean = torch.stack(means).mean().double()
     dist.all_reduce(rank_mean)
     return (rank_mean / world_size).item()
+
+
 # --8<-- [end:naive]
 
 
@@ -129,6 +136,8 @@ def evaluate_with_torchmetrics(model, loader, device: torch.device) -> float:
         batch_mean = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten())
         metric.update(batch_mean, weight=targets.numel())  # weight: a mean counts its tokens
     return metric.compute().item()
+
+
 # --8<-- [end:torchmetrics]
 
 
@@ -143,9 +152,13 @@ def run(cfg: EvalConfig) -> dict:
         index = json.loads((Path(cfg.data_dir) / "index.json").read_text())
         windows = TokenWindows(cfg.data_dir, "val", cfg.seq_len)
         windows = Subset(windows, range(min(cfg.max_windows, len(windows))))
-        model = build_model(ModelConfig(vocab_size=index["vocab_size"], seq_len=cfg.seq_len,
-                                        dim=64, n_layers=2, n_heads=4), seed=cfg.seed,
-                            device=world.device)
+        model = build_model(
+            ModelConfig(
+                vocab_size=index["vocab_size"], seq_len=cfg.seq_len, dim=64, n_layers=2, n_heads=4
+            ),
+            seed=cfg.seed,
+            device=world.device,
+        )
         if cfg.sharded:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -156,33 +169,44 @@ def run(cfg: EvalConfig) -> dict:
             for block in model.layers.values():
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        loader = DataLoader(eval_shard(windows, world.rank, world.world_size),
-                            batch_size=cfg.batch_size)
-        result = {"val_loss": evaluate(model, loader, world.device, lockstep=cfg.sharded),
-                  "windows": len(windows), "world_size": world.world_size,
-                  "windows_per_rank": [len(range(r, len(windows), world.world_size))
-                                       for r in range(world.world_size)]}
+        loader = DataLoader(
+            eval_shard(windows, world.rank, world.world_size), batch_size=cfg.batch_size
+        )
+        result = {
+            "val_loss": evaluate(model, loader, world.device, lockstep=cfg.sharded),
+            "windows": len(windows),
+            "world_size": world.world_size,
+            "windows_per_rank": [
+                len(range(r, len(windows), world.world_size)) for r in range(world.world_size)
+            ],
+        }
         if not cfg.sharded:
-            result["naive_val_loss"] = evaluate_naively(model, windows, world.rank,
-                                                        world.world_size, cfg.batch_size,
-                                                        world.device)
+            result["naive_val_loss"] = evaluate_naively(
+                model, windows, world.rank, world.world_size, cfg.batch_size, world.device
+            )
             result["naive_error"] = result["naive_val_loss"] - result["val_loss"]
         if cfg.torchmetrics:
-            result["torchmetrics_val_loss"] = evaluate_with_torchmetrics(model, loader,
-                                                                         world.device)
+            result["torchmetrics_val_loss"] = evaluate_with_torchmetrics(
+                model, loader, world.device
+            )
         return result
     finally:
         cleanup_distributed()
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m recipes.evaluation", description=__doc__
-                                     .split("\n")[0], formatter_class=argparse
-                                     .ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.evaluation",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     defaults = EvalConfig()
     add = parser.add_argument
-    add("--data-dir", default=defaults.data_dir,
-        help="token shards (prepared with recipes.data's defaults when absent)")
+    add(
+        "--data-dir",
+        default=defaults.data_dir,
+        help="token shards (prepared with recipes.data's defaults when absent)",
+    )
     add("--vocab-size", type=int, default=defaults.vocab_size, help="BPE vocabulary when preparing")
     add("--seq-len", type=int, default=defaults.seq_len, help="tokens per window")
     add("--batch-size", type=int, default=defaults.batch_size, help="windows per batch")

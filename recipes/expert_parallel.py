@@ -79,6 +79,7 @@ class EPConfig:
 @dataclass
 class EPRun:
     """What ``train`` returns: the losses, and what the router did."""
+
     losses: list[float]  # the global batch's loss of each step, aux loss included
     aux_losses: list[float]  # the load-balancing loss of each step (the whole batch's)
     tokens_per_expert: list[list[int]]  # last step, per MoE layer: assignments per expert
@@ -87,9 +88,12 @@ class EPRun:
 
 def capacity_problem(capacity_factor: float) -> str:
     why = ": an expert would take no token and every token would be dropped" * (
-        capacity_factor == 0)
-    return (f"capacity_factor must be > 0, got {capacity_factor:g}{why}; leave it out (inf: none "
-            "dropped) or use e.g. 1.25")
+        capacity_factor == 0
+    )
+    return (
+        f"capacity_factor must be > 0, got {capacity_factor:g}{why}; leave it out (inf: none "
+        "dropped) or use e.g. 1.25"
+    )
 
 
 class ExpertParallelError(ValueError):
@@ -105,7 +109,8 @@ def check_ep_fits(num_experts: int, ep_size: int) -> None:
         sizes = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
         raise ExpertParallelError(
             f"num_experts={num_experts} cannot be placed evenly on {ep_size} ranks; use a "
-            f"multiple of {ep_size} experts, or an EP size of {', '.join(map(str, sizes))}")
+            f"multiple of {ep_size} experts, or an EP size of {', '.join(map(str, sizes))}"
+        )
 
 
 # --8<-- [start:all_to_all]
@@ -124,6 +129,8 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         return AllToAll.apply(grad, recv_splits, send_splits, ctx.group), None, None, None
+
+
 # --8<-- [end:all_to_all]
 
 
@@ -132,8 +139,9 @@ class MoE(nn.Module):
     """Top-k router and E expert MLPs stacked in [E, ...] weights. ``ep_group`` None: every expert
     is here (the one-process MoE); else this rank holds experts [r*E/N, (r+1)*E/N) (apply_ep)."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int,
-                 capacity_factor: float = math.inf):
+    def __init__(
+        self, dim: int, hidden: int, num_experts: int, top_k: int, capacity_factor: float = math.inf
+    ):
         super().__init__()
         if not capacity_factor > 0:  # nan too
             raise ExpertParallelError(capacity_problem(capacity_factor))
@@ -176,8 +184,9 @@ class MoE(nn.Module):
     def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by local expert, ``counts[e]`` of them for expert e: one MLP each."""
         chunks = rows.split(counts)
-        return torch.cat([F.gelu(chunk @ self.w_in[e]) @ self.w_out[e]
-                          for e, chunk in enumerate(chunks)])
+        return torch.cat(
+            [F.gelu(chunk @ self.w_in[e]) @ self.w_out[e] for e, chunk in enumerate(chunks)]
+        )
 
     def dispatch_and_compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.ep_group is None:
@@ -191,8 +200,9 @@ class MoE(nn.Module):
         recv_splits = recv_counts.view(size, local).sum(1).tolist()
         # 2. Dispatch. The rows arrive grouped by source rank, then expert: regroup them by expert.
         received = AllToAll.apply(rows, send_splits, recv_splits, group)
-        expert_of_row = (torch.arange(local, device=rows.device).repeat(size)
-                         .repeat_interleave(recv_counts))
+        expert_of_row = (
+            torch.arange(local, device=rows.device).repeat(size).repeat_interleave(recv_counts)
+        )
         by_expert = expert_of_row.argsort(stable=True)
         out = self.run_experts(received[by_expert], recv_counts.view(size, local).sum(0).tolist())
         # 3. Combine: back in arrival order, then home by the reverse all-to-all.
@@ -205,8 +215,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[MoE]:
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         found = sorted({type(m).__name__ for m in model.modules()})
-        raise ExpertParallelError(
-            f"apply_ep found no MoE layer in the model; its modules: {found}")
+        raise ExpertParallelError(f"apply_ep found no MoE layer in the model; its modules: {found}")
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for moe in moes:
         check_ep_fits(moe.num_experts, size)
@@ -214,10 +223,15 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[MoE]:
             local = moe.num_experts // size
             for name in ("w_in", "w_out"):
                 full = getattr(moe, name)
-                setattr(moe, name, nn.Parameter(full.detach()[rank * local:(rank + 1) * local]
-                                                .clone()))
+                setattr(
+                    moe,
+                    name,
+                    nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone()),
+                )
             moe.ep_group = ep_mesh.get_group()
     return moes
+
+
 # --8<-- [end:moe]
 
 
@@ -228,8 +242,13 @@ def build_moe_model(cfg: EPConfig, device: torch.device) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed + 1)
         for block in model.layers.values():
-            block.mlp = MoE(model_cfg.dim, model_cfg.mlp_ratio * model_cfg.dim, cfg.num_experts,
-                            cfg.top_k, cfg.capacity_factor)
+            block.mlp = MoE(
+                model_cfg.dim,
+                model_cfg.mlp_ratio * model_cfg.dim,
+                cfg.num_experts,
+                cfg.top_k,
+                cfg.capacity_factor,
+            )
     return model.to(device)
 
 
@@ -240,31 +259,42 @@ def train(cfg: EPConfig, observer=None) -> EPRun:
     if not cfg.capacity_factor > 0:  # nan too
         raise ExpertParallelError(capacity_problem(cfg.capacity_factor))
     if cfg.top_k > cfg.num_experts:
-        raise ValueError(f"top_k={cfg.top_k} > num_experts={cfg.num_experts}: a token needs "
-                         f"top_k different experts; use --top-k {cfg.num_experts} or less")
+        raise ValueError(
+            f"top_k={cfg.top_k} > num_experts={cfg.num_experts}: a token needs "
+            f"top_k different experts; use --top-k {cfg.num_experts} or less"
+        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
         device, rank, world_size = world.device, world.rank, world.world_size
         check_ep_fits(cfg.num_experts, world_size)  # the EP group is the world
         if cfg.global_batch_size % world_size:
             lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide across "
-                             f"{world_size} ranks; use a multiple of {world_size}, e.g. {lower} "
-                             f"or {lower + world_size}")
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across "
+                f"{world_size} ranks; use a multiple of {world_size}, e.g. {lower} "
+                f"or {lower + world_size}"
+            )
         per_rank_batch = cfg.global_batch_size // world_size
         use_cuda = device.type == "cuda"
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
-                                           and torch.cuda.is_bf16_supported())
+        bf16 = cfg.precision == "bf16" or (
+            cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+        )
         if cfg.precision == "tf32" and not use_cuda:  # else it would run fp32 and say tf32
-            raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                             f"{device.type}; use --precision fp32 (or bf16)")
+            raise ValueError(
+                f"--precision tf32 is a CUDA matmul mode and this run is on "
+                f"{device.type}; use --precision fp32 (or bf16)"
+            )
         if use_cuda:  # a process-wide switch: set it every run, never inherit it
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-                cfg.precision == "tf32")
+                cfg.precision == "tf32"
+            )
         ep_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
         if rank == 0:
-            print(f"expert parallel over {world_size} rank(s): {cfg.num_experts // world_size} "
-                  f"of {cfg.num_experts} experts each, top_k={cfg.top_k}", flush=True)
+            print(
+                f"expert parallel over {world_size} rank(s): {cfg.num_experts // world_size} "
+                f"of {cfg.num_experts} experts each, top_k={cfg.top_k}",
+                flush=True,
+            )
 
         # --8<-- [start:loop]
         # The same seed on every rank: the same router and experts before each keeps its slice
@@ -272,17 +302,21 @@ def train(cfg: EPConfig, observer=None) -> EPRun:
         moes = apply_ep(model, ep_mesh)  # before the optimizer: it must see the slices
         experts = {id(p) for moe in moes for p in (moe.w_in, moe.w_out)}
         replicated = [p for p in model.parameters() if id(p) not in experts]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
-        if observer: observer.model_ready(model, optimizer)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
+        if observer:
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch, as under DDP; the experts see
         # every rank's tokens through the all-to-alls.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                            pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
+        )
 
         losses, aux_losses, step, epoch = [], [], 0, 0
         while step < cfg.steps:
@@ -311,21 +345,30 @@ def train(cfg: EPConfig, observer=None) -> EPRun:
                 losses.append(float(global_loss[0] + cfg.aux_loss_coef * global_loss[1]))
                 aux_losses.append(float(global_loss[1]))
                 if rank == 0:
-                    print(f"step {step} loss {losses[-1]:.4f} aux {aux_losses[-1]:.4f}",
-                          flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                    print(f"step {step} loss {losses[-1]:.4f} aux {aux_losses[-1]:.4f}", flush=True)
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
 
-        run = EPRun(losses, aux_losses, [moe.tokens_per_expert for moe in moes],
-                    [moe.dropped_tokens for moe in moes])
+        run = EPRun(
+            losses,
+            aux_losses,
+            [moe.tokens_per_expert for moe in moes],
+            [moe.dropped_tokens for moe in moes],
+        )
         if rank == 0:
-            print(f"last step: tokens per expert {run.tokens_per_expert}, dropped "
-                  f"{run.dropped_tokens}", flush=True)
+            print(
+                f"last step: tokens per expert {run.tokens_per_expert}, dropped "
+                f"{run.dropped_tokens}",
+                flush=True,
+            )
         return run
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -338,10 +381,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -349,40 +394,81 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = EPConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.expert_parallel", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.expert_parallel",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16"], default=defaults.precision,
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16"],
+        default=defaults.precision,
         help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA)")
-    add("--num-experts", type=_number(int, at_least=1), default=defaults.num_experts,
-        help="experts per MoE layer, placed evenly on the ranks")
-    add("--top-k", type=_number(int, at_least=1), default=defaults.top_k,
-        help="experts each token is routed to")
+        "matmuls (CUDA)",
+    )
+    add(
+        "--num-experts",
+        type=_number(int, at_least=1),
+        default=defaults.num_experts,
+        help="experts per MoE layer, placed evenly on the ranks",
+    )
+    add(
+        "--top-k",
+        type=_number(int, at_least=1),
+        default=defaults.top_k,
+        help="experts each token is routed to",
+    )
     # a float, inf included: the check (> 0, with why 0 is refused) is train's, in one line
-    add("--capacity-factor", type=float, default=defaults.capacity_factor,
+    add(
+        "--capacity-factor",
+        type=float,
+        default=defaults.capacity_factor,
         help="inf: no token is dropped (exact parity); c > 0: an expert takes at most "
-        "ceil(c * tokens * top_k / experts) of a rank's tokens")
-    add("--aux-loss-coef", type=_number(float, at_least=0), default=defaults.aux_loss_coef,
-        help="weight of the load-balancing loss E * sum_e f_e * P_e")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "ceil(c * tokens * top_k / experts) of a rank's tokens",
+    )
+    add(
+        "--aux-loss-coef",
+        type=_number(float, at_least=0),
+        default=defaults.aux_loss_coef,
+        help="weight of the load-balancing loss E * sum_e f_e * P_e",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

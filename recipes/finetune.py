@@ -36,8 +36,8 @@ import fnmatch
 import math
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,13 +82,21 @@ class FinetuneConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:  # built from Python too: refused here, before any work
-        for name, least in (("steps", 1), ("global_batch_size", 1), ("last_k", 1),
-                            ("lora_rank", 1), ("seed", 0)):
+        for name, least in (
+            ("steps", 1),
+            ("global_batch_size", 1),
+            ("last_k", 1),
+            ("lora_rank", 1),
+            ("seed", 0),
+        ):
             if getattr(self, name) < least:
                 raise TuningError(f"{name} must be >= {least}, got {getattr(self, name)}")
-        for name, valid in (("arch", ("cookbook", "gpt2", "llama")), ("mode", MODES),
-                            ("strategy", ("ddp", "fully_shard")),
-                            ("precision", ("auto", "fp32", "tf32", "bf16", "fp16"))):
+        for name, valid in (
+            ("arch", ("cookbook", "gpt2", "llama")),
+            ("mode", MODES),
+            ("strategy", ("ddp", "fully_shard")),
+            ("precision", ("auto", "fp32", "tf32", "bf16", "fp16")),
+        ):
             if getattr(self, name) not in valid:
                 raise TuningError(f"{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
         for name in ("lr", "lora_alpha", "timeout_s"):
@@ -111,11 +119,17 @@ def ready_made_targets(arch: str) -> FinetuneTargets:
         return FinetuneTargets((Block,), ("norm", "output"), ("*.attn.w[qkvo]",))
     if arch == "gpt2":  # fused qkv Conv1D. Tied: training lm_head trains the token embedding too.
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-        return FinetuneTargets((GPT2Block,), ("transformer.ln_f", "lm_head"),
-                               ("*.attn.c_attn", "*.attn.c_proj"))
+
+        return FinetuneTargets(
+            (GPT2Block,), ("transformer.ln_f", "lm_head"), ("*.attn.c_attn", "*.attn.c_proj")
+        )
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    return FinetuneTargets((LlamaDecoderLayer,), ("model.norm", "lm_head"),
-                           ("*.self_attn.[qkvo]_proj",))
+
+    return FinetuneTargets(
+        (LlamaDecoderLayer,), ("model.norm", "lm_head"), ("*.self_attn.[qkvo]_proj",)
+    )
+
+
 # --8<-- [end:targets]
 
 
@@ -143,27 +157,43 @@ class LoRA(nn.Module):
         return self.base.weight + (delta.T if self.conv1d else delta)
 
 
-def add_lora(model: nn.Module, *, targets: Sequence[str] | Callable[[str, nn.Module], bool],
-             rank: int, alpha: float, seed: int = 0) -> list[str]:
+def add_lora(
+    model: nn.Module,
+    *,
+    targets: Sequence[str] | Callable[[str, nn.Module], bool],
+    rank: int,
+    alpha: float,
+    seed: int = 0,
+) -> list[str]:
     """Wrap each module whose full name matches a pattern in ``targets`` (fnmatch), or for which
     ``targets(name, module)`` is true, in a ``LoRA``; returns the names. Same seed, same adapters
     on every rank. Parameter names gain ``.base`` (``wq.weight`` -> ``wq.base.weight``)."""
     if rank < 1:
         raise TuningError(f"LoRA rank must be >= 1, got {rank}; typical ranks are 4, 8 or 16")
     patterns = (targets,) if isinstance(targets, str) else () if callable(targets) else targets
-    match = targets if callable(targets) else (
-        lambda name, _: any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns))
+    match = (
+        targets
+        if callable(targets)
+        else (lambda name, _: any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns))
+    )
     names = [name for name, module in model.named_modules() if name and match(name, module)]
-    linear = {name for name, m in model.named_modules()
-              if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+    linear = {
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+    }
     if not names:
         found = sorted({name.split(".")[-1] for name in linear})
-        raise TuningError(f"LoRA targets {targets!r} match no module of {type(model).__name__}; "
-                          f"its linear layers are called {', '.join(found)} (patterns match the "
-                          "full name, e.g. '*.attn.wq')")
+        raise TuningError(
+            f"LoRA targets {targets!r} match no module of {type(model).__name__}; "
+            f"its linear layers are called {', '.join(found)} (patterns match the "
+            "full name, e.g. '*.attn.wq')"
+        )
     if set(names) - linear:
-        raise TuningError(f"LoRA targets match {sorted(set(names) - linear)[0]}, which is not a "
-                          "Linear or Conv1D; narrow the patterns to the projections")
+        raise TuningError(
+            f"LoRA targets match {sorted(set(names) - linear)[0]}, which is not a "
+            "Linear or Conv1D; narrow the patterns to the projections"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for name in names:
@@ -183,12 +213,20 @@ def merge_lora(model: nn.Module) -> nn.Module:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module.base)
     return model
+
+
 # --8<-- [end:lora]
 
 
 # --8<-- [start:freeze_for]
-def freeze_for(model: nn.Module, mode: str, *, head: Sequence[str] = (),
-               block_types: tuple[type[nn.Module], ...] = (), last_k: int = 1) -> tuple[int, int]:
+def freeze_for(
+    model: nn.Module,
+    mode: str,
+    *,
+    head: Sequence[str] = (),
+    block_types: tuple[type[nn.Module], ...] = (),
+    last_k: int = 1,
+) -> tuple[int, int]:
     """Set ``requires_grad`` for ``mode`` (full, head, partial, lora); returns (trainable, total)
     parameter counts. Call it BEFORE wrapping in DDP or fully_shard and before the optimizer."""
     if mode not in MODES:
@@ -202,21 +240,27 @@ def freeze_for(model: nn.Module, mode: str, *, head: Sequence[str] = (),
         children = {name for name, _ in model.named_modules()}
         missing = [name for name in head if name not in children]
         if missing or not head:
-            raise TuningError(f"head modules {list(head)} are not all in {type(model).__name__} "
-                              f"(missing {missing}); pass head=(names), e.g. ('lm_head',)")
+            raise TuningError(
+                f"head modules {list(head)} are not all in {type(model).__name__} "
+                f"(missing {missing}); pass head=(names), e.g. ('lm_head',)"
+            )
         trained = [model.get_submodule(name) for name in head]
         if mode == "partial":
             blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
             if not 1 <= last_k <= len(blocks):
                 kinds = ", ".join(t.__name__ for t in block_types) or "no block_types given"
-                raise TuningError(f"last_k={last_k}, but {type(model).__name__} has {len(blocks)} "
-                                  f"blocks ({kinds}); use 1 to {len(blocks)}")
+                raise TuningError(
+                    f"last_k={last_k}, but {type(model).__name__} has {len(blocks)} "
+                    f"blocks ({kinds}); use 1 to {len(blocks)}"
+                )
             trained += blocks[-last_k:]
     model.requires_grad_(False)
     for item in trained:
         item.requires_grad_(True)
     params = list(model.parameters())  # tied weights (GPT-2's lm_head = wte) count once
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
 # --8<-- [end:freeze_for]
 
 
@@ -225,8 +269,10 @@ def load_trainable(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     loaded and, for LoRA, ``add_lora`` called with the same targets and rank."""
     unexpected = model.load_state_dict(state, strict=False).unexpected_keys
     if unexpected:
-        raise TuningError(f"checkpoint keys not in the model: {', '.join(unexpected[:3])}; build "
-                          "the model as it was trained (add_lora with the same targets) first")
+        raise TuningError(
+            f"checkpoint keys not in the model: {', '.join(unexpected[:3])}; build "
+            "the model as it was trained (add_lora with the same targets) first"
+        )
 
 
 def build_arch(arch: str, preset: str = "tiny", *, seed: int = 0) -> nn.Module:
@@ -237,19 +283,35 @@ def build_arch(arch: str, preset: str = "tiny", *, seed: int = 0) -> nn.Module:
         import transformers
     except ImportError:
         raise TuningError(f"--arch {arch} needs transformers: pip install transformers") from None
-    shape = {"vocab_size": HF_DATA.vocab_size, "bos_token_id": 0, "eos_token_id": 0,
-             "use_cache": False}
+    shape = {
+        "vocab_size": HF_DATA.vocab_size,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": False,
+    }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if arch == "gpt2":  # dropout off: the same losses on any world size
-            config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32,
-                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                             **shape)
+            config = transformers.GPT2Config(
+                n_layer=2,
+                n_embd=64,
+                n_head=4,
+                n_positions=32,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                **shape,
+            )
             return transformers.GPT2LMHeadModel(config).float()
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                          num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, max_position_embeddings=32,
-                                          **shape)
+        config = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            **shape,
+        )
         return transformers.LlamaForCausalLM(config).float()
 
 
@@ -268,15 +330,28 @@ def adapt(cfg: FinetuneConfig, mode: str) -> tuple[nn.Module, tuple[int, int]]:
     model = build_arch(cfg.arch, cfg.model, seed=cfg.seed)
     targets = ready_made_targets(cfg.arch)
     if mode == "lora":
-        add_lora(model, targets=lora_patterns(cfg), rank=cfg.lora_rank, alpha=cfg.lora_alpha,
-                 seed=cfg.seed)
-    counts = freeze_for(model, mode, head=targets.head, block_types=targets.block_types,
-                        last_k=cfg.last_k)
+        add_lora(
+            model,
+            targets=lora_patterns(cfg),
+            rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            seed=cfg.seed,
+        )
+    counts = freeze_for(
+        model, mode, head=targets.head, block_types=targets.block_types, last_k=cfg.last_k
+    )
     return model, counts
 
 
-def wrap(model: nn.Module, strategy: str, *, mesh, device: torch.device,
-         block_types: tuple[type[nn.Module], ...], low: torch.dtype | None) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    strategy: str,
+    *,
+    mesh,
+    device: torch.device,
+    block_types: tuple[type[nn.Module], ...],
+    low: torch.dtype | None,
+) -> nn.Module:
     """The adapted, frozen model wrapped for ``strategy``, computing in ``low`` (None: fp32)."""
     if strategy == "ddp":
         # Pitfall: DDP buckets the parameters that require grad WHEN IT IS BUILT. Frozen first, they
@@ -286,8 +361,16 @@ def wrap(model: nn.Module, strategy: str, *, mesh, device: torch.device,
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # Frozen and trainable parameters may share a unit: fully_shard reduces only the gradients.
     # Its own mixed precision (never autocast on top): compute in low, reduce in fp32.
-    return apply_fully_shard(model, mesh, block_types=block_types, mp_policy=MixedPrecisionPolicy(
-        param_dtype=low, reduce_dtype=torch.float32 if low else None))
+    return apply_fully_shard(
+        model,
+        mesh,
+        block_types=block_types,
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=low, reduce_dtype=torch.float32 if low else None
+        ),
+    )
+
+
 # --8<-- [end:prepare]
 
 
@@ -297,25 +380,32 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise TuningError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                          f"{device.type}; use --precision fp32 (or bf16)")
+        raise TuningError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if on_cuda:  # Pitfall: a process-wide switch: set for every precision, never inherited
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     return requested
 
 
 def check_checkpoint_dir(path: str) -> None:
     """Rank 0 writes there after training: a file in the way fails now, not in makedirs then."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise TuningError(f"--checkpoint-dir {path} is a file; name a directory (created if "
-                          "missing)")
+        raise TuningError(
+            f"--checkpoint-dir {path} is a file; name a directory (created if missing)"
+        )
     existing = os.path.abspath(path)
     while not os.path.exists(existing):  # what makedirs would create goes in here
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        why = (f"{existing} is a file, so nothing can be created under it"
-               if not os.path.isdir(existing) else f"cannot write in {existing}")
+        why = (
+            f"{existing} is a file, so nothing can be created under it"
+            if not os.path.isdir(existing)
+            else f"cannot write in {existing}"
+        )
         raise TuningError(f"--checkpoint-dir {path}: {why}; name a directory you can write to")
 
 
@@ -328,13 +418,18 @@ def train(cfg: FinetuneConfig, observer=None) -> list[float]:
     try:
         rank, world_size, device = world.rank, world.world_size, world.device
         if cfg.global_batch_size % world_size:
-            raise TuningError(f"global_batch_size={cfg.global_batch_size} does not divide across "
-                              f"{world_size} ranks; use a multiple of {world_size}")
+            raise TuningError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across "
+                f"{world_size} ranks; use a multiple of {world_size}"
+            )
         per_rank_batch = cfg.global_batch_size // world_size
         precision = resolve_precision(cfg.precision, device)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        mesh = (init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-                if cfg.strategy == "fully_shard" else None)
+        mesh = (
+            init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+            if cfg.strategy == "fully_shard"
+            else None
+        )
 
         # --8<-- [start:loop]
         # Order: adapters and freezing, THEN the wrapper, then the optimizer. The same seed on
@@ -342,23 +437,32 @@ def train(cfg: FinetuneConfig, observer=None) -> list[float]:
         model, (n_trainable, n_total) = adapt(cfg, cfg.mode)  # bad targets stop here, at once
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         block_types = ready_made_targets(cfg.arch).block_types
-        wrapped = wrap(model, cfg.strategy, mesh=mesh, device=device, block_types=block_types,
-                       low=low)
+        wrapped = wrap(
+            model, cfg.strategy, mesh=mesh, device=device, block_types=block_types, low=low
+        )
         # Only trainable parameters: AdamW allocates no state for the others
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                      lr=cfg.lr, fused=True if device.type == "cuda" else None)
-        if observer: observer.model_ready(wrapped, optimizer)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            fused=True if device.type == "cuda" else None,
+        )
+        if observer:
+            observer.model_ready(wrapped, optimizer)
         if rank == 0:
-            print(f"{cfg.mode} fine-tuning with {cfg.strategy} on {world_size} rank(s): "
-                  f"{n_trainable} of {n_total} parameters train "
-                  f"({100 * n_trainable / n_total:.2f}%)", flush=True)
+            print(
+                f"{cfg.mode} fine-tuning with {cfg.strategy} on {world_size} rank(s): "
+                f"{n_trainable} of {n_total} parameters train "
+                f"({100 * n_trainable / n_total:.2f}%)",
+                flush=True,
+            )
 
         data = MODEL_PRESETS[cfg.model] if cfg.arch == "cookbook" else HF_DATA
         dataset = make_dataset(data, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s. drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
         loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
         # fp16 only: a loss scaler (5 exponent bits flush small gradients to zero)
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -385,7 +489,8 @@ def train(cfg: FinetuneConfig, observer=None) -> list[float]:
                 losses.append(global_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
@@ -393,14 +498,17 @@ def train(cfg: FinetuneConfig, observer=None) -> list[float]:
         if cfg.checkpoint_dir:
             # Every rank takes part (fully_shard gathers each shard); rank 0 alone receives the
             # full state, in host memory, and writes it
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                         cpu_offload=True))
+            state = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
             if rank == 0:
                 save_checkpoint(cfg, state, trainable)
             dist.barrier()  # no rank reads the files or exits before they are complete
         return losses
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:train]
 
 
@@ -409,13 +517,16 @@ def save_checkpoint(cfg: FinetuneConfig, state: dict[str, torch.Tensor], trainab
     """trainable.pt: what changed (the adapters alone for LoRA; the base is the pretrained model
     you started from). merged.pt (LoRA): adapters folded in, loadable without add_lora."""
     os.makedirs(cfg.checkpoint_dir, exist_ok=True)
-    torch.save({name: state[name] for name in trainable},
-               os.path.join(cfg.checkpoint_dir, "trainable.pt"))
+    torch.save(
+        {name: state[name] for name in trainable}, os.path.join(cfg.checkpoint_dir, "trainable.pt")
+    )
     if cfg.mode == "lora":
         model = build_arch(cfg.arch, cfg.model, seed=cfg.seed)
         add_lora(model, targets=lora_patterns(cfg), rank=cfg.lora_rank, alpha=cfg.lora_alpha)
         load_trainable(model, state)
         torch.save(merge_lora(model).state_dict(), os.path.join(cfg.checkpoint_dir, "merged.pt"))
+
+
 # --8<-- [end:save]
 
 
@@ -423,49 +534,108 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = FinetuneConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.finetune", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.finetune",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
-    add("--arch", choices=["cookbook", "gpt2", "llama"], default=defaults.arch,
+    add(
+        "--arch",
+        choices=["cookbook", "gpt2", "llama"],
+        default=defaults.arch,
         help="cookbook = recipes/toy.py's TransformerLM (size: --model); gpt2 / llama = tiny "
-        "Hugging Face models built from config (needs transformers)")
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model,
-        help="model size, for --arch cookbook")
-    add("--mode", choices=MODES, default=defaults.mode,
-        help="what trains: everything, the head, the last --last-k blocks + head, or adapters")
-    add("--strategy", choices=["ddp", "fully_shard"], default=defaults.strategy,
-        help="how the ranks share the work")
+        "Hugging Face models built from config (needs transformers)",
+    )
+    add(
+        "--model",
+        choices=sorted(MODEL_PRESETS),
+        default=defaults.model,
+        help="model size, for --arch cookbook",
+    )
+    add(
+        "--mode",
+        choices=MODES,
+        default=defaults.mode,
+        help="what trains: everything, the head, the last --last-k blocks + head, or adapters",
+    )
+    add(
+        "--strategy",
+        choices=["ddp", "fully_shard"],
+        default=defaults.strategy,
+        help="how the ranks share the work",
+    )
     add("--steps", type=int, default=defaults.steps, help="optimizer steps (>= 1)")
-    add("--global-batch-size", type=int, default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=int,
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=float, default=defaults.lr, help="AdamW's (> 0)")
-    add("--seed", type=int, default=defaults.seed,
-        help="model init, adapters and data order; the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: mixed precision (fp16 with a loss scaler)")
-    add("--last-k", type=int, default=defaults.last_k,
-        help="partial: how many of the last blocks train (with the head)")
-    add("--lora-rank", type=int, default=defaults.lora_rank,
-        help="LoRA: the rank r of each adapter (A: r x in, B: out x r)")
-    add("--lora-alpha", type=float, default=defaults.lora_alpha,
-        help="LoRA: the update is scaled by alpha / rank")
-    add("--lora-targets", default=defaults.lora_targets,
+    add(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="model init, adapters and data order; the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
+        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: mixed precision (fp16 with a loss scaler)",
+    )
+    add(
+        "--last-k",
+        type=int,
+        default=defaults.last_k,
+        help="partial: how many of the last blocks train (with the head)",
+    )
+    add(
+        "--lora-rank",
+        type=int,
+        default=defaults.lora_rank,
+        help="LoRA: the rank r of each adapter (A: r x in, B: out x r)",
+    )
+    add(
+        "--lora-alpha",
+        type=float,
+        default=defaults.lora_alpha,
+        help="LoRA: the update is scaled by alpha / rank",
+    )
+    add(
+        "--lora-targets",
+        default=defaults.lora_targets,
         help="LoRA: comma-separated fnmatch patterns of module names, e.g. '*.attn.wq,*.attn.wv'; "
-        "empty = the ready-made ones for --arch")
-    add("--checkpoint-dir", default=defaults.checkpoint_dir,
-        help="rank 0 writes trainable.pt (and merged.pt for LoRA) here")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=float, default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "empty = the ready-made ones for --arch",
+    )
+    add(
+        "--checkpoint-dir",
+        default=defaults.checkpoint_dir,
+        help="rank 0 writes trainable.pt (and merged.pt for LoRA) here",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=float,
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

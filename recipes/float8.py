@@ -91,6 +91,7 @@ class Float8Config:
 @dataclass
 class Float8Run:
     """What ``train`` returns: the float8 run's losses, and the bf16 run's beside them."""
+
     losses: list[float]  # float8's, one a step
     bf16_losses: list[float]
     float8_linears: int  # how many nn.Linear the swap converted
@@ -106,12 +107,16 @@ class Float8UnavailableError(ValueError):
 def float8_unavailable() -> str | None:
     """None where float8 training can run, else the one line that says why not and what to do."""
     if not torch.cuda.is_available():
-        return ("float8 training needs a CUDA GPU of compute capability >= 8.9 (Ada/Hopper); "
-                "this machine has none")
+        return (
+            "float8 training needs a CUDA GPU of compute capability >= 8.9 (Ada/Hopper); "
+            "this machine has none"
+        )
     capability = torch.cuda.get_device_capability()
     if capability < MIN_CAPABILITY:
-        return (f"float8 training needs compute capability >= 8.9; "
-                f"{torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}")
+        return (
+            f"float8 training needs compute capability >= 8.9; "
+            f"{torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}"
+        )
     if importlib.util.find_spec("torchao") is None:
         return 'float8 training needs torchao: pip install -e ".[float8]"'
     version = importlib.metadata.version("torchao")
@@ -137,12 +142,15 @@ def apply_float8(model: nn.Module) -> nn.Module:
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     return convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
+
+
 # --8<-- [end:convert]
 
 
 # --8<-- [start:run_one]
-def run_one(cfg: Float8Config, world: DistInfo, mesh: DeviceMesh, *, float8: bool,
-            observer=None) -> tuple[list[float], int]:
+def run_one(
+    cfg: Float8Config, world: DistInfo, mesh: DeviceMesh, *, float8: bool, observer=None
+) -> tuple[list[float], int]:
     """Train cfg.steps in bf16 (float8=False) or float8: the losses, and the float8 linears."""
     rank, world_size, device = world.rank, world.world_size, world.device
     per_rank_batch = cfg.global_batch_size // world_size
@@ -160,17 +168,20 @@ def run_one(cfg: Float8Config, world: DistInfo, mesh: DeviceMesh, *, float8: boo
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = apply_fully_shard(model, mesh, block_types=(Block,), mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)  # one kernel
-    if observer: observer.model_ready(model, optimizer)
+    if observer:
+        observer.model_ready(model, optimizer)
     if float8:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
     # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
     # at step s is one process's batch s. drop_last keeps every global batch full.
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                        pin_memory=True)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+    )
+    loader = DataLoader(
+        dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=True
+    )
 
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
@@ -193,11 +204,14 @@ def run_one(cfg: Float8Config, world: DistInfo, mesh: DeviceMesh, *, float8: boo
             losses.append(global_loss.item())
             if rank == 0:
                 print(f"{label} step {step} loss {losses[-1]:.4f}", flush=True)
-            if observer: observer.step_end(step, losses[-1])
+            if observer:
+                observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
     # --8<-- [end:loop]
     return losses, converted
+
+
 # --8<-- [end:run_one]
 
 
@@ -210,22 +224,33 @@ def train(cfg: Float8Config, observer=None) -> Float8Run:
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         if world.device.type != "cuda":
-            raise ValueError("float8 training runs on nccl ranks, one GPU each; use "
-                             "--backend nccl (or auto) under torchrun")
+            raise ValueError(
+                "float8 training runs on nccl ranks, one GPU each; use "
+                "--backend nccl (or auto) under torchrun"
+            )
         if cfg.global_batch_size % world.world_size:
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide across "
-                             f"{world.world_size} ranks; use a multiple of {world.world_size}")
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across "
+                f"{world.world_size} ranks; use a multiple of {world.world_size}"
+            )
         # bf16 is the baseline: no TF32 for what stays fp32 (a process-wide switch)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         mesh = init_device_mesh("cuda", (world.world_size,), mesh_dim_names=("shard",))
         bf16_losses, _ = run_one(cfg, world, mesh, float8=False, observer=observer)
         f8_losses, converted = run_one(cfg, world, mesh, float8=True, observer=observer)
         rel_diffs = [abs(a - b) / abs(b) for a, b in zip(f8_losses, bf16_losses)]
-        return Float8Run(losses=f8_losses, bf16_losses=bf16_losses, float8_linears=converted,
-                         max_loss_rel_diff=max(rel_diffs), loss_rtol=cfg.loss_rtol,
-                         loss_within_tolerance=max(rel_diffs) <= cfg.loss_rtol)
+        return Float8Run(
+            losses=f8_losses,
+            bf16_losses=bf16_losses,
+            float8_linears=converted,
+            max_loss_rel_diff=max(rel_diffs),
+            loss_rtol=cfg.loss_rtol,
+            loss_within_tolerance=max(rel_diffs) <= cfg.loss_rtol,
+        )
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -238,37 +263,74 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = Float8Config()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.float8", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.float8",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=2), default=defaults.steps,
-        help="optimizer steps of each run (bf16, then float8)")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--steps",
+        type=_number(int, at_least=2),
+        default=defaults.steps,
+        help="optimizer steps of each run (bf16, then float8)",
+    )
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order, the same in both runs")
-    add("--loss-rtol", type=_number(float, above=0), default=defaults.loss_rtol,
-        help="float8 loss must be within this fraction of bf16's, each step")
-    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
-        help="torch.compile each transformer block before sharding (fuses float8's scaling)")
-    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
-    add("--backend", choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank (float8 needs nccl)")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order, the same in both runs",
+    )
+    add(
+        "--loss-rtol",
+        type=_number(float, above=0),
+        default=defaults.loss_rtol,
+        help="float8 loss must be within this fraction of bf16's, each step",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
+        help="torch.compile each transformer block before sharding (fuses float8's scaling)",
+    )
+    add(
+        "--compile-backend",
+        choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend,
+        help="torch.compile's backend; inductor is the fast one",
+    )
+    add(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank (float8 needs nccl)",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

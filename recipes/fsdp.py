@@ -88,15 +88,23 @@ class FSDPConfig:
 
 
 # The command line's names for torch's enums; apply_fsdp itself takes the enums.
-STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
-              "no_shard": ShardingStrategy.NO_SHARD, "hybrid": ShardingStrategy.HYBRID_SHARD}
-PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST,
-            "none": None}
+STRATEGIES = {
+    "full": ShardingStrategy.FULL_SHARD,
+    "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
+    "no_shard": ShardingStrategy.NO_SHARD,
+    "hybrid": ShardingStrategy.HYBRID_SHARD,
+}
+PREFETCH = {
+    "pre": BackwardPrefetch.BACKWARD_PRE,
+    "post": BackwardPrefetch.BACKWARD_POST,
+    "none": None,
+}
 WRAP_POLICIES = ("block", "size", "module", "none")
 
 
-def wrap_policy_for(name: str, *, block_types: tuple[type[nn.Module], ...],
-                    min_num_params: int = 10_000):
+def wrap_policy_for(
+    name: str, *, block_types: tuple[type[nn.Module], ...], min_num_params: int = 10_000
+):
     """The command line's --wrap-policy as torch's policy object (None: one unit)."""
     if name not in WRAP_POLICIES:
         raise ValueError(f"unknown wrap_policy={name!r}; valid values: {', '.join(WRAP_POLICIES)}")
@@ -115,11 +123,14 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     return requested
 
 
@@ -127,18 +138,24 @@ def hybrid_mesh(world_size: int, ranks_per_node: int, device_type: str) -> Devic
     """nodes x ranks_per_node: FSDP shards over the inner dim and replicates over the outer one."""
     ranks_per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % ranks_per_node:
-        raise ValueError(f"hybrid: world size {world_size} is not a multiple of "
-                         f"ranks_per_node={ranks_per_node}; pick --ranks-per-node dividing "
-                         f"{world_size}")
-    return init_device_mesh(device_type, (world_size // ranks_per_node, ranks_per_node),
-                            mesh_dim_names=("replicate", "shard"))
+        raise ValueError(
+            f"hybrid: world size {world_size} is not a multiple of "
+            f"ranks_per_node={ranks_per_node}; pick --ranks-per-node dividing "
+            f"{world_size}"
+        )
+    return init_device_mesh(
+        device_type,
+        (world_size // ranks_per_node, ranks_per_node),
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 # --8<-- [start:train]
 def train(cfg: FSDPConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
-    policy = wrap_policy_for(cfg.wrap_policy, block_types=(Block,),
-                             min_num_params=cfg.min_num_params)
+    policy = wrap_policy_for(
+        cfg.wrap_policy, block_types=(Block,), min_num_params=cfg.min_num_params
+    )
     if cfg.micro_batches < 1:  # before joining: every rank refuses alike
         raise ValueError(f"micro_batches={cfg.micro_batches}: use 1 or more")
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
@@ -150,54 +167,75 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across "
                 f"{world.world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
-                f"{lower + parts}")
-        mesh = (hybrid_mesh(world.world_size, cfg.ranks_per_node, device.type)
-                if cfg.sharding_strategy == "hybrid" else None)
+                f"{lower + parts}"
+            )
+        mesh = (
+            hybrid_mesh(world.world_size, cfg.ranks_per_node, device.type)
+            if cfg.sharding_strategy == "hybrid"
+            else None
+        )
         precision = resolve_precision(cfg.precision, device)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         rank, world_size, use_cuda = world.rank, world.world_size, device.type == "cuda"
         per_rank_batch = cfg.global_batch_size // world_size
         if rank == 0:
-            print(f"FSDP {cfg.sharding_strategy} on {world_size} rank(s), wrap={cfg.wrap_policy}, "
-                  f"{precision}, {cfg.micro_batches} x {per_rank_batch // cfg.micro_batches} "
-                  "sequences per rank", flush=True)
+            print(
+                f"FSDP {cfg.sharding_strategy} on {world_size} rank(s), wrap={cfg.wrap_policy}, "
+                f"{precision}, {cfg.micro_batches} x {per_rank_batch // cfg.micro_batches} "
+                "sequences per rank",
+                flush=True,
+            )
 
         # --8<-- [start:loop]
         model = build_model(cfg.model, seed=cfg.seed, device=device)
         model = apply_fsdp(
-            model, auto_wrap_policy=policy,
+            model,
+            auto_wrap_policy=policy,
             sharding_strategy=STRATEGIES[cfg.sharding_strategy],
             # bf16/fp16: compute (and keep buffers) in it, reduce gradients in fp32: a sum over
             # many ranks in bf16 loses bits. fp32: None, everything in the parameters' fp32.
-            mixed_precision=MixedPrecision(param_dtype=low, reduce_dtype=torch.float32,
-                                           buffer_dtype=low) if low else None,
+            mixed_precision=MixedPrecision(
+                param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low
+            )
+            if low
+            else None,
             cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None,
             backward_prefetch=PREFETCH[cfg.backward_prefetch],
-            forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers,
+            forward_prefetch=cfg.forward_prefetch,
+            limit_all_gathers=cfg.limit_all_gathers,
             sync_module_states=cfg.sync_module_states,
             checkpoint_block_types=(Block,) if cfg.activation_checkpointing else (),
-            device=device, mesh=mesh)
+            device=device,
+            mesh=mesh,
+        )
         # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the
         # originals.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
-        if observer: observer.model_ready(model, optimizer)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
+        if observer:
+            observer.model_ready(model, optimizer)
         scaler = None
         if precision == "fp16":  # fp32 and bf16 share fp32's exponent range: nothing to scale
             # Pitfall: torch.amp.GradScaler looks for inf/nan in THIS rank's gradients only. Each
             # rank holds a different shard, so one rank would skip the step and the others would
             # not: the shards silently stop being one model. ShardedGradScaler all-reduces
             # found_inf: every rank decides alike.
-            scaler = (ShardedGradScaler(device.type) if cfg.grad_scaler == "sharded"
-                      else torch.amp.GradScaler(device.type))
+            scaler = (
+                ShardedGradScaler(device.type)
+                if cfg.grad_scaler == "sharded"
+                else torch.amp.GradScaler(device.type)
+            )
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s. drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                            pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
+        )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
@@ -237,13 +275,16 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
                 losses.append(global_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -256,10 +297,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -267,66 +310,147 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = FSDPConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.fsdp", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.fsdp",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     flag = argparse.BooleanOptionalAction
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: FSDP's MixedPrecision (fp16 with a scaler)")
-    add("--sharding-strategy", choices=list(STRATEGIES), default=defaults.sharding_strategy,
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
+        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: FSDP's MixedPrecision (fp16 with a scaler)",
+    )
+    add(
+        "--sharding-strategy",
+        choices=list(STRATEGIES),
+        default=defaults.sharding_strategy,
         help="full = ZeRO-3, shard_grad_op = ZeRO-2, no_shard = DDP-like, hybrid = shard inside "
-        "a node, replicate across nodes")
-    add("--ranks-per-node", type=_number(int, at_least=0), default=defaults.ranks_per_node,
-        help="hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE")
-    add("--wrap-policy", choices=WRAP_POLICIES, default=defaults.wrap_policy,
+        "a node, replicate across nodes",
+    )
+    add(
+        "--ranks-per-node",
+        type=_number(int, at_least=0),
+        default=defaults.ranks_per_node,
+        help="hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE",
+    )
+    add(
+        "--wrap-policy",
+        choices=WRAP_POLICIES,
+        default=defaults.wrap_policy,
         help="FSDP units: block = one per transformer Block, size = by --min-num-params, "
         "module = Blocks and Embeddings, none = the whole model is one unit (no overlap, "
-        "full-size all-gathers)")
-    add("--min-num-params", type=_number(int, at_least=1), default=defaults.min_num_params,
-        help="size policy: wrap a submodule once it has at least this many parameters")
-    add("--cpu-offload", action=flag, default=defaults.cpu_offload,
-        help="keep the sharded parameters and gradients in host memory; AdamW runs on CPU")
-    add("--backward-prefetch", choices=list(PREFETCH), default=defaults.backward_prefetch,
+        "full-size all-gathers)",
+    )
+    add(
+        "--min-num-params",
+        type=_number(int, at_least=1),
+        default=defaults.min_num_params,
+        help="size policy: wrap a submodule once it has at least this many parameters",
+    )
+    add(
+        "--cpu-offload",
+        action=flag,
+        default=defaults.cpu_offload,
+        help="keep the sharded parameters and gradients in host memory; AdamW runs on CPU",
+    )
+    add(
+        "--backward-prefetch",
+        choices=list(PREFETCH),
+        default=defaults.backward_prefetch,
         help="when to all-gather the next unit in backward: pre = before this unit's gradient "
-        "(most overlap)")
-    add("--forward-prefetch", action=flag, default=defaults.forward_prefetch,
-        help="all-gather the next unit before this one's forward (CPU-bound models)")
-    add("--limit-all-gathers", action=flag, default=defaults.limit_all_gathers,
-        help="rate-limit all-gathers so prefetching cannot grow GPU memory unbounded")
-    add("--sync-module-states", action=flag, default=defaults.sync_module_states,
-        help="broadcast rank 0's parameters at wrap time (ranks need not init equally)")
-    add("--activation-checkpointing", action=flag, default=defaults.activation_checkpointing,
-        help="recompute each Block's activations in backward (non-reentrant)")
-    add("--micro-batches", type=_number(int, at_least=1), default=defaults.micro_batches,
-        help="gradient accumulation: micro-batches per optimizer step")
-    add("--accumulation", choices=["sync", "no_sync"], default=defaults.accumulation,
+        "(most overlap)",
+    )
+    add(
+        "--forward-prefetch",
+        action=flag,
+        default=defaults.forward_prefetch,
+        help="all-gather the next unit before this one's forward (CPU-bound models)",
+    )
+    add(
+        "--limit-all-gathers",
+        action=flag,
+        default=defaults.limit_all_gathers,
+        help="rate-limit all-gathers so prefetching cannot grow GPU memory unbounded",
+    )
+    add(
+        "--sync-module-states",
+        action=flag,
+        default=defaults.sync_module_states,
+        help="broadcast rank 0's parameters at wrap time (ranks need not init equally)",
+    )
+    add(
+        "--activation-checkpointing",
+        action=flag,
+        default=defaults.activation_checkpointing,
+        help="recompute each Block's activations in backward (non-reentrant)",
+    )
+    add(
+        "--micro-batches",
+        type=_number(int, at_least=1),
+        default=defaults.micro_batches,
+        help="gradient accumulation: micro-batches per optimizer step",
+    )
+    add(
+        "--accumulation",
+        choices=["sync", "no_sync"],
+        default=defaults.accumulation,
         help="sync = reduce-scatter every micro-batch (gradients stay sharded); no_sync = "
-        "communicate on the last one only (every rank holds unsharded gradients: N x the memory)")
-    add("--max-grad-norm", type=_number(float, at_least=0), default=defaults.max_grad_norm,
-        help="clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)")
-    add("--grad-scaler", choices=["sharded", "amp"], default=defaults.grad_scaler,
+        "communicate on the last one only (every rank holds unsharded gradients: N x the memory)",
+    )
+    add(
+        "--max-grad-norm",
+        type=_number(float, at_least=0),
+        default=defaults.max_grad_norm,
+        help="clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)",
+    )
+    add(
+        "--grad-scaler",
+        choices=["sharded", "amp"],
+        default=defaults.grad_scaler,
         help="fp16 only: sharded = ShardedGradScaler (right); amp = torch.amp.GradScaler (wrong "
         "under FSDP: an inf in one rank's shard is not seen by the others; kept to show the "
-        "pitfall)")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "pitfall)",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -109,11 +109,14 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     return requested
 
 
@@ -130,21 +133,27 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across "
                 f"{world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
-                f"{lower + parts}")
+                f"{lower + parts}"
+            )
         if world_size % cfg.hsdp_replicas:
-            raise ValueError(f"hsdp_replicas={cfg.hsdp_replicas} does not divide world size "
-                             f"{world_size}; pick a divisor of {world_size}")
+            raise ValueError(
+                f"hsdp_replicas={cfg.hsdp_replicas} does not divide world size "
+                f"{world_size}; pick a divisor of {world_size}"
+            )
         per_rank_batch = cfg.global_batch_size // world_size
         shard = world_size // cfg.hsdp_replicas
         if cfg.hsdp_replicas == 1:
             mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",))
         else:  # HSDP: 2 x 2 is 2 copies, each sharded over 2 ranks (in a node: fast all-gathers)
-            mesh = init_device_mesh(device.type, (cfg.hsdp_replicas, shard),
-                                    mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                device.type, (cfg.hsdp_replicas, shard), mesh_dim_names=("replicate", "shard")
+            )
         reshard = cfg.reshard_after_forward
         if not isinstance(reshard, bool) and shard % reshard:
-            raise ValueError(f"reshard_after_forward={reshard} does not divide the shard group "
-                             f"size {shard}; use true, false or a divisor of {shard}")
+            raise ValueError(
+                f"reshard_after_forward={reshard} does not divide the shard group "
+                f"size {shard}; use true, false or a divisor of {shard}"
+            )
         precision = resolve_precision(cfg.precision, device)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
@@ -157,21 +166,27 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
             apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
             loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
         model = apply_fully_shard(
-            model, mesh, block_types=(Block,), reshard_after_forward=reshard,
+            model,
+            mesh,
+            block_types=(Block,),
+            reshard_after_forward=reshard,
             # bf16/fp16: compute in it, reduce gradients in fp32 (a sum over many ranks in bf16
             # loses bits), keep fp32 sharded master weights. Never autocast on top of it.
             mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-            if low else None,
+            if low
+            else None,
             # Pinned memory needs an accelerator: on a CPU-only world this only runs the code.
-            offload_policy=CPUOffloadPolicy(pin_memory=use_cuda)
-            if cfg.cpu_offload else None,
-            explicit_prefetch=cfg.explicit_prefetch)
+            offload_policy=CPUOffloadPolicy(pin_memory=use_cuda) if cfg.cpu_offload else None,
+            explicit_prefetch=cfg.explicit_prefetch,
+        )
         # After sharding: AdamW's state is created like the parameters, as DTensor shards (1/N
         # each). Fused on CUDA: foreach AdamW on DTensors pays DTensor dispatch for every op of
         # every parameter.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
-        if observer: observer.model_ready(model, optimizer)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
+        if observer:
+            observer.model_ready(model, optimizer)
         # Pitfall check: the plain amp GradScaler IS right here (classic FSDP needs its
         # ShardedGradScaler): DTensor reduces found_inf over the mesh, so an inf in one rank's
         # shard makes every rank skip the step (tests/test_fsdp2.py injects one).
@@ -181,14 +196,19 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s (HSDP's replicas too: every rank is a data-parallel
         # rank). drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                            pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
+        )
         if rank == 0:
-            print(f"fully_shard on mesh {tuple(mesh.shape)}, reshard_after_forward={reshard}, "
-                  f"{precision}, {cfg.micro_batches} x {cfg.global_batch_size // parts} "
-                  "sequences per rank", flush=True)
+            print(
+                f"fully_shard on mesh {tuple(mesh.shape)}, reshard_after_forward={reshard}, "
+                f"{precision}, {cfg.micro_batches} x {cfg.global_batch_size // parts} "
+                "sequences per rank",
+                flush=True,
+            )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
@@ -199,13 +219,18 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
                     break
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = torch.zeros((), device=device)
-                micro = list(zip(inputs.to(device, non_blocking=True).chunk(cfg.micro_batches),
-                                 targets.to(device, non_blocking=True).chunk(cfg.micro_batches)))
+                micro = list(
+                    zip(
+                        inputs.to(device, non_blocking=True).chunk(cfg.micro_batches),
+                        targets.to(device, non_blocking=True).chunk(cfg.micro_batches),
+                    )
+                )
                 for index, (x, y) in enumerate(micro):
                     # Pitfall: with sync off, each rank accumulates UNSHARDED gradients until the
                     # last micro-batch: N x the gradient memory that sharding saved.
                     model.set_requires_gradient_sync(
-                        cfg.accumulation == "sync" or index == len(micro) - 1)
+                        cfg.accumulation == "sync" or index == len(micro) - 1
+                    )
                     loss = loss_fn(model(x), y) / cfg.micro_batches
                     (scaler.scale(loss) if scaler else loss).backward()
                     step_loss += loss.detach().float()
@@ -225,13 +250,16 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
                 losses.append(step_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -244,10 +272,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -258,61 +288,123 @@ def _reshard(text: str) -> bool | int:
         return word == "true"
     if word.isdigit() and int(word) >= 1:
         return int(word)
-    raise argparse.ArgumentTypeError(f"reshard_after_forward={text!r}: use true, false, or a "
-                                     "group size that divides the shard dim, e.g. 2")
+    raise argparse.ArgumentTypeError(
+        f"reshard_after_forward={text!r}: use true, false, or a "
+        "group size that divides the shard dim, e.g. 2"
+    )
 
 
 def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = FSDP2Config()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.fsdp2", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.fsdp2",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: MixedPrecisionPolicy (fp16 with a scaler)")
-    add("--reshard-after-forward", type=_reshard, default=defaults.reshard_after_forward,
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
+        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: MixedPrecisionPolicy (fp16 with a scaler)",
+    )
+    add(
+        "--reshard-after-forward",
+        type=_reshard,
+        default=defaults.reshard_after_forward,
         help="true: free the unsharded Block parameters after forward, re-gather in backward "
         "(ZeRO-3); false: keep them until backward (ZeRO-2); k: keep a copy sharded over groups "
-        "of k ranks")
-    add("--hsdp-replicas", type=_number(int, at_least=1), default=defaults.hsdp_replicas,
-        help="HSDP: replicate over this many groups, shard inside each (mesh replicate x shard)")
-    add("--cpu-offload", action=argparse.BooleanOptionalAction, default=defaults.cpu_offload,
-        help="keep sharded parameters, gradients and AdamW state in host memory")
-    add("--explicit-prefetch", action=argparse.BooleanOptionalAction,
+        "of k ranks",
+    )
+    add(
+        "--hsdp-replicas",
+        type=_number(int, at_least=1),
+        default=defaults.hsdp_replicas,
+        help="HSDP: replicate over this many groups, shard inside each (mesh replicate x shard)",
+    )
+    add(
+        "--cpu-offload",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.cpu_offload,
+        help="keep sharded parameters, gradients and AdamW state in host memory",
+    )
+    add(
+        "--explicit-prefetch",
+        action=argparse.BooleanOptionalAction,
         default=defaults.explicit_prefetch,
-        help="issue each Block's all-gather one Block ahead, in forward and backward")
-    add("--micro-batches", type=_number(int, at_least=1), default=defaults.micro_batches,
-        help="gradient accumulation: micro-batches per optimizer step")
-    add("--accumulation", choices=["sync", "no_sync"], default=defaults.accumulation,
+        help="issue each Block's all-gather one Block ahead, in forward and backward",
+    )
+    add(
+        "--micro-batches",
+        type=_number(int, at_least=1),
+        default=defaults.micro_batches,
+        help="gradient accumulation: micro-batches per optimizer step",
+    )
+    add(
+        "--accumulation",
+        choices=["sync", "no_sync"],
+        default=defaults.accumulation,
         help="sync: reduce-scatter every micro-batch (gradients stay sharded); no_sync: "
         "set_requires_gradient_sync(False) until the last one (unsharded gradients: N x the "
-        "memory)")
-    add("--max-grad-norm", type=_number(float, at_least=0), default=defaults.max_grad_norm,
-        help="clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0: off)")
-    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
-        help="torch.compile each transformer block (and the loss) before sharding")
-    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "memory)",
+    )
+    add(
+        "--max-grad-norm",
+        type=_number(float, at_least=0),
+        default=defaults.max_grad_norm,
+        help="clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0: off)",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
+        help="torch.compile each transformer block (and the loss) before sharding",
+    )
+    add(
+        "--compile-backend",
+        choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend,
+        help="torch.compile's backend; inductor is the fast one",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -68,11 +68,14 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     return requested
 
 
@@ -92,7 +95,8 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across "
                 f"{world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
-                f"{lower + parts}")
+                f"{lower + parts}"
+            )
         micro_batch = cfg.global_batch_size // parts
         precision = resolve_precision(cfg.precision, device)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -102,9 +106,11 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
         ddp_model = DDP(model, device_ids=[world.local_rank] if use_cuda else None)
-        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
-        if observer: observer.model_ready(ddp_model, optimizer)
+        optimizer = torch.optim.AdamW(
+            ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
+        if observer:
+            observer.model_ready(ddp_model, optimizer)
         # fp16: scale every micro-batch's loss, unscale and step once (a disabled one passes
         # everything through)
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -112,12 +118,18 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s. drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
         # One rank's share of a whole step, cut into micro-batches below: a step reads the same
         # samples as without accumulation
-        loader = DataLoader(dataset, batch_size=micro_batch * cfg.micro_batches, sampler=sampler,
-                            drop_last=True, pin_memory=use_cuda)
+        loader = DataLoader(
+            dataset,
+            batch_size=micro_batch * cfg.micro_batches,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=use_cuda,
+        )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
@@ -134,11 +146,15 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
                 for index, (x, y) in enumerate(micro):
                     last = index == cfg.micro_batches - 1
                     # no_sync: accumulate into .grad locally; the last backward all-reduces the sum
-                    sync = (ddp_model.no_sync() if cfg.use_no_sync and not last
-                            else contextlib.nullcontext())
+                    sync = (
+                        ddp_model.no_sync()
+                        if cfg.use_no_sync and not last
+                        else contextlib.nullcontext()
+                    )
                     with sync:
-                        with torch.autocast(device.type, dtype=low or torch.float32,
-                                            enabled=low is not None):
+                        with torch.autocast(
+                            device.type, dtype=low or torch.float32, enabled=low is not None
+                        ):
                             loss = lm_loss(ddp_model(x), y)  # this micro-batch's mean
                         # Pitfall: divided by k, the sum of k means is the mean of the whole step
                         loss = loss / cfg.micro_batches
@@ -152,13 +168,16 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
                 losses.append(global_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -173,10 +192,12 @@ def _number(kind, *, above=None, at_least=None):
         except ValueError:
             noun = "a number" if kind is float else "an integer"
             raise argparse.ArgumentTypeError(f"must be {noun}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be {what}{bound}, got {text}")
         return value
+
     return parse
 
 
@@ -184,42 +205,76 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints its usage first: here one line, exit 2
         # "argument --lr: must be ..." reads "lr must be ...": the option, then what is valid
-        message = re.sub(r"^argument --([\w-]+): (?=must be)",
-                         lambda m: m[1].replace("-", "_") + " ", message)
+        message = re.sub(
+            r"^argument --([\w-]+): (?=must be)", lambda m: m[1].replace("-", "_") + " ", message
+        )
         self.exit(2, f"error: {message}\n")
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = GradAccumulationConfig()
     parser = OneLineParser(
-        prog="python -m recipes.grad_accumulation", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.grad_accumulation",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks and micro-batches")
-    add("--micro-batches", type=_number(int, at_least=1), default=defaults.micro_batches,
-        help="forward/backward passes per optimizer step on each rank")
-    add("--use-no-sync", action=argparse.BooleanOptionalAction, default=defaults.use_no_sync,
-        help="skip the all-reduce on all but the last micro-batch (the point of this recipe)")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks and micro-batches",
+    )
+    add(
+        "--micro-batches",
+        type=_number(int, at_least=1),
+        default=defaults.micro_batches,
+        help="forward/backward passes per optimizer step on each rank",
+    )
+    add(
+        "--use-no-sync",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.use_no_sync,
+        help="skip the all-reduce on all but the last micro-batch (the point of this recipe)",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision, help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact "
-        "(TF32 off); tf32: TF32 matmuls (CUDA); fp16: autocast with a loss scaler")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact "
+        "(TF32 off); tf32: TF32 matmuls (CUDA); fp16: autocast with a loss scaler",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -49,8 +49,8 @@ import math
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,14 @@ from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 # layout -> its mesh dims, outermost first ("single": one process, no mesh: the reference)
 LAYOUTS: dict[str, tuple[str, ...]] = {
-    "single": (), "ddp": ("dp",), "fsdp": ("dp",), "hsdp": ("replicate", "dp"), "tp": ("tp",),
-    "pp": ("pp",), "fsdp_tp": ("dp", "tp"), "pp_fsdp": ("pp", "dp"),
+    "single": (),
+    "ddp": ("dp",),
+    "fsdp": ("dp",),
+    "hsdp": ("replicate", "dp"),
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "fsdp_tp": ("dp", "tp"),
+    "pp_fsdp": ("pp", "dp"),
     "pp_fsdp_tp": ("pp", "dp", "tp"),
 }
 CLIPS = ("across", "torch", "local_shards")  # torch and local_shards: the pitfalls
@@ -114,18 +120,23 @@ def clip_grad_norm_across(
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = norms[0].device if norms else torch.device("cpu")
     # The norm of the per-mesh norms is the norm of all the gradients (the max, for inf).
-    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type) if norms \
+    total = (
+        torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+        if norms
         else torch.zeros((), device=device)
+    )
     if pp_group is not None:  # each stage saw only its own layers
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
         else:
-            total = total ** norm_type
+            total = total**norm_type
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
             total = total ** (1.0 / norm_type)
     for params in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
+
+
 # --8<-- [end:clip]
 
 
@@ -142,9 +153,16 @@ def tp_plan() -> dict:
     """Megatron-style: q/k/v and the MLP's first layer by columns, their outputs by rows."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"layers.*.attn.wq": ColwiseParallel(), "layers.*.attn.wk": ColwiseParallel(),
-            "layers.*.attn.wv": ColwiseParallel(), "layers.*.attn.wo": RowwiseParallel(),
-            "layers.*.mlp.w_in": ColwiseParallel(), "layers.*.mlp.w_out": RowwiseParallel()}
+    return {
+        "layers.*.attn.wq": ColwiseParallel(),
+        "layers.*.attn.wk": ColwiseParallel(),
+        "layers.*.attn.wv": ColwiseParallel(),
+        "layers.*.attn.wo": RowwiseParallel(),
+        "layers.*.mlp.w_in": ColwiseParallel(),
+        "layers.*.mlp.w_out": RowwiseParallel(),
+    }
+
+
 # --8<-- [end:tp_plan]
 
 
@@ -155,7 +173,7 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     if len(blocks) % stages:
         raise ValueError(f"{len(blocks)} blocks do not split into {stages} stages; use a divisor")
     per_stage = len(blocks) // stages
-    for name in blocks[:stage * per_stage] + blocks[(stage + 1) * per_stage:]:
+    for name in blocks[: stage * per_stage] + blocks[(stage + 1) * per_stage :]:
         del model.layers[name]
     if stage > 0:
         model.tok_embeddings = model.pos_embeddings = None
@@ -165,9 +183,14 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
 
 
 # --8<-- [start:pipeline]
-def pipeline_forward_backward(stage_model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
-                              group: dist.ProcessGroup,
-                              hidden_shape: tuple[int, ...]) -> torch.Tensor:
+def pipeline_forward_backward(
+    stage_model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    hidden_shape: tuple[int, ...],
+) -> torch.Tensor:
     """One batch through the stages and back, by hand: activations go forward with send/recv,
     their gradients come back the same way. Returns the loss (on the last stage, else 0)."""
     stage, stages = dist.get_rank(group), dist.get_world_size(group)
@@ -191,6 +214,8 @@ def pipeline_forward_backward(stage_model: nn.Module, x: torch.Tensor, y: torch.
     if previous is not None:
         dist.send(inputs.grad.contiguous(), dst=previous, group=group)
     return loss.detach()
+
+
 # --8<-- [end:pipeline]
 
 
@@ -213,24 +238,33 @@ def local_shards(model: nn.Module) -> list[torch.Tensor]:
 def train(cfg: GradClippingConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
     if cfg.layout not in LAYOUTS or cfg.clip not in CLIPS:
-        raise ValueError(f"layout {cfg.layout!r} / clip {cfg.clip!r}: use a layout of "
-                         f"{', '.join(LAYOUTS)} and a clip of {', '.join(CLIPS)}")
+        raise ValueError(
+            f"layout {cfg.layout!r} / clip {cfg.clip!r}: use a layout of "
+            f"{', '.join(LAYOUTS)} and a clip of {', '.join(CLIPS)}"
+        )
     if cfg.precision not in ("auto", "fp32", "tf32"):
-        raise ValueError(f"--precision {cfg.precision}: this recipe compares norms exactly; "
-                         "use fp32 or tf32")
+        raise ValueError(
+            f"--precision {cfg.precision}: this recipe compares norms exactly; use fp32 or tf32"
+        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         device, rank, names = world.device, world.rank, LAYOUTS[cfg.layout]
         if not names and world.world_size > 1:
             raise ValueError("layout single is the one-process reference; run it without torchrun")
         if cfg.precision == "tf32" and device.type != "cuda":
-            raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                             f"{device.type}; use --precision fp32")
+            raise ValueError(
+                f"--precision tf32 is a CUDA matmul mode and this run is on "
+                f"{device.type}; use --precision fp32"
+            )
         if device.type == "cuda":  # fp32 means fp32: TF32 only when asked (a process-wide switch)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-                cfg.precision == "tf32")
-        mesh = checked_mesh(world, cfg.mesh or default_mesh(cfg.layout, world.world_size),
-                            names) if names else None
+                cfg.precision == "tf32"
+            )
+        mesh = (
+            checked_mesh(world, cfg.mesh or default_mesh(cfg.layout, world.world_size), names)
+            if names
+            else None
+        )
         size = {name: mesh[name].size() for name in names}
         dp_dims = tuple(name for name in ("replicate", "dp") if name in size)
         dp_size, dp_rank = 1, 0  # the data-parallel coordinate: which share of the batch
@@ -239,13 +273,17 @@ def train(cfg: GradClippingConfig, observer=None) -> list[float]:
             dp_size *= size[name]
         if cfg.global_batch_size % dp_size:
             lower = max(dp_size, cfg.global_batch_size - cfg.global_batch_size % dp_size)
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide across "
-                             f"{dp_size} data-parallel ranks; use a multiple of {dp_size}, e.g. "
-                             f"{lower} or {lower + dp_size}")
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across "
+                f"{dp_size} data-parallel ranks; use a multiple of {dp_size}, e.g. "
+                f"{lower} or {lower + dp_size}"
+            )
         heads = MODEL_PRESETS[cfg.model].n_heads
         if "tp" in size and heads % size["tp"]:
-            raise ValueError(f"tp={size['tp']} does not split the {heads} attention heads; "
-                             f"use a divisor of {heads}")
+            raise ValueError(
+                f"tp={size['tp']} does not split the {heads} attention heads; "
+                f"use a divisor of {heads}"
+            )
 
         # --8<-- [start:loop]
         model = build_model(cfg.model, seed=cfg.seed, device=device)
@@ -262,15 +300,22 @@ def train(cfg: GradClippingConfig, observer=None) -> list[float]:
         elif dp_dims:
             model = apply_fully_shard(model, mesh[dp_dims], block_types=(Block,))
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-        if observer: observer.model_ready(model, optimizer)
+        if observer:
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # The data-parallel ranks read disjoint shares; the tp ranks and pipeline stages of one dp
         # rank read the same one (a stage past the first reads it for the targets only).
-        sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=cfg.global_batch_size // dp_size, sampler=sampler,
-                            drop_last=True, pin_memory=device.type == "cuda")
+        sampler = DistributedSampler(
+            dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=cfg.global_batch_size // dp_size,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
 
         losses, step, epoch, stages = [], 0, 0, size.get("pp", 1)
         while step < cfg.steps:
@@ -284,14 +329,16 @@ def train(cfg: GradClippingConfig, observer=None) -> list[float]:
                 optimizer.zero_grad(set_to_none=True)
                 if pp_group is not None:
                     hidden = (*inputs.shape, MODEL_PRESETS[cfg.model].dim)
-                    loss = pipeline_forward_backward(model, inputs, targets, group=pp_group,
-                                                     hidden_shape=hidden)
+                    loss = pipeline_forward_backward(
+                        model, inputs, targets, group=pp_group, hidden_shape=hidden
+                    )
                 else:
                     loss = lm_loss(model(inputs), targets)
                     loss.backward()
                 if cfg.clip == "across":
-                    norm = clip_grad_norm_across(model.parameters(), cfg.max_grad_norm,
-                                                 pp_group=pp_group)
+                    norm = clip_grad_norm_across(
+                        model.parameters(), cfg.max_grad_norm, pp_group=pp_group
+                    )
                 elif cfg.clip == "torch":  # what a loop written for one process does
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -304,9 +351,11 @@ def train(cfg: GradClippingConfig, observer=None) -> list[float]:
                 dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
                 losses.append(global_loss.item() * stages)
                 if rank == 0:
-                    print(f"step {step} loss {losses[-1]:.4f} grad norm {float(norm):.4f}",
-                          flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                    print(
+                        f"step {step} loss {losses[-1]:.4f} grad norm {float(norm):.4f}", flush=True
+                    )
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
@@ -314,6 +363,8 @@ def train(cfg: GradClippingConfig, observer=None) -> list[float]:
     finally:
         model = optimizer = None  # Pitfall: a DDP reducer freed after the group can hang gloo
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -326,10 +377,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -337,42 +390,87 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = GradClippingConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.grad_clipping", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.grad_clipping",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--layout", choices=list(LAYOUTS), default=defaults.layout,
-        help="how the model is split over the ranks (single: one process, the reference)")
-    add("--mesh", type=_number(int, at_least=1), nargs="*", default=defaults.mesh,
+    add(
+        "--layout",
+        choices=list(LAYOUTS),
+        default=defaults.layout,
+        help="how the model is split over the ranks (single: one process, the reference)",
+    )
+    add(
+        "--mesh",
+        type=_number(int, at_least=1),
+        nargs="*",
+        default=defaults.mesh,
         help="mesh sizes, one per dim of the layout (product = world size); none: 2 for each "
-        "dim but dp, which takes the rest")
-    add("--max-grad-norm", type=_number(float, above=0), default=defaults.max_grad_norm,
-        help="clip the total gradient norm to this")
-    add("--clip", choices=CLIPS, default=defaults.clip,
+        "dim but dp, which takes the rest",
+    )
+    add(
+        "--max-grad-norm",
+        type=_number(float, above=0),
+        default=defaults.max_grad_norm,
+        help="clip the total gradient norm to this",
+    )
+    add(
+        "--clip",
+        choices=CLIPS,
+        default=defaults.clip,
         help="across: clip_grad_norm_across (right on every layout); torch: "
         "torch.nn.utils.clip_grad_norm_ as is; local_shards: the same on this rank's shards "
-        "(the pitfalls)")
+        "(the pitfalls)",
+    )
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
-    add("--lr", type=_number(float, above=0), default=defaults.lr,
-        help="SGD's learning rate (large: a wrong clip shows in the weights)")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any layout")
-    add("--precision", choices=["auto", "fp32", "tf32"], default=defaults.precision,
-        help="auto: fp32, on a GPU too (the norms are compared exactly); tf32: TF32 matmuls "
-        "(CUDA)")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
+    add(
+        "--lr",
+        type=_number(float, above=0),
+        default=defaults.lr,
+        help="SGD's learning rate (large: a wrong clip shows in the weights)",
+    )
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any layout",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32"],
+        default=defaults.precision,
+        help="auto: fp32, on a GPU too (the norms are compared exactly); tf32: TF32 matmuls (CUDA)",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -83,7 +83,8 @@ class HangConfig:
             raise ValueError(
                 f"skip_step={self.skip_step} is never reached: the steps are 0 to "
                 f"{self.steps - 1}; use --skip-step {self.steps - 1} or less, or --steps "
-                f"{self.skip_step + 1} or more")
+                f"{self.skip_step + 1} or more"
+            )
 
 
 @dataclass
@@ -109,12 +110,16 @@ def dump_flight_recorder(trace_dir: str, rank: int) -> str:
     c10d = torch._C._distributed_c10d
     dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
     if dump is None:
-        raise RuntimeError(f"torch {torch.__version__} has no flight recorder dump; "
-                           "use --mode detail, or torch >= 2.11 with NCCL")
+        raise RuntimeError(
+            f"torch {torch.__version__} has no flight recorder dump; "
+            "use --mode detail, or torch >= 2.11 with NCCL"
+        )
     trace = pickle.loads(dump())
     if not trace.get("entries"):
-        raise RuntimeError(f"torch {torch.__version__} recorded no collectives on backend "
-                           f"{dist.get_backend()}; use --mode detail (or NCCL) here")
+        raise RuntimeError(
+            f"torch {torch.__version__} recorded no collectives on backend "
+            f"{dist.get_backend()}; use --mode detail (or NCCL) here"
+        )
     # torch 2.13's gloo dump leaves each group's name empty in pg_config, and fr_trace then stops
     # with KeyError ('0', 0): name the groups the entries use, with their ranks.
     groups = {name: pg for pg, name in dist.distributed_c10d._world.pg_names.items()}
@@ -146,26 +151,33 @@ def find_mismatch(trace_dir: str) -> str | None:
         with open(path, "rb") as f:
             entries = pickle.load(f)["entries"]
         calls[int(path.rsplit("_", 1)[1])] = {
-            (e["process_group"][1], e["collective_seq_id"]): e for e in entries}
+            (e["process_group"][1], e["collective_seq_id"]): e for e in entries
+        }
     for group, seq in sorted({key for per_rank in calls.values() for key in per_rank}):
         ops = {rank: per_rank.get((group, seq)) for rank, per_rank in sorted(calls.items())}
         names = {rank: e["profiling_name"] if e else "nothing" for rank, e in ops.items()}
         if len(set(names.values())) == 1:
             continue
         votes = Counter(names.values())
-        expected = max(votes, key=lambda name: (votes[name], -min(
-            rank for rank in names if names[rank] == name)))
+        expected = max(
+            votes,
+            key=lambda name: (votes[name], -min(rank for rank in names if names[rank] == name)),
+        )
         odd = [rank for rank in names if names[rank] != expected]
         where = _user_frame(next(ops[r] for r in names if names[r] == expected))
         ran = ", ".join(f"rank {rank} ran {names[rank]}" for rank in odd)
-        return (f"collective #{seq} on {group}: the others ran {expected} (at {where}); {ran}: "
-                f"rank {', '.join(map(str, odd))} skipped or reordered {expected}")
+        return (
+            f"collective #{seq} on {group}: the others ran {expected} (at {where}); {ran}: "
+            f"rank {', '.join(map(str, odd))} skipped or reordered {expected}"
+        )
     return None
 
 
 def _user_frame(entry: dict) -> str:
     frames = [f for f in entry.get("frames", []) if "/torch/" not in f["filename"]]
     return f"{os.path.basename(frames[0]['filename'])}:{frames[0]['line']}" if frames else "?"
+
+
 # --8<-- [end:recorder]
 
 
@@ -201,13 +213,18 @@ def last_collective_in_stack(path: str) -> str | None:
         if filename.endswith("distributed_c10d.py") and not func.startswith("_"):
             return func
     return None
+
+
 # --8<-- [end:stacks]
 
 
 def detail_mismatch(error: str) -> str | None:
     """DETAIL's error, short: "rank 0 ran ALLREDUCE #3, rank 1 ran ALLGATHER #3"."""
-    calls = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
-                       r"SequenceNumber=(\d+), OpType=(\w+)", error)
+    calls = re.findall(
+        r"Rank (\d+) is running collective: CollectiveFingerPrint\("
+        r"SequenceNumber=(\d+), OpType=(\w+)",
+        error,
+    )
     return ", ".join(f"rank {rank} ran {op} #{seq}" for rank, seq, op in calls) or None
 
 
@@ -218,28 +235,36 @@ def train(cfg: HangConfig, observer=None) -> HangRun:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     # Checked before joining: every rank refuses at once, with the same line
     if cfg.skip_rank >= world_size or (cfg.skip_rank >= 0 and world_size == 1):
-        raise ValueError(f"skip_rank={cfg.skip_rank} needs a world of at least 2 that has that "
-                         f"rank; this one has {world_size}")
+        raise ValueError(
+            f"skip_rank={cfg.skip_rank} needs a world of at least 2 that has that "
+            f"rank; this one has {world_size}"
+        )
     if cfg.global_batch_size % world_size:
         lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
         raise ValueError(
             f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
-            f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+            f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}"
+        )
     if os.path.exists(cfg.trace_dir) and not os.path.isdir(cfg.trace_dir):  # every rank writes
-        raise ValueError(f"--trace-dir {cfg.trace_dir} is a file; name a directory (created if "
-                         "missing)")
+        raise ValueError(
+            f"--trace-dir {cfg.trace_dir} is a file; name a directory (created if missing)"
+        )
     try:
         enable_flight_recorder(cfg.trace_dir, cfg.buffer_size)
         if not os.access(cfg.trace_dir, os.W_OK | os.X_OK):
             raise PermissionError(13, "permission denied")
     except OSError as exc:  # a file on the way, no permission
-        raise ValueError(f"--trace-dir {cfg.trace_dir}: {exc.strerror.lower()}; name a directory "
-                         "you can write to") from None
+        raise ValueError(
+            f"--trace-dir {cfg.trace_dir}: {exc.strerror.lower()}; name a directory "
+            "you can write to"
+        ) from None
     if cfg.mode == "detail":  # = TORCH_DISTRIBUTED_DEBUG=DETAIL, read when the group is created
         dist.set_debug_level(dist.DebugLevel.DETAIL)
     use_cuda = cfg.backend == "nccl" or (
-        cfg.backend == "auto" and torch.cuda.is_available()
-        and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        cfg.backend == "auto"
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    )
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)  # Pitfall: else every rank's NCCL work lands on cuda:0
@@ -247,11 +272,13 @@ def train(cfg: HangConfig, observer=None) -> HangRun:
     # aborts (NCCL) after it, instead of waiting forever
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     if "RANK" in os.environ:  # torchrun: meet at MASTER_ADDR:MASTER_PORT
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
-                                device_id=device if use_cuda else None)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo", timeout=timeout, device_id=device if use_cuda else None
+        )
     else:  # alone: a world of 1, which needs no rendezvous
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     try:
         rank = dist.get_rank()
         for stale in glob.glob(os.path.join(cfg.trace_dir, "rank_*")):
@@ -264,13 +291,25 @@ def train(cfg: HangConfig, observer=None) -> HangRun:
                 # Pitfall: the same seed on every rank: nothing here broadcasts rank 0's weights
                 model = build_model(cfg.model, seed=cfg.seed, device=device)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-                if observer: observer.model_ready(model, optimizer)
+                if observer:
+                    observer.model_ready(model, optimizer)
 
                 dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-                sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                             shuffle=True, seed=cfg.seed, drop_last=True)
-                loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler,
-                                    drop_last=True, pin_memory=use_cuda)
+                sampler = DistributedSampler(
+                    dataset,
+                    num_replicas=world_size,
+                    rank=rank,
+                    shuffle=True,
+                    seed=cfg.seed,
+                    drop_last=True,
+                )
+                loader = DataLoader(
+                    dataset,
+                    batch_size=per_rank_batch,
+                    sampler=sampler,
+                    drop_last=True,
+                    pin_memory=use_cuda,
+                )
 
                 losses, step, epoch = [], 0, 0
                 while step < cfg.steps:
@@ -302,19 +341,23 @@ def train(cfg: HangConfig, observer=None) -> HangRun:
                         losses.append(float(torch.cat(gathered).mean()))
                         if rank == 0:
                             print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                        if observer: observer.step_end(step, losses[-1])
+                        if observer:
+                            observer.step_end(step, losses[-1])
                         step += 1
                     epoch += 1
                 # --8<-- [end:loop]
             except (RuntimeError, dist.DistError) as exc:  # the timeout, or DETAIL's mismatch
-                error = next((line.strip() for line in str(exc).splitlines() if line.strip()),
-                             repr(exc))
+                error = next(
+                    (line.strip() for line in str(exc).splitlines() if line.strip()), repr(exc)
+                )
         finding = diagnose(cfg, rank, world_size, error)
         stuck_in = last_collective_in_stack(os.path.join(cfg.trace_dir, f"stack_{rank}.txt"))
         return HangRun([] if error else losses, error, finding, stuck_in)
     finally:
         dist.destroy_process_group()
         dist.set_debug_level_from_env()  # DETAIL was for this group only
+
+
 # --8<-- [end:train]
 
 
@@ -325,8 +368,10 @@ def diagnose(cfg: HangConfig, rank: int, world_size: int, error: str | None) -> 
         dump_flight_recorder(cfg.trace_dir, rank)
         # The group may be broken now: wait for the other ranks' files, not on a collective.
         deadline = time.monotonic() + cfg.timeout_s
-        while (len(glob.glob(os.path.join(cfg.trace_dir, "rank_[0-9]*"))) < world_size
-               and time.monotonic() < deadline):
+        while (
+            len(glob.glob(os.path.join(cfg.trace_dir, "rank_[0-9]*"))) < world_size
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         finding = find_mismatch(cfg.trace_dir)
     elif error:
@@ -334,8 +379,10 @@ def diagnose(cfg: HangConfig, rank: int, world_size: int, error: str | None) -> 
     if error:
         print(f"rank {rank}: {error[:300]}", file=sys.stderr, flush=True)
         if rank == 0:
-            print(f"diagnosis: {finding or 'no mismatch found: see the stack_<rank>.txt files'}",
-                  flush=True)
+            print(
+                f"diagnosis: {finding or 'no mismatch found: see the stack_<rank>.txt files'}",
+                flush=True,
+            )
     return finding
 
 
@@ -348,10 +395,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -359,42 +408,89 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = HangConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.hang_diagnosis", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.hang_diagnosis",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps,
-        help="optimizer steps of the data-parallel loop")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per step, summed over all ranks")
-    add("--skip-rank", type=_number(int, at_least=-1), default=defaults.skip_rank,
+    add(
+        "--steps",
+        type=_number(int, at_least=1),
+        default=defaults.steps,
+        help="optimizer steps of the data-parallel loop",
+    )
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per step, summed over all ranks",
+    )
+    add(
+        "--skip-rank",
+        type=_number(int, at_least=-1),
+        default=defaults.skip_rank,
         help="this rank skips the gradient all_reduce of --skip-step on purpose; -1 = none (a "
-             "clean run)")
-    add("--skip-step", type=_number(int, at_least=0), default=defaults.skip_step,
-        help="the step whose all_reduce --skip-rank skips")
-    add("--mode", choices=["flight_recorder", "detail"], default=defaults.mode,
+        "clean run)",
+    )
+    add(
+        "--skip-step",
+        type=_number(int, at_least=0),
+        default=defaults.skip_step,
+        help="the step whose all_reduce --skip-rank skips",
+    )
+    add(
+        "--mode",
+        choices=["flight_recorder", "detail"],
+        default=defaults.mode,
         help="flight_recorder: wait for the timeout, then dump every rank's recorder and find the "
-             "mismatch; detail: TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective first")
-    add("--trace-dir", default=defaults.trace_dir,
-        help="where each rank writes rank_<r> (flight recorder) and stack_<r>.txt (its stack)")
-    add("--buffer-size", type=_number(int, at_least=1), default=defaults.buffer_size,
-        help="flight recorder entries kept per rank (TORCH_FR_BUFFER_SIZE)")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="collective timeout: a rank stuck in a collective raises after it")
-    add("--stack-after-s", type=_number(float, at_least=0), default=defaults.stack_after_s,
-        help="write every rank's stack when a step runs longer than this; 0 = half of "
-             "--timeout-s")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order")
+        "mismatch; detail: TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective first",
+    )
+    add(
+        "--trace-dir",
+        default=defaults.trace_dir,
+        help="where each rank writes rank_<r> (flight recorder) and stack_<r>.txt (its stack)",
+    )
+    add(
+        "--buffer-size",
+        type=_number(int, at_least=1),
+        default=defaults.buffer_size,
+        help="flight recorder entries kept per rank (TORCH_FR_BUFFER_SIZE)",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="collective timeout: a rank stuck in a collective raises after it",
+    )
+    add(
+        "--stack-after-s",
+        type=_number(float, at_least=0),
+        default=defaults.stack_after_s,
+        help="write every rank's stack when a step runs longer than this; 0 = half of --timeout-s",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order",
+    )
     return parser
 
 

@@ -100,11 +100,27 @@ def tiny_config(name: str):
 
     if name == "gpt2":
         # No dropout: the tests compare the sharded run with one process, step by step.
-        return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
-                          resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, attn_implementation="eager")
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                       attn_implementation="eager")
+        return GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=128,
+            n_positions=32,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            attn_implementation="eager",
+        )
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
 
 
 def block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -118,8 +134,11 @@ def aliases(model: nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(param), name)
-    return {name: first[id(param)] for name, param in model.named_parameters(
-        remove_duplicate=False) if first[id(param)] != name}
+    return {
+        name: first[id(param)]
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if first[id(param)] != name
+    }
 
 
 # --8<-- [start:files]
@@ -134,26 +153,34 @@ def safetensors_files(hf_dir: str) -> dict[str, str]:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise HFCheckpointError(f"{index} is not an index save_pretrained writes ({exc!r}); "
-                                    "save the model again, or remove the index") from None
+            raise HFCheckpointError(
+                f"{index} is not an index save_pretrained writes ({exc!r}); "
+                "save the model again, or remove the index"
+            ) from None
         files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
     else:
         single = os.path.join(hf_dir, "model.safetensors")
         if not os.path.exists(single):
-            raise HFCheckpointError(f"no model.safetensors or {INDEX} in {hf_dir!r}; pass a "
-                                    "directory that save_pretrained wrote")
+            raise HFCheckpointError(
+                f"no model.safetensors or {INDEX} in {hf_dir!r}; pass a "
+                "directory that save_pretrained wrote"
+            )
         files = {}
     names = {}
     for path in sorted(set(files.values())) or [single]:
         if not os.path.isfile(path):
-            raise HFCheckpointError(f"{INDEX} in {hf_dir!r} names {os.path.basename(path)}, "
-                                    "which is missing; copy every file the index lists")
+            raise HFCheckpointError(
+                f"{INDEX} in {hf_dir!r} names {os.path.basename(path)}, "
+                "which is missing; copy every file the index lists"
+            )
         try:
             with safe_open(path, framework="pt") as f:
                 names[path] = list(f.keys())
         except (OSError, SafetensorError) as exc:
-            raise HFCheckpointError(f"{path} is not a readable safetensors file ({exc}); it may "
-                                    "be truncated: save or download it again") from None
+            raise HFCheckpointError(
+                f"{path} is not a readable safetensors file ({exc}); it may "
+                "be truncated: save or download it again"
+            ) from None
     return files or dict.fromkeys(names[single], single)
 
 
@@ -174,11 +201,14 @@ def check_hf_dir(hf_dir: str) -> None:
         with open(config) as f:
             json.load(f)
         from transformers import AutoConfig
+
         AutoConfig.from_pretrained(hf_dir)
     except (OSError, ValueError, KeyError) as exc:  # not JSON; JSON that names no known model
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise HFCheckpointError(f"{config} is not a model config ({first_line}); save it again "
-                                "with model.config.save_pretrained") from None
+        raise HFCheckpointError(
+            f"{config} is not a model config ({first_line}); save it again "
+            "with model.config.save_pretrained"
+        ) from None
     safetensors_files(hf_dir)
 
 
@@ -190,7 +220,10 @@ def check_keys(model: nn.Module, names: set[str], where: str) -> None:
         raise HFCheckpointError(
             f"{where} does not match {type(model).__name__}: missing keys {missing[:4]}"
             f"{' ...' if len(missing) > 4 else ''}, unexpected keys {unexpected[:4]}"
-            f"{' ...' if len(unexpected) > 4 else ''}; pass the checkpoint of this architecture")
+            f"{' ...' if len(unexpected) > 4 else ''}; pass the checkpoint of this architecture"
+        )
+
+
 # --8<-- [end:files]
 
 
@@ -198,9 +231,14 @@ def torch_hf_storage() -> bool:
     """torch's HF reader/writer, in the versions that read slices and consolidate shards (the
     first ones read whole files on every rank and took other arguments)."""
     import inspect
+
     reader, writer = (getattr(dcp, f"HuggingFaceStorage{k}", None) for k in ("Reader", "Writer"))
-    return (reader is not None and hasattr(reader, "_process_read_request") and writer is not None
-            and "enable_consolidation" in inspect.signature(writer).parameters)
+    return (
+        reader is not None
+        and hasattr(reader, "_process_read_request")
+        and writer is not None
+        and "enable_consolidation" in inspect.signature(writer).parameters
+    )
 
 
 # --8<-- [start:load]
@@ -221,12 +259,15 @@ def load_hf_sharded(model: nn.Module, hf_dir: str, *, reader: str = "auto") -> N
                 rows = f.get_slice(name)[local_slices(param)]  # reads only this rank's rows
             param.to_local().copy_(rows)
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
 # --8<-- [end:load]
 
 
 # --8<-- [start:export]
-def export_hf(model: nn.Module, out_dir: str, *, max_file_bytes: int = 0,
-              reader: str = "auto") -> list[str]:
+def export_hf(
+    model: nn.Module, out_dir: str, *, max_file_bytes: int = 0, reader: str = "auto"
+) -> list[str]:
     """Write a sharded model as ``from_pretrained`` reads it, into an empty ``out_dir``; returns
     the files written (files left there by an earlier export would mix with them)."""
     state = {k: v for k, v in get_model_state_dict(model).items() if k not in aliases(model)}
@@ -239,32 +280,41 @@ def export_hf(model: nn.Module, out_dir: str, *, max_file_bytes: int = 0,
     rank = dist.get_rank()
     if reader != "safetensors" and torch_hf_storage():
         # Every rank writes its shards under out_dir/sharded; rank 0 then joins them into files.
-        writer = dcp.HuggingFaceStorageWriter(out_dir, fqn_to_index_mapping=file_of,
-                                              save_distributed=True, enable_consolidation=True)
+        writer = dcp.HuggingFaceStorageWriter(
+            out_dir, fqn_to_index_mapping=file_of, save_distributed=True, enable_consolidation=True
+        )
         dcp.save(state, storage_writer=writer)
     else:  # rank 0 gathers the full state into host memory, then writes it
         from safetensors.torch import save_file
 
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                     cpu_offload=True))
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             for i in range(1, index + 1):
                 part = {k: full[k].contiguous() for k in state if file_of[k] == i}
-                save_file(part, os.path.join(out_dir, f"model-{i:05d}-of-{index:05d}.safetensors"),
-                          metadata={"format": "pt"})
+                save_file(
+                    part,
+                    os.path.join(out_dir, f"model-{i:05d}-of-{index:05d}.safetensors"),
+                    metadata={"format": "pt"},
+                )
             weight_map = {k: f"model-{file_of[k]:05d}-of-{index:05d}.safetensors" for k in state}
             with open(os.path.join(out_dir, INDEX), "w") as f:
                 json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
     if rank == 0:
         shutil.rmtree(os.path.join(out_dir, "sharded"), ignore_errors=True)
         if index == 1:  # one file: the name from_pretrained looks for first, no index
-            os.replace(os.path.join(out_dir, "model-00001-of-00001.safetensors"),
-                       os.path.join(out_dir, "model.safetensors"))
+            os.replace(
+                os.path.join(out_dir, "model-00001-of-00001.safetensors"),
+                os.path.join(out_dir, "model.safetensors"),
+            )
             os.remove(os.path.join(out_dir, INDEX))
         model.config.save_pretrained(out_dir)
     dist.barrier()
     return sorted(os.listdir(out_dir))
+
+
 # --8<-- [end:export]
 
 
@@ -273,6 +323,7 @@ def build_hf_sharded(hf_config, mesh, device: torch.device) -> nn.Module:
 
     def make() -> nn.Module:
         return AutoModelForCausalLM.from_config(hf_config)
+
     with torch.device("meta"):
         blocks = block_types(make())
     model = build_sharded_on_meta(make, mesh, block_types=blocks, device=device)
@@ -287,20 +338,25 @@ def check_out_dir(out_dir: str) -> None:
     cannot be written, fails now, on every rank alike, not in ``makedirs`` after training."""
     for path in (out_dir, *(os.path.join(out_dir, sub) for sub in ("initial", "dcp", "hf"))):
         if os.path.exists(path) and not os.path.isdir(path):
-            raise HFCheckpointError(f"--out-dir {path} is a file; name a directory (created if "
-                                    "missing)")
+            raise HFCheckpointError(
+                f"--out-dir {path} is a file; name a directory (created if missing)"
+            )
     existing = os.path.abspath(out_dir)
     while not os.path.exists(existing):  # what makedirs would create goes in here
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise HFCheckpointError(f"--out-dir {out_dir}: {existing} is a file, so nothing can be "
-                                "created under it; name a directory you can write to")
+        raise HFCheckpointError(
+            f"--out-dir {out_dir}: {existing} is a file, so nothing can be "
+            "created under it; name a directory you can write to"
+        )
     try:  # tried, not read off the mode bits, which say nothing to root or a read-only mount
         with tempfile.NamedTemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        raise HFCheckpointError(f"--out-dir {out_dir}: cannot write in {existing} "
-                                f"({exc.strerror or exc}); name a directory you can write to")
+        raise HFCheckpointError(
+            f"--out-dir {out_dir}: cannot write in {existing} "
+            f"({exc.strerror or exc}); name a directory you can write to"
+        )
 
 
 # --8<-- [start:train]
@@ -317,7 +373,8 @@ def train(cfg: HFCheckpointConfig, observer=None) -> HFCheckpointRun:
         if cfg.global_batch_size % world.world_size:
             raise HFCheckpointError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across "
-                f"{world.world_size} ranks; use a multiple of {world.world_size}")
+                f"{world.world_size} ranks; use a multiple of {world.world_size}"
+            )
         rank, world_size, device = world.rank, world.world_size, world.device
         per_rank_batch = cfg.global_batch_size // world_size
         hf_dir = cfg.hf_dir or os.path.join(cfg.out_dir, "initial")
@@ -334,14 +391,17 @@ def train(cfg: HFCheckpointConfig, observer=None) -> HFCheckpointRun:
         model = build_hf_sharded(hf_config, mesh, device)
         load_hf_sharded(model, hf_dir, reader=cfg.reader)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # over this rank's shards
-        if observer: observer.model_ready(model, optimizer)
+        if observer:
+            observer.model_ready(model, optimizer)
 
-        dataset = SyntheticTokens(cfg.global_batch_size * 4, SEQ_LEN, hf_config.vocab_size,
-                                  seed=cfg.seed)  # your tokenized text here
+        dataset = SyntheticTokens(
+            cfg.global_batch_size * 4, SEQ_LEN, hf_config.vocab_size, seed=cfg.seed
+        )  # your tokenized text here
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s. drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
         loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
 
         losses, step, epoch = [], 0, 0
@@ -363,7 +423,8 @@ def train(cfg: HFCheckpointConfig, observer=None) -> HFCheckpointRun:
                 losses.append(global_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
@@ -388,12 +449,21 @@ def train(cfg: HFCheckpointConfig, observer=None) -> HFCheckpointRun:
             reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
             with torch.no_grad():
                 difference = (reloaded(probe.cpu()).logits - trained).abs().max().item()
-            print(f"exported {', '.join(files)} to {out}; from_pretrained's logits differ from "
-                  f"the trained model's by at most {difference:.3g}", flush=True)
-        return HFCheckpointRun(losses, files, difference,
-                               torch_hf_storage=cfg.reader != "safetensors" and torch_hf_storage())
+            print(
+                f"exported {', '.join(files)} to {out}; from_pretrained's logits differ from "
+                f"the trained model's by at most {difference:.3g}",
+                flush=True,
+            )
+        return HFCheckpointRun(
+            losses,
+            files,
+            difference,
+            torch_hf_storage=cfg.reader != "safetensors" and torch_hf_storage(),
+        )
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:train]
 
 
@@ -406,10 +476,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -417,39 +489,82 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = HFCheckpointConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.hf_checkpoint", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.hf_checkpoint",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
-    add("--model", choices=["gpt2", "llama"], default=defaults.model,
-        help="the tiny model written first when --hf-dir is ''")
-    add("--hf-dir", default=defaults.hf_dir,
-        help="a save_pretrained directory to start from; '' = write a tiny one first")
-    add("--out-dir", default=defaults.out_dir,
-        help="initial/ (the tiny model), dcp/ (the run's checkpoint) and hf/ go here")
-    add("--steps", type=_number(int, at_least=0), default=defaults.steps,
-        help="fully_shard training steps between the load and the export")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per step, summed over all ranks")
+    add(
+        "--model",
+        choices=["gpt2", "llama"],
+        default=defaults.model,
+        help="the tiny model written first when --hf-dir is ''",
+    )
+    add(
+        "--hf-dir",
+        default=defaults.hf_dir,
+        help="a save_pretrained directory to start from; '' = write a tiny one first",
+    )
+    add(
+        "--out-dir",
+        default=defaults.out_dir,
+        help="initial/ (the tiny model), dcp/ (the run's checkpoint) and hf/ go here",
+    )
+    add(
+        "--steps",
+        type=_number(int, at_least=0),
+        default=defaults.steps,
+        help="fully_shard training steps between the load and the export",
+    )
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="seed of the tiny model and of the data")
-    add("--max-file-bytes", type=_number(int, at_least=0), default=defaults.max_file_bytes,
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="seed of the tiny model and of the data",
+    )
+    add(
+        "--max-file-bytes",
+        type=_number(int, at_least=0),
+        default=defaults.max_file_bytes,
         help="export into files of at most this many bytes, with an index (0 = one "
-        "model.safetensors)")
-    add("--reader", choices=["auto", "torch", "safetensors"], default=defaults.reader,
+        "model.safetensors)",
+    )
+    add(
+        "--reader",
+        choices=["auto", "torch", "safetensors"],
+        default=defaults.reader,
         help="auto = torch's HuggingFaceStorageReader/Writer where it reads slices; safetensors "
-        "= read each shard with get_slice, export from rank 0")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "= read each shard with get_slice, export from rank 0",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

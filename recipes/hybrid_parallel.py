@@ -55,8 +55,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
-from recipes.parallelize import (apply_tp_and_fsdp, check_tp_fits, matching_modules, rank_grid,
-                                 transformer_lm_plan)
+from recipes.parallelize import (
+    apply_tp_and_fsdp,
+    check_tp_fits,
+    matching_modules,
+    rank_grid,
+    transformer_lm_plan,
+)
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per pipeline rank
@@ -91,8 +96,10 @@ class HybridRun:
 def build_mesh(world, *, pp: int, tp: int) -> DeviceMesh:
     """("dp", "tp"), or ("pp", "dp", "tp") when pp > 1; dp is what is left of the world."""
     if world.world_size % (pp * tp):
-        raise ValueError(f"pp={pp} x tp={tp} does not divide the world size {world.world_size}; "
-                         f"run on a multiple of {pp * tp} ranks")
+        raise ValueError(
+            f"pp={pp} x tp={tp} does not divide the world size {world.world_size}; "
+            f"run on a multiple of {pp * tp} ranks"
+        )
     dp = world.world_size // (pp * tp)
     if pp == 1:
         return init_device_mesh(world.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -112,7 +119,7 @@ def cut_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     names = list(model.layers.keys())
     base, extra = divmod(len(names), num_stages)
     start = stage * base + min(stage, extra)
-    for name in names[:start] + names[start + base + (stage < extra):]:
+    for name in names[:start] + names[start + base + (stage < extra) :]:
         del model.layers[name]
     if stage > 0:
         model.tok_embeddings = model.pos_embeddings = None
@@ -121,23 +128,42 @@ def cut_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     return model
 
 
-def build_pipeline(model: nn.Module, mesh: DeviceMesh, *, plan: Mapping[str, ParallelStyle],
-                   schedule: str, microbatches: int, device: torch.device,
-                   mp_policy: MixedPrecisionPolicy | None = None):
+def build_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    plan: Mapping[str, ParallelStyle],
+    schedule: str,
+    microbatches: int,
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy | None = None,
+):
     """(this pp rank's PipelineStage, its schedule): cut, then TP x fully_shard on the stage's own
     dp x tp sub-mesh. send/recv run on mesh["pp"]: the ranks with the same dp and tp coordinates."""
     stage_index, num_stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
     module = cut_stage(model, stage_index, num_stages).to(device)
-    module = apply_tp_and_fsdp(module, mesh, plan=plan_for_stage(module, plan),
-                               block_types=(Block,), in_pipeline=True, mp_policy=mp_policy)
+    module = apply_tp_and_fsdp(
+        module,
+        mesh,
+        plan=plan_for_stage(module, plan),
+        block_types=(Block,),
+        in_pipeline=True,
+        mp_policy=mp_policy,
+    )
     stage = PipelineStage(module, stage_index, num_stages, device, group=mesh["pp"].get_group())
     # The loss per micro-batch on the last stage; scale_grads (the default) divides the summed
     # gradients by the micro-batch count: the whole batch's gradient.
     return stage, SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=lm_loss)
 
 
-def pipeline_step(schedule, stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tensor,
-                  *, loss_holders: int) -> float:
+def pipeline_step(
+    schedule,
+    stage: PipelineStage,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    loss_holders: int,
+) -> float:
     """One forward/backward over every micro-batch; the batch's mean loss on EVERY rank: the last
     stage's ranks hold their dp share's loss, a SUM over the world (the others add 0) divided by
     ``loss_holders`` (dp x tp ranks hold a last stage) shares it."""
@@ -151,10 +177,20 @@ def pipeline_step(schedule, stage: PipelineStage, inputs: torch.Tensor, targets:
         schedule.step(target=targets, losses=microbatch_losses)
     else:
         schedule.step()
-    loss = (torch.stack(microbatch_losses).mean().detach() if stage.is_last
-            else torch.zeros((), device=inputs.device)).reshape(1).float().clone()
+    loss = (
+        (
+            torch.stack(microbatch_losses).mean().detach()
+            if stage.is_last
+            else torch.zeros((), device=inputs.device)
+        )
+        .reshape(1)
+        .float()
+        .clone()
+    )
     dist.all_reduce(loss)
     return float(loss.item()) / loss_holders
+
+
 # --8<-- [end:pipeline]
 
 
@@ -165,11 +201,14 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     return requested
 
 
@@ -183,29 +222,42 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
         mesh = build_mesh(world, pp=cfg.pp, tp=cfg.tp)
         dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         # Every dimension the plan splits must divide by the tensor-parallel size.
-        check_tp_fits(cfg.tp, n_heads=model_cfg.n_heads,
-                      mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
-                      vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+        check_tp_fits(
+            cfg.tp,
+            n_heads=model_cfg.n_heads,
+            mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
+            vocab_size=model_cfg.vocab_size,
+            seq_len=model_cfg.seq_len,
+        )
         microbatches = cfg.microbatches if cfg.pp > 1 else 1
         if cfg.global_batch_size % (dp_size * microbatches):
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide into "
-                             f"{dp_size} dp ranks x {microbatches} micro-batches; use a multiple "
-                             f"of {dp_size * microbatches}")
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide into "
+                f"{dp_size} dp ranks x {microbatches} micro-batches; use a multiple "
+                f"of {dp_size * microbatches}"
+            )
         if cfg.pp > 1 and model_cfg.n_layers < cfg.pp:
-            raise ValueError(f"{model_cfg.n_layers} blocks cannot fill {cfg.pp} pipeline stages; "
-                             f"use --pp {model_cfg.n_layers} or fewer, or a bigger --model")
+            raise ValueError(
+                f"{model_cfg.n_layers} blocks cannot fill {cfg.pp} pipeline stages; "
+                f"use --pp {model_cfg.n_layers} or fewer, or a bigger --model"
+            )
         if cfg.pp > 1 and cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
-            raise ValueError(f"1f1b needs at least one micro-batch per stage: microbatches="
-                             f"{cfg.microbatches} < {cfg.pp} stages; use --microbatches {cfg.pp}")
+            raise ValueError(
+                f"1f1b needs at least one micro-batch per stage: microbatches="
+                f"{cfg.microbatches} < {cfg.pp} stages; use --microbatches {cfg.pp}"
+            )
         per_dp_rank_batch = cfg.global_batch_size // dp_size
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-            resolve_precision(cfg.precision, device))
+            resolve_precision(cfg.precision, device)
+        )
         # bf16/fp16: fully_shard's own policy (low-precision compute, fp32 reduction), no autocast.
-        mp_policy = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-                     if low else None)
+        mp_policy = (
+            MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else None
+        )
         plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
-        groups = {dim: dist.get_process_group_ranks(mesh[dim].get_group())
-                  for dim in mesh.mesh_dim_names}
+        groups = {
+            dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in mesh.mesh_dim_names
+        }
         if rank == 0:
             print(rank_grid(mesh), flush=True)
 
@@ -213,25 +265,40 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
         # Same seed everywhere: each rank builds the whole model, then keeps its part of it.
         model = build_model(cfg.model, seed=cfg.seed, device=device if cfg.pp == 1 else "cpu")
         if cfg.pp == 1:  # tensor parallel over mesh["tp"], then fully_shard over mesh["dp"]
-            model = apply_tp_and_fsdp(model, mesh, plan=plan, block_types=(Block,),
-                                      mp_policy=mp_policy)
+            model = apply_tp_and_fsdp(
+                model, mesh, plan=plan, block_types=(Block,), mp_policy=mp_policy
+            )
         else:
-            stage, schedule = build_pipeline(model, mesh, plan=plan, schedule=cfg.schedule,
-                                             microbatches=cfg.microbatches, device=device,
-                                             mp_policy=mp_policy)
+            stage, schedule = build_pipeline(
+                model,
+                mesh,
+                plan=plan,
+                schedule=cfg.schedule,
+                microbatches=cfg.microbatches,
+                device=device,
+                mp_policy=mp_policy,
+            )
             model = stage.submod
         # After the split: AdamW's state is made like the parameters, as 2-D DTensor shards.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
-        if observer: observer.model_ready(model, optimizer)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
+        if observer:
+            observer.model_ready(model, optimizer)
 
         # Data: one share per dp coordinate. Ranks that differ only in tp (or pp) read the same
         # samples: a sampler over the WHOLE world would give each TP rank a different batch.
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-        sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_dp_rank_batch, sampler=sampler,
-                            drop_last=True, pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=per_dp_rank_batch,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=use_cuda,
+        )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
@@ -246,8 +313,9 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
                 with warnings.catch_warnings():
                     # fully_shard warns when a module returns a view: here TP's local view of
                     # the all-gathered activations, which nothing modifies in place.
-                    warnings.filterwarnings("ignore",
-                                            message=r"FSDP2-wrapped module .* returned a view")
+                    warnings.filterwarnings(
+                        "ignore", message=r"FSDP2-wrapped module .* returned a view"
+                    )
                     if cfg.pp == 1:
                         loss = lm_loss(model(inputs), targets)
                         loss.backward()  # fully_shard reduce-scatters (averages) over mesh["dp"]
@@ -255,20 +323,25 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
                         dist.all_reduce(loss, group=mesh["dp"].get_group())  # mean over dp
                         loss = float(loss.item()) / dp_size
                     else:
-                        loss = pipeline_step(schedule, stage, inputs, targets,
-                                             loss_holders=dp_size * cfg.tp)
+                        loss = pipeline_step(
+                            schedule, stage, inputs, targets, loss_holders=dp_size * cfg.tp
+                        )
                 optimizer.step()
                 losses.append(loss)
                 if rank == 0:
                     print(f"step {step} loss {loss:.4f}", flush=True)
-                if observer: observer.step_end(step, loss)
+                if observer:
+                    observer.step_end(step, loss)
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
-        return HybridRun(losses, list(mesh.mesh_dim_names), list(mesh.mesh.shape),
-                         mesh.mesh.tolist(), groups)
+        return HybridRun(
+            losses, list(mesh.mesh_dim_names), list(mesh.mesh.shape), mesh.mesh.tolist(), groups
+        )
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -281,10 +354,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -292,41 +367,85 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = HybridConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.hybrid_parallel", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.hybrid_parallel",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, split over the data-parallel ranks")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, split over the data-parallel ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any layout")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: fully_shard's MixedPrecisionPolicy")
-    add("--tp", type=_number(int, at_least=1), default=defaults.tp,
-        help="tensor-parallel size (innermost mesh dim)")
-    add("--pp", type=_number(int, at_least=1), default=defaults.pp,
-        help="pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh")
-    add("--sequence-parallel", action=argparse.BooleanOptionalAction,
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any layout",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
+        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: fully_shard's MixedPrecisionPolicy",
+    )
+    add(
+        "--tp",
+        type=_number(int, at_least=1),
+        default=defaults.tp,
+        help="tensor-parallel size (innermost mesh dim)",
+    )
+    add(
+        "--pp",
+        type=_number(int, at_least=1),
+        default=defaults.pp,
+        help="pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh",
+    )
+    add(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
         default=defaults.sequence_parallel,
-        help="tensor parallel with the sequence split between blocks (see tensor_parallel)")
-    add("--schedule", choices=sorted(SCHEDULES), default=defaults.schedule,
-        help="pipeline schedule when pp > 1")
-    add("--microbatches", type=_number(int, at_least=1), default=defaults.microbatches,
-        help="pipeline micro-batches per optimizer step, per data-parallel rank (pp > 1)")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        help="tensor parallel with the sequence split between blocks (see tensor_parallel)",
+    )
+    add(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        default=defaults.schedule,
+        help="pipeline schedule when pp > 1",
+    )
+    add(
+        "--microbatches",
+        type=_number(int, at_least=1),
+        default=defaults.microbatches,
+        help="pipeline micro-batches per optimizer step, per data-parallel rank (pp > 1)",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -55,8 +55,13 @@ import recipes._job_checkpoint as checkpoint
 from recipes.data import DataConfig, TokenWindows, prepare_shards
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.evaluation import eval_shard, evaluate
-from recipes.parallelize import (apply_activation_checkpointing, apply_compile,
-                                 apply_fully_shard, apply_tp_and_fsdp, transformer_lm_plan)
+from recipes.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fully_shard,
+    apply_tp_and_fsdp,
+    transformer_lm_plan,
+)
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss
 
 
@@ -100,27 +105,42 @@ class JobConfig:
 
 
 HELP = {
-    "model": "model preset (tiny, small, 100m)", "seq_len": "tokens per window",
+    "model": "model preset (tiny, small, 100m)",
+    "seq_len": "tokens per window",
     "data_dir": "token shards (prepared there from the corpus when absent)",
     "corpus": "folder of text files (default: Python's standard library sources)",
-    "max_bytes": "text read from the corpus", "vocab_size": "BPE vocabulary (256: bytes)",
+    "max_bytes": "text read from the corpus",
+    "vocab_size": "BPE vocabulary (256: bytes)",
     "prepare": "tokenize the corpus into data_dir if it holds no shards (false: refuse)",
     "num_workers": "DataLoader worker processes per rank",
-    "parallelism": "ddp, fsdp, hsdp or tp_fsdp", "dp_replicate": "hsdp: replica groups",
-    "tp": "tp_fsdp: tensor-parallel size", "precision": "fp32 or bf16",
+    "parallelism": "ddp, fsdp, hsdp or tp_fsdp",
+    "dp_replicate": "hsdp: replica groups",
+    "tp": "tp_fsdp: tensor-parallel size",
+    "precision": "fp32 or bf16",
     "activation_checkpointing": "recompute each block in backward",
-    "compile": "torch.compile each block", "steps": "optimizer steps in all",
+    "compile": "torch.compile each block",
+    "steps": "optimizer steps in all",
     "global_batch_size": "windows per optimizer step over all ranks",
-    "accumulation": "micro-batches per rank per optimizer step", "lr": "peak learning rate",
-    "min_lr": "learning rate at the end of the cosine", "warmup_steps": "linear warmup steps",
-    "weight_decay": "AdamW decay of matrices", "clip": "max gradient norm (0: no clipping)",
-    "seed": "model init and data order", "eval_every": "evaluate every N steps",
-    "eval_windows": "validation windows", "checkpoint_every": "checkpoint every N steps",
-    "keep": "checkpoints kept (plus the best)", "out_dir": "checkpoints, TensorBoard, metrics",
-    "tensorboard": "write TensorBoard logs", "log_every": "log every N steps",
+    "accumulation": "micro-batches per rank per optimizer step",
+    "lr": "peak learning rate",
+    "min_lr": "learning rate at the end of the cosine",
+    "warmup_steps": "linear warmup steps",
+    "weight_decay": "AdamW decay of matrices",
+    "clip": "max gradient norm (0: no clipping)",
+    "seed": "model init and data order",
+    "eval_every": "evaluate every N steps",
+    "eval_windows": "validation windows",
+    "checkpoint_every": "checkpoint every N steps",
+    "keep": "checkpoints kept (plus the best)",
+    "out_dir": "checkpoints, TensorBoard, metrics",
+    "tensorboard": "write TensorBoard logs",
+    "log_every": "log every N steps",
 }
-CHOICES = {"parallelism": ("ddp", "fsdp", "hsdp", "tp_fsdp"), "precision": ("fp32", "bf16"),
-           "model": tuple(MODEL_PRESETS)}
+CHOICES = {
+    "parallelism": ("ddp", "fsdp", "hsdp", "tp_fsdp"),
+    "precision": ("fp32", "bf16"),
+    "model": tuple(MODEL_PRESETS),
+}
 
 
 class ConfigError(ValueError):
@@ -143,12 +163,14 @@ def load_config(path: str | None, overrides: dict) -> JobConfig:
     hints = typing.get_type_hints(JobConfig)
     for key, value in values.items():
         if key not in hints:
-            raise ConfigError(f"{path or 'flags'}: unknown key {key!r}; valid keys: "
-                              f"{', '.join(hints)}")
+            raise ConfigError(
+                f"{path or 'flags'}: unknown key {key!r}; valid keys: {', '.join(hints)}"
+            )
         if not type_ok(value, hints[key]):
             want = " or ".join(t.__name__ for t in typing.get_args(hints[key]) or [hints[key]])
-            raise ConfigError(f"{path or 'flags'}: {key} must be {want}, got {value!r}; "
-                              "fix the value")
+            raise ConfigError(
+                f"{path or 'flags'}: {key} must be {want}, got {value!r}; fix the value"
+            )
         if key in CHOICES and value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r}: use one of {', '.join(CHOICES[key])}")
     return JobConfig(**values)
@@ -161,7 +183,8 @@ def type_ok(value, hint) -> bool:
     if isinstance(value, bool):  # YAML's true is a bool, and bool is an int: check it first
         return bool in allowed
     return (isinstance(value, int) and (int in allowed or float in allowed)) or any(
-        isinstance(value, t) for t in allowed if t in (str, float))
+        isinstance(value, t) for t in allowed if t in (str, float)
+    )
 
 
 def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int]:
@@ -172,18 +195,24 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int]:
     if cfg.dp_replicate != 1 and cfg.parallelism != "hsdp":
         raise ConfigError(f"dp_replicate={cfg.dp_replicate} needs parallelism=hsdp")
     if world_size % (tp * cfg.dp_replicate):
-        raise ConfigError(f"{cfg.parallelism} with tp={tp} x dp_replicate={cfg.dp_replicate} "
-                          f"does not divide the world size {world_size}; run on a multiple of "
-                          f"{tp * cfg.dp_replicate} ranks")
+        raise ConfigError(
+            f"{cfg.parallelism} with tp={tp} x dp_replicate={cfg.dp_replicate} "
+            f"does not divide the world size {world_size}; run on a multiple of "
+            f"{tp * cfg.dp_replicate} ranks"
+        )
     heads = MODEL_PRESETS[cfg.model].n_heads
     if heads % tp:
         raise ConfigError(f"tp={tp} does not divide the model's {heads} heads; pick a divisor")
     dp = world_size // tp
     if cfg.global_batch_size % (dp * cfg.accumulation):
-        raise ConfigError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
-                          f"{dp} data-parallel ranks x accumulation={cfg.accumulation}; "
-                          f"use a multiple of {dp * cfg.accumulation}")
+        raise ConfigError(
+            f"global_batch_size={cfg.global_batch_size} is not a multiple of "
+            f"{dp} data-parallel ranks x accumulation={cfg.accumulation}; "
+            f"use a multiple of {dp * cfg.accumulation}"
+        )
     return dp, tp
+
+
 # --8<-- [end:config]
 
 
@@ -195,8 +224,11 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, world, tp: int):
     bf16 = cfg.precision == "bf16"
     # fully_shard's bf16: compute in bf16, reduce gradients in fp32 (a bf16 sum over many ranks
     # loses bits); the parameters AdamW updates stay fp32.
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if bf16 else None
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else None
+    )
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, block_types=(Block,))
     if cfg.compile:  # each block's forward: the sharding hooks stay outside the graphs
@@ -204,16 +236,20 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, world, tp: int):
     if cfg.parallelism == "ddp":
         return DDP(model), world.rank, world.world_size
     if cfg.parallelism == "tp_fsdp":
-        mesh = init_device_mesh(device_type, (world.world_size // tp, tp),
-                                mesh_dim_names=("dp", "tp"))
-        apply_tp_and_fsdp(model, mesh, plan=transformer_lm_plan(), block_types=(Block,),
-                          mp_policy=mp_policy)
+        mesh = init_device_mesh(
+            device_type, (world.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+        )
+        apply_tp_and_fsdp(
+            model, mesh, plan=transformer_lm_plan(), block_types=(Block,), mp_policy=mp_policy
+        )
         # Ranks that differ only in tp read the same rows: one data share per dp coordinate.
         return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
     if cfg.parallelism == "hsdp":
-        mesh = init_device_mesh(device_type, (cfg.dp_replicate,
-                                              world.world_size // cfg.dp_replicate),
-                                mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device_type,
+            (cfg.dp_replicate, world.world_size // cfg.dp_replicate),
+            mesh_dim_names=("replicate", "shard"),
+        )
     else:
         mesh = init_device_mesh(device_type, (world.world_size,), mesh_dim_names=("shard",))
     apply_fully_shard(model, mesh, block_types=(Block,), mp_policy=mp_policy)
@@ -226,6 +262,8 @@ def no_gradient_sync(model, last_micro_batch: bool):
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()
     model.set_requires_gradient_sync(last_micro_batch)  # fully_shard's switch
     return contextlib.nullcontext()
+
+
 # --8<-- [end:layout]
 
 
@@ -236,8 +274,9 @@ class GlobalBatches(Sampler):
     the world size, so a checkpoint that says "epoch e, b batches done" continues the same
     sample order on 1, 2 or 3 ranks."""
 
-    def __init__(self, num_windows: int, global_batch_size: int, *, dp_rank: int, dp_size: int,
-                 seed: int):
+    def __init__(
+        self, num_windows: int, global_batch_size: int, *, dp_rank: int, dp_size: int, seed: int
+    ):
         self.num_windows, self.size, self.seed = num_windows, global_batch_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.batches_per_epoch = num_windows // global_batch_size  # the last partial one: dropped
@@ -251,22 +290,28 @@ class GlobalBatches(Sampler):
         return self.batches_per_epoch - self.start
 
     def __iter__(self):
-        order = torch.randperm(self.num_windows,
-                               generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = torch.randperm(
+            self.num_windows, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
         for b in range(self.start, self.batches_per_epoch):
-            yield order[b * self.size:(b + 1) * self.size][self.dp_rank::self.dp_size].tolist()
+            yield order[b * self.size : (b + 1) * self.size][self.dp_rank :: self.dp_size].tolist()
 
 
 def build_loader(windows, sampler: GlobalBatches, num_workers: int, device: torch.device):
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in 2.13
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return StatefulDataLoader(windows, batch_sampler=sampler, num_workers=num_workers,
-                                  persistent_workers=num_workers > 0,
-                                  pin_memory=device.type == "cuda")
+        return StatefulDataLoader(
+            windows,
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+            pin_memory=device.type == "cuda",
+        )
 
 
-def restore_position(loader, sampler: GlobalBatches, data: dict, *, same_world: bool,
-                     num_workers: int) -> None:
+def restore_position(
+    loader, sampler: GlobalBatches, data: dict, *, same_world: bool, num_workers: int
+) -> None:
     """Same world (and workers): the loader's own state, which knows what each worker had
     prefetched. Another world size: its per-rank state means nothing; the global position does."""
     if same_world and data["num_workers"] == num_workers:
@@ -274,6 +319,8 @@ def restore_position(loader, sampler: GlobalBatches, data: dict, *, same_world: 
         loader.load_state_dict(data["loader"])  # skips what this iterator had yielded
     else:
         sampler.set_position(data["epoch"], data["batch"])
+
+
 # --8<-- [end:data]
 
 
@@ -287,6 +334,7 @@ def warmup_cosine(cfg: JobConfig):
             return (step + 1) / cfg.warmup_steps
         progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
     return factor
 
 
@@ -294,11 +342,16 @@ def build_optimizer(model, cfg: JobConfig, device: torch.device):
     # nanoGPT's split: weight decay on matrices (embeddings included), none on norms and biases;
     # fused AdamW on CUDA (one kernel for all parameters)
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95),
-                                  fused=device.type == "cuda" or None)
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda" or None
+    )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg))
+
+
 # --8<-- [end:schedule]
 
 
@@ -308,7 +361,7 @@ BF16_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12
 
 def flops_per_token(model_cfg) -> int:
     """6 x matmul parameters + attention (12 x layers x dim x seq_len), as nanoGPT counts."""
-    per_block = 4 * model_cfg.dim ** 2 + 2 * model_cfg.dim * model_cfg.mlp_ratio * model_cfg.dim
+    per_block = 4 * model_cfg.dim**2 + 2 * model_cfg.dim * model_cfg.mlp_ratio * model_cfg.dim
     matmul = model_cfg.n_layers * per_block + model_cfg.dim * model_cfg.vocab_size
     return 6 * matmul + 12 * model_cfg.n_layers * model_cfg.dim * model_cfg.seq_len
 
@@ -329,20 +382,28 @@ def train(cfg: JobConfig) -> dict:
         dp_size, tp = check_layout(cfg, world.world_size)  # before any collective
         out = Path(cfg.out_dir)
         if world.rank == 0 and not (Path(cfg.data_dir) / "index.json").exists():
-            prepare_shards(DataConfig(corpus=cfg.corpus, data_dir=cfg.data_dir,
-                                      max_bytes=cfg.max_bytes, vocab_size=cfg.vocab_size))
+            prepare_shards(
+                DataConfig(
+                    corpus=cfg.corpus,
+                    data_dir=cfg.data_dir,
+                    max_bytes=cfg.max_bytes,
+                    vocab_size=cfg.vocab_size,
+                )
+            )
         dist.barrier()  # the others read the shards rank 0 wrote
         windows = TokenWindows(cfg.data_dir, "train", cfg.seq_len)
         vocab = json.loads((Path(cfg.data_dir) / "index.json").read_text())["vocab_size"]
-        model_cfg = dataclasses.replace(MODEL_PRESETS[cfg.model], vocab_size=vocab,
-                                        seq_len=cfg.seq_len)
+        model_cfg = dataclasses.replace(
+            MODEL_PRESETS[cfg.model], vocab_size=vocab, seq_len=cfg.seq_len
+        )
         model = build_model(model_cfg, seed=cfg.seed, device=world.device)
         model, dp_rank, dp_size = parallelize(model, cfg, world, tp)
         # compiled, the loss's fp32 cast, log-softmax and gradient fuse over the wide logits
         loss_fn = torch.compile(lm_loss) if cfg.compile else lm_loss
         optimizer, scheduler = build_optimizer(model, cfg, world.device)
-        sampler = GlobalBatches(len(windows), cfg.global_batch_size, dp_rank=dp_rank,
-                                dp_size=dp_size, seed=cfg.seed)
+        sampler = GlobalBatches(
+            len(windows), cfg.global_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed
+        )
         loader = build_loader(windows, sampler, cfg.num_workers, world.device)
         val = TokenWindows(cfg.data_dir, "val", cfg.seq_len)
         val = Subset(val, range(min(cfg.eval_windows, len(val))))
@@ -359,8 +420,13 @@ def train(cfg: JobConfig) -> dict:
             step = resumed_from = own["step"]
             epoch, batch_in_epoch = own["data"]["epoch"], own["data"]["batch"]
             iter_start = own["data"]["iter_start"] if state["same_world"] else batch_in_epoch
-            restore_position(loader, sampler, own["data"], same_world=state["same_world"],
-                             num_workers=cfg.num_workers)
+            restore_position(
+                loader,
+                sampler,
+                own["data"],
+                same_world=state["same_world"],
+                num_workers=cfg.num_workers,
+            )
             if state["same_world"]:
                 checkpoint.set_rng_states(own["rng"])
         else:
@@ -375,9 +441,11 @@ def train(cfg: JobConfig) -> dict:
 
                 # purge_step: TensorBoard drops the events a crashed run wrote after this step
                 writer = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1)
-        autocast = (torch.autocast(world.device.type, dtype=torch.bfloat16)
-                    if cfg.precision == "bf16" and cfg.parallelism == "ddp"
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(world.device.type, dtype=torch.bfloat16)
+            if cfg.precision == "bf16" and cfg.parallelism == "ddp"
+            else contextlib.nullcontext()
+        )
         losses, val_losses, times, waits, last_val = [], [], [], [], None
 
         def validation_loss() -> float:
@@ -409,8 +477,9 @@ def train(cfg: JobConfig) -> dict:
                 loss_sum += loss.detach()
             # One norm over every parameter, DTensor shards included: clip_grad_norm_ reduces it
             # across the ranks that hold the pieces. clip=0: measure only.
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                       cfg.clip if cfg.clip > 0 else math.inf)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.clip if cfg.clip > 0 else math.inf
+            )
             if isinstance(grad_norm, DTensor):
                 grad_norm = grad_norm.full_tensor()
             lr = scheduler.get_last_lr()[0]
@@ -425,9 +494,15 @@ def train(cfg: JobConfig) -> dict:
             losses.append(loss)
             if world.rank == 0:
                 tokens_per_s = cfg.global_batch_size * cfg.seq_len / times[-1]
-                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                          "tokens_per_s": tokens_per_s, "data_wait": waited / times[-1],
-                          "mfu": mfu(tokens_per_s, model_cfg, world, cfg.precision)}
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": tokens_per_s,
+                    "data_wait": waited / times[-1],
+                    "mfu": mfu(tokens_per_s, model_cfg, world, cfg.precision),
+                }
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 if writer:
@@ -435,9 +510,13 @@ def train(cfg: JobConfig) -> dict:
                         if record[key] is not None:
                             writer.add_scalar(f"train/{key}", record[key], step)
                 if step % cfg.log_every == 0 or step == cfg.steps:
-                    print(f"step {step}/{cfg.steps} loss {loss:.4f} lr {lr:.2e} grad_norm "
-                          f"{record['grad_norm']:.3f} {tokens_per_s:,.0f} tok/s data_wait "
-                          f"{record['data_wait']:.0%}", file=sys.stderr, flush=True)
+                    print(
+                        f"step {step}/{cfg.steps} loss {loss:.4f} lr {lr:.2e} grad_norm "
+                        f"{record['grad_norm']:.3f} {tokens_per_s:,.0f} tok/s data_wait "
+                        f"{record['data_wait']:.0%}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             save_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
             if step % cfg.eval_every == 0 or save_now:  # every checkpoint has its val loss
                 last_val = validation_loss()
@@ -447,30 +526,60 @@ def train(cfg: JobConfig) -> dict:
                     if writer:
                         writer.add_scalar("val/loss", last_val, step)
             if save_now:
-                data = {"epoch": epoch, "batch": batch_in_epoch, "iter_start": iter_start,
-                        "num_workers": cfg.num_workers, "loader": loader.state_dict()}
-                rank_state = {"step": step, "scheduler": scheduler.state_dict(), "data": data,
-                              "rng": checkpoint.rng_states()}
-                checkpoint.save(out / "checkpoints", step, model, optimizer, rank_state,
-                                val_loss=last_val if val_losses[-1][0] == step else None,
-                                keep=cfg.keep)
+                data = {
+                    "epoch": epoch,
+                    "batch": batch_in_epoch,
+                    "iter_start": iter_start,
+                    "num_workers": cfg.num_workers,
+                    "loader": loader.state_dict(),
+                }
+                rank_state = {
+                    "step": step,
+                    "scheduler": scheduler.state_dict(),
+                    "data": data,
+                    "rng": checkpoint.rng_states(),
+                }
+                checkpoint.save(
+                    out / "checkpoints",
+                    step,
+                    model,
+                    optimizer,
+                    rank_state,
+                    val_loss=last_val if val_losses[-1][0] == step else None,
+                    keep=cfg.keep,
+                )
         if writer:
             writer.close()
         if metrics:
             metrics.close()
-        return summary(cfg, model, model_cfg, world, losses, val_losses, times, waits,
-                       resumed_from, dp_size, tp)
+        return summary(
+            cfg,
+            model,
+            model_cfg,
+            world,
+            losses,
+            val_losses,
+            times,
+            waits,
+            resumed_from,
+            dp_size,
+            tp,
+        )
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:train]
 
 
-def summary(cfg, model, model_cfg, world, losses, val_losses, times, waits, resumed_from,
-            dp_size, tp) -> dict:
+def summary(
+    cfg, model, model_cfg, world, losses, val_losses, times, waits, resumed_from, dp_size, tp
+) -> dict:
     """Plain values: the steps this process ran, throughput and a checksum of the weights."""
     # full_state_dict: every rank joins the all-gathers; cpu_offload: only rank 0 keeps the copy
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     digest, abs_sum = hashlib.sha256(), 0.0
     for name in sorted(full):
         tensor = full[name].detach().float().cpu().contiguous()
@@ -480,14 +589,20 @@ def summary(cfg, model, model_cfg, world, losses, val_losses, times, waits, resu
     seconds = sum(timed) / max(len(timed), 1)
     tokens_per_s = cfg.global_batch_size * cfg.seq_len / seconds if seconds else 0.0
     return {
-        "world_size": world.world_size, "dp_size": dp_size, "tp_size": tp,
-        "parallelism": cfg.parallelism, "resumed_from": resumed_from,
-        "first_step": (resumed_from or 0) + 1, "losses": losses, "val_losses": val_losses,
+        "world_size": world.world_size,
+        "dp_size": dp_size,
+        "tp_size": tp,
+        "parallelism": cfg.parallelism,
+        "resumed_from": resumed_from,
+        "first_step": (resumed_from or 0) + 1,
+        "losses": losses,
+        "val_losses": val_losses,
         "parameter_type": type(next(model.parameters())).__name__,
         "params": sum(t.numel() for t in full.values()) if full else None,
         "weights_sha256": digest.hexdigest() if full else None,
         "weights_abs_sum": abs_sum if full else None,
-        "seconds_per_step": seconds, "tokens_per_second": tokens_per_s,
+        "seconds_per_step": seconds,
+        "tokens_per_second": tokens_per_s,
         "mfu": mfu(tokens_per_s, model_cfg, world, cfg.precision),
         "data_wait_fraction": sum(waits[1:] or waits) / max(sum(timed), 1e-12),
     }
@@ -499,17 +614,29 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m recipes.job", description=__doc__.split("\n")[0],
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", default=None,
-                        help="YAML file of key: value lines (keys as below, with underscores)")
+    parser = OneLineParser(
+        prog="python -m recipes.job",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="YAML file of key: value lines (keys as below, with underscores)",
+    )
     hints = typing.get_type_hints(JobConfig)
     for f in dataclasses.fields(JobConfig):
-        kinds = [t for t in typing.get_args(hints[f.name]) or [hints[f.name]]
-                 if t is not type(None)]
+        kinds = [
+            t for t in typing.get_args(hints[f.name]) or [hints[f.name]] if t is not type(None)
+        ]
         kind = parse_bool if kinds[0] is bool else kinds[0]
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                            choices=CHOICES.get(f.name), help=HELP[f.name])
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=f.default,
+            choices=CHOICES.get(f.name),
+            help=HELP[f.name],
+        )
     return parser
 
 
@@ -531,20 +658,38 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.corpus is not None and not Path(cfg.corpus).is_dir():
             raise ConfigError(f"corpus {cfg.corpus}: not a folder; name a folder of text files")
         if not cfg.prepare and not (Path(cfg.data_dir) / "index.json").exists():
-            raise ConfigError(f"data_dir {cfg.data_dir}: no shards (index.json) there; run "
-                              f"python -m recipes.data --steps 0 --data-dir {cfg.data_dir}, "
-                              "or set prepare: true")
-        for key in ("steps", "global_batch_size", "accumulation", "eval_every",
-                    "checkpoint_every", "keep", "log_every", "seq_len", "warmup_steps",
-                    "eval_windows", "max_bytes", "dp_replicate", "tp"):
+            raise ConfigError(
+                f"data_dir {cfg.data_dir}: no shards (index.json) there; run "
+                f"python -m recipes.data --steps 0 --data-dir {cfg.data_dir}, "
+                "or set prepare: true"
+            )
+        for key in (
+            "steps",
+            "global_batch_size",
+            "accumulation",
+            "eval_every",
+            "checkpoint_every",
+            "keep",
+            "log_every",
+            "seq_len",
+            "warmup_steps",
+            "eval_windows",
+            "max_bytes",
+            "dp_replicate",
+            "tp",
+        ):
             if getattr(cfg, key) < 1:
                 raise ConfigError(f"{key}={getattr(cfg, key)}: must be at least 1")
         for key in ("num_workers", "seed"):
             if getattr(cfg, key) < 0:
                 raise ConfigError(f"{key}={getattr(cfg, key)}: must be at least 0")
         # nan fails no comparison: checked as finite first (else AdamW's traceback, or nan losses)
-        for key, bound in (("lr", "> 0"), ("min_lr", ">= 0"), ("weight_decay", ">= 0"),
-                           ("clip", ">= 0")):
+        for key, bound in (
+            ("lr", "> 0"),
+            ("min_lr", ">= 0"),
+            ("weight_decay", ">= 0"),
+            ("clip", ">= 0"),
+        ):
             value = getattr(cfg, key)
             if not math.isfinite(value) or (value <= 0 if bound == "> 0" else value < 0):
                 raise ConfigError(f"{key}={value}: must be a finite number {bound}")

@@ -80,23 +80,36 @@ class FabricConfig:
     def __post_init__(self) -> None:
         # what the command line checks, also for a config built in code: one line, not a
         # ZeroDivisionError or a KeyError deep inside train
-        for name, low, above in (("steps", 1, False), ("global_batch_size", 1, False),
-                                 ("lr", 0, True), ("accumulate_grad_batches", 1, False),
-                                 ("gradient_clip_val", 0, False), ("timeout_s", 0, True),
-                                 ("checkpoint_every_n_steps", 0, False), ("seed", 0, False)):
+        for name, low, above in (
+            ("steps", 1, False),
+            ("global_batch_size", 1, False),
+            ("lr", 0, True),
+            ("accumulate_grad_batches", 1, False),
+            ("gradient_clip_val", 0, False),
+            ("timeout_s", 0, True),
+            ("checkpoint_every_n_steps", 0, False),
+            ("seed", 0, False),
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < low or (above and value == low):
-                raise ValueError(f"{name} must be a finite number {'>' if above else '>='} "
-                                 f"{low}, got {value}")
-        for name, valid in (("model", sorted(MODEL_PRESETS)), ("precision", PRECISIONS),
-                            ("backend", ("auto", "nccl", "gloo"))):
+                raise ValueError(
+                    f"{name} must be a finite number {'>' if above else '>='} {low}, got {value}"
+                )
+        for name, valid in (
+            ("model", sorted(MODEL_PRESETS)),
+            ("precision", PRECISIONS),
+            ("backend", ("auto", "nccl", "gloo")),
+        ):
             if getattr(self, name) not in valid:
-                raise ValueError(f"{name}={getattr(self, name)!r}; valid values: "
-                                 f"{', '.join(valid)}")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}; valid values: {', '.join(valid)}"
+                )
         if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
-            raise ValueError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
-                             f"steps={self.steps}: no checkpoint would be written; use "
-                             f"--checkpoint-every-n-steps {self.steps} or less (0 = none)")
+            raise ValueError(
+                f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
+                f"steps={self.steps}: no checkpoint would be written; use "
+                f"--checkpoint-every-n-steps {self.steps} or less (0 = none)"
+            )
 
 
 def _check_paths(cfg: FabricConfig) -> None:
@@ -110,8 +123,9 @@ def _check_paths(cfg: FabricConfig) -> None:
         raise ValueError(f"--resume-from {cfg.resume_from} does not exist; pass {what}")
     folder = cfg.checkpoint_dir
     if cfg.checkpoint_every_n_steps and os.path.exists(folder) and not os.path.isdir(folder):
-        raise ValueError(f"--checkpoint-dir {folder} is a file; name a directory (created if "
-                         "missing)")
+        raise ValueError(
+            f"--checkpoint-dir {folder} is a file; name a directory (created if missing)"
+        )
 
 
 # --8<-- [start:train]
@@ -126,8 +140,10 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
             n = world_size * k
             lower = max(n, cfg.global_batch_size - cfg.global_batch_size % n)
             parts = f"{world_size} ranks" + (f" x {k} micro-batches" if k > 1 else "")
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} does not divide across "
-                             f"{parts}; use a multiple of {n}, e.g. {lower} or {lower + n}")
+            raise ValueError(
+                f"global_batch_size={cfg.global_batch_size} does not divide across "
+                f"{parts}; use a multiple of {n}, e.g. {lower} or {lower + n}"
+            )
         per_rank_batch = cfg.global_batch_size // world_size  # k micro-batches of it a step
         use_cuda = world.device.type == "cuda"
         precision = cfg.precision
@@ -136,14 +152,20 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
             precision = "bf16-mixed" if bf16 else "32-true"
         if precision == "16-mixed" and not use_cuda:
             # Fabric would silently switch to bf16-mixed: say it instead of training in another
-            raise ValueError("precision '16-mixed' needs CUDA (fp16 autocast does not run on "
-                             "CPU); use --precision bf16-mixed or 32-true")
+            raise ValueError(
+                "precision '16-mixed' needs CUDA (fp16 autocast does not run on "
+                "CPU); use --precision bf16-mixed or 32-true"
+            )
         if use_cuda and precision == "32-true":  # fp32 means fp32: no TF32 (a process-wide switch)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        fabric = L.Fabric(accelerator="cuda" if use_cuda else "cpu", devices=local_world_size,
-                          num_nodes=world_size // local_world_size, strategy="ddp",
-                          precision=precision)
+        fabric = L.Fabric(
+            accelerator="cuda" if use_cuda else "cpu",
+            devices=local_world_size,
+            num_nodes=world_size // local_world_size,
+            strategy="ddp",
+            precision=precision,
+        )
         fabric.launch()  # the process group exists already: Fabric only takes its place in it
 
         # --8<-- [start:loop]
@@ -151,8 +173,9 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed)  # on the CPU: fabric.setup moves it
         loss_fn = lm_loss
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
         ddp_model, optimizer = fabric.setup(model, optimizer)  # DDP wrapper + precision, one call
         start_step = 0
         if cfg.resume_from:
@@ -160,18 +183,23 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
             try:  # restores model and optimizer in place, on every rank
                 fabric.load(cfg.resume_from, state)
             except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # a truncated file
-                raise ValueError(f"--resume-from {cfg.resume_from} cannot be read as a checkpoint"
-                                 f" ({str(exc).splitlines()[0]})") from None  # every rank alike
+                raise ValueError(
+                    f"--resume-from {cfg.resume_from} cannot be read as a checkpoint"
+                    f" ({str(exc).splitlines()[0]})"
+                ) from None  # every rank alike
             start_step = state["step"]
-        if observer: observer.model_ready(ddp_model, optimizer)
+        if observer:
+            observer.model_ready(ddp_model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s. drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                            pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
+        )
         # use_distributed_sampler=False: keep our sampler (the raw recipe's data order); Fabric
         # moves each batch to the device, and calls sampler.set_epoch(n) on its n-th pass
         loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
@@ -186,8 +214,9 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 local_loss = torch.zeros((), device=fabric.device)
-                for i, (micro_inputs, micro_targets) in enumerate(zip(inputs.chunk(k),
-                                                                      targets.chunk(k))):
+                for i, (micro_inputs, micro_targets) in enumerate(
+                    zip(inputs.chunk(k), targets.chunk(k))
+                ):
                     # Accumulation: only the last micro-batch's backward all-reduces. Pitfall: the
                     # forward must run inside the context too, or DDP prepares a sync anyway
                     with fabric.no_backward_sync(ddp_model, enabled=i < k - 1):
@@ -201,13 +230,16 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
                 losses.append(float(fabric.all_reduce(local_loss, reduce_op="mean")))
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
                 if cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0:
                     # Every rank calls save; under DDP Fabric writes one full, unwrapped state
                     # from rank 0 (no "module." prefix) and waits for it
-                    fabric.save(os.path.join(cfg.checkpoint_dir, f"step-{step}.ckpt"),
-                                {"model": ddp_model, "optimizer": optimizer, "step": step})
+                    fabric.save(
+                        os.path.join(cfg.checkpoint_dir, f"step-{step}.ckpt"),
+                        {"model": ddp_model, "optimizer": optimizer, "step": step},
+                    )
         # --8<-- [end:loop]
         return losses
     finally:
@@ -215,6 +247,8 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
         # (at exit, say), it can hang gloo's teardown. Let the model go first.
         ddp_model = optimizer = None
         cleanup_distributed()
+
+
 # --8<-- [end:train]
 
 
@@ -227,45 +261,85 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = FabricConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.lightning_fabric", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.lightning_fabric",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=PRECISIONS, default=defaults.precision,
-        help="Fabric precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA")
-    add("--accumulate-grad-batches", type=_number(int, at_least=1),
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=PRECISIONS,
+        default=defaults.precision,
+        help="Fabric precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA",
+    )
+    add(
+        "--accumulate-grad-batches",
+        type=_number(int, at_least=1),
         default=defaults.accumulate_grad_batches,
-        help="micro-batches per optimizer step (the global batch stays global_batch_size)")
-    add("--gradient-clip-val", type=_number(float, at_least=0),
+        help="micro-batches per optimizer step (the global batch stays global_batch_size)",
+    )
+    add(
+        "--gradient-clip-val",
+        type=_number(float, at_least=0),
         default=defaults.gradient_clip_val,
-        help="clip the global gradient norm to this value (fabric.clip_gradients); 0: off")
-    add("--checkpoint-every-n-steps", type=_number(int, at_least=0),
+        help="clip the global gradient norm to this value (fabric.clip_gradients); 0: off",
+    )
+    add(
+        "--checkpoint-every-n-steps",
+        type=_number(int, at_least=0),
         default=defaults.checkpoint_every_n_steps,
-        help="fabric.save a checkpoint every N optimizer steps; 0: never")
-    add("--checkpoint-dir", default=defaults.checkpoint_dir,
-        help="where checkpoints go (step-N.ckpt)")
-    add("--resume-from", default=defaults.resume_from,
-        help="checkpoint to resume from (fabric.load): training goes on at its step")
-    add("--backend", choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        help="fabric.save a checkpoint every N optimizer steps; 0: never",
+    )
+    add(
+        "--checkpoint-dir",
+        default=defaults.checkpoint_dir,
+        help="where checkpoints go (step-N.ckpt)",
+    )
+    add(
+        "--resume-from",
+        default=defaults.resume_from,
+        help="checkpoint to resume from (fabric.load): training goes on at its step",
+    )
+    add(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -67,8 +67,17 @@ from recipes._lightning_trainer_workarounds import (
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
-__all__ = ["FSDPOnCPUStrategy", "LMDataModule", "LMModule", "LightningConfig", "LightningRun",
-           "ConfigError", "lightning_cli", "make_parser", "train"]
+__all__ = [
+    "FSDPOnCPUStrategy",
+    "LMDataModule",
+    "LMModule",
+    "LightningConfig",
+    "LightningRun",
+    "ConfigError",
+    "lightning_cli",
+    "make_parser",
+    "train",
+]
 
 LIGHTNING_CLI_SUBCOMMANDS = ("fit", "validate")
 STRATEGIES = ("ddp", "ddp_spawn", "fsdp", "model_parallel")
@@ -109,32 +118,49 @@ class LightningConfig:
     def __post_init__(self) -> None:
         # what the command line checks, also for a config built in code: one line, not a
         # ZeroDivisionError or a KeyError deep inside Lightning
-        for name, low, above in (("steps", 1, False), ("global_batch_size", 1, False),
-                                 ("lr", 0, True), ("accumulate_grad_batches", 1, False),
-                                 ("gradient_clip_val", 0, False), ("timeout_s", 0, True),
-                                 ("devices", 0, False), ("num_nodes", 0, False),
-                                 ("tensor_parallel_size", 0, False),
-                                 ("checkpoint_every_n_steps", 0, False), ("seed", 0, False)):
+        for name, low, above in (
+            ("steps", 1, False),
+            ("global_batch_size", 1, False),
+            ("lr", 0, True),
+            ("accumulate_grad_batches", 1, False),
+            ("gradient_clip_val", 0, False),
+            ("timeout_s", 0, True),
+            ("devices", 0, False),
+            ("num_nodes", 0, False),
+            ("tensor_parallel_size", 0, False),
+            ("checkpoint_every_n_steps", 0, False),
+            ("seed", 0, False),
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < low or (above and value == low):
-                raise ConfigError(f"{name} must be a finite number {'>' if above else '>='} "
-                                  f"{low}, got {value}")
-        for name, valid in (("model", sorted(MODEL_PRESETS)), ("strategy", STRATEGIES),
-                            ("precision", PRECISIONS), ("sharding_strategy", SHARDING),
-                            ("state_dict_type", ("sharded", "full")),
-                            ("logger", ("csv", "tensorboard", "none")),
-                            ("progress_bar", ("auto", "on", "off")),
-                            ("backend", ("auto", "nccl", "gloo"))):
+                raise ConfigError(
+                    f"{name} must be a finite number {'>' if above else '>='} {low}, got {value}"
+                )
+        for name, valid in (
+            ("model", sorted(MODEL_PRESETS)),
+            ("strategy", STRATEGIES),
+            ("precision", PRECISIONS),
+            ("sharding_strategy", SHARDING),
+            ("state_dict_type", ("sharded", "full")),
+            ("logger", ("csv", "tensorboard", "none")),
+            ("progress_bar", ("auto", "on", "off")),
+            ("backend", ("auto", "nccl", "gloo")),
+        ):
             if getattr(self, name) not in valid:
-                raise ConfigError(f"{name}={getattr(self, name)!r}; valid values: "
-                                  f"{', '.join(valid)}")
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r}; valid values: {', '.join(valid)}"
+                )
         if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
-            raise ConfigError(f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
-                              f"steps={self.steps}: no checkpoint would be written; use "
-                              f"--checkpoint-every-n-steps {self.steps} or less (0 = none)")
+            raise ConfigError(
+                f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
+                f"steps={self.steps}: no checkpoint would be written; use "
+                f"--checkpoint-every-n-steps {self.steps} or less (0 = none)"
+            )
         if self.logger == "tensorboard" and not tensorboard_available():
-            raise ConfigError("logger 'tensorboard' needs the tensorboard package: pip install "
-                              "tensorboard, or --logger csv")
+            raise ConfigError(
+                "logger 'tensorboard' needs the tensorboard package: pip install "
+                "tensorboard, or --logger csv"
+            )
 
 
 @dataclass
@@ -158,8 +184,10 @@ def check_batch(global_batch_size: int, ranks: int, micro_batches: int = 1) -> i
     if global_batch_size % parts:
         lower = max(parts, global_batch_size - global_batch_size % parts)
         what = f"{ranks} ranks" + (f" x {micro_batches} micro-batches" if micro_batches > 1 else "")
-        raise ConfigError(f"global_batch_size={global_batch_size} does not divide across {what}; "
-                          f"use a multiple of {parts}, e.g. {lower} or {lower + parts}")
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} does not divide across {what}; "
+            f"use a multiple of {parts}, e.g. {lower} or {lower + parts}"
+        )
     return global_batch_size // parts
 
 
@@ -287,21 +315,30 @@ class LMDataModule(L.LightningDataModule):
         # The data-parallel shard from the strategy: (world, rank) for DDP/FSDP, the data-parallel
         # mesh dimension for ModelParallelStrategy (tensor-parallel ranks read the same batch).
         shard = self.trainer.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
-        per_rank = check_batch(self.global_batch_size, shard["num_replicas"],
-                               self.trainer.accumulate_grad_batches)
+        per_rank = check_batch(
+            self.global_batch_size, shard["num_replicas"], self.trainer.accumulate_grad_batches
+        )
         # The same DistributedSampler (seed, shuffle, drop_last) as the raw recipe; Lightning calls
         # its set_epoch at every epoch start.
-        sampler = DistributedSampler(dataset, num_replicas=shard["num_replicas"],
-                                     rank=shard["rank"], shuffle=True, seed=self.seed,
-                                     drop_last=True)
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=shard["num_replicas"],
+            rank=shard["rank"],
+            shuffle=True,
+            seed=self.seed,
+            drop_last=True,
+        )
         return ResumableLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(make_dataset(self.model, self.global_batch_size, seed=self.seed))
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(make_dataset(self.model, self.global_batch_size,
-                                         batches_per_epoch=2, seed=self.seed + 1))
+        return self._loader(
+            make_dataset(
+                self.model, self.global_batch_size, batches_per_epoch=2, seed=self.seed + 1
+            )
+        )
 
 
 # --8<-- [end:data]
@@ -346,8 +383,9 @@ def build_strategy(cfg: LightningConfig, accelerator: str, world_size: int, num_
         # FSDP1's HYBRID_SHARD with one rank per node never reduces across nodes. Both worked
         # around in recipes/_lightning_trainer_workarounds.py
         strategy_cls = FSDPStrategy if accelerator == "cuda" else FSDPOnCPUStrategy
-        sharding, mesh = hybrid_shard_layout(cfg.sharding_strategy, accelerator, world_size,
-                                             num_nodes)
+        sharding, mesh = hybrid_shard_layout(
+            cfg.sharding_strategy, accelerator, world_size, num_nodes
+        )
         return strategy_cls(
             sharding_strategy=sharding,
             device_mesh=mesh,
@@ -360,8 +398,10 @@ def build_strategy(cfg: LightningConfig, accelerator: str, world_size: int, num_
     if cfg.strategy == "model_parallel":
         tp = cfg.tensor_parallel_size or world_size // num_nodes
         if world_size % tp:
-            raise ConfigError(f"tensor_parallel_size={tp} does not divide the world of "
-                              f"{world_size} ranks; use a divisor of {world_size}")
+            raise ConfigError(
+                f"tensor_parallel_size={tp} does not divide the world of "
+                f"{world_size} ranks; use a divisor of {world_size}"
+            )
         return ModelParallelStrategy(data_parallel_size=world_size // tp, tensor_parallel_size=tp)
     return cfg.strategy  # "ddp" / "ddp_spawn": Lightning's defaults match DistributedDataParallel's
 
@@ -369,27 +409,44 @@ def build_strategy(cfg: LightningConfig, accelerator: str, world_size: int, num_
 class PrintSteps(L.Callback):
     """One line per optimizer step on rank 0, where no progress bar shows (CI logs, torchrun)."""
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 and trainer.is_global_zero:
             loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
             print(f"step {trainer.global_step - 1} loss {loss:.4f}", flush=True)
 
 
 # --8<-- [start:trainer]
-def make_trainer(cfg: LightningConfig, *, accelerator: str, devices: int, num_nodes: int,
-                 precision: str, callbacks: list[L.Callback]) -> L.Trainer:
-    progress_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto"
-                                                and sys.stdout.isatty())
+def make_trainer(
+    cfg: LightningConfig,
+    *,
+    accelerator: str,
+    devices: int,
+    num_nodes: int,
+    precision: str,
+    callbacks: list[L.Callback],
+) -> L.Trainer:
+    progress_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto" and sys.stdout.isatty())
     callbacks = [*callbacks] + ([] if progress_bar else [PrintSteps()])
     if cfg.strategy == "ddp_spawn":  # Lightning owns that world; under torchrun we own it
         callbacks.append(LeaveWorld())
     if cfg.checkpoint_every_n_steps:
         # save_top_k=-1: keep every checkpoint (no metric to rank them by); FSDP "sharded"
         # writes a folder.
-        callbacks.append(ModelCheckpoint(
-            dirpath=os.path.join(cfg.output_dir, "checkpoints"), filename="{step}",
-            every_n_train_steps=cfg.checkpoint_every_n_steps, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=os.path.join(cfg.output_dir, "checkpoints"),
+                filename="{step}",
+                every_n_train_steps=cfg.checkpoint_every_n_steps,
+                save_top_k=-1,
+            )
+        )
     return L.Trainer(
         accelerator=accelerator,
         devices=devices,
@@ -433,14 +490,16 @@ def _check_paths(cfg: LightningConfig) -> None:
     missing --resume-from in Lightning's traceback. DDP's checkpoint is one file; FSDP's sharded
     one is a directory."""
     if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
-        raise ConfigError(f"--output-dir {cfg.output_dir} is a file; name a directory (created "
-                          "if missing)")
+        raise ConfigError(
+            f"--output-dir {cfg.output_dir} is a file; name a directory (created if missing)"
+        )
     what = "a .ckpt file (or the FSDP checkpoint directory) that an earlier run wrote"
     if cfg.resume_from and not os.path.exists(cfg.resume_from):
         raise ConfigError(f"--resume-from {cfg.resume_from} does not exist; pass {what}")
     if cfg.resume_from and cfg.strategy in ("ddp", "ddp_spawn") and os.path.isdir(cfg.resume_from):
-        raise ConfigError(f"--resume-from {cfg.resume_from} is a directory, not a file; pass "
-                          f"{what}")
+        raise ConfigError(
+            f"--resume-from {cfg.resume_from} is a directory, not a file; pass {what}"
+        )
 
 
 # --8<-- [start:train]
@@ -453,14 +512,19 @@ def train(cfg: LightningConfig, observer: L.Callback | None = None) -> Lightning
     if cfg.strategy == "ddp_spawn":
         # Lightning starts cfg.devices processes (torch.multiprocessing.spawn) and joins them
         if dist.is_initialized() or "RANK" in os.environ:
-            raise ConfigError("strategy 'ddp_spawn' starts its own processes: run it with plain "
-                              "python and --devices N, or use --strategy ddp under torchrun")
+            raise ConfigError(
+                "strategy 'ddp_spawn' starts its own processes: run it with plain "
+                "python and --devices N, or use --strategy ddp under torchrun"
+            )
         devices, num_nodes = cfg.devices or 1, 1
         # Checked here, in the parent: in the spawned processes a batch that does not divide
         # fails N times over, as a 70-line ProcessRaisedException.
         check_batch(cfg.global_batch_size, devices, cfg.accumulate_grad_batches)
-        use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()
-                                             and torch.cuda.device_count() >= devices)
+        use_cuda = cfg.backend == "nccl" or (
+            cfg.backend == "auto"
+            and torch.cuda.is_available()
+            and torch.cuda.device_count() >= devices
+        )
         return _fit(cfg, observer, "cuda" if use_cuda else "cpu", devices, num_nodes)
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
@@ -469,42 +533,61 @@ def train(cfg: LightningConfig, observer: L.Callback | None = None) -> Lightning
         if cfg.devices not in (0, devices) or cfg.num_nodes not in (0, num_nodes):
             raise ConfigError(
                 f"the launcher started {num_nodes} node(s) x {devices} process(es); --devices "
-                f"{cfg.devices} --num-nodes {cfg.num_nodes} disagree: drop them or match torchrun")
+                f"{cfg.devices} --num-nodes {cfg.num_nodes} disagree: drop them or match torchrun"
+            )
         return _fit(cfg, observer, world.device.type, devices, num_nodes)
     finally:
         # the Trainer and its DDP wrapper were freed in _fit, while the group was alive
         cleanup_distributed()
 
 
-def _fit(cfg: LightningConfig, observer: L.Callback | None, accelerator: str, devices: int,
-         num_nodes: int) -> LightningRun:
+def _fit(
+    cfg: LightningConfig,
+    observer: L.Callback | None,
+    accelerator: str,
+    devices: int,
+    num_nodes: int,
+) -> LightningRun:
     precision = cfg.precision
     if precision == "auto":
         bf16 = accelerator == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bf16-mixed" if bf16 else "32-true"
     if precision == "16-mixed" and accelerator == "cpu":
         # Lightning would silently switch to bf16-mixed: say it instead of training in another
-        raise ConfigError("precision '16-mixed' needs CUDA (fp16 autocast does not run on CPU); "
-                          "use --precision bf16-mixed or 32-true")
+        raise ConfigError(
+            "precision '16-mixed' needs CUDA (fp16 autocast does not run on CPU); "
+            "use --precision bf16-mixed or 32-true"
+        )
     if cfg.strategy == "model_parallel" and precision == "16-mixed":
-        raise ConfigError("ModelParallelStrategy does not take precision '16-mixed'; use "
-                          "bf16-mixed or 32-true")
+        raise ConfigError(
+            "ModelParallelStrategy does not take precision '16-mixed'; use bf16-mixed or 32-true"
+        )
     if accelerator == "cuda" and precision == "32-true":  # fp32 means fp32: no TF32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if cfg.strategy == "fsdp" and accelerator == "cpu":
         # GPU-only in practice: each found by running it on CPU with torch 2.13, refused up front
         if cfg.cpu_offload:
-            raise ConfigError("cpu_offload moves FSDP shards from GPU to CPU memory; on a CPU "
-                              "world they are there already (and torch pins memory, which needs "
-                              "an accelerator): drop --cpu-offload")
+            raise ConfigError(
+                "cpu_offload moves FSDP shards from GPU to CPU memory; on a CPU "
+                "world they are there already (and torch pins memory, which needs "
+                "an accelerator): drop --cpu-offload"
+            )
         if cfg.state_dict_type == "full":
-            raise ConfigError("state_dict_type 'full' crashes torch's FSDP on CPU (a segfault "
-                              "offloading the gathered state to CPU); use --state-dict-type "
-                              "sharded on CPU, full on GPUs")
+            raise ConfigError(
+                "state_dict_type 'full' crashes torch's FSDP on CPU (a segfault "
+                "offloading the gathered state to CPU); use --state-dict-type "
+                "sharded on CPU, full on GPUs"
+            )
     module = LMModule(cfg.model, lr=cfg.lr, seed=cfg.seed)
     data = LMDataModule(cfg.model, cfg.global_batch_size, seed=cfg.seed)
-    trainer = make_trainer(cfg, accelerator=accelerator, devices=devices, num_nodes=num_nodes,
-                           precision=precision, callbacks=[observer] if observer else [])
+    trainer = make_trainer(
+        cfg,
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        precision=precision,
+        callbacks=[observer] if observer else [],
+    )
     trainer.fit(module, datamodule=data, ckpt_path=cfg.resume_from or None)
 
     checkpoint = trainer.checkpoint_callback if cfg.checkpoint_every_n_steps else None
@@ -513,9 +596,11 @@ def _fit(cfg: LightningConfig, observer: L.Callback | None, accelerator: str, de
         losses=[float(x) for x in trainer.callback_metrics["step_losses"]],
         global_step=trainer.global_step,
         checkpoints=sorted(os.path.join(folder, name) for name in os.listdir(folder))
-        if folder and os.path.isdir(folder) else [],
+        if folder and os.path.isdir(folder)
+        else [],
         metrics_file=os.path.join(trainer.logger.log_dir, "metrics.csv")
-        if cfg.logger == "csv" else None,
+        if cfg.logger == "csv"
+        else None,
     )
 
 
@@ -540,9 +625,13 @@ def lightning_cli(args: list[str] | None = None) -> None:
 
     filter_known_warnings()
     try:
-        RecipeCLI(LMModule, LMDataModule, args=args, save_config_kwargs={"overwrite": True},
-                  trainer_defaults={"use_distributed_sampler": False,
-                                    "callbacks": [LeaveWorld()]})
+        RecipeCLI(
+            LMModule,
+            LMDataModule,
+            args=args,
+            save_config_kwargs={"overwrite": True},
+            trainer_defaults={"use_distributed_sampler": False, "callbacks": [LeaveWorld()]},
+        )
     except ConfigError as exc:  # a bad YAML value: one line and exit 2, as the flags' CLI does
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {exc}", file=sys.stderr)
@@ -555,11 +644,16 @@ def check_cli_batch(trainer: L.Trainer, data: LMDataModule) -> None:
     if isinstance(trainer.strategy, ModelParallelStrategy):
         return  # its data-parallel size is known only once the mesh exists; the loader checks it
     try:
-        check_batch(data.global_batch_size, trainer.num_devices * trainer.num_nodes,
-                    trainer.accumulate_grad_batches)
+        check_batch(
+            data.global_batch_size,
+            trainer.num_devices * trainer.num_nodes,
+            trainer.accumulate_grad_batches,
+        )
     except ConfigError as exc:
-        raise ConfigError(f"data.{exc} (trainer.devices={trainer.num_devices}, "
-                          f"trainer.num_nodes={trainer.num_nodes})") from None
+        raise ConfigError(
+            f"data.{exc} (trainer.devices={trainer.num_devices}, "
+            f"trainer.num_nodes={trainer.num_nodes})"
+        ) from None
 
 
 def _number(kind, *, above=None, at_least=None):
@@ -571,63 +665,143 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     d = LightningConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.lightning_trainer", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.lightning_trainer",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     count, positive = _number(int, at_least=0), _number(int, at_least=1)
     add("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model size")
     add("--steps", type=positive, default=d.steps, help="optimizer steps")
-    add("--global-batch-size", type=positive, default=d.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=positive,
+        default=d.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=d.lr, help="AdamW's")
-    add("--seed", type=count, default=d.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--strategy", choices=STRATEGIES, default=d.strategy,
+    add(
+        "--seed",
+        type=count,
+        default=d.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--strategy",
+        choices=STRATEGIES,
+        default=d.strategy,
         help="Lightning strategy; ddp_spawn starts --devices processes itself, the others join "
-             "torchrun's world")
-    add("--precision", choices=PRECISIONS, default=d.precision,
-        help="Lightning precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed: CUDA")
-    add("--devices", type=count, default=d.devices,
-        help="processes per node; 0: as the launcher says; ddp_spawn: how many to start")
-    add("--num-nodes", type=count, default=d.num_nodes,
-        help="nodes; 0: WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1")
-    add("--accumulate-grad-batches", type=positive, default=d.accumulate_grad_batches,
-        help="micro-batches per optimizer step (the global batch stays global_batch_size)")
-    add("--gradient-clip-val", type=_number(float, at_least=0), default=d.gradient_clip_val,
-        help="clip the global gradient norm to this value; 0: off")
-    add("--sharding-strategy", choices=SHARDING, default=d.sharding_strategy,
-        help="fsdp: what to shard (FULL_SHARD: params, grads and optimizer state)")
-    add("--activation-checkpointing", action=argparse.BooleanOptionalAction,
-        default=d.activation_checkpointing, help="fsdp: recompute each Block in backward")
-    add("--cpu-offload", action=argparse.BooleanOptionalAction, default=d.cpu_offload,
-        help="fsdp on GPUs: keep sharded params and optimizer state in CPU memory")
-    add("--state-dict-type", choices=["sharded", "full"], default=d.state_dict_type,
-        help="fsdp checkpoints: a folder of one shard per rank, or one full file (GPUs)")
-    add("--tensor-parallel-size", type=count, default=d.tensor_parallel_size,
-        help="model_parallel: ranks per tensor-parallel group; 0: all ranks of a node")
-    add("--checkpoint-every-n-steps", type=count, default=d.checkpoint_every_n_steps,
-        help="ModelCheckpoint saves every N optimizer steps; 0: no checkpoints")
-    add("--resume-from", default=d.resume_from,
-        help="checkpoint to resume from (Trainer.fit ckpt_path): a .ckpt file or FSDP folder")
-    add("--logger", choices=["csv", "tensorboard", "none"], default=d.logger,
-        help="metrics logger, written under --output-dir")
+        "torchrun's world",
+    )
+    add(
+        "--precision",
+        choices=PRECISIONS,
+        default=d.precision,
+        help="Lightning precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed: CUDA",
+    )
+    add(
+        "--devices",
+        type=count,
+        default=d.devices,
+        help="processes per node; 0: as the launcher says; ddp_spawn: how many to start",
+    )
+    add(
+        "--num-nodes",
+        type=count,
+        default=d.num_nodes,
+        help="nodes; 0: WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1",
+    )
+    add(
+        "--accumulate-grad-batches",
+        type=positive,
+        default=d.accumulate_grad_batches,
+        help="micro-batches per optimizer step (the global batch stays global_batch_size)",
+    )
+    add(
+        "--gradient-clip-val",
+        type=_number(float, at_least=0),
+        default=d.gradient_clip_val,
+        help="clip the global gradient norm to this value; 0: off",
+    )
+    add(
+        "--sharding-strategy",
+        choices=SHARDING,
+        default=d.sharding_strategy,
+        help="fsdp: what to shard (FULL_SHARD: params, grads and optimizer state)",
+    )
+    add(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=d.activation_checkpointing,
+        help="fsdp: recompute each Block in backward",
+    )
+    add(
+        "--cpu-offload",
+        action=argparse.BooleanOptionalAction,
+        default=d.cpu_offload,
+        help="fsdp on GPUs: keep sharded params and optimizer state in CPU memory",
+    )
+    add(
+        "--state-dict-type",
+        choices=["sharded", "full"],
+        default=d.state_dict_type,
+        help="fsdp checkpoints: a folder of one shard per rank, or one full file (GPUs)",
+    )
+    add(
+        "--tensor-parallel-size",
+        type=count,
+        default=d.tensor_parallel_size,
+        help="model_parallel: ranks per tensor-parallel group; 0: all ranks of a node",
+    )
+    add(
+        "--checkpoint-every-n-steps",
+        type=count,
+        default=d.checkpoint_every_n_steps,
+        help="ModelCheckpoint saves every N optimizer steps; 0: no checkpoints",
+    )
+    add(
+        "--resume-from",
+        default=d.resume_from,
+        help="checkpoint to resume from (Trainer.fit ckpt_path): a .ckpt file or FSDP folder",
+    )
+    add(
+        "--logger",
+        choices=["csv", "tensorboard", "none"],
+        default=d.logger,
+        help="metrics logger, written under --output-dir",
+    )
     add("--output-dir", default=d.output_dir, help="where logs and checkpoints go")
-    add("--progress-bar", choices=["auto", "on", "off"], default=d.progress_bar,
-        help="auto: Lightning's bar on a terminal; elsewhere one line per step replaces it")
-    add("--backend", choices=["auto", "nccl", "gloo"], default=d.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=d.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+    add(
+        "--progress-bar",
+        choices=["auto", "on", "off"],
+        default=d.progress_bar,
+        help="auto: Lightning's bar on a terminal; elsewhere one line per step replaces it",
+    )
+    add(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default=d.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=d.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

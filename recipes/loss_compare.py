@@ -58,30 +58,46 @@ def read_losses(path: str) -> tuple[dict[int, float], str]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise LossFileError(f"{path}: no such file; give the path of a log, results JSON, CSV "
-                            "or JSONL file") from None
+        raise LossFileError(
+            f"{path}: no such file; give the path of a log, results JSON, CSV or JSONL file"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise LossFileError(f"{path}: cannot read it as text ({type(exc).__name__}); give a log, "
-                            "results JSON, CSV or JSONL file") from None
+        raise LossFileError(
+            f"{path}: cannot read it as text ({type(exc).__name__}); give a log, "
+            "results JSON, CSV or JSONL file"
+        ) from None
     lines = [ANSI.sub("", line).strip() for line in text.splitlines()]
     lines = [line for line in lines if line]
-    for name, reader in (("JSON", _whole_json), ("JSON lines", _json_lines), ("CSV", _csv),
-                         ("recipe output", _last_json_line), ("log", _log_lines)):
+    for name, reader in (
+        ("JSON", _whole_json),
+        ("JSON lines", _json_lines),
+        ("CSV", _csv),
+        ("recipe output", _last_json_line),
+        ("log", _log_lines),
+    ):
         losses = reader(text, lines, path)
         if losses:
             return losses, name
     raise LossFileError(
-        f"{path}: no losses found; expected a recipe's JSON result (\"losses\"), log lines like "
-        "'step 3 loss 2.3456', a CSV with columns step,loss, or JSON lines {\"step\", \"loss\"}")
+        f'{path}: no losses found; expected a recipe\'s JSON result ("losses"), log lines like '
+        '\'step 3 loss 2.3456\', a CSV with columns step,loss, or JSON lines {"step", "loss"}'
+    )
 
 
 def _losses_list(value) -> dict[int, float] | None:
     """A recipe result's "losses" (a results file has it under "result"): index = step."""
     if isinstance(value, dict):
-        value = value.get("losses", (value.get("result") or {}).get("losses")
-                          if isinstance(value.get("result"), dict) else None)
-    if isinstance(value, list) and value and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        value = value.get(
+            "losses",
+            (value.get("result") or {}).get("losses")
+            if isinstance(value.get("result"), dict)
+            else None,
+        )
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
         return {step: float(v) for step, v in enumerate(value)}
     return None
 
@@ -121,8 +137,9 @@ def _csv(text, lines, path):
         try:
             losses[int(row[columns["step"]])] = float(row[columns["loss"]])
         except (TypeError, ValueError):
-            raise LossFileError(f"{path}: line {number} of the CSV has no number in step or "
-                                f"loss: {row}") from None
+            raise LossFileError(
+                f"{path}: line {number} of the CSV has no number in step or loss: {row}"
+            ) from None
     return losses
 
 
@@ -145,6 +162,8 @@ def _log_lines(text, lines, path):
         if match:  # a step logged twice (a resumed run): the later line wins
             losses[int(match[1])] = float(match[2])
     return losses
+
+
 # --8<-- [end:read]
 
 
@@ -168,13 +187,18 @@ def compare(a: dict[int, float], b: dict[int, float], *, atol: float, rtol: floa
     only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
     return {
         "common_steps": len(common),
-        "max_abs_diff": worst_abs[0], "max_abs_diff_step": worst_abs[1],
-        "max_rel_diff": worst_rel[0], "max_rel_diff_step": worst_rel[1],
+        "max_abs_diff": worst_abs[0],
+        "max_abs_diff_step": worst_abs[1],
+        "max_rel_diff": worst_rel[0],
+        "max_rel_diff_step": worst_rel[1],
         "first_parted_step": first_parted,
-        "only_in_a": only_a, "only_in_b": only_b,
+        "only_in_a": only_a,
+        "only_in_b": only_b,
         # equal: the same steps, each within the tolerance
         "equal": first_parted is None and not only_a and not only_b and bool(common),
     }
+
+
 # --8<-- [end:compare]
 
 
@@ -186,17 +210,22 @@ def run(cfg: CompareConfig) -> dict:
     print(f"A: {cfg.baseline} ({format_a}, {len(a)} steps)")
     print(f"B: {cfg.test} ({format_b}, {len(b)} steps)")
     if result["common_steps"]:
-        print(f"largest absolute difference: {result['max_abs_diff']:.6g} at step "
-              f"{result['max_abs_diff_step']}")
-        print(f"largest relative difference: {result['max_rel_diff']:.6g} at step "
-              f"{result['max_rel_diff_step']}")
+        print(
+            f"largest absolute difference: {result['max_abs_diff']:.6g} at step "
+            f"{result['max_abs_diff_step']}"
+        )
+        print(
+            f"largest relative difference: {result['max_rel_diff']:.6g} at step "
+            f"{result['max_rel_diff_step']}"
+        )
     else:
         print("no step in common: nothing to compare")
     step = result["first_parted_step"]
     tolerance = f"atol={cfg.atol:g}, rtol={cfg.rtol:g}"
     if step is None:
-        print(f"first step that parts ({tolerance}): none, on {result['common_steps']} common "
-              "steps")
+        print(
+            f"first step that parts ({tolerance}): none, on {result['common_steps']} common steps"
+        )
     else:
         print(f"first step that parts ({tolerance}): step {step}: A {a[step]!r}, B {b[step]!r}")
     for label, steps in (("A", result["only_in_a"]), ("B", result["only_in_b"])):
@@ -223,18 +252,27 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="python -m recipes.loss_compare",
-                                description=__doc__.split("\n\n")[0])
-    parser.add_argument("baseline", metavar="A",
-                        help="the reference run: a log, results JSON, CSV or JSONL file")
+    parser = OneLineErrorParser(
+        prog="python -m recipes.loss_compare", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "baseline", metavar="A", help="the reference run: a log, results JSON, CSV or JSONL file"
+    )
     parser.add_argument("test", metavar="B", help="the run compared with A, in any such format")
-    parser.add_argument("--atol", type=float, default=0.0,
-                        help="absolute tolerance per step (default 0: bitwise equal)")
-    parser.add_argument("--rtol", type=float, default=0.0,
-                        help="relative tolerance per step, of A's loss")
-    parser.add_argument("--assert-equal", action="store_true",
-                        help="exit with 1 unless both runs have the same steps, each within the "
-                             "tolerance")
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=0.0,
+        help="absolute tolerance per step (default 0: bitwise equal)",
+    )
+    parser.add_argument(
+        "--rtol", type=float, default=0.0, help="relative tolerance per step, of A's loss"
+    )
+    parser.add_argument(
+        "--assert-equal",
+        action="store_true",
+        help="exit with 1 unless both runs have the same steps, each within the tolerance",
+    )
     return parser
 
 
@@ -244,8 +282,13 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
         if not value >= 0:  # also refuses nan
             parser.error(f"{flag} {value}: a tolerance is 0 or more")
-    cfg = CompareConfig(baseline=args.baseline, test=args.test, atol=args.atol, rtol=args.rtol,
-                        assert_equal=args.assert_equal)
+    cfg = CompareConfig(
+        baseline=args.baseline,
+        test=args.test,
+        atol=args.atol,
+        rtol=args.rtol,
+        assert_equal=args.assert_equal,
+    )
     try:
         result = run(cfg)
     except LossFileError as exc:
@@ -257,8 +300,10 @@ def main(argv: list[str] | None = None) -> dict:
             reasons.append(f"they part at step {result['first_parted_step']}")
         if result["only_in_a"] or result["only_in_b"]:
             reasons.append("their steps differ")
-        print(f"loss_compare: the runs differ: {'; '.join(reasons) or 'no step in common'}",
-              file=sys.stderr)
+        print(
+            f"loss_compare: the runs differ: {'; '.join(reasons) or 'no step in common'}",
+            file=sys.stderr,
+        )
         raise SystemExit(1)
     return result
 

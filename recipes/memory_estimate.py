@@ -90,10 +90,14 @@ class EstimateError(ValueError):
 
 
 # Two help texts too long for a field's line (the API reference shows each field's default)
-_STRATEGY_HELP = ("per-GPU figure: zero3 = FSDP FULL_SHARD, zero2 = SHARD_GRAD_OP, hsdp = ZeRO-3 "
-                  "over shard_size ranks, replicated across the groups")
-_PRECISION_HELP = ("per-GPU figure: mixed = 2+2+12 bytes/param, bf16 activations; autocast = "
-                   "fp32 params (4+4+8), bf16 activations; fp32 = 4+4+8, fp32 activations")
+_STRATEGY_HELP = (
+    "per-GPU figure: zero3 = FSDP FULL_SHARD, zero2 = SHARD_GRAD_OP, hsdp = ZeRO-3 "
+    "over shard_size ranks, replicated across the groups"
+)
+_PRECISION_HELP = (
+    "per-GPU figure: mixed = 2+2+12 bytes/param, bf16 activations; autocast = "
+    "fp32 params (4+4+8), bf16 activations; fp32 = 4+4+8, fp32 activations"
+)
 
 
 def _opt(default: Any, help_text: str) -> Any:
@@ -103,15 +107,18 @@ def _opt(default: Any, help_text: str) -> Any:
 @dataclass
 class EstimateConfig:
     params: float = _opt(
-        7.5e9, "number of model parameters (Psi); 7.5e9 is the ZeRO paper's example (> 0)")
+        7.5e9, "number of model parameters (Psi); 7.5e9 is the ZeRO paper's example (> 0)"
+    )
     world_size: int = _opt(64, "data-parallel ranks (N) the model state is sharded over (>= 1)")
     optimizer: str = _opt(
         "both",
-        "adam-mixed: 2+2+12 bytes/param (fp16 params and grads, fp32 master+m+v); adam-fp32: 4+4+8")
+        "adam-mixed: 2+2+12 bytes/param (fp16 params and grads, fp32 master+m+v); adam-fp32: 4+4+8",
+    )
     unit: str = _opt("GB", "GB = 1e9 bytes (the paper's unit), GiB = 2**30 bytes")
     # The per-GPU figure of one strategy (gpu_memory; the docs' calculator asks the same).
     model: str = _opt(
-        "custom", "a preset sets params, layers, hidden, heads and vocab (custom: the options)")
+        "custom", "a preset sets params, layers, hidden, heads and vocab (custom: the options)"
+    )
     layers: int = _opt(32, "transformer layers (L) (>= 1)")
     hidden: int = _opt(4096, "hidden size (h) (>= 1)")
     heads: int = _opt(32, "attention heads (a) (>= 1)")
@@ -121,13 +128,13 @@ class EstimateConfig:
     offload: bool = _opt(False, "per-GPU figure: CPU offload of the sharded parts (not for ddp)")
     tp: int = _opt(1, "tensor-parallel degree (t); GPUs = world_size * tp * pp (>= 1)")
     pp: int = _opt(1, "pipeline-parallel degree (stages, 1F1B schedule) (>= 1)")
-    sequence_parallel: bool = _opt(
-        True, "with tp > 1: norms and dropout sharded over the sequence")
+    sequence_parallel: bool = _opt(True, "with tp > 1: norms and dropout sharded over the sequence")
     precision: str = _opt("mixed", _PRECISION_HELP)
     seq_len: int = _opt(4096, "sequence length (s) (>= 1)")
     micro_batch: int = _opt(1, "sequences per micro-batch on each GPU (b) (>= 1)")
     checkpointing: str = _opt(
-        "none", "activation checkpointing: selective recomputes attention, full keeps layer inputs")
+        "none", "activation checkpointing: selective recomputes attention, full keeps layer inputs"
+    )
     flash_attention: bool = _opt(True, "SDPA/flash attention: no s x s scores stored")
     gpu_memory_gib: float = _opt(80.0, "memory of one GPU in GiB (24, 40, 80, 141, ...) (> 0)")
 
@@ -136,8 +143,9 @@ class EstimateConfig:
         # (nan parameters once printed a table of nan).
         for name, valid in _choices().items():
             if getattr(self, name) not in valid:
-                raise EstimateError(f"unknown {name}={getattr(self, name)!r}; "
-                                    f"valid values: {', '.join(valid)}")
+                raise EstimateError(
+                    f"unknown {name}={getattr(self, name)!r}; valid values: {', '.join(valid)}"
+                )
         for name in WHOLE_AT_LEAST_1:
             _check_number(name, getattr(self, name), whole=True)
         for name in ("params", "gpu_memory_gib"):
@@ -160,14 +168,29 @@ class EstimateConfig:
             raise EstimateError("DDP has no CPU offload; use --no-offload or a zero strategy")
 
 
-WHOLE_AT_LEAST_1 = ("world_size", "layers", "hidden", "heads", "vocab", "shard_size", "tp", "pp",
-                    "seq_len", "micro_batch")
+WHOLE_AT_LEAST_1 = (
+    "world_size",
+    "layers",
+    "hidden",
+    "heads",
+    "vocab",
+    "shard_size",
+    "tp",
+    "pp",
+    "seq_len",
+    "micro_batch",
+)
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
-    return {"optimizer": ("both", *LAYOUTS), "unit": tuple(UNITS),
-            "model": ("custom", *MODEL_PRESETS), "strategy": (*STAGES, "hsdp"),
-            "precision": tuple(PRECISIONS), "checkpointing": ("none", "selective", "full")}
+    return {
+        "optimizer": ("both", *LAYOUTS),
+        "unit": tuple(UNITS),
+        "model": ("custom", *MODEL_PRESETS),
+        "strategy": (*STAGES, "hsdp"),
+        "precision": tuple(PRECISIONS),
+        "checkpointing": ("none", "selective", "full"),
+    }
 
 
 def _check_number(name: str, value: Any, *, whole: bool) -> None:
@@ -222,7 +245,9 @@ LAYOUTS: dict[str, OptimizerLayout] = {
 UNITS = {"GB": 1e9, "GiB": 2.0**30}
 # precision -> (model-state layout, bytes per activation element)
 PRECISIONS: dict[str, tuple[str, int]] = {
-    "mixed": ("adam-mixed", 2), "autocast": ("adam-fp32", 2), "fp32": ("adam-fp32", 4),
+    "mixed": ("adam-mixed", 2),
+    "autocast": ("adam-fp32", 2),
+    "fp32": ("adam-fp32", 4),
 }
 
 
@@ -291,6 +316,8 @@ def model_state_per_rank(
     device["total_bytes"] = sum(device.values())
     host["total_bytes"] = sum(host.values())
     return {"device": device, "host": host}
+
+
 # --8<-- [end:stages]
 
 
@@ -331,12 +358,20 @@ def gpu_memory(cfg: EstimateConfig) -> dict[str, Any]:
     device["total_bytes"] = sum(device.values())
     capacity = cfg.gpu_memory_gib * 2.0**30
     return {
-        "strategy": cfg.strategy, "precision": cfg.precision, "optimizer": layout_name,
-        "gpus": cfg.world_size * cfg.tp * cfg.pp, "data_parallel": cfg.world_size,
-        "shard_over": shard_over, "params_per_gpu": params_per_gpu,
-        "device": device, "host_bytes": state["host"]["total_bytes"],
-        "gpu_bytes": capacity, "fits": device["total_bytes"] <= capacity,
+        "strategy": cfg.strategy,
+        "precision": cfg.precision,
+        "optimizer": layout_name,
+        "gpus": cfg.world_size * cfg.tp * cfg.pp,
+        "data_parallel": cfg.world_size,
+        "shard_over": shard_over,
+        "params_per_gpu": params_per_gpu,
+        "device": device,
+        "host_bytes": state["host"]["total_bytes"],
+        "gpu_bytes": capacity,
+        "fits": device["total_bytes"] <= capacity,
     }
+
+
 # --8<-- [end:activations]
 
 
@@ -376,17 +411,21 @@ def format_table(result: dict[str, Any], unit: str = "GB") -> str:
     settings."""
     scale = UNITS[unit]
     lines = [
-        (f"Model-state memory per rank: {result['params']:.4g} parameters, {result['world_size']} "
-        "data-parallel "
-        f"ranks, in {unit} ({scale:.0f} bytes). Activations and buffers come on top.")
+        (
+            f"Model-state memory per rank: {result['params']:.4g} parameters, {result['world_size']} "
+            "data-parallel "
+            f"ranks, in {unit} ({scale:.0f} bytes). Activations and buffers come on top."
+        )
     ]
     header = f"{'strategy':<28}{'params':>9}{'grads':>9}{'optim':>9}{'device':>10}{'host':>9}"
     for layout_name, layout in result["layouts"].items():
         lines += [
             "",
-            (f"{layout_name}: {layout['description']} "
-            f"({layout['param_bytes']}+{layout['grad_bytes']}+{layout['optimizer_bytes']} "
-            "bytes/param)"),
+            (
+                f"{layout_name}: {layout['description']} "
+                f"({layout['param_bytes']}+{layout['grad_bytes']}+{layout['optimizer_bytes']} "
+                "bytes/param)"
+            ),
             header,
             "-" * len(header),
         ]
@@ -414,14 +453,26 @@ def format_table(result: dict[str, Any], unit: str = "GB") -> str:
     dev = gpu["device"]
     lines += [
         "",
-        (f"Per GPU with {gpu['strategy']} ({gpu['precision']} precision) on {gpu['gpus']} GPUs "
-         f"({gpu['data_parallel']} data-parallel, sharded over {gpu['shard_over']}), in {unit}:"),
-        "  " + ", ".join(f"{name} {dev[key] / scale:.2f}" for name, key in (
-            ("params", "param_bytes"), ("grads", "grad_bytes"), ("optim", "optimizer_bytes"),
-            ("activations", "activation_bytes"), ("total", "total_bytes"))),
-        (f"  of {gpu['gpu_bytes'] / scale:.2f} on the GPU: "
-         + ("fits" if gpu["fits"] else "does not fit")
-         + (f"; {gpu['host_bytes'] / scale:.2f} in host memory" if gpu["host_bytes"] else "")),
+        (
+            f"Per GPU with {gpu['strategy']} ({gpu['precision']} precision) on {gpu['gpus']} GPUs "
+            f"({gpu['data_parallel']} data-parallel, sharded over {gpu['shard_over']}), in {unit}:"
+        ),
+        "  "
+        + ", ".join(
+            f"{name} {dev[key] / scale:.2f}"
+            for name, key in (
+                ("params", "param_bytes"),
+                ("grads", "grad_bytes"),
+                ("optim", "optimizer_bytes"),
+                ("activations", "activation_bytes"),
+                ("total", "total_bytes"),
+            )
+        ),
+        (
+            f"  of {gpu['gpu_bytes'] / scale:.2f} on the GPU: "
+            + ("fits" if gpu["fits"] else "does not fit")
+            + (f"; {gpu['host_bytes'] / scale:.2f} in host memory" if gpu["host_bytes"] else "")
+        ),
     ]
     return "\n".join(lines)
 
@@ -439,8 +490,11 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def make_parser() -> argparse.ArgumentParser:
     """One option per field of EstimateConfig: --world-size 64, --offload/--no-offload."""
-    parser = OneLineErrorParser(prog="python -m recipes.memory_estimate",
-                                description=(__doc__ or "").split("\n\n")[0], allow_abbrev=False)
+    parser = OneLineErrorParser(
+        prog="python -m recipes.memory_estimate",
+        description=(__doc__ or "").split("\n\n")[0],
+        allow_abbrev=False,
+    )
     choices, kinds = _choices(), {"float": float, "int": int, "str": str}
     for f in fields(EstimateConfig):
         option = {"default": f.default, "help": f.metadata["help"]}

@@ -46,8 +46,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -85,8 +85,9 @@ def reset_parameters(module: nn.Module) -> None:
 
 # --8<-- [start:replay_init]
 @torch.no_grad()
-def replay_init(model: nn.Module, *, seed: int,
-                init_fn: Callable[[nn.Module], None] = reset_parameters) -> int:
+def replay_init(
+    model: nn.Module, *, seed: int, init_fn: Callable[[nn.Module], None] = reset_parameters
+) -> int:
     """Initialise a sharded, materialised (``to_empty``) model as ``seed`` + a normal build would.
 
     One module at a time: its parameters at full size on the host, ``init_fn(module)`` on them,
@@ -99,8 +100,10 @@ def replay_init(model: nn.Module, *, seed: int,
             sharded = dict(module.named_parameters(recurse=False))
             if not sharded:
                 continue
-            full = {name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
-                    for name, p in sharded.items()}
+            full = {
+                name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+                for name, p in sharded.items()
+            }
             module._parameters.update(full)  # init_fn writes into the full-size stand-ins...
             try:
                 init_fn(module)
@@ -110,6 +113,8 @@ def replay_init(model: nn.Module, *, seed: int,
                 param.to_local().copy_(full[name][local_slices(param)])
             largest = max(largest, sum(t.numel() * t.element_size() for t in full.values()))
     return largest
+
+
 # --8<-- [end:replay_init]
 
 
@@ -122,11 +127,15 @@ def write_seed_checkpoint(model: nn.Module, path: str) -> None:
 def load_seed_checkpoint(model: nn.Module, path: str) -> None:
     """Load a seed checkpoint into a sharded model: each rank reads the rows of its shards."""
     if not os.path.exists(os.path.join(path, ".metadata")):
-        raise ValueError(f"no seed checkpoint in {path}; create it once with python -m recipes."
-                         f"meta_init --create-seed-checkpoint --seed-checkpoint-dir {path}")
+        raise ValueError(
+            f"no seed checkpoint in {path}; create it once with python -m recipes."
+            f"meta_init --create-seed-checkpoint --seed-checkpoint-dir {path}"
+        )
     state = get_model_state_dict(model)  # DTensors: DCP reads into each rank's shard
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state)
+
+
 # --8<-- [end:seed_checkpoint]
 
 
@@ -134,38 +143,48 @@ def create_seed_checkpoint(cfg: MetaInitConfig) -> None:
     """The seed_checkpoint method's one full build: in this process, before the sharded run."""
     path = cfg.seed_checkpoint_dir
     if os.path.exists(path) and not os.path.isdir(path):  # refused before the build
-        raise ValueError(f"--seed-checkpoint-dir {path} is a file; name a directory "
-                         "(created if missing)")
+        raise ValueError(
+            f"--seed-checkpoint-dir {path} is a file; name a directory (created if missing)"
+        )
     write_seed_checkpoint(build_model(cfg.model, seed=cfg.seed), cfg.seed_checkpoint_dir)
-    print(f"seed checkpoint of {cfg.model} (seed {cfg.seed}) written to "
-          f"{cfg.seed_checkpoint_dir}", flush=True)
+    print(
+        f"seed checkpoint of {cfg.model} (seed {cfg.seed}) written to {cfg.seed_checkpoint_dir}",
+        flush=True,
+    )
 
 
 # --8<-- [start:run]
 def run(cfg: MetaInitConfig, observer=None) -> MetaInitRun:
     """Build the model sharded, never whole, and initialise it; returns its loss (every rank)."""
     if cfg.create_seed_checkpoint:
-        raise ValueError("create_seed_checkpoint is a step of its own, before this run: "
-                         "python -m recipes.meta_init --create-seed-checkpoint")
+        raise ValueError(
+            "create_seed_checkpoint is a step of its own, before this run: "
+            "python -m recipes.meta_init --create-seed-checkpoint"
+        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("shard",))
         model_cfg = MODEL_PRESETS[cfg.model]
-        model = build_sharded_on_meta(lambda: TransformerLM(model_cfg), mesh,
-                                      block_types=(Block,), device=world.device)
+        model = build_sharded_on_meta(
+            lambda: TransformerLM(model_cfg), mesh, block_types=(Block,), device=world.device
+        )
         largest_module_bytes = 0
         if cfg.method == "replay":
             largest_module_bytes = replay_init(model, seed=cfg.seed)
         else:
             load_seed_checkpoint(model, cfg.seed_checkpoint_dir)
         # no optimizer: this recipe ends where training would start
-        if observer: observer.model_ready(model, None)
+        if observer:
+            observer.model_ready(model, None)
         # Before any forward: fully_shard's root keeps its parameters unsharded after one.
         shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # global
         if world.rank == 0:
-            print(f"{cfg.method}: {shard_bytes} of {full_bytes} parameter bytes on rank 0, "
-                  f"+ {largest_module_bytes} for one module in full", flush=True)
+            print(
+                f"{cfg.method}: {shard_bytes} of {full_bytes} parameter bytes on rank 0, "
+                f"+ {largest_module_bytes} for one module in full",
+                flush=True,
+            )
 
         # One forward of the initial model: its loss equals the normal build's (tested). Every
         # rank runs the same two sequences, so every rank gets the same loss.
@@ -174,10 +193,13 @@ def run(cfg: MetaInitConfig, observer=None) -> MetaInitRun:
             loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).item()
         if world.rank == 0:
             print(f"initial loss {loss:.4f}", flush=True)
-        if observer: observer.step_end(0, loss)
+        if observer:
+            observer.step_end(0, loss)
         return MetaInitRun(losses=[loss], largest_module_bytes=largest_module_bytes)
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:run]
 
 
@@ -185,7 +207,8 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
@@ -208,24 +231,50 @@ def _seed(text: str) -> int:
 def make_parser() -> argparse.ArgumentParser:
     defaults = MetaInitConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.meta_init", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.meta_init",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--method", choices=["replay", "seed_checkpoint"], default=defaults.method,
+    add(
+        "--method",
+        choices=["replay", "seed_checkpoint"],
+        default=defaults.method,
         help="replay: each rank re-runs the init one module at a time and keeps its rows; "
-        "seed_checkpoint: load a DCP checkpoint of the initial weights (see the docstring)")
-    add("--seed", type=_seed, default=defaults.seed,
-        help="the seed a normal build would use (build_model(seed=...))")
-    add("--seed-checkpoint-dir", default=defaults.seed_checkpoint_dir,
-        help="where the seed checkpoint lives")
-    add("--create-seed-checkpoint", action=argparse.BooleanOptionalAction,
+        "seed_checkpoint: load a DCP checkpoint of the initial weights (see the docstring)",
+    )
+    add(
+        "--seed",
+        type=_seed,
+        default=defaults.seed,
+        help="the seed a normal build would use (build_model(seed=...))",
+    )
+    add(
+        "--seed-checkpoint-dir",
+        default=defaults.seed_checkpoint_dir,
+        help="where the seed checkpoint lives",
+    )
+    add(
+        "--create-seed-checkpoint",
+        action=argparse.BooleanOptionalAction,
         default=defaults.create_seed_checkpoint,
-        help="build the model once in this process, save it to --seed-checkpoint-dir, and exit")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_positive, default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        help="build the model once in this process, save it to --seed-checkpoint-dir, and exit",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_positive,
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

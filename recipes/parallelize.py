@@ -26,38 +26,70 @@ import fnmatch
 import functools
 import itertools
 import re
-from math import prod
 from collections.abc import Callable, Mapping
+from math import prod
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_checkpoint_wrapper
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                         checkpoint_wrapper)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision,
-                                    MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy,
-                                    fully_shard)
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 __all__ = [
-    "CheckpointingError", "apply_activation_checkpointing",
-    "CompileTargetError", "apply_compile",
-    "ShardingError", "apply_fully_shard", "build_sharded_on_meta", "local_slices",
-    "FSDPWrapError", "apply_fsdp", "check_units", "tied_modules",
-    "TPPlanError", "apply_tp", "check_tp_plan", "check_heads_divide", "check_tp_fits",
+    "CheckpointingError",
+    "apply_activation_checkpointing",
+    "CompileTargetError",
+    "apply_compile",
+    "ShardingError",
+    "apply_fully_shard",
+    "build_sharded_on_meta",
+    "local_slices",
+    "FSDPWrapError",
+    "apply_fsdp",
+    "check_units",
+    "tied_modules",
+    "TPPlanError",
+    "apply_tp",
+    "check_tp_plan",
+    "check_heads_divide",
+    "check_tp_fits",
     "matching_modules",
-    "transformer_lm_plan", "llama_plan", "ReplicateParallel",
-    "apply_tp_and_fsdp", "rank_grid",
-    "MeshError", "checked_mesh",
+    "transformer_lm_plan",
+    "llama_plan",
+    "ReplicateParallel",
+    "apply_tp_and_fsdp",
+    "rank_grid",
+    "MeshError",
+    "checked_mesh",
 ]
 
 
@@ -70,9 +102,13 @@ class CheckpointingError(ValueError):
 
 
 def apply_activation_checkpointing(
-        model: nn.Module, *, block_types: tuple[type[nn.Module], ...] | None = None,
-        is_block: Callable[[nn.Module], bool] | None = None, every_k: int = 1,
-        policy: Callable[..., CheckpointPolicy] | list | None = None) -> list[nn.Module]:
+    model: nn.Module,
+    *,
+    block_types: tuple[type[nn.Module], ...] | None = None,
+    is_block: Callable[[nn.Module], bool] | None = None,
+    every_k: int = 1,
+    policy: Callable[..., CheckpointPolicy] | list | None = None,
+) -> list[nn.Module]:
     """Checkpoint blocks 0, k, 2k, ... of ``model`` in place and return them.
 
     Name the blocks by class (``block_types=(Block,)``) or by a predicate (``is_block``), in
@@ -85,8 +121,10 @@ def apply_activation_checkpointing(
     before torch.compile and DDP/FSDP wrap the model.
     """
     if (block_types is None) == (is_block is None):
-        raise CheckpointingError("apply_activation_checkpointing needs exactly one of "
-                                 "block_types=(YourBlock,) or is_block=...")
+        raise CheckpointingError(
+            "apply_activation_checkpointing needs exactly one of "
+            "block_types=(YourBlock,) or is_block=..."
+        )
     if every_k < 1:
         raise CheckpointingError(f"every_k must be >= 1, got {every_k}")
     matches = is_block or (lambda module: isinstance(module, block_types))
@@ -95,7 +133,8 @@ def apply_activation_checkpointing(
         found = sorted({type(module).__name__ for module in model.modules()})
         raise CheckpointingError(
             f"apply_activation_checkpointing matched no block in {type(model).__name__}; its "
-            f"module classes are: {', '.join(found)}; pass block_types=(TheBlockClass,)")
+            f"module classes are: {', '.join(found)}; pass block_types=(TheBlockClass,)"
+        )
     options: dict = {"use_reentrant": False}
     if policy is not None:  # checkpoint calls context_fn on every forward: a fresh cache each time
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
@@ -128,16 +167,20 @@ def checkpointed(block: nn.Module, options: dict) -> Callable:
         if torch.is_grad_enabled():  # without gradients nothing is replayed: a cache is fine
             named = [*((f"argument {i}", value) for i, value in enumerate(args)), *kwargs.items()]
             for name, value in named:
-                if value is not None and (name in CACHE_ARGUMENTS
-                                          or type(value).__name__.endswith("Cache")):
+                if value is not None and (
+                    name in CACHE_ARGUMENTS or type(value).__name__.endswith("Cache")
+                ):
                     raise CheckpointingError(
                         f"{type(block).__name__}'s checkpointed forward got a key/value cache "
                         f"({name}: {type(value).__name__}): the replay in backward would see "
                         "what it filled; build or call the model with use_cache=False, or use "
-                        "its own model.gradient_checkpointing_enable()")
+                        "its own model.gradient_checkpointing_enable()"
+                    )
         return checkpoint(forward, *args, **options, **kwargs)
 
     return run
+
+
 # --8<-- [end:apply_activation_checkpointing]
 
 
@@ -186,6 +229,8 @@ def apply_compile(
         # Module.compile() and 60.5 ms this way; the unsharded compiled loop, 54.6 ms.
         block.forward = torch.compile(block.forward, backend=backend)
     return model
+
+
 # --8<-- [end:apply_compile]
 
 
@@ -224,8 +269,13 @@ def apply_fully_shard(
     # Order: bottom-up. Each call groups the parameters not yet claimed by an inner call, so the
     # Blocks go first and the root call collects the rest (embeddings, final norm, output).
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=precision, offload_policy=offload)
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=precision,
+            offload_policy=offload,
+        )
     # The root keeps fully_shard's default (None -> not resharded after forward): backward needs
     # its parameters (the output layer) first, so freeing them would only re-gather them at once.
     fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)
@@ -237,13 +287,19 @@ def apply_fully_shard(
             previous.set_modules_to_forward_prefetch([following])
             following.set_modules_to_backward_prefetch([previous])
     return model
+
+
 # --8<-- [end:apply_fully_shard]
 
 
 # --8<-- [start:build_sharded_on_meta]
-def build_sharded_on_meta(make_model: Callable[[], nn.Module], mesh: DeviceMesh, *,
-                          block_types: tuple[type[nn.Module], ...],
-                          device: torch.device) -> nn.Module:
+def build_sharded_on_meta(
+    make_model: Callable[[], nn.Module],
+    mesh: DeviceMesh,
+    *,
+    block_types: tuple[type[nn.Module], ...],
+    device: torch.device,
+) -> nn.Module:
     """Build under meta (no bytes), shard, then allocate only this rank's shards (uninitialised).
 
     Order: sharding before ``to_empty`` is what makes each rank allocate 1/N. Pitfall:
@@ -254,6 +310,8 @@ def build_sharded_on_meta(make_model: Callable[[], nn.Module], mesh: DeviceMesh,
     apply_fully_shard(model, mesh, block_types=block_types)
     model.to_empty(device=device)
     return model
+
+
 # --8<-- [end:build_sharded_on_meta]
 
 
@@ -265,6 +323,8 @@ def local_slices(param: DTensor) -> tuple[slice, ...]:
     uneven shards included, without a collective."""
     (chunk,) = param.__create_chunk_list__()
     return tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+
+
 # --8<-- [end:local_slices]
 
 
@@ -277,14 +337,21 @@ class FSDPWrapError(ValueError):
     """
 
 
-def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callable | None,
-               sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
-               mixed_precision: MixedPrecision | None = None, cpu_offload: CPUOffload | None = None,
-               backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-               forward_prefetch: bool = False, limit_all_gathers: bool = True,
-               sync_module_states: bool = True,
-               checkpoint_block_types: tuple[type[nn.Module], ...] = (),
-               device: torch.device | None = None, mesh: DeviceMesh | None = None) -> FSDP:
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    auto_wrap_policy: ModuleWrapPolicy | Callable | None,
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: CPUOffload | None = None,
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = False,
+    limit_all_gathers: bool = True,
+    sync_module_states: bool = True,
+    checkpoint_block_types: tuple[type[nn.Module], ...] = (),
+    device: torch.device | None = None,
+    mesh: DeviceMesh | None = None,
+) -> FSDP:
     """Wrap ``model`` in classic FSDP, one unit per module that ``auto_wrap_policy`` picks.
 
     ``auto_wrap_policy``: e.g. ``ModuleWrapPolicy({GPT2Block})``, your model's block classes; None
@@ -293,8 +360,10 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
     ("replicate", "shard") for HYBRID_SHARD, else optional 1-D. ``checkpoint_block_types``:
     recompute these blocks' activations in backward (activation checkpointing inside each unit).
     """
-    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD,
-                                   ShardingStrategy._HYBRID_SHARD_ZERO2)
+    hybrid = sharding_strategy in (
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    )
     if hybrid and (mesh is None or mesh.ndim != 2):
         raise FSDPWrapError(f"{sharding_strategy.name} needs a 2-D device mesh (replicate, shard)")
     if hybrid and mesh.size(1) == 1:
@@ -304,9 +373,11 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
         sharding_strategy, mesh = ShardingStrategy.NO_SHARD, None
     on_cpu = (device or next(model.parameters()).device).type == "cpu"
     if cpu_offload is not None and cpu_offload.offload_params and on_cpu:
-        raise FSDPWrapError("cpu_offload needs a GPU: FSDP pins host memory for the copies to "
-                            "and from the device; on a CPU-only world the parameters already live "
-                            "in host memory: drop --cpu-offload")
+        raise FSDPWrapError(
+            "cpu_offload needs a GPU: FSDP pins host memory for the copies to "
+            "and from the device; on a CPU-only world the parameters already live "
+            "in host memory: drop --cpu-offload"
+        )
     if sync_module_states and on_cpu:
         # FSDP's own sync_module_states refuses CPU tensors (it broadcasts on the accelerator): on a
         # CPU-only world, broadcast rank 0's parameters and buffers by hand, before sharding.
@@ -342,9 +413,12 @@ def apply_fsdp(model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy | Callabl
         # torch's own checkpoint_wrapper here (not this file's apply_activation_checkpointing):
         # classic FSDP documents and tests its units wrapped by it
         torch_checkpoint_wrapper.apply_activation_checkpointing(
-            fsdp_model, check_fn=lambda module: isinstance(module, checkpoint_block_types),
+            fsdp_model,
+            check_fn=lambda module: isinstance(module, checkpoint_block_types),
             checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            ),
+        )
     return fsdp_model
 
 
@@ -377,10 +451,12 @@ def check_units(fsdp_model: FSDP, policy, tied: list[list[nn.Module]]) -> None:
     inner = fsdp_model.module
     if policy is not None and len(units) == 1:
         found = sorted({type(m).__name__ for m in inner.modules()})
-        raise FSDPWrapError(f"the FSDP wrap policy matched nothing in {type(inner).__name__}, so "
-                            f"the whole model is one unit; pass your block classes, e.g. "
-                            f"ModuleWrapPolicy({{Block}}); its module classes are: "
-                            f"{', '.join(found)}")
+        raise FSDPWrapError(
+            f"the FSDP wrap policy matched nothing in {type(inner).__name__}, so "
+            f"the whole model is one unit; pass your block classes, e.g. "
+            f"ModuleWrapPolicy({{Block}}); its module classes are: "
+            f"{', '.join(found)}"
+        )
     names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
     for holders in tied:
         if len({id(unit_of[id(m)]) for m in holders}) > 1:
@@ -388,7 +464,10 @@ def check_units(fsdp_model: FSDP, policy, tied: list[list[nn.Module]]) -> None:
                 "the FSDP wrap policy puts a tied weight's modules ("
                 + ", ".join(names.get(id(m), type(m).__name__) for m in holders)
                 + ") in different units; wrap only the blocks (ModuleWrapPolicy({Block})) so that "
-                  "they stay together in the root unit")
+                "they stay together in the root unit"
+            )
+
+
 # --8<-- [end:apply_fsdp]
 
 
@@ -413,24 +492,32 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicated_inputs(_module, inputs, mesh):
-            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
-                         for t in inputs)
+            return tuple(
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+                else t
+                for t in inputs
+            )
 
         def local_output(_module, output, _mesh):
             return output.to_local() if isinstance(output, DTensor) else output
 
-        return distribute_module(module, device_mesh, input_fn=replicated_inputs,
-                                 output_fn=local_output)
+        return distribute_module(
+            module, device_mesh, input_fn=replicated_inputs, output_fn=local_output
+        )
 
 
 def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     """The submodules whose dotted path matches ``pattern`` name by name, ``*`` matching any one
     name: how ``parallelize_module`` resolves a plan key (``"layers.*.attn.wq"``)."""
     atoms = pattern.split(".")
-    return [(name, module) for name, module in model.named_modules()
-            if name and len(name.split(".")) == len(atoms)
-            and all(fnmatch.fnmatchcase(part, atom) for part, atom in zip(name.split("."), atoms))]
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if name
+        and len(name.split(".")) == len(atoms)
+        and all(fnmatch.fnmatchcase(part, atom) for part, atom in zip(name.split("."), atoms))
+    ]
 
 
 def check_tp_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: int) -> None:
@@ -442,25 +529,29 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: 
     for pattern, style in plan.items():
         found = matching_modules(model, pattern)
         if not found:
-            paths = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", name)
-                            for name, _ in model.named_modules()})
+            paths = sorted(
+                {re.sub(r"\.\d+(?=\.|$)", ".*", name) for name, _ in model.named_modules()}
+            )
             raise TPPlanError(
                 f"TP plan key {pattern!r} matches no module of {type(model).__name__}; its modules "
-                f"are: {', '.join(p for p in paths if p)}")
+                f"are: {', '.join(p for p in paths if p)}"
+            )
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
         for name, module in found:
             if not isinstance(module, (nn.Linear, nn.Embedding)):
                 raise TPPlanError(
                     f"{type(style).__name__} splits nn.Linear and nn.Embedding only; {name} is a "
-                    f"{type(module).__name__}: leave it out of the plan (or replicate it)")
+                    f"{type(module).__name__}: leave it out of the plan (or replicate it)"
+                )
             # The split dimension: Linear weights are [out, in], Embedding weights [rows, dim].
             colwise = isinstance(style, ColwiseParallel)
             size = module.weight.shape[0 if colwise == isinstance(module, nn.Linear) else 1]
             if size % tp_size:
                 raise TPPlanError(
                     f"{type(style).__name__} on {name} splits a dimension of {size} over {tp_size} "
-                    f"ranks; use a tensor-parallel size that divides {size}")
+                    f"ranks; use a tensor-parallel size that divides {size}"
+                )
 
 
 def check_heads_divide(tp_size: int, *, n_heads: int, n_kv_heads: int | None = None) -> None:
@@ -468,8 +559,10 @@ def check_heads_divide(tp_size: int, *, n_heads: int, n_kv_heads: int | None = N
     for what, count in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
         if count is not None and count % tp_size:
             fits = [n for n in range(1, count + 1) if count % n == 0]
-            raise TPPlanError(f"{count} {what} do not split over {tp_size} tensor-parallel ranks; "
-                              f"use a tensor-parallel size of {', '.join(map(str, fits))}")
+            raise TPPlanError(
+                f"{count} {what} do not split over {tp_size} tensor-parallel ranks; "
+                f"use a tensor-parallel size of {', '.join(map(str, fits))}"
+            )
 
 
 def check_tp_fits(tp_size: int, **sizes: int) -> None:
@@ -479,14 +572,20 @@ def check_tp_fits(tp_size: int, **sizes: int) -> None:
     heads whole and the collectives simple."""
     bad = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
     if bad:
-        fits = [n for n in range(1, min(sizes.values()) + 1)
-                if all(size % n == 0 for size in sizes.values())]
-        raise TPPlanError(f"tensor parallel over {tp_size} ranks cannot split {', '.join(bad)}; "
-                          f"use a tensor-parallel size of {', '.join(map(str, fits))}")
+        fits = [
+            n
+            for n in range(1, min(sizes.values()) + 1)
+            if all(size % n == 0 for size in sizes.values())
+        ]
+        raise TPPlanError(
+            f"tensor parallel over {tp_size} ranks cannot split {', '.join(bad)}; "
+            f"use a tensor-parallel size of {', '.join(map(str, fits))}"
+        )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *,
-             plan: Mapping[str, ParallelStyle]) -> nn.Module:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, plan: Mapping[str, ParallelStyle]
+) -> nn.Module:
     """Split ``model`` across the ranks of the 1-D ``tp_mesh`` as ``plan`` says, in place.
 
     ``plan``: module path (``*`` = any one name) -> torch ParallelStyle, as ``parallelize_module``
@@ -517,8 +616,11 @@ def tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
 
 def weight_split(model: nn.Module, plan: Mapping[str, ParallelStyle], path: str) -> str:
     """How ``plan`` splits the weight of module ``path``, in words: 'Shard(d)', 'kept whole'..."""
-    styles = [style for pattern, style in plan.items()
-              if any(name == path for name, _ in matching_modules(model, pattern))]
+    styles = [
+        style
+        for pattern, style in plan.items()
+        if any(name == path for name, _ in matching_modules(model, pattern))
+    ]
     if not styles:
         return "kept whole"
     module, style = model.get_submodule(path), styles[-1]
@@ -528,8 +630,9 @@ def weight_split(model: nn.Module, plan: Mapping[str, ParallelStyle], path: str)
     return type(style).__name__
 
 
-def check_ties_split_alike(model: nn.Module, plan: Mapping[str, ParallelStyle],
-                           tied: list[list[tuple[str, str]]]) -> None:
+def check_ties_split_alike(
+    model: nn.Module, plan: Mapping[str, ParallelStyle], tied: list[list[tuple[str, str]]]
+) -> None:
     """TPPlanError unless the holders of each tied weight get the same split.
 
     Pitfall: ``parallelize_module`` gives each module its own new parameter, so a tied weight
@@ -545,7 +648,8 @@ def check_ties_split_alike(model: nn.Module, plan: Mapping[str, ParallelStyle],
             raise TPPlanError(
                 f"apply_tp would untie the weight that {' and '.join(splits)} share: the plan "
                 f"splits it {said}; give them the same split (RowwiseParallel on the embedding, "
-                "ColwiseParallel on the head: both Shard(0)) or untie them in the model")
+                "ColwiseParallel on the head: both Shard(0)) or untie them in the model"
+            )
 
 
 def retie(model: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
@@ -557,13 +661,16 @@ def retie(model: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
             mine = getattr(module, name)
             placements = [getattr(p, "placements", None) for p in (shared, mine)]
             if placements[0] != placements[1]:  # a custom style the check could not foresee
-                raise TPPlanError(f"apply_tp split the weight that {first_path} and {path} share "
-                                  f"as {placements[0]} and {placements[1]}; give them one split")
+                raise TPPlanError(
+                    f"apply_tp split the weight that {first_path} and {path} share "
+                    f"as {placements[0]} and {placements[1]}; give them one split"
+                )
             module.register_parameter(name, shared)
 
 
-def transformer_lm_plan(*, sequence_parallel: bool = False,
-                        loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+def transformer_lm_plan(
+    *, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """The Megatron-LM split of the cookbook's TransformerLM (recipes/core/workload.py)."""
     # Between blocks the residual stream is either replicated (every rank holds all of it) or, with
     # sequence parallel, split along the sequence dim: Shard(1) of [batch, seq, dim].
@@ -576,8 +683,8 @@ def transformer_lm_plan(*, sequence_parallel: bool = False,
         # Position embeddings are [seq, dim]: their sequence dim is 0, so their shard is Shard(0);
         # added to tok_embeddings' [batch, seq/N, dim] shard it lines up position by position.
         "pos_embeddings": RowwiseParallel(
-            input_layouts=Replicate(),
-            output_layouts=Shard(0) if sequence_parallel else Replicate()),
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
+        ),
         # Column-wise q/k/v: rank r gets heads [r*H/N, (r+1)*H/N): attention needs no communication.
         "layers.*.attn.wq": ColwiseParallel(),
         "layers.*.attn.wk": ColwiseParallel(),
@@ -590,26 +697,36 @@ def transformer_lm_plan(*, sequence_parallel: bool = False,
         # Column-wise head: each rank computes logits for its slice of the vocabulary. Without loss
         # parallel they are all-gathered (Replicate); with it they stay a DTensor sharded on the
         # last dim (use_local_output=False: the loss needs to know they are shards).
-        "output": ColwiseParallel(input_layouts=residual,
-                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     if sequence_parallel:
-        plan.update({
-            # LayerNorm normalizes over dim, so it runs on sequence shards unchanged...
-            "layers.*.attn_norm": SequenceParallel(),
-            "layers.*.mlp_norm": SequenceParallel(),
-            "norm": SequenceParallel(),
-            # ...but attention and the MLP need whole sequences: all-gather them on the way in.
-            # Pitfall: without these, q/k/v see a sequence shard and attention is silently wrong.
-            "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                desired_input_layouts=(Replicate(),)),
-            "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-        })
+        plan.update(
+            {
+                # LayerNorm normalizes over dim, so it runs on sequence shards unchanged...
+                "layers.*.attn_norm": SequenceParallel(),
+                "layers.*.mlp_norm": SequenceParallel(),
+                "norm": SequenceParallel(),
+                # ...but attention and the MLP need whole sequences: all-gather them on the way in.
+                # Pitfall: without these, q/k/v see a sequence shard and attention is silently wrong.
+                "layers.*.attn": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "layers.*.mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+        )
     else:  # replicated norms, whose parameters still become DTensors
-        plan.update({name: ReplicateParallel()
-                     for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")})
+        plan.update(
+            {
+                name: ReplicateParallel()
+                for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")
+            }
+        )
     return plan
 
 
@@ -630,16 +747,32 @@ def llama_plan() -> dict[str, ParallelStyle]:
         "model.layers.*.mlp.down_proj": RowwiseParallel(),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
-    plan.update({name: ReplicateParallel() for name in (
-        "model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm")})
+    plan.update(
+        {
+            name: ReplicateParallel()
+            for name in (
+                "model.layers.*.input_layernorm",
+                "model.layers.*.post_attention_layernorm",
+                "model.norm",
+            )
+        }
+    )
     return plan
+
+
 # --8<-- [end:apply_tp]
 
 
 # --8<-- [start:apply_tp_and_fsdp]
-def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, plan: Mapping[str, ParallelStyle],
-                      block_types: tuple[type[nn.Module], ...], in_pipeline: bool = False,
-                      mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+def apply_tp_and_fsdp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    plan: Mapping[str, ParallelStyle],
+    block_types: tuple[type[nn.Module], ...],
+    in_pipeline: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
     """Tensor parallel over mesh["tp"] as ``plan`` says, then fully_shard over mesh["dp"], one
     group per ``block_types`` block: the 2-D part of every layout."""
     apply_tp(module, mesh["tp"], plan=plan)
@@ -652,6 +785,8 @@ def apply_tp_and_fsdp(module: nn.Module, mesh: DeviceMesh, *, plan: Mapping[str,
         reshard_after_forward=not in_pipeline,
         mp_policy=mp_policy,
     )
+
+
 # --8<-- [end:apply_tp_and_fsdp]
 
 
@@ -676,6 +811,8 @@ def rank_grid(mesh: DeviceMesh) -> str:
             label = f"{names[-2]}={r}" if names[-2] else ""
             lines.append(f"  {label:<6}" + "".join(str(int(rank)).rjust(width) for rank in row))
     return "\n".join(lines)
+
+
 # --8<-- [end:rank_grid]
 
 
@@ -690,10 +827,14 @@ def checked_mesh(world, sizes: list[int], names: tuple[str, ...]) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     if len(sizes) != len(names):
-        raise MeshError(f"mesh {sizes} has {len(sizes)} dims but this layout has "
-                        f"{len(names)} ({', '.join(names)}); pass one size per dim")
+        raise MeshError(
+            f"mesh {sizes} has {len(sizes)} dims but this layout has "
+            f"{len(names)} ({', '.join(names)}); pass one size per dim"
+        )
     if any(size < 1 for size in sizes) or prod(sizes) != world.world_size:
         shown = "x".join(map(str, sizes))
-        raise MeshError(f"mesh {shown} has {prod(sizes)} ranks but the world has "
-                        f"{world.world_size}; pass sizes >= 1 whose product is {world.world_size}")
+        raise MeshError(
+            f"mesh {shown} has {prod(sizes)} ranks but the world has "
+            f"{world.world_size}; pass sizes >= 1 whose product is {world.world_size}"
+        )
     return init_device_mesh(world.device.type, tuple(sizes), mesh_dim_names=names)

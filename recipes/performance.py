@@ -68,8 +68,11 @@ SDPA_OPS = {
     "cudnn": "_scaled_dot_product_cudnn_attention",
     "math": "_scaled_dot_product_attention_math",
 }
-OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True},  # as AdamW takes them
-              "for_loop": {"foreach": False, "fused": False}}
+OPTIMIZERS = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True},  # as AdamW takes them
+    "for_loop": {"foreach": False, "fused": False},
+}
 
 
 @dataclass
@@ -98,6 +101,7 @@ class SpeedSwitchError(ValueError):
 @dataclass
 class PerformanceRun:
     """What ``train`` returns: each step's loss, and the attention kernel that ran."""
+
     losses: list[float]
     sdpa_backend_ran: str
 
@@ -114,13 +118,18 @@ class OpsThatRan(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def attention_kernel_that_ran(model: torch.nn.Module, inputs: torch.Tensor, allowed,
-                              precision: str, requested: str) -> str:
+def attention_kernel_that_ran(
+    model: torch.nn.Module, inputs: torch.Tensor, allowed, precision: str, requested: str
+) -> str:
     """Run one forward and name the SDPA backend whose aten op was dispatched."""
     device, low = inputs.device, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     try:
-        with (torch.no_grad(), allowed(), OpsThatRan() as ops,
-              torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None)):
+        with (
+            torch.no_grad(),
+            allowed(),
+            OpsThatRan() as ops,
+            torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None),
+        ):
             model(inputs)
     # a forced kernel does not fall back: it refuses shapes it cannot run
     except RuntimeError as exc:
@@ -128,7 +137,8 @@ def attention_kernel_that_ran(model: torch.nn.Module, inputs: torch.Tensor, allo
             raise
         raise SpeedSwitchError(
             f"--sdpa-backend {requested} cannot run this model's attention on "
-            f"{device.type} in {precision}; use --sdpa-backend auto (or math)") from None
+            f"{device.type} in {precision}; use --sdpa-backend auto (or math)"
+        ) from None
     ran = [backend for backend, op in SDPA_OPS.items() if any(op in name for name in ops.names)]
     if not ran and any("_softmax" in name for name in ops.names):
         return "math"  # the math path is composite: it reaches the dispatch mode as bmm + softmax
@@ -142,14 +152,19 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise SpeedSwitchError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                               f"{device.type}; use --precision fp32 (or bf16)")
+        raise SpeedSwitchError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
-        raise SpeedSwitchError(f"{torch.cuda.get_device_name(device)} has no bf16 support; "
-                               "use --precision fp16 (with its loss scaler) or tf32")
+        raise SpeedSwitchError(
+            f"{torch.cuda.get_device_name(device)} has no bf16 support; "
+            "use --precision fp16 (with its loss scaler) or tf32"
+        )
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     return requested
 
 
@@ -170,8 +185,11 @@ def train(cfg: PerformanceConfig, observer=None) -> PerformanceRun:
     # --8<-- [start:loop]
     model = build_model(cfg.model, seed=cfg.seed, device=device)
     # Pitfall: sdpa_kernel is a context manager, not a switch: the forward runs inside it.
-    allowed = (contextlib.nullcontext if cfg.sdpa_backend == "auto"
-               else lambda: sdpa_kernel(SDPA_BACKENDS[cfg.sdpa_backend]))
+    allowed = (
+        contextlib.nullcontext
+        if cfg.sdpa_backend == "auto"
+        else lambda: sdpa_kernel(SDPA_BACKENDS[cfg.sdpa_backend])
+    )
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
     sample = dataset[0][0][None].to(device)  # before compiling: the probe sees the eager op
     attention = attention_kernel_that_ran(model, sample, allowed, precision, cfg.sdpa_backend)
@@ -190,15 +208,21 @@ def train(cfg: PerformanceConfig, observer=None) -> PerformanceRun:
         forward_and_loss = torch.compile(forward_and_loss, backend=cfg.compile_backend, mode=mode)
     cuda_graphs = cfg.compile_mode == "reduce-overhead"
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **OPTIMIZERS[cfg.optimizer])
-    if observer: observer.model_ready(model, optimizer)
+    if observer:
+        observer.model_ready(model, optimizer)
     # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a pass-through)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
     # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
     order = torch.Generator()
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, drop_last=True,
-                        pin_memory=cfg.pin_memory, sampler=RandomSampler(dataset, generator=order))
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.global_batch_size,
+        drop_last=True,
+        pin_memory=cfg.pin_memory,
+        sampler=RandomSampler(dataset, generator=order),
+    )
 
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
@@ -213,19 +237,24 @@ def train(cfg: PerformanceConfig, observer=None) -> PerformanceRun:
                 torch.compiler.cudagraph_mark_step_begin()
             # none frees the gradients; zeros keeps them and launches a memset per gradient
             optimizer.zero_grad(set_to_none=cfg.zero_grad == "none")
-            with allowed(), torch.autocast(device.type, dtype=low or torch.float32,
-                                           enabled=low is not None):
+            with (
+                allowed(),
+                torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None),
+            ):
                 loss = forward_and_loss(inputs, targets)
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # optimizer.step(), skipped on an fp16 inf/nan
             scaler.update()
             losses.append(loss.item())
             print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-            if observer: observer.step_end(step, losses[-1])
+            if observer:
+                observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
     # --8<-- [end:loop]
     return PerformanceRun(losses=losses, sdpa_backend_ran=attention)
+
+
 # --8<-- [end:train]
 
 
@@ -238,59 +267,117 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def _device(text: str) -> str:
     if text == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError("--device cuda: this machine has no CUDA device; "
-                                         "use --device cpu (or auto)")
+        raise argparse.ArgumentTypeError(
+            "--device cuda: this machine has no CUDA device; use --device cpu (or auto)"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = PerformanceConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.performance", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.performance",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps,
-        help="optimizer steps to run (the first, with warm-up and compilation, is not timed)")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step")
+    add(
+        "--steps",
+        type=_number(int, at_least=1),
+        default=defaults.steps,
+        help="optimizer steps to run (the first, with warm-up and compilation, is not timed)",
+    )
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order")
-    add("--device", type=_device, choices=["auto", "cpu", "cuda"], default=defaults.device,
-        help="auto: the GPU when there is one, else cpu")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; fp32: TF32 off "
-        "(torch's default); tf32: TF32 matmuls (CUDA); bf16/fp16: autocast (fp16 with a scaler)")
-    add("--optimizer", choices=list(OPTIMIZERS), default=defaults.optimizer,
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order",
+    )
+    add(
+        "--device",
+        type=_device,
+        choices=["auto", "cpu", "cuda"],
+        default=defaults.device,
+        help="auto: the GPU when there is one, else cpu",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 on a GPU, fp32 on CPU; fp32: TF32 off "
+        "(torch's default); tf32: TF32 matmuls (CUDA); bf16/fp16: autocast (fp16 with a scaler)",
+    )
+    add(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default=defaults.optimizer,
         help="AdamW implementation: fused = one kernel for the whole update, foreach = one per "
-        "op over all tensors, for_loop = one per op per tensor")
-    add("--zero-grad", choices=["none", "zeros"], default=defaults.zero_grad,
-        help="none = zero_grad(set_to_none=True), frees the gradients; zeros = fill them with 0")
-    add("--sdpa-backend", choices=["auto", *SDPA_BACKENDS], default=defaults.sdpa_backend,
+        "op over all tensors, for_loop = one per op per tensor",
+    )
+    add(
+        "--zero-grad",
+        choices=["none", "zeros"],
+        default=defaults.zero_grad,
+        help="none = zero_grad(set_to_none=True), frees the gradients; zeros = fill them with 0",
+    )
+    add(
+        "--sdpa-backend",
+        choices=["auto", *SDPA_BACKENDS],
+        default=defaults.sdpa_backend,
         help="attention kernels allowed: auto = torch picks; the others force one (an error if "
-        "it cannot run these shapes on this device)")
-    add("--pin-memory", action=argparse.BooleanOptionalAction, default=defaults.pin_memory,
-        help="pinned host batches copied with non_blocking=True (CUDA only)")
-    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
-        help="torch.compile each transformer block and the loss (see --compile-scope)")
-    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
-    add("--compile-scope", choices=["blocks", "model"], default=defaults.compile_scope,
+        "it cannot run these shapes on this device)",
+    )
+    add(
+        "--pin-memory",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.pin_memory,
+        help="pinned host batches copied with non_blocking=True (CUDA only)",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
+        help="torch.compile each transformer block and the loss (see --compile-scope)",
+    )
+    add(
+        "--compile-backend",
+        choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend,
+        help="torch.compile's backend; inductor is the fast one",
+    )
+    add(
+        "--compile-scope",
+        choices=["blocks", "model"],
+        default=defaults.compile_scope,
         help="with --compile: blocks = each block and the loss (what every recipe does); "
-        "model = the whole forward and the loss as one graph")
-    add("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+        "model = the whole forward and the loss as one graph",
+    )
+    add(
+        "--compile-mode",
+        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
         default=defaults.compile_mode,
-        help="torch.compile mode with --compile-scope model; reduce-overhead = CUDA graphs")
+        help="torch.compile mode with --compile-scope model; reduce-overhead = CUDA graphs",
+    )
     return parser
 
 

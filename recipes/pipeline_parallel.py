@@ -43,8 +43,8 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,18 +53,31 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes._pipeline_parallel_split import (SINGLE_STAGE_SCHEDULES, TRANSFORMER_LM, V_SCHEDULES,
-                                              PipelineSplitError, StageModule, StageWiring,
-                                              bubble_fraction, even_split, stage_modules,
-                                              stage_placement, sync_tied_grads)
+from recipes._pipeline_parallel_split import (
+    SINGLE_STAGE_SCHEDULES,
+    TRANSFORMER_LM,
+    V_SCHEDULES,
+    PipelineSplitError,
+    StageModule,
+    StageWiring,
+    bubble_fraction,
+    even_split,
+    stage_modules,
+    stage_placement,
+    sync_tied_grads,
+)
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.toy import MODEL_PRESETS, ModelConfig, build_model, lm_loss, make_dataset
 
 # torch's class for each schedule, looked up when used: an older torch may lack one (DualPipeV).
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-             "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-             "zbv_zero_bubble": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 # torch 2.11's stage set-up sends shape metadata between every pair of adjacent stages, also when
 # one rank holds both, as a V puts stages 1 and 2 on rank 1: a send to itself, which gloo cannot
 # make ("Pair is not connected"). NCCL can, and torch 2.13 runs it on gloo (tested).
@@ -96,13 +109,17 @@ def torch_version() -> tuple[int, int]:
 def check_schedule_runs_here(schedule: str, backend: str) -> None:
     """A ValueError naming the fix where this torch cannot run ``schedule`` on ``backend``."""
     if not hasattr(torch_schedules, SCHEDULES[schedule]):
-        raise ValueError(f"--schedule {schedule} needs torch.distributed.pipelining."
-                         f"{SCHEDULES[schedule]}, which torch {torch.__version__} lacks; "
-                         "upgrade torch or use --schedule 1f1b")
+        raise ValueError(
+            f"--schedule {schedule} needs torch.distributed.pipelining."
+            f"{SCHEDULES[schedule]}, which torch {torch.__version__} lacks; "
+            "upgrade torch or use --schedule 1f1b"
+        )
     if schedule in V_SCHEDULES and backend == "gloo" and torch_version() < SELF_SEND_FREE_TORCH:
-        raise ValueError(f"{schedule} on gloo needs torch >= 2.13 (torch {torch.__version__} sends "
-                         "from a rank to itself, which gloo cannot); use --backend nccl, or "
-                         "--schedule interleaved_zero_bubble")
+        raise ValueError(
+            f"{schedule} on gloo needs torch >= 2.13 (torch {torch.__version__} sends "
+            "from a rank to itself, which gloo cannot); use --backend nccl, or "
+            "--schedule interleaved_zero_bubble"
+        )
 
 
 def model_config(model: str, n_layers: int = 0) -> ModelConfig:
@@ -111,44 +128,69 @@ def model_config(model: str, n_layers: int = 0) -> ModelConfig:
     return dataclasses.replace(preset, n_layers=n_layers) if n_layers else preset
 
 
-def check_pipeline_fits(*, schedule: str, pp_size: int, n_layers: int, microbatches: int,
-                        batch_size: int, stages_per_rank: int = 0) -> None:
+def check_pipeline_fits(
+    *,
+    schedule: str,
+    pp_size: int,
+    n_layers: int,
+    microbatches: int,
+    batch_size: int,
+    stages_per_rank: int = 0,
+) -> None:
     """A ValueError naming the fix for a layout the schedule cannot run (before any stage exists):
     ``n_layers`` blocks, ``batch_size`` sequences a step cut into ``microbatches``."""
     _, num_stages = stage_placement(schedule, 0, pp_size, stages_per_rank)
     if n_layers < num_stages:
-        raise ValueError(f"{n_layers} blocks cannot fill {num_stages} pipeline stages ({pp_size} "
-                         f"ranks x {num_stages // pp_size} stages); use --n-layers {num_stages} "
-                         "or more")
+        raise ValueError(
+            f"{n_layers} blocks cannot fill {num_stages} pipeline stages ({pp_size} "
+            f"ranks x {num_stages // pp_size} stages); use --n-layers {num_stages} "
+            "or more"
+        )
     m = microbatches
     if schedule in ("1f1b", "dualpipev") and m < num_stages:
-        raise ValueError(f"{schedule} needs at least one micro-batch per stage: microbatches="
-                         f"{m} < {num_stages} stages; use --microbatches {num_stages} or more")
+        raise ValueError(
+            f"{schedule} needs at least one micro-batch per stage: microbatches="
+            f"{m} < {num_stages} stages; use --microbatches {num_stages} or more"
+        )
     rounds = max(1, m // pp_size)
     if schedule not in SINGLE_STAGE_SCHEDULES and m % rounds:
-        raise ValueError(f"{schedule} runs micro-batches in rounds of {pp_size}: microbatches="
-                         f"{m} is not a multiple of {rounds} rounds; use a multiple of {pp_size}, "
-                         f"e.g. {rounds * pp_size}")
+        raise ValueError(
+            f"{schedule} runs micro-batches in rounds of {pp_size}: microbatches="
+            f"{m} is not a multiple of {rounds} rounds; use a multiple of {pp_size}, "
+            f"e.g. {rounds * pp_size}"
+        )
     if batch_size % m:  # every micro-batch the same size
         lower = max(m, batch_size - batch_size % m)
-        raise ValueError(f"global_batch_size={batch_size} does not divide across 1 ranks x {m} "
-                         f"micro-batches; use a multiple of {m}, e.g. {lower} or {lower + m}")
+        raise ValueError(
+            f"global_batch_size={batch_size} does not divide across 1 ranks x {m} "
+            f"micro-batches; use a multiple of {m}, e.g. {lower} or {lower + m}"
+        )
 
 
 def check_config_fits(cfg: PPConfig, pp_size: int) -> None:
     """``check_pipeline_fits`` for this recipe's config on ``pp_size`` pipeline ranks."""
-    check_pipeline_fits(schedule=cfg.schedule, pp_size=pp_size,
-                        n_layers=model_config(cfg.model, cfg.n_layers).n_layers,
-                        microbatches=cfg.microbatches, batch_size=cfg.global_batch_size,
-                        stages_per_rank=cfg.stages_per_rank)
+    check_pipeline_fits(
+        schedule=cfg.schedule,
+        pp_size=pp_size,
+        n_layers=model_config(cfg.model, cfg.n_layers).n_layers,
+        microbatches=cfg.microbatches,
+        batch_size=cfg.global_batch_size,
+        stages_per_rank=cfg.stages_per_rank,
+    )
 
 
 # --8<-- [start:split]
-def manual_stages(model: nn.Module, split: Sequence, stage_indices: list[int], num_stages: int,
-                  *, wiring: StageWiring, device: torch.device,
-                  group: dist.ProcessGroup | None = None,
-                  parallelize: Callable[[nn.Module], nn.Module] | None = None,
-                  ) -> list[PipelineStage]:
+def manual_stages(
+    model: nn.Module,
+    split: Sequence,
+    stage_indices: list[int],
+    num_stages: int,
+    *,
+    wiring: StageWiring,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    parallelize: Callable[[nn.Module], nn.Module] | None = None,
+) -> list[PipelineStage]:
     """This rank's stages of YOUR model, cut where ``split`` says (module names, see
     recipes/_pipeline_parallel_split.py).
 
@@ -158,8 +200,10 @@ def manual_stages(model: nn.Module, split: Sequence, stage_indices: list[int], n
     """
     modules = stage_modules(model, split, wiring)
     if len(modules) != num_stages:
-        raise PipelineSplitError(f"the split gives {len(modules)} stages, the schedule places "
-                                 f"{num_stages}; give {num_stages - 1} split points")
+        raise PipelineSplitError(
+            f"the split gives {len(modules)} stages, the schedule places "
+            f"{num_stages}; give {num_stages - 1} split points"
+        )
     stages = []
     for s in stage_indices:
         module = StageModule(model, modules, s, wiring).to(device)
@@ -169,15 +213,24 @@ def manual_stages(model: nn.Module, split: Sequence, stage_indices: list[int], n
     return stages
 
 
-def traced_stages(model: nn.Module, split_points: list[str], stage_indices: list[int], *,
-                  device: torch.device, example_microbatch: torch.Tensor,
-                  group: dist.ProcessGroup | None = None) -> list[PipelineStage]:
+def traced_stages(
+    model: nn.Module,
+    split_points: list[str],
+    stage_indices: list[int],
+    *,
+    device: torch.device,
+    example_microbatch: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> list[PipelineStage]:
     """Trace the whole model once (torch.export), cut it before each split point, keep ours."""
     stage_modules(model, split_points, StageWiring(blocks=""))  # unknown names: one clear line
     # Pitfall: the example is ONE micro-batch, not the whole batch: the traced shapes are the ones
     # every stage will send and receive. contiguous: traced strides are checked at run time.
-    pipe = pipeline(model.to(device), mb_args=(example_microbatch.contiguous(),),
-                    split_spec={name: SplitPoint.BEGINNING for name in split_points})
+    pipe = pipeline(
+        model.to(device),
+        mb_args=(example_microbatch.contiguous(),),
+        split_spec={name: SplitPoint.BEGINNING for name in split_points},
+    )
     return [pipe.build_stage(s, device, group) for s in stage_indices]
 
 
@@ -188,12 +241,20 @@ def build_schedule(name: str, stages: list[PipelineStage], microbatches: int):
     # per-micro-batch gradients of the mean loss equal the whole batch's gradient.
     first = stages[0] if name in SINGLE_STAGE_SCHEDULES else stages
     return schedule_cls(first, n_microbatches=microbatches, loss_fn=lm_loss)
+
+
 # --8<-- [end:split]
 
 
 # --8<-- [start:step]
-def pipeline_step(schedule, stages: list[PipelineStage], inputs: torch.Tensor,
-                  targets: torch.Tensor, *, loss_holders: int = 1) -> float:
+def pipeline_step(
+    schedule,
+    stages: list[PipelineStage],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    loss_holders: int = 1,
+) -> float:
     """One forward/backward over all micro-batches; returns the batch's mean loss on EVERY rank.
 
     Only the first stage needs the inputs and only the last the targets. The per-micro-batch losses
@@ -218,6 +279,8 @@ def pipeline_step(schedule, stages: list[PipelineStage], inputs: torch.Tensor,
     loss = loss.reshape(1).float().clone()
     dist.all_reduce(loss)
     return float(loss.item()) / loss_holders
+
+
 # --8<-- [end:step]
 
 
@@ -251,21 +314,28 @@ def train(cfg: PPConfig, observer=None) -> list[float]:
 def train_schedule(cfg: PPConfig, world, observer=None) -> list[float]:
     device, rank, pp_size = world.device, world.rank, world.world_size  # one pipeline: the world
     use_cuda = device.type == "cuda"
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
-                                       and torch.cuda.is_bf16_supported())
+    bf16 = cfg.precision == "bf16" or (
+        cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+    )
     if cfg.precision == "tf32" and not use_cuda:  # else it would run fp32 and say tf32
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if use_cuda:  # a process-wide switch: set it every run, never inherit it
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            cfg.precision == "tf32")
+            cfg.precision == "tf32"
+        )
     model_cfg = model_config(cfg.model, cfg.n_layers)
     stage_ids, num_stages = stage_placement(cfg.schedule, rank, pp_size, cfg.stages_per_rank)
     microbatch_size = cfg.global_batch_size // cfg.microbatches
     if rank == 0:
-        print(f"pipeline: {pp_size} rank(s), {cfg.schedule}, {num_stages} stages, "
-              f"{cfg.microbatches} micro-batches of {microbatch_size}; bubble (p-1)/(v*m+p-1) = "
-              f"{bubble_fraction(pp_size, cfg.microbatches, len(stage_ids)):.0%}", flush=True)
+        print(
+            f"pipeline: {pp_size} rank(s), {cfg.schedule}, {num_stages} stages, "
+            f"{cfg.microbatches} micro-batches of {microbatch_size}; bubble (p-1)/(v*m+p-1) = "
+            f"{bubble_fraction(pp_size, cfg.microbatches, len(stage_ids)):.0%}",
+            flush=True,
+        )
 
     # --8<-- [start:loop]
     # The same seed on every rank: each builds the whole model, then keeps its stages' modules
@@ -273,25 +343,37 @@ def train_schedule(cfg: PPConfig, world, observer=None) -> list[float]:
     model = build_model(model_cfg, seed=cfg.seed)
     split = even_split(model, TRANSFORMER_LM, num_stages)  # e.g. ["layers.2"]: 2 stages of 4
     if cfg.split == "manual":
-        stages = manual_stages(model, split, stage_ids, num_stages, wiring=TRANSFORMER_LM,
-                               device=device)
+        stages = manual_stages(
+            model, split, stage_ids, num_stages, wiring=TRANSFORMER_LM, device=device
+        )
     else:
         example = torch.zeros(microbatch_size, model_cfg.seq_len, dtype=torch.long)
-        stages = traced_stages(model, split, stage_ids, device=device,
-                               example_microbatch=example.to(device))
+        stages = traced_stages(
+            model, split, stage_ids, device=device, example_microbatch=example.to(device)
+        )
     schedule = build_schedule(cfg.schedule, stages, cfg.microbatches)
     # One optimizer over every stage this rank holds
-    optimizer = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=cfg.lr,
-                                  fused=True if use_cuda else None)  # one kernel on CUDA
-    if observer: observer.model_ready(nn.ModuleList(s.submod for s in stages), optimizer)
+    optimizer = torch.optim.AdamW(
+        [p for s in stages for p in s.submod.parameters()],
+        lr=cfg.lr,
+        fused=True if use_cuda else None,
+    )  # one kernel on CUDA
+    if observer:
+        observer.model_ready(nn.ModuleList(s.submod for s in stages), optimizer)
 
     dataset = make_dataset(model_cfg, cfg.global_batch_size, seed=cfg.seed)
     # Every rank reads the whole batch (only the first and last stage use it): the pipeline is one
     # data-parallel replica. Data parallel across pipelines: see recipes/hybrid_parallel.py.
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed,
-                                 drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
-                        drop_last=True, pin_memory=use_cuda)
+    sampler = DistributedSampler(
+        dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.global_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        pin_memory=use_cuda,
+    )
 
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
@@ -310,11 +392,14 @@ def train_schedule(cfg: PPConfig, world, observer=None) -> list[float]:
             optimizer.step()
             if rank == 0:
                 print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-            if observer: observer.step_end(step, losses[-1])
+            if observer:
+                observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
     # --8<-- [end:loop]
     return losses
+
+
 # --8<-- [end:train]
 
 
@@ -327,10 +412,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -338,46 +425,95 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = PPConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.pipeline_parallel", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.pipeline_parallel",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, cut into the micro-batches")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, cut into the micro-batches",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
     # no fp16: the schedule runs backward inside step(), where no loss scaler can scale the loss
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16"], default=defaults.precision,
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16"],
+        default=defaults.precision,
         help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA)")
-    add("--schedule", choices=list(SCHEDULES), default=defaults.schedule,
-        help="pipeline schedule: the order of the micro-batches' forwards and backwards")
-    add("--microbatches", type=_number(int, at_least=1), default=defaults.microbatches,
-        help="micro-batches per optimizer step: more of them shrink the bubble (p-1)/(m+p-1)")
-    add("--stages-per-rank", type=_number(int, at_least=0), default=defaults.stages_per_rank,
+        "matmuls (CUDA)",
+    )
+    add(
+        "--schedule",
+        choices=list(SCHEDULES),
+        default=defaults.schedule,
+        help="pipeline schedule: the order of the micro-batches' forwards and backwards",
+    )
+    add(
+        "--microbatches",
+        type=_number(int, at_least=1),
+        default=defaults.microbatches,
+        help="micro-batches per optimizer step: more of them shrink the bubble (p-1)/(m+p-1)",
+    )
+    add(
+        "--stages-per-rank",
+        type=_number(int, at_least=0),
+        default=defaults.stages_per_rank,
         help="pipeline stages per rank; 0 = what the schedule needs (1 for gpipe/1f1b, 2 for the "
-        "interleaved, zero-bubble and DualPipeV schedules)")
-    add("--n-layers", type=_number(int, at_least=0), default=defaults.n_layers,
+        "interleaved, zero-bubble and DualPipeV schedules)",
+    )
+    add(
+        "--n-layers",
+        type=_number(int, at_least=0),
+        default=defaults.n_layers,
         help="transformer blocks: the preset's dims with this many blocks (0 = the preset's own "
-        "count; tiny has 2); every stage needs at least one")
-    add("--split", choices=["manual", "tracer"], default=defaults.split,
+        "count; tiny has 2); every stage needs at least one",
+    )
+    add(
+        "--split",
+        choices=["manual", "tracer"],
+        default=defaults.split,
         help="manual: each stage keeps its modules of the built model; tracer: pipeline() traces "
-        "the model and cuts it at SplitPoint.BEGINNING of the same modules")
-    add("--compare", action=argparse.BooleanOptionalAction, default=defaults.compare,
-        help="then train every other schedule this torch has (same model, data, micro-batches)")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "the model and cuts it at SplitPoint.BEGINNING of the same modules",
+    )
+    add(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compare,
+        help="then train every other schedule this torch has (same model, data, micro-batches)",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -36,8 +36,16 @@ import torch.distributed as dist
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 
 # The variables that decide where a rank connects and what it sees; NCCL_*, GLOO_*, ... by prefix.
-ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-             "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "TORCHELASTIC_RUN_ID")
+ENV_NAMES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "TORCHELASTIC_RUN_ID",
+)
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 
 
@@ -71,8 +79,12 @@ class StageMarks:
                 return  # a world of one: no store to reach
         env = os.environ
         try:
-            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+            store = dist.TCPStore(
+                env["MASTER_ADDR"],
+                int(env["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         except Exception:  # nobody hosts the store: the report says so (see why_stuck)
             return
         # Pitfall: torchrun keeps one store for the whole job; a restart would see the last
@@ -97,8 +109,7 @@ class StageMarks:
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             return f"; no store answered at {where}" if stage == "arrived" else ""
         try:
-            missing = [r for r in range(self.world_size)
-                       if not self.store.check([f"{stage}/{r}"])]
+            missing = [r for r in range(self.world_size) if not self.store.check([f"{stage}/{r}"])]
         except Exception:  # the store's host is gone: nothing more to learn from it
             return ""
         what = "arrived" if stage == "arrived" else f"reached {stage}"
@@ -128,6 +139,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._done.set()
+
+
 # --8<-- [end:watch]
 
 
@@ -136,8 +149,11 @@ def fail(message: str) -> None:
     would otherwise hold the process (and its GPU) past the timeout."""
     _FAILING.acquire()  # the watchdog and the main thread can fail at once: one line, the first
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    print(f"error: preflight: rank {rank} on {socket.gethostname()}: {message}", file=sys.stderr,
-          flush=True)
+    print(
+        f"error: preflight: rank {rank} on {socket.gethostname()}: {message}",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(1)
 
 
@@ -150,12 +166,15 @@ def check_device(device: torch.device, size: int) -> str:
 
     Ones times twos: every entry is 2 * size, exact in fp32 and in TF32, so any other value is a
     broken device, not rounding."""
-    product = torch.matmul(torch.ones(size, size, device=device),
-                           torch.full((size, size), 2.0, device=device))
+    product = torch.matmul(
+        torch.ones(size, size, device=device), torch.full((size, size), 2.0, device=device)
+    )
     wrong = int((product != 2.0 * size).sum())  # .sum() on the device, int() waits for it
     if wrong:
-        return (f"device: matmul gave {product.flatten()[0].item():g} where {2.0 * size:g} was "
-                f"expected ({wrong} of {size * size} entries wrong)")
+        return (
+            f"device: matmul gave {product.flatten()[0].item():g} where {2.0 * size:g} was "
+            f"expected ({wrong} of {size * size} entries wrong)"
+        )
     return ""
 
 
@@ -176,9 +195,12 @@ def check_collectives(rank: int, world_size: int, device: torch.device) -> list[
         left, right = (rank - 1) % world_size, (rank + 1) % world_size
         received = torch.full((4,), -1.0, device=device)
         # one batch: with NCCL, a separate isend and irecv between the same two ranks can deadlock
-        for work in dist.batch_isend_irecv([
+        for work in dist.batch_isend_irecv(
+            [
                 dist.P2POp(dist.isend, torch.full((4,), float(rank), device=device), right),
-                dist.P2POp(dist.irecv, received, left)]):
+                dist.P2POp(dist.irecv, received, left),
+            ]
+        ):
             work.wait()
         if not torch.all(received == left):
             problems.append(f"send/recv from rank {left} gave {received[0].item():g}")
@@ -197,11 +219,21 @@ def describe_rank(info, device: torch.device) -> dict:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:  # a CPU build of torch has no NCCL
         nccl = "-"
-    env = {k: v for k, v in sorted(os.environ.items())
-           if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
-    return {"host": socket.gethostname(), "rank": info.rank, "device": name,
-            "free_gib": free_bytes / 2**30, "torch": torch.__version__,
-            "cuda": torch.version.cuda or "-", "nccl": nccl, "env": env}
+    env = {
+        k: v for k, v in sorted(os.environ.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)
+    }
+    return {
+        "host": socket.gethostname(),
+        "rank": info.rank,
+        "device": name,
+        "free_gib": free_bytes / 2**30,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "-",
+        "nccl": nccl,
+        "env": env,
+    }
+
+
 # --8<-- [end:checks]
 
 
@@ -224,8 +256,11 @@ def run(cfg: PreflightConfig) -> dict:
         except Exception as error:  # out of memory, a CUDA error: this rank's device is unusable
             problems.append(f"device: {type(error).__name__}: {str(error).splitlines()[0]}")
         for problem in problems:  # said at once: the collectives below may never return
-            print(f"error: preflight: rank {info.rank} on {socket.gethostname()}: {problem}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"error: preflight: rank {info.rank} on {socket.gethostname()}: {problem}",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             watchdog.enter("barrier")
             dist.barrier()
@@ -235,15 +270,24 @@ def run(cfg: PreflightConfig) -> dict:
             everyone = [None] * info.world_size
             dist.all_gather_object(everyone, (describe_rank(info, info.device), problems))
         except Exception as error:  # a peer died or reset the connection: one line, not a trace
-            fail(f"{watchdog.stage} failed: {type(error).__name__}: "
-                 f"{str(error).splitlines()[0]}{marks.why_stuck(watchdog.stage)}")
+            fail(
+                f"{watchdog.stage} failed: {type(error).__name__}: "
+                f"{str(error).splitlines()[0]}{marks.why_stuck(watchdog.stage)}"
+            )
         watchdog.enter("done")
     finally:
         watchdog.stop()
         cleanup_distributed()
     failures = [(row["host"], row["rank"], problem) for row, found in everyone for problem in found]
-    return {"ok": not failures, "hosts": per_host([row for row, _ in everyone]),
-            "failures": failures, "backend": info.backend, "world_size": info.world_size}
+    return {
+        "ok": not failures,
+        "hosts": per_host([row for row, _ in everyone]),
+        "failures": failures,
+        "backend": info.backend,
+        "world_size": info.world_size,
+    }
+
+
 # --8<-- [end:run]
 
 
@@ -263,28 +307,48 @@ def format_report(result: dict) -> str:
     for h in result["hosts"]:
         ranks = ",".join(map(str, h["ranks"]))
         device = ", ".join(sorted(set(h["devices"])))
-        lines.append(f"{h['host']:<20} {ranks:<12} {device:<28} {h['free_gib']:>8.1f}  "
-                     f"{h['torch']} / {h['cuda']} / {h['nccl']}")
+        lines.append(
+            f"{h['host']:<20} {ranks:<12} {device:<28} {h['free_gib']:>8.1f}  "
+            f"{h['torch']} / {h['cuda']} / {h['nccl']}"
+        )
     for h in result["hosts"]:  # the lowest rank's variables on each host
         env = " ".join(f"{k}={v}" for k, v in h["env"].items()) or "(none set)"
         lines.append(f"{h['host']} env: {env}")
     verdict = "every check passed" if result["ok"] else f"{len(result['failures'])} check(s) FAILED"
-    lines.append(f"preflight: {result['world_size']} rank(s) on {len(result['hosts'])} host(s), "
-                 f"{result['backend']}: {verdict}")
+    lines.append(
+        f"preflight: {result['world_size']} rank(s) on {len(result['hosts'])} host(s), "
+        f"{result['backend']}: {verdict}"
+    )
     return "\n".join(lines)
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = PreflightConfig()
-    parser = argparse.ArgumentParser(prog="python -m recipes.preflight", description=(
-        "Check every rank's device, the rendezvous and the collectives before a long job."))
-    parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s,
-                        help="seconds for the whole preflight, joining included: a rank that "
-                             "never arrives or a check that hangs ends every rank after this")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default=defaults.backend,
-                        help="auto: NCCL with one GPU per local rank, else gloo")
-    parser.add_argument("--matmul-size", type=int, default=defaults.matmul_size,
-                        help="the device check multiplies two square matrices of this size")
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.preflight",
+        description=(
+            "Check every rank's device, the rendezvous and the collectives before a long job."
+        ),
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=defaults.timeout_s,
+        help="seconds for the whole preflight, joining included: a rank that "
+        "never arrives or a check that hangs ends every rank after this",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default=defaults.backend,
+        help="auto: NCCL with one GPU per local rank, else gloo",
+    )
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=defaults.matmul_size,
+        help="the device check multiplies two square matrices of this size",
+    )
     return parser
 
 

@@ -69,8 +69,10 @@ def mesh_shape(world_size: int, tp: int = 0) -> tuple[int, int]:
     tp = tp or (2 if world_size % 2 == 0 else 1)
     if world_size % tp:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"tp={tp} does not divide the world size {world_size}; use --tp "
-                         f"{', '.join(map(str, divisors))}")
+        raise ValueError(
+            f"tp={tp} does not divide the world size {world_size}; use --tp "
+            f"{', '.join(map(str, divisors))}"
+        )
     return world_size // tp, tp
 
 
@@ -90,6 +92,8 @@ def groups_by_hand(
     tp_groups = {ranks: dist.new_group(list(ranks)) for ranks in rows}
     dp_groups = {ranks: dist.new_group(list(ranks)) for ranks in columns}
     return tp_groups, dp_groups
+
+
 # --8<-- [end:by_hand]
 
 
@@ -101,8 +105,11 @@ def run(cfg: GroupsConfig) -> GroupsReport:
         mesh = init_device_mesh(world.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         tp_groups, dp_groups = groups_by_hand(dp, tp)
         if world.is_main:
-            print(f"{rank_grid(mesh)}\ntp groups (rows): {' '.join(map(str, map(list, tp_groups)))}"
-                  f"\ndp groups (columns): {' '.join(map(str, map(list, dp_groups)))}", flush=True)
+            print(
+                f"{rank_grid(mesh)}\ntp groups (rows): {' '.join(map(str, map(list, tp_groups)))}"
+                f"\ndp groups (columns): {' '.join(map(str, map(list, dp_groups)))}",
+                flush=True,
+            )
 
         mine = {}
         for dim, by_hand in (("tp", tp_groups), ("dp", dp_groups)):
@@ -110,8 +117,10 @@ def run(cfg: GroupsConfig) -> GroupsReport:
             mesh_ranks = dist.get_process_group_ranks(mesh_group)
             hand_ranks = next(ranks for ranks in by_hand if world.rank in ranks)
             if tuple(mesh_ranks) != hand_ranks:
-                raise RuntimeError(f"rank {world.rank}: mesh['{dim}'] holds {mesh_ranks}, "
-                                   f"new_group {list(hand_ranks)}")
+                raise RuntimeError(
+                    f"rank {world.rank}: mesh['{dim}'] holds {mesh_ranks}, "
+                    f"new_group {list(hand_ranks)}"
+                )
             # The same collective over both groups: each sums rank+1 over the group's members.
             sums = []
             for group in (mesh_group, by_hand[hand_ranks]):
@@ -119,25 +128,37 @@ def run(cfg: GroupsConfig) -> GroupsReport:
                 dist.all_reduce(value, group=group)
                 sums.append(value.item())
             if sums[0] != sums[1] or sums[0] != sum(r + 1 for r in hand_ranks):
-                raise RuntimeError(f"rank {world.rank}: all_reduce over the {dim} groups gave "
-                                   f"{sums}")
-            mine[dim] = {"ranks": list(mesh_ranks), "all_reduce_sum": sums[0],
-                         "coordinate": mesh[dim].get_local_rank()}
+                raise RuntimeError(
+                    f"rank {world.rank}: all_reduce over the {dim} groups gave {sums}"
+                )
+            mine[dim] = {
+                "ranks": list(mesh_ranks),
+                "all_reduce_sum": sums[0],
+                "coordinate": mesh[dim].get_local_rank(),
+            }
 
         everyone: list[dict | None] = [None] * world.world_size
         dist.all_gather_object(everyone, mine)  # rank 0 reports every rank's groups
         return GroupsReport(
-            world_size=world.world_size, backend=world.backend, mesh_shape=[dp, tp],
-            mesh_dim_names=["dp", "tp"], rank_grid=mesh.mesh.tolist(),
-            tp_groups=[list(r) for r in tp_groups], dp_groups=[list(r) for r in dp_groups],
-            groups_per_rank=everyone)
+            world_size=world.world_size,
+            backend=world.backend,
+            mesh_shape=[dp, tp],
+            mesh_dim_names=["dp", "tp"],
+            rank_grid=mesh.mesh.tolist(),
+            tp_groups=[list(r) for r in tp_groups],
+            dp_groups=[list(r) for r in dp_groups],
+            groups_per_rank=everyone,
+        )
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:compare]
 
 
 def _at_least(least: int | float, kind=int):
     """An argparse type: a finite ``kind`` >= ``least`` (> 0 for floats), else one line."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -147,6 +168,7 @@ def _at_least(least: int | float, kind=int):
             bound = "> 0" if kind is float else f">= {least}"
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -154,22 +176,39 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = GroupsConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.process_groups", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.process_groups",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
-    add("--tp", type=_at_least(0), default=defaults.tp,
-        help="size of the inner mesh dimension (tp); 0 = 2 when the world size is even, else 1")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_at_least(0, float), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+    add(
+        "--tp",
+        type=_at_least(0),
+        default=defaults.tp,
+        help="size of the inner mesh dimension (tp); 0 = 2 when the world size is even, else 1",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_at_least(0, float),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -78,9 +78,16 @@ class ProfilingConfig:
 
     def __post_init__(self) -> None:
         # Checked before any rank joins: every rank refuses the same config at once.
-        for name, least in (("steps", 1), ("global_batch_size", 1), ("seed", 0), ("wait", 0),
-                            ("warmup", 0), ("active", 1), ("top_ops", 1),
-                            ("memory_history_entries", 1)):
+        for name, least in (
+            ("steps", 1),
+            ("global_batch_size", 1),
+            ("seed", 0),
+            ("wait", 0),
+            ("warmup", 0),
+            ("active", 1),
+            ("top_ops", 1),
+            ("memory_history_entries", 1),
+        ):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         for name in ("lr", "timeout_s"):
@@ -88,9 +95,11 @@ class ProfilingConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         profiled = self.wait + self.warmup + self.active
         if profiled > self.steps:
-            raise ValueError(f"--wait {self.wait} + --warmup {self.warmup} + --active "
-                             f"{self.active} = {profiled} profiled steps, more than --steps "
-                             f"{self.steps}; use --steps {profiled} or profile fewer steps")
+            raise ValueError(
+                f"--wait {self.wait} + --warmup {self.warmup} + --active "
+                f"{self.active} = {profiled} profiled steps, more than --steps "
+                f"{self.steps}; use --steps {profiled} or profile fewer steps"
+            )
 
 
 @dataclass
@@ -119,17 +128,23 @@ def train(cfg: ProfilingConfig, observer=None) -> ProfileRun:
     """Train under torch.profiler on this process's rank; returns the losses and the figures."""
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
-        rank, local_rank, world_size, device = (world.rank, world.local_rank, world.world_size,
-                                                world.device)
+        rank, local_rank, world_size, device = (
+            world.rank,
+            world.local_rank,
+            world.world_size,
+            world.device,
+        )
         if cfg.global_batch_size % world_size:
             lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
-                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}"
+            )
         use_cuda = device.type == "cuda"
         per_rank_batch = cfg.global_batch_size // world_size
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
-                                           and torch.cuda.is_bf16_supported())
+        bf16 = cfg.precision == "bf16" or (
+            cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+        )
         if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         trace_dir = shared_trace_dir(cfg.trace_dir)
@@ -141,24 +156,30 @@ def train(cfg: ProfilingConfig, observer=None) -> ProfileRun:
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
         ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
-        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
-        if observer: observer.model_ready(ddp_model, optimizer)
+        optimizer = torch.optim.AdamW(
+            ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
+        if observer:
+            observer.model_ready(ddp_model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s. drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                            pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
+        )
         profiler = torch.profiler.profile(
             activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else []),
             # repeat=1: one cycle. The default (0) starts a new cycle after each, and each cycle
             # replaces the last one's events.
-            schedule=torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active,
-                                             repeat=1),
-            record_shapes=False)  # shapes split the table's rows and cost time; turn on to debug
+            schedule=torch.profiler.schedule(
+                wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1
+            ),
+            record_shapes=False,
+        )  # shapes split the table's rows and cost time; turn on to debug
         memory = {}  # CUDA: the peaks of the memory window
 
         local_losses, step, epoch = [], 0, 0
@@ -171,12 +192,15 @@ def train(cfg: ProfilingConfig, observer=None) -> ProfileRun:
                         break
                     if use_cuda and step == first_active:
                         memory["peak_allocated_before_window_bytes"] = start_memory_window(
-                            device, cfg.memory_history_entries)
+                            device, cfg.memory_history_entries
+                        )
                     inputs = inputs.to(device, non_blocking=True)
                     targets = targets.to(device, non_blocking=True)
                     optimizer.zero_grad(set_to_none=True)
-                    with record_function("forward"), torch.autocast(
-                            device.type, dtype=torch.bfloat16, enabled=bf16):
+                    with (
+                        record_function("forward"),
+                        torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
+                    ):
                         loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
                     with record_function("backward"):  # DDP launches its all-reduces in here
                         loss.backward()
@@ -186,40 +210,54 @@ def train(cfg: ProfilingConfig, observer=None) -> ProfileRun:
                     # trace would show it next to DDP's. Keep this rank's share; average later.
                     local_losses.append(loss.item())  # a float: no GPU scalar kept per step
                     if rank == 0:
-                        print(f"step {step} loss {local_losses[-1]:.4f} (rank 0's share)",
-                              flush=True)
+                        print(
+                            f"step {step} loss {local_losses[-1]:.4f} (rank 0's share)", flush=True
+                        )
                     if use_cuda:  # the GPU's work is in this step's span, not the next one's
                         torch.cuda.synchronize(device)
                     profiler.step()
                     if use_cuda and step == last_active:
-                        memory.update(end_memory_window(device, os.path.join(
-                            trace_dir, f"memory-snapshot-rank{rank}.pickle")))
+                        memory.update(
+                            end_memory_window(
+                                device,
+                                os.path.join(trace_dir, f"memory-snapshot-rank{rank}.pickle"),
+                            )
+                        )
                     # after profiler.step(): whatever an observer does is not in the profile
-                    if observer: observer.step_end(step, local_losses[-1])
+                    if observer:
+                        observer.step_end(step, local_losses[-1])
                     step += 1
                 epoch += 1
         # --8<-- [end:loop]
 
         profiler.export_chrome_trace(os.path.join(trace_dir, f"trace-rank{rank}.json"))
-        figures, table = profile_figures(profiler, on_cuda=use_cuda, active_steps=cfg.active,
-                                         top_ops=cfg.top_ops)
+        figures, table = profile_figures(
+            profiler, on_cuda=use_cuda, active_steps=cfg.active, top_ops=cfg.top_ops
+        )
         losses = mean_over_ranks_each(local_losses, device)
         if rank == 0:
             print(f"top {cfg.top_ops} ops by {figures['top_ops_sorted_by']}:\n{table}")
-            print(f"communication {figures['communication_ms_per_step']:.2f} ms of "
-                  f"{figures['profiled_step_ms']:.2f} ms per profiled step: "
-                  f"{figures['communication_events']}; traces in {trace_dir}")
-            print("losses (mean over the ranks): " + " ".join(f"{x:.4f}" for x in losses),
-                  flush=True)
+            print(
+                f"communication {figures['communication_ms_per_step']:.2f} ms of "
+                f"{figures['profiled_step_ms']:.2f} ms per profiled step: "
+                f"{figures['communication_events']}; traces in {trace_dir}"
+            )
+            print(
+                "losses (mean over the ranks): " + " ".join(f"{x:.4f}" for x in losses), flush=True
+            )
         if not use_cuda:
-            memory["memory_snapshot"] = ("needs CUDA (it records the CUDA caching allocator); "
-                                         f"this run is on {device.type}")
+            memory["memory_snapshot"] = (
+                f"needs CUDA (it records the CUDA caching allocator); this run is on {device.type}"
+            )
         # One file per rank. On several nodes each node holds its own ranks' files.
         trace_paths = [os.path.join(trace_dir, f"trace-rank{r}.json") for r in range(world_size)]
-        return ProfileRun(losses=losses, trace_dir=trace_dir, trace_paths=trace_paths,
-                          **figures, **memory)
+        return ProfileRun(
+            losses=losses, trace_dir=trace_dir, trace_paths=trace_paths, **figures, **memory
+        )
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:train]
 
 
@@ -250,8 +288,10 @@ def trace_dir_problem(path: str) -> str | None:
     while not os.path.exists(above):  # the nearest folder that exists is where it is created
         above = os.path.dirname(above)
     if not os.path.isdir(above):
-        return (f"--trace-dir {path}: {above} is a file, so nothing can be created under it; "
-                "name a directory you can write to")
+        return (
+            f"--trace-dir {path}: {above} is a file, so nothing can be created under it; "
+            "name a directory you can write to"
+        )
     if not os.access(above, os.W_OK | os.X_OK):
         return f"--trace-dir {path}: cannot write in {above}; name a directory you can write to"
     return None
@@ -267,23 +307,27 @@ def mean_over_ranks_each(local_losses: list[float], device: torch.device) -> lis
 
 
 # --8<-- [start:profile_figures]
-def profile_figures(profiler: torch.profiler.profile, *, on_cuda: bool, active_steps: int,
-                    top_ops: int) -> tuple[dict, str]:
+def profile_figures(
+    profiler: torch.profiler.profile, *, on_cuda: bool, active_steps: int, top_ops: int
+) -> tuple[dict, str]:
     """Communication vs the whole step, and the top ops (and their table), from the active steps."""
     events = profiler.events()
-    steps = [(e.time_range.start, e.time_range.end) for e in events
-             if e.name.startswith("ProfilerStep")]
+    steps = [
+        (e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep")
+    ]
     collectives = [e for e in events if any(m in e.name.lower() for m in COLLECTIVE_MARKERS)]
     # Time is measured where the work runs: on the GPU its kernels (the CPU only launches them), on
     # CPU the launching thread and gloo's worker threads. Overlapping events (several threads,
     # streams, nested annotations) count once: the union of their intervals, within the steps.
     timeline = DeviceType.CUDA if on_cuda else DeviceType.CPU
-    busy = [(e.time_range.start, e.time_range.end) for e in collectives
-            if e.device_type == timeline]
+    busy = [
+        (e.time_range.start, e.time_range.end) for e in collectives if e.device_type == timeline
+    ]
     step_us = sum(end - start for start, end in steps)
     communication_us = sum(
         union_length([(max(s, lo), min(e, hi)) for s, e in busy if s < hi and e > lo])
-        for lo, hi in steps)
+        for lo, hi in steps
+    )
     # Ops only: an annotation (ProfilerStep*, forward, DistributedDataParallel.forward) is a
     # region, whose "self" time is what its ops leave over, and on a GPU its whole span.
     sort_by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
@@ -297,6 +341,8 @@ def profile_figures(profiler: torch.profiler.profile, *, on_cuda: bool, active_s
         "top_ops_sorted_by": sort_by,
         "top_ops": [(a.key, getattr(a, sort_by) / 1e3, a.count) for a in ranked],
     }, averages.table(sort_by=sort_by, row_limit=top_ops)
+
+
 # --8<-- [end:profile_figures]
 
 
@@ -332,20 +378,32 @@ def end_memory_window(device: torch.device, path: str) -> dict:
     # event. Its sizes are the sizes asked for, so its peak is the allocator's requested-bytes peak.
     # max_memory_allocated (the result's peak_memory_bytes) counts whole blocks (rounded up to
     # 512 bytes, or a cached block too big to split): a little more.
-    allocated = sum(block["requested_size"] for segment in snapshot["segments"]
-                    if segment["device"] == device.index for block in segment["blocks"]
-                    if block["state"] == "active_allocated")
+    allocated = sum(
+        block["requested_size"]
+        for segment in snapshot["segments"]
+        if segment["device"] == device.index
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    )
     trace = snapshot["device_traces"][device.index]
-    deltas = [(1 if e["action"] == "alloc" else -1) * e["size"] for e in trace
-              if e["action"] in ("alloc", "free_requested")]  # when the allocated bytes change
+    deltas = [
+        (1 if e["action"] == "alloc" else -1) * e["size"]
+        for e in trace
+        if e["action"] in ("alloc", "free_requested")
+    ]  # when the allocated bytes change
     level = peak = allocated - sum(deltas)  # allocated when the oldest kept event happened
     for delta in deltas:
         level += delta
         peak = max(peak, level)
-    return {"memory_snapshot": path, "memory_snapshot_events": len(trace),
-            "snapshot_peak_requested_bytes": peak,
-            "window_peak_requested_bytes": stats["requested_bytes.all.peak"],
-            "window_peak_allocated_bytes": stats["allocated_bytes.all.peak"]}
+    return {
+        "memory_snapshot": path,
+        "memory_snapshot_events": len(trace),
+        "snapshot_peak_requested_bytes": peak,
+        "window_peak_requested_bytes": stats["requested_bytes.all.peak"],
+        "window_peak_allocated_bytes": stats["allocated_bytes.all.peak"],
+    }
+
+
 # --8<-- [end:memory_window]
 
 
@@ -353,41 +411,85 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     d = ProfilingConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.profiling", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.profiling",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model size")
     add("--steps", type=int, default=d.steps, help="optimizer steps")
-    add("--global-batch-size", type=int, default=d.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=int,
+        default=d.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=float, default=d.lr, help="AdamW's")
-    add("--seed", type=int, default=d.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "bf16"], default=d.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=d.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=float, default=d.timeout_s,
-        help="seconds a collective waits for its peers before failing")
-    add("--wait", type=int, default=d.wait,
-        help="steps before the profiler starts (step 0 allocates state: not typical)")
-    add("--warmup", type=int, default=d.warmup,
-        help="steps profiled and thrown away: the profiler's start-up cost lands there")
-    add("--active", type=int, default=d.active,
-        help="steps recorded into the trace, the table and the figures")
-    add("--trace-dir", default=d.trace_dir,
+    add(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default=d.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=d.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=float,
+        default=d.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
+    add(
+        "--wait",
+        type=int,
+        default=d.wait,
+        help="steps before the profiler starts (step 0 allocates state: not typical)",
+    )
+    add(
+        "--warmup",
+        type=int,
+        default=d.warmup,
+        help="steps profiled and thrown away: the profiler's start-up cost lands there",
+    )
+    add(
+        "--active",
+        type=int,
+        default=d.active,
+        help="steps recorded into the trace, the table and the figures",
+    )
+    add(
+        "--trace-dir",
+        default=d.trace_dir,
         help="where traces and snapshots go (created if missing); default: a fresh temporary "
-             "directory that rank 0 names for all")
+        "directory that rank 0 names for all",
+    )
     add("--top-ops", type=int, default=d.top_ops, help="rows of the top-ops table")
-    add("--memory-history-entries", type=int, default=d.memory_history_entries,
-        help="CUDA: allocator events the memory snapshot keeps")
+    add(
+        "--memory-history-entries",
+        type=int,
+        default=d.memory_history_entries,
+        help="CUDA: allocator events the memory snapshot keeps",
+    )
     return parser
 
 

@@ -106,7 +106,7 @@ class RaggedTokens(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.base[index]
         targets = targets.clone()
-        targets[int(self.lengths[index]):] = IGNORE_INDEX
+        targets[int(self.lengths[index]) :] = IGNORE_INDEX
         return inputs, targets
 
 
@@ -153,8 +153,12 @@ def accumulate_gradients(
         with skip or contextlib.nullcontext():
             logits = model(x)
             if normalise_by_tokens:
-                summed = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(0, 1),
-                                         ignore_index=IGNORE_INDEX, reduction="sum")
+                summed = F.cross_entropy(
+                    logits.float().flatten(0, 1),
+                    y.flatten(0, 1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
                 # fully_shard averages gradients over the dp ranks (divides by dp_size): scale
                 # back up, so the gradient is d(sum over all tokens) / tokens.
                 loss = summed * dp_size / tokens
@@ -163,6 +167,8 @@ def accumulate_gradients(
             loss.backward()
         step_loss += loss.detach() / dp_size
     return step_loss
+
+
 # --8<-- [end:accumulate]
 
 
@@ -178,20 +184,27 @@ def train(cfg: ShardedAccumulationConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
     # Checked before joining: every rank refuses at once, in one line
     if cfg.mode not in MODES or cfg.loss_normalisation not in NORMALISATIONS:
-        raise ValueError(f"mode {cfg.mode!r} / loss_normalisation {cfg.loss_normalisation!r}: "
-                         f"use one of {', '.join(MODES)} / {', '.join(NORMALISATIONS)}")
+        raise ValueError(
+            f"mode {cfg.mode!r} / loss_normalisation {cfg.loss_normalisation!r}: "
+            f"use one of {', '.join(MODES)} / {', '.join(NORMALISATIONS)}"
+        )
     if len(cfg.mesh) > 2:
-        raise ValueError(f"mesh={cfg.mesh} has {len(cfg.mesh)} dims; use [shard] or "
-                         "[replicate, shard]")
+        raise ValueError(
+            f"mesh={cfg.mesh} has {len(cfg.mesh)} dims; use [shard] or [replicate, shard]"
+        )
     if cfg.mode == "hsdp_all_reduce_last" and len(cfg.mesh) != 2:
-        raise ValueError("mode hsdp_all_reduce_last needs a replicate x shard mesh, "
-                         "e.g. --mesh 2 2 on 4 ranks")
+        raise ValueError(
+            "mode hsdp_all_reduce_last needs a replicate x shard mesh, e.g. --mesh 2 2 on 4 ranks"
+        )
     if cfg.precision == "fp16":  # fp16 gradients need a loss scaler, which is not this lesson
-        raise ValueError("--precision fp16 needs a GradScaler (see recipes/fsdp2.py); "
-                         "use bf16 or fp32")
+        raise ValueError(
+            "--precision fp16 needs a GradScaler (see recipes/fsdp2.py); use bf16 or fp32"
+        )
     if not 0 <= cfg.pad_fraction < 1 or cfg.micro_batches < 1:
-        raise ValueError(f"pad_fraction={cfg.pad_fraction}, micro_batches={cfg.micro_batches}: "
-                         "use 0 <= pad_fraction < 1 and micro_batches >= 1")
+        raise ValueError(
+            f"pad_fraction={cfg.pad_fraction}, micro_batches={cfg.micro_batches}: "
+            "use 0 <= pad_fraction < 1 and micro_batches >= 1"
+        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         device, rank = world.device, world.rank
@@ -202,7 +215,8 @@ def train(cfg: ShardedAccumulationConfig, observer=None) -> list[float]:
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across "
                 f"{world.world_size} ranks x {cfg.micro_batches} micro-batches; use a multiple "
-                f"of {parts}, e.g. {lower} or {lower + parts}")
+                f"of {parts}, e.g. {lower} or {lower + parts}"
+            )
         micro = cfg.global_batch_size // parts  # sequences per micro-batch, on each rank
         precision = resolve_precision(cfg.precision, device)
 
@@ -210,21 +224,39 @@ def train(cfg: ShardedAccumulationConfig, observer=None) -> list[float]:
         model = build_model(cfg.model, seed=cfg.seed, device="cpu")  # fully_shard moves shards
         # bf16: fully_shard computes in bf16 and reduces gradients in fp32
         model = apply_fully_shard(
-            model, mesh, block_types=(Block,),
+            model,
+            mesh,
+            block_types=(Block,),
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if precision == "bf16" else None)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if device.type == "cuda" else None)
-        if observer: observer.model_ready(model, optimizer)
+            if precision == "bf16"
+            else None,
+        )
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if device.type == "cuda" else None
+        )
+        if observer:
+            observer.model_ready(model, optimizer)
 
-        dataset = make_ragged_dataset(cfg.model, cfg.global_batch_size,
-                                      pad_fraction=cfg.pad_fraction, seed=cfg.seed)
+        dataset = make_ragged_dataset(
+            cfg.model, cfg.global_batch_size, pad_fraction=cfg.pad_fraction, seed=cfg.seed
+        )
         # Each rank reads a disjoint 1/world_size of every epoch (HSDP's replicas too: every rank
         # is a data-parallel rank), all its micro-batches at once; drop_last keeps it full.
-        sampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=rank,
-                                     shuffle=True, seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=micro * cfg.micro_batches, sampler=sampler,
-                            drop_last=True, pin_memory=device.type == "cuda")
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=world.world_size,
+            rank=rank,
+            shuffle=True,
+            seed=cfg.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=micro * cfg.micro_batches,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
@@ -237,8 +269,11 @@ def train(cfg: ShardedAccumulationConfig, observer=None) -> list[float]:
                 targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 loss = accumulate_gradients(
-                    model, list(zip(inputs.split(micro), targets.split(micro))), mode=cfg.mode,
-                    normalise_by_tokens=cfg.loss_normalisation == "tokens")
+                    model,
+                    list(zip(inputs.split(micro), targets.split(micro))),
+                    mode=cfg.mode,
+                    normalise_by_tokens=cfg.loss_normalisation == "tokens",
+                )
                 optimizer.step()
                 # Each rank's loss is its share of the step's: their sum is the global loss
                 global_loss = loss.detach().float().clone()
@@ -246,13 +281,16 @@ def train(cfg: ShardedAccumulationConfig, observer=None) -> list[float]:
                 losses.append(global_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -263,11 +301,14 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32")
+            requested == "tf32"
+        )
     return requested
 
 
@@ -281,11 +322,14 @@ def _number(kind, *, above=None, at_least=None, below=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least) or (
-                below is not None and value >= below):
+        if (
+            not math.isfinite(value)
+            or not (value > above if above is not None else value >= at_least)
+            or (below is not None and value >= below)
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -293,43 +337,89 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = ShardedAccumulationConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.sharded_accumulation", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.sharded_accumulation",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
-    add("--micro-batches", type=_number(int, at_least=1), default=defaults.micro_batches,
-        help="forward/backward passes per optimizer step on each rank")
-    add("--mode", choices=MODES, default=defaults.mode,
-        help="how the micro-batches communicate (see the docstring)")
-    add("--mesh", type=_number(int, at_least=1), nargs="*", default=defaults.mesh,
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
+    add(
+        "--micro-batches",
+        type=_number(int, at_least=1),
+        default=defaults.micro_batches,
+        help="forward/backward passes per optimizer step on each rank",
+    )
+    add(
+        "--mode",
+        choices=MODES,
+        default=defaults.mode,
+        help="how the micro-batches communicate (see the docstring)",
+    )
+    add(
+        "--mesh",
+        type=_number(int, at_least=1),
+        nargs="*",
+        default=defaults.mesh,
         help="data-parallel mesh: SHARD, or REPLICATE SHARD (HSDP); product = world size; none: "
-        "the world size")
-    add("--pad-fraction", type=_number(float, at_least=0, below=1),
-        default=defaults.pad_fraction, help="ragged samples: right-pad up to this fraction of "
-        "each sequence (targets = ignore_index)")
-    add("--loss-normalisation", choices=NORMALISATIONS, default=defaults.loss_normalisation,
+        "the world size",
+    )
+    add(
+        "--pad-fraction",
+        type=_number(float, at_least=0, below=1),
+        default=defaults.pad_fraction,
+        help="ragged samples: right-pad up to this fraction of "
+        "each sequence (targets = ignore_index)",
+    )
+    add(
+        "--loss-normalisation",
+        choices=NORMALISATIONS,
+        default=defaults.loss_normalisation,
         help="tokens: the global per-token mean (one process's loss); batches: the mean of "
-        "micro-batch means (the pitfall)")
+        "micro-batch means (the pitfall)",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision, help="auto: bf16 on a GPU, fp32 on CPU; bf16: fully_shard's "
-        "MixedPrecisionPolicy (fp32 gradient reduction); fp16 is refused (it needs a scaler)")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+        default=defaults.precision,
+        help="auto: bf16 on a GPU, fp32 on CPU; bf16: fully_shard's "
+        "MixedPrecisionPolicy (fp32 gradient reduction); fp16 is refused (it needs a scaler)",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

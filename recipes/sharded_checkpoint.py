@@ -55,9 +55,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy
@@ -65,9 +69,18 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from recipes._sharded_checkpoint_store import (MANIFEST, CheckpointError, async_options,
-                                               find_checkpoint, load_checkpoint, published_steps,
-                                               save_checkpoint, say, step_dir_name, unwritable)
+from recipes._sharded_checkpoint_store import (
+    MANIFEST,
+    CheckpointError,
+    async_options,
+    find_checkpoint,
+    load_checkpoint,
+    published_steps,
+    save_checkpoint,
+    say,
+    step_dir_name,
+    unwritable,
+)
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.parallelize import apply_fsdp, apply_fully_shard
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
@@ -114,11 +127,20 @@ def parallelize(model: nn.Module, strategy: str, world: Any, precision: str = "f
         return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     if strategy == "fsdp":
         policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
-        return apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device=world.device,
-                          mixed_precision=policy if low else None)
-    return apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)),
-                             block_types=(Block,), mp_policy=MixedPrecisionPolicy(
-                                 param_dtype=low, reduce_dtype=torch.float32 if low else None))
+        return apply_fsdp(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            device=world.device,
+            mixed_precision=policy if low else None,
+        )
+    return apply_fully_shard(
+        model,
+        init_device_mesh(world.device.type, (world.world_size,)),
+        block_types=(Block,),
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=low, reduce_dtype=torch.float32 if low else None
+        ),
+    )
 
 
 # --8<-- [start:app_state]
@@ -126,28 +148,46 @@ class AppState(Stateful):
     """Everything a resumed run needs. DCP calls ``state_dict()`` on every rank when saving, and
     ``state_dict()`` (for the shapes to read into) then ``load_state_dict()`` when loading."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 global_batch_size: int, batches_per_epoch: int,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        global_batch_size: int,
+        batches_per_epoch: int,
+        group: dist.ProcessGroup | None = None,
+    ):
         self.model, self.optimizer, self.group = model, optimizer, group
         # The data position, in world-size-free units: global step s reads the same samples on any
         # world size, so (epoch, global batches done in it) means the same thing to a resharded run,
         # as long as the global batch and the epoch are the same size (checked on resume).
-        self.progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0,
-                         "global_batch_size": global_batch_size,
-                         "batches_per_epoch": batches_per_epoch}
+        self.progress = {
+            "step": 0,
+            "epoch": 0,
+            "batch_in_epoch": 0,
+            "global_batch_size": global_batch_size,
+            "batches_per_epoch": batches_per_epoch,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         # get_state_dict: one call for DDP, FSDP and fully_shard. Names come without "module." or
         # "_fsdp_wrapped_module." prefixes, and sharded tensors stay sharded (DTensor /
         # ShardedTensor), so each rank writes only its part and any other wrapping can read it back.
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state, "progress": dict(self.progress),
-                "rng": gather_rng_states(self.group)}
+        return {
+            "model": model_state,
+            "optim": optim_state,
+            "progress": dict(self.progress),
+            "rng": gather_rng_states(self.group),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
         self.progress = dict(state["progress"])
         restore_rng_state(state["rng"])
 
@@ -162,8 +202,10 @@ def gather_rng_states(group: dist.ProcessGroup | None) -> dict[str, list[str]]:
     world, so that a GPU world can load a CPU world's checkpoint.
     """
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    local = (torch.get_rng_state().numpy().tobytes().hex(),
-             torch.cuda.get_rng_state().numpy().tobytes().hex() if cuda else "")
+    local = (
+        torch.get_rng_state().numpy().tobytes().hex(),
+        torch.cuda.get_rng_state().numpy().tobytes().hex() if cuda else "",
+    )
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, local, group=group)
     return {"cpu": [cpu for cpu, _ in states], "cuda": [cuda for _, cuda in states]}
@@ -181,6 +223,8 @@ def restore_rng_state(states: dict[str, list[str]]) -> None:
     torch.set_rng_state(as_tensor(states["cpu"][index]))
     if states["cuda"][index] and torch.cuda.is_available():
         torch.cuda.set_rng_state(as_tensor(states["cuda"][index]))
+
+
 # --8<-- [end:app_state]
 
 
@@ -200,13 +244,14 @@ class ResumableSampler(DistributedSampler):
         self.skip_batches = 0  # applies to the next epoch iterated, then resets
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())[self.skip_batches * self.per_rank_batch_size:]
+        indices = list(super().__iter__())[self.skip_batches * self.per_rank_batch_size :]
         self.skip_batches = 0
         return iter(indices)
 
 
-def steps_from(loader: DataLoader, sampler: ResumableSampler, progress: dict[str, int],
-               num_steps: int) -> Iterator[tuple[int, Any, dict[str, int]]]:
+def steps_from(
+    loader: DataLoader, sampler: ResumableSampler, progress: dict[str, int], num_steps: int
+) -> Iterator[tuple[int, Any, dict[str, int]]]:
     """Yield ``(step, batch, progress after this batch)`` from the saved position on."""
     step, epoch, batch_in_epoch = progress["step"], progress["epoch"], progress["batch_in_epoch"]
     sampler.skip_batches = batch_in_epoch
@@ -218,9 +263,14 @@ def steps_from(loader: DataLoader, sampler: ResumableSampler, progress: dict[str
                 return
             batch_in_epoch += 1
             step += 1
-            yield step - 1, batch, {**progress, "step": step, "epoch": epoch,
-                                    "batch_in_epoch": batch_in_epoch}
+            yield (
+                step - 1,
+                batch,
+                {**progress, "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch},
+            )
         epoch, batch_in_epoch = epoch + 1, 0
+
+
 # --8<-- [end:data_position]
 
 
@@ -233,8 +283,10 @@ def path_problem(cfg: CheckpointConfig) -> str | None:
     if cfg.save_every and (why := unwritable(ckpt)):
         return f"--checkpoint-dir {ckpt}: {why}; name a directory you can write to"
     if cfg.init_from and not os.path.isfile(cfg.init_from):
-        return (f"--init-from {cfg.init_from}: no such file; name a full state_dict file "
-                "(as --export-to writes one), or drop --init-from")
+        return (
+            f"--init-from {cfg.init_from}: no such file; name a full state_dict file "
+            "(as --export-to writes one), or drop --init-from"
+        )
     if export_to and os.path.isdir(export_to):
         return f"--export-to {export_to} is a directory; name a file, e.g. {export_to}/model.pt"
     if export_to and (why := unwritable(os.path.dirname(os.path.abspath(export_to)))):
@@ -248,9 +300,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     FSDP's flat parameters already on the host crash under ``cpu_offload`` (pytorch#188989), while
     fully_shard on a CPU world aborts without it."""
     on_host_fsdp = next(model.parameters()).device.type == "cpu" and any(
-        isinstance(module, FullyShardedDataParallel) for module in model.modules())
-    state = get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=not on_host_fsdp))
+        isinstance(module, FullyShardedDataParallel) for module in model.modules()
+    )
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_host_fsdp)
+    )
     return {name: tensor.detach().cpu() for name, tensor in state.items()}
 
 
@@ -269,8 +323,11 @@ def load_full_state_dict(model: nn.Module, path: str) -> None:
     """The path back: rank 0 reads a full ``state_dict`` file, each rank receives its part."""
     # Only rank 0 touches the file (one read, not N); weights_only: a pickle must not run code.
     state = torch.load(path, map_location="cpu", weights_only=True) if dist.get_rank() == 0 else {}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
-                                                                broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+
+
 # --8<-- [end:export]
 
 
@@ -279,8 +336,10 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
     """Train on this process's rank from the checkpoint ``cfg.resume_from`` names (or fresh), saving
     every ``cfg.save_every`` steps; every rank returns the same CheckpointRun."""
     if cfg.async_mode != "thread" and not cfg.async_save:
-        raise CheckpointError(f"--async-mode {cfg.async_mode} chooses how --async-save writes; "
-                              "add --async-save, or drop --async-mode")
+        raise CheckpointError(
+            f"--async-mode {cfg.async_mode} chooses how --async-save writes; "
+            "add --async-save, or drop --async-mode"
+        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     # Checkpoint I/O gets a gloo group of its own: async_save runs its collectives in a background
     # thread, and two threads must not issue collectives on one group (they can interleave); DCP's
@@ -288,9 +347,11 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
     group, stager = dist.new_group(backend="gloo"), None
     try:
         if cfg.global_batch_size % world.world_size:
-            raise CheckpointError(f"global_batch_size={cfg.global_batch_size} does not divide "
-                                  f"across {world.world_size} ranks; use a multiple of "
-                                  f"{world.world_size}")
+            raise CheckpointError(
+                f"global_batch_size={cfg.global_batch_size} does not divide "
+                f"across {world.world_size} ranks; use a multiple of "
+                f"{world.world_size}"
+            )
         device, rank, world_size = world.device, world.rank, world.world_size
         use_cuda = device.type == "cuda"
         per_rank_batch = cfg.global_batch_size // world_size
@@ -298,8 +359,10 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
         if precision == "auto":
             precision = "bf16" if world.device.type == "cuda" else "fp32"
         if precision == "tf32" and world.device.type != "cuda":
-            raise CheckpointError("--precision tf32 is a CUDA matmul mode and this run is on "
-                                  f"{world.device.type}; use --precision fp32 (or bf16)")
+            raise CheckpointError(
+                "--precision tf32 is a CUDA matmul mode and this run is on "
+                f"{world.device.type}; use --precision fp32 (or bf16)"
+            )
         if world.device.type == "cuda":  # process-wide: set on every run, never inherited
             torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
         async_kwargs = async_options(cfg.async_mode, world.device) if cfg.async_save else {}
@@ -316,14 +379,24 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
         model = parallelize(model, cfg.strategy, world, precision)  # DDP, FSDP or fully_shard
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
-        app = AppState(model, optimizer, global_batch_size=cfg.global_batch_size,
-                       batches_per_epoch=cfg.batches_per_epoch, group=group)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
+        app = AppState(
+            model,
+            optimizer,
+            global_batch_size=cfg.global_batch_size,
+            batches_per_epoch=cfg.batches_per_epoch,
+            group=group,
+        )
         # What a resume must repeat to continue the same run; saved in each manifest, compared on
         # load before anything is read. The seed too: it decides the data and the shuffle order.
-        made_with = {"model": cfg.model, "global_batch_size": cfg.global_batch_size,
-                     "batches_per_epoch": cfg.batches_per_epoch, "seed": cfg.seed}
+        made_with = {
+            "model": cfg.model,
+            "global_batch_size": cfg.global_batch_size,
+            "batches_per_epoch": cfg.batches_per_epoch,
+            "seed": cfg.seed,
+        }
         run = CheckpointRun(losses=[])
         resume_dir = find_checkpoint(cfg.resume_from, cfg.checkpoint_dir)
         if resume_dir is not None:
@@ -333,7 +406,8 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
                 if app.progress[name] != getattr(cfg, name):
                     raise CheckpointError(
                         f"{resume_dir} was trained with {name}={app.progress[name]}; resume with "
-                        f"the same --{name.replace('_', '-')}, or the resumed run reads other data")
+                        f"the same --{name.replace('_', '-')}, or the resumed run reads other data"
+                    )
             # --lr on resume: applied, not refused. The loaded optimizer state carries the saved lr
             # and would silently win; lowering the lr of a running job is a common reason to
             # restart it, and Adam's moments stay valid under another lr.
@@ -342,35 +416,49 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
                 say(f"--lr {cfg.lr:g} replaces the checkpoint's lr {'/'.join(map(str, saved_lrs))}")
                 for param_group in optimizer.param_groups:
                     param_group["lr"] = cfg.lr
-            say(f"resumed from {resume_dir} at step {app.progress['step']} (saved by "
-                f"{run.saved_by_world_size} rank(s), loaded on {world.world_size})")
+            say(
+                f"resumed from {resume_dir} at step {app.progress['step']} (saved by "
+                f"{run.saved_by_world_size} rank(s), loaded on {world.world_size})"
+            )
         elif cfg.init_from:
             load_full_state_dict(model, cfg.init_from)
             say(f"model initialised from {cfg.init_from}")
-        if observer: observer.model_ready(model, optimizer)
+        if observer:
+            observer.model_ready(model, optimizer)
         run.start_step = app.progress["step"]
         if run.start_step >= cfg.steps:
-            say(f"the checkpoint is at step {run.start_step} and --steps is {cfg.steps}: "
-                "nothing to train")
+            say(
+                f"the checkpoint is at step {run.start_step} and --steps is {cfg.steps}: "
+                "nothing to train"
+            )
         later = [s for s in published_steps(cfg.checkpoint_dir) if s > run.start_step]
         if later and cfg.save_every:  # refuse now rather than after training up to the clash
             raise CheckpointError(
                 f"{cfg.checkpoint_dir} already holds checkpoints past step {run.start_step} (up to "
                 f"step {later[-1]}) that this run would collide with; use --resume-from latest or "
-                "another --checkpoint-dir")
+                "another --checkpoint-dir"
+            )
 
-        dataset = make_dataset(cfg.model, cfg.global_batch_size,
-                               batches_per_epoch=cfg.batches_per_epoch, seed=cfg.seed)
+        dataset = make_dataset(
+            cfg.model, cfg.global_batch_size, batches_per_epoch=cfg.batches_per_epoch, seed=cfg.seed
+        )
         # A DistributedSampler that starts mid-epoch: the data position is part of the state
-        sampler = ResumableSampler(dataset, per_rank_batch_size=per_rank_batch,
-                                   num_replicas=world_size, rank=rank, seed=cfg.seed)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                            pin_memory=use_cuda)
+        sampler = ResumableSampler(
+            dataset,
+            per_rank_batch_size=per_rank_batch,
+            num_replicas=world_size,
+            rank=rank,
+            seed=cfg.seed,
+        )
+        loader = DataLoader(
+            dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
+        )
         # DDP computes in bf16 under autocast; the FSDPs' policies already do (no autocast on top)
         autocast_on = precision == "bf16" and cfg.strategy == "ddp"
         losses, pending = run.losses, None
-        for step, (inputs, targets), progress in steps_from(loader, sampler, app.progress,
-                                                            cfg.steps):
+        for step, (inputs, targets), progress in steps_from(
+            loader, sampler, app.progress, cfg.steps
+        ):
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
@@ -384,29 +472,40 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
             losses.append(global_loss.item())
             if rank == 0:
                 print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-            if observer: observer.step_end(step, losses[-1])
+            if observer:
+                observer.step_end(step, losses[-1])
             app.progress = progress
             done = progress["step"]
             if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
                 started = time.perf_counter()
                 if pending is not None:
                     pending.finish()  # one save in flight at a time: wait for it, publish it
-                pending = save_checkpoint(cfg.checkpoint_dir, app, done, group=group,
-                                          async_save=cfg.async_save, keep_last=cfg.keep_last,
-                                          made_with=made_with, async_kwargs=async_kwargs)
+                pending = save_checkpoint(
+                    cfg.checkpoint_dir,
+                    app,
+                    done,
+                    group=group,
+                    async_save=cfg.async_save,
+                    keep_last=cfg.keep_last,
+                    made_with=made_with,
+                    async_kwargs=async_kwargs,
+                )
                 if not cfg.async_save:
                     pending.finish()
                     pending = None
                 run.save_blocking_seconds.append(time.perf_counter() - started)
                 run.saved_steps.append(done)
-                say(f"checkpoint of step {done} {'started' if cfg.async_save else 'published'} "
-                    f"in {run.save_blocking_seconds[-1] * 1e3:.1f} ms")
+                say(
+                    f"checkpoint of step {done} {'started' if cfg.async_save else 'published'} "
+                    f"in {run.save_blocking_seconds[-1] * 1e3:.1f} ms"
+                )
         # --8<-- [end:loop]
         if pending is not None:
             pending.finish()
         if run.saved_steps:
-            manifest_path = os.path.join(cfg.checkpoint_dir, step_dir_name(run.saved_steps[-1]),
-                                         MANIFEST)
+            manifest_path = os.path.join(
+                cfg.checkpoint_dir, step_dir_name(run.saved_steps[-1]), MANIFEST
+            )
             with open(manifest_path) as f:
                 run.checkpoint_bytes = sum(e["bytes"] for e in json.load(f)["files"].values())
         if cfg.export_to:
@@ -418,6 +517,8 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
             stager.close()
         dist.destroy_process_group(group)
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -430,10 +531,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -441,58 +544,127 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = CheckpointConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.sharded_checkpoint", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.sharded_checkpoint",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps,
-        help="train up to this step (a resumed run continues from its checkpoint's step)")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
-    add("--lr", type=_number(float, above=0), default=defaults.lr,
-        help="AdamW's; on resume it replaces the checkpoint's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16"], default=defaults.precision,
+    add(
+        "--steps",
+        type=_number(int, at_least=1),
+        default=defaults.steps,
+        help="train up to this step (a resumed run continues from its checkpoint's step)",
+    )
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
+    add(
+        "--lr",
+        type=_number(float, above=0),
+        default=defaults.lr,
+        help="AdamW's; on resume it replaces the checkpoint's",
+    )
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16"],
+        default=defaults.precision,
         help="auto: bf16 on a GPU, fp32 on CPU; bf16: the FSDPs' mixed-precision policies, "
-        "autocast for DDP (no fp16: a loss scaler's state would need checkpointing too)")
-    add("--strategy", choices=["ddp", "fsdp", "fsdp2"], default=defaults.strategy,
+        "autocast for DDP (no fp16: a loss scaler's state would need checkpointing too)",
+    )
+    add(
+        "--strategy",
+        choices=["ddp", "fsdp", "fsdp2"],
+        default=defaults.strategy,
         help="ddp (replicated), fsdp (classic FullyShardedDataParallel) or fsdp2 (fully_shard); "
-        "a checkpoint saved with one loads into any other")
-    add("--checkpoint-dir", default=defaults.checkpoint_dir,
-        help="where step_NNNNNNNN/ checkpoints and the 'latest' pointer live")
-    add("--save-every", type=_number(int, at_least=0), default=defaults.save_every,
-        help="save every N steps and after the last one; 0 = never save")
-    add("--resume-from", default=defaults.resume_from,
+        "a checkpoint saved with one loads into any other",
+    )
+    add(
+        "--checkpoint-dir",
+        default=defaults.checkpoint_dir,
+        help="where step_NNNNNNNN/ checkpoints and the 'latest' pointer live",
+    )
+    add(
+        "--save-every",
+        type=_number(int, at_least=0),
+        default=defaults.save_every,
+        help="save every N steps and after the last one; 0 = never save",
+    )
+    add(
+        "--resume-from",
+        default=defaults.resume_from,
         help="'latest' = the checkpoint 'latest' names in --checkpoint-dir (start fresh if there "
         "is none yet: the same command starts and resumes a job); a step_* directory; or '' = "
-        "always start fresh")
-    add("--async-save", action=argparse.BooleanOptionalAction, default=defaults.async_save,
-        help="write checkpoints in the background (dcp.async_save) while training goes on")
-    add("--async-mode", choices=["thread", "process"], default=defaults.async_mode,
+        "always start fresh",
+    )
+    add(
+        "--async-save",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.async_save,
+        help="write checkpoints in the background (dcp.async_save) while training goes on",
+    )
+    add(
+        "--async-mode",
+        choices=["thread", "process"],
+        default=defaults.async_mode,
         help="with --async-save: write in a background thread of each rank, or in a background "
-        "process per rank (no GIL contention with training)")
-    add("--keep-last", type=_number(int, at_least=0), default=defaults.keep_last,
-        help="published checkpoints to keep; older ones are deleted (0 = keep all)")
-    add("--export-to", default=defaults.export_to,
-        help="after training, rank 0 writes the full model state_dict to this file (inference)")
-    add("--init-from", default=defaults.init_from,
+        "process per rank (no GIL contention with training)",
+    )
+    add(
+        "--keep-last",
+        type=_number(int, at_least=0),
+        default=defaults.keep_last,
+        help="published checkpoints to keep; older ones are deleted (0 = keep all)",
+    )
+    add(
+        "--export-to",
+        default=defaults.export_to,
+        help="after training, rank 0 writes the full model state_dict to this file (inference)",
+    )
+    add(
+        "--init-from",
+        default=defaults.init_from,
         help="when starting fresh, load the model from this full state_dict file (e.g. an "
-        "--export-to file): rank 0 reads it, every rank gets its part")
-    add("--batches-per-epoch", type=_number(int, at_least=1), default=defaults.batches_per_epoch,
+        "--export-to file): rank 0 reads it, every rank gets its part",
+    )
+    add(
+        "--batches-per-epoch",
+        type=_number(int, at_least=1),
+        default=defaults.batches_per_epoch,
         help="global batches per epoch of the synthetic data; 4 makes 6 steps cross an epoch "
-        "boundary, so a resume must restore the epoch, not only the step")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "boundary, so a resume must restore the epoch, not only the step",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -45,8 +45,9 @@ def train(cfg: SingleGPUConfig, observer=None) -> list[float]:
     """Train on one device (the GPU when there is one); returns each step's loss."""
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda") if use_cuda else torch.device("cpu")
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
-                                       and torch.cuda.is_bf16_supported())
+    bf16 = cfg.precision == "bf16" or (
+        cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+    )
     if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
@@ -57,16 +58,23 @@ def train(cfg: SingleGPUConfig, observer=None) -> list[float]:
         for block in [m for m in model.modules() if isinstance(m, Block)]:
             block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
         loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                  fused=True if use_cuda else None)  # one kernel on CUDA
-    if observer: observer.model_ready(model, optimizer)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+    )  # one kernel on CUDA
+    if observer:
+        observer.model_ready(model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.batch_size, seed=cfg.seed)
     # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
     # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
     order = torch.Generator()
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, drop_last=True, pin_memory=use_cuda,
-                        sampler=RandomSampler(dataset, generator=order))
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        drop_last=True,
+        pin_memory=use_cuda,
+        sampler=RandomSampler(dataset, generator=order),
+    )
 
     losses, step, epoch = [], 0, 0
     while step < cfg.steps:
@@ -83,7 +91,8 @@ def train(cfg: SingleGPUConfig, observer=None) -> list[float]:
             optimizer.step()
             losses.append(loss.item())
             print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-            if observer: observer.step_end(step, losses[-1])
+            if observer:
+                observer.step_end(step, losses[-1])
             step += 1
         epoch += 1
     # --8<-- [end:loop]
@@ -91,6 +100,8 @@ def train(cfg: SingleGPUConfig, observer=None) -> list[float]:
     if cfg.save_path:
         torch.save(model.state_dict(), cfg.save_path)
     return losses
+
+
 # --8<-- [end:train]
 
 
@@ -103,34 +114,62 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = SingleGPUConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.single_gpu", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.single_gpu",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--batch-size", type=_number(int, at_least=1), default=defaults.batch_size,
-        help="sequences per optimizer step")
+    add(
+        "--batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.batch_size,
+        help="sequences per optimizer step",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order")
-    add("--precision", choices=["auto", "fp32", "bf16"], default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
-    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
-        help="torch.compile each transformer block and the loss")
-    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
-    add("--save-path", default=defaults.save_path,
-        help="save the trained model's state_dict here (torch.save)")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
+        help="torch.compile each transformer block and the loss",
+    )
+    add(
+        "--compile-backend",
+        choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend,
+        help="torch.compile's backend; inductor is the fast one",
+    )
+    add(
+        "--save-path",
+        default=defaults.save_path,
+        help="save the trained model's state_dict here (torch.save)",
+    )
     return parser
 
 

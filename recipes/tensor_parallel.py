@@ -85,11 +85,14 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bf16" if cuda_bf16 else "fp32"
     if precision == "tf32" and device.type != "cuda":
-        raise ValueError(f"--precision tf32 is a CUDA matmul mode and this run is on "
-                         f"{device.type}; use --precision fp32 (or bf16)")
+        raise ValueError(
+            f"--precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use --precision fp32 (or bf16)"
+        )
     if device.type == "cuda":  # a process-wide switch: set it every run, never inherit it
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            precision == "tf32")
+            precision == "tf32"
+        )
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
@@ -101,9 +104,13 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
         device, model_cfg = world.device, MODEL_PRESETS[cfg.model]
         rank, use_cuda = world.rank, world.device.type == "cuda"
         # Every dimension the plan splits must divide by the tensor-parallel size.
-        check_tp_fits(world.world_size, n_heads=model_cfg.n_heads,
-                      mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
-                      vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+        check_tp_fits(
+            world.world_size,
+            n_heads=model_cfg.n_heads,
+            mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
+            vocab_size=model_cfg.vocab_size,
+            seq_len=model_cfg.seq_len,
+        )
         dtype = autocast_dtype(cfg.precision, device)
         tp_mesh = init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("tp",))
         # --8<-- [start:loop]
@@ -111,8 +118,13 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
         # model that does not fit one device, build on the "meta" device and initialize after
         # apply_tp.)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        apply_tp(model, tp_mesh, plan=transformer_lm_plan(sequence_parallel=cfg.sequence_parallel,
-                                                          loss_parallel=cfg.loss_parallel))
+        apply_tp(
+            model,
+            tp_mesh,
+            plan=transformer_lm_plan(
+                sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel
+            ),
+        )
         # On a GPU TP compiles unless told not to: in eager mode DTensor decides every op's
         # sharding on the host, and the GPU waits for it (+92% at batch 64 on an H200, issue 25).
         compiled = cfg.compile or (use_cuda and not cfg.eager)
@@ -122,20 +134,28 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
             if not cfg.loss_parallel:  # the loss on DTensor shards (loss_parallel) stays eager
                 loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
         # Pitfall: built before apply_tp, the optimizer would update the replaced plain tensors.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if use_cuda else None)  # one kernel on CUDA
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        )  # one kernel on CUDA
         # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        if observer: observer.model_ready(model, optimizer)
+        if observer:
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Pitfall: a DistributedSampler over the TP ranks would give each rank different samples,
         # and each rank would compute its slice of a different batch. Every TP rank reads the whole
         # batch: the sampler of a world of one, in single-process training's order.
-        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=cfg.global_batch_size, sampler=sampler,
-                            drop_last=True, pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=cfg.global_batch_size,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=use_cuda,
+        )
         # The loss and its backward must both run inside loss_parallel() when the logits are shards.
         loss_context = loss_parallel if cfg.loss_parallel else contextlib.nullcontext
 
@@ -149,8 +169,9 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
                 inputs = inputs.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
                 # TP alone has no mixed-precision policy of its own: bf16 is autocast (torchtitan)
-                with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                    enabled=dtype is not None):
+                with torch.autocast(
+                    device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+                ):
                     logits = model(inputs)
                 optimizer.zero_grad(set_to_none=True)
                 with loss_context():
@@ -164,13 +185,16 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
                 losses.append(whole.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
         return losses
     finally:
         cleanup_distributed()  # every way out: NCCL's communicators are freed, not leaked
+
+
 # --8<-- [end:train]
 
 
@@ -183,10 +207,12 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
@@ -194,46 +220,89 @@ def _backend(text: str) -> str:
     if text == "nccl" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(
             "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo")
+            "use --backend gloo"
+        )
     return text
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = TPConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.tensor_parallel", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.tensor_parallel",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step; every tensor-parallel rank computes a part of each")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step; every tensor-parallel rank computes a part of each",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--precision", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
         default=defaults.precision,
         help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA); fp16: autocast with a loss scaler")
-    add("--sequence-parallel", action=argparse.BooleanOptionalAction,
+        "matmuls (CUDA); fp16: autocast with a loss scaler",
+    )
+    add(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
         default=defaults.sequence_parallel,
         help="split norms and the residual stream along the sequence (Shard(1)) instead of "
-        "replicating them")
-    add("--loss-parallel", action=argparse.BooleanOptionalAction, default=defaults.loss_parallel,
+        "replicating them",
+    )
+    add(
+        "--loss-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.loss_parallel,
         help="keep the logits split over the vocabulary and compute cross-entropy on the shards "
-        "(loss_parallel())")
-    add("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
+        "(loss_parallel())",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
         help="torch.compile each transformer block (and the loss) after the split; on a GPU it "
-        "is on unless --eager")
-    add("--eager", action=argparse.BooleanOptionalAction, default=defaults.eager,
+        "is on unless --eager",
+    )
+    add(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.eager,
         help="on a GPU, skip the torch.compile that TP turns on there (DTensor's sharding "
-        "propagation then runs on the host for every op: about 2x slower on an H200)")
-    add("--compile-backend", choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend, help="torch.compile's backend; inductor is the fast one")
-    add("--backend", type=_backend, choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
+        "propagation then runs on the host for every op: about 2x slower on an H200)",
+    )
+    add(
+        "--compile-backend",
+        choices=["inductor", "aot_eager", "eager"],
+        default=defaults.compile_backend,
+        help="torch.compile's backend; inductor is the fast one",
+    )
+    add(
+        "--backend",
+        type=_backend,
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
     return parser
 
 

@@ -25,8 +25,14 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 __all__ = [
-    "ModelConfig", "MODEL_PRESETS", "TransformerLM", "Block", "build_model", "lm_loss",
-    "SyntheticTokens", "make_dataset",
+    "ModelConfig",
+    "MODEL_PRESETS",
+    "TransformerLM",
+    "Block",
+    "build_model",
+    "lm_loss",
+    "SyntheticTokens",
+    "make_dataset",
 ]
 
 

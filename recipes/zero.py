@@ -61,11 +61,13 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
             lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
-                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}")
+                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}"
+            )
         per_rank_batch = cfg.global_batch_size // world_size
         use_cuda = device.type == "cuda"
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda
-                                           and torch.cuda.is_bf16_supported())
+        bf16 = cfg.precision == "bf16" or (
+            cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+        )
         if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
@@ -77,21 +79,28 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
         if cfg.optimizer == "zero":
             # AdamW's arguments, plus the class: each rank builds an AdamW over its own partition
             # (fused on CUDA: one kernel per partition)
-            optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(),
-                                                optimizer_class=torch.optim.AdamW, lr=cfg.lr,
-                                                fused=True if use_cuda else None)
+            optimizer = ZeroRedundancyOptimizer(
+                ddp_model.parameters(),
+                optimizer_class=torch.optim.AdamW,
+                lr=cfg.lr,
+                fused=True if use_cuda else None,
+            )
         else:
-            optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr,
-                                          fused=True if use_cuda else None)  # one kernel on CUDA
-        if observer: observer.model_ready(ddp_model, optimizer)
+            optimizer = torch.optim.AdamW(
+                ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+            )  # one kernel on CUDA
+        if observer:
+            observer.model_ready(ddp_model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
         # at step s is one process's batch s. drop_last keeps every global batch full.
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                            pin_memory=use_cuda)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        loader = DataLoader(
+            dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
+        )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:
@@ -117,7 +126,8 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
                 losses.append(global_loss.item())
                 if rank == 0:
                     print(f"step {step} loss {losses[-1]:.4f}", flush=True)
-                if observer: observer.step_end(step, losses[-1])
+                if observer:
+                    observer.step_end(step, losses[-1])
                 step += 1
             epoch += 1
         # --8<-- [end:loop]
@@ -128,12 +138,16 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
                 # state). Every rank must first send its partition: this is a collective.
                 optimizer.consolidate_state_dict(to=0)
             if rank == 0:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                           cfg.save_path)
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                    cfg.save_path,
+                )
             dist.barrier()  # no rank reads the file or exits before it is complete
         return losses
     finally:
         cleanup_distributed()
+
+
 # --8<-- [end:train]
 
 
@@ -146,38 +160,74 @@ def _number(kind, *, above=None, at_least=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (value > above if above is not None
-                                            else value >= at_least):
+        if not math.isfinite(value) or not (
+            value > above if above is not None else value >= at_least
+        ):
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
     defaults = ZeroConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.zero", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        prog="python -m recipes.zero",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
     add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add("--global-batch-size", type=_number(int, at_least=1), default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks")
+    add(
+        "--global-batch-size",
+        type=_number(int, at_least=1),
+        default=defaults.global_batch_size,
+        help="sequences per optimizer step, summed over all ranks",
+    )
     add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add("--seed", type=_number(int, at_least=0), default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size")
-    add("--optimizer", choices=["zero", "adamw"], default=defaults.optimizer,
-        help="zero: ZeroRedundancyOptimizer(AdamW), 1/N of the state per rank; adamw: plain DDP")
-    add("--max-grad-norm", type=_number(float, at_least=0), default=defaults.max_grad_norm,
-        help="clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0: off)")
-    add("--precision", choices=["auto", "fp32", "bf16"], default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)")
-    add("--backend", choices=["auto", "nccl", "gloo"], default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo")
-    add("--timeout-s", type=_number(float, above=0), default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing")
-    add("--save-path", default=defaults.save_path,
-        help="rank 0 saves the model and the consolidated optimizer state here (torch.save)")
+    add(
+        "--seed",
+        type=_number(int, at_least=0),
+        default=defaults.seed,
+        help="model init and data order; the same seed gives the same losses on any world size",
+    )
+    add(
+        "--optimizer",
+        choices=["zero", "adamw"],
+        default=defaults.optimizer,
+        help="zero: ZeroRedundancyOptimizer(AdamW), 1/N of the state per rank; adamw: plain DDP",
+    )
+    add(
+        "--max-grad-norm",
+        type=_number(float, at_least=0),
+        default=defaults.max_grad_norm,
+        help="clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0: off)",
+    )
+    add(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default=defaults.precision,
+        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+    )
+    add(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default=defaults.backend,
+        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
+    )
+    add(
+        "--timeout-s",
+        type=_number(float, above=0),
+        default=defaults.timeout_s,
+        help="seconds a collective waits for its peers before failing",
+    )
+    add(
+        "--save-path",
+        default=defaults.save_path,
+        help="rank 0 saves the model and the consolidated optimizer state here (torch.save)",
+    )
     return parser
 
 

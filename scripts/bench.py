@@ -141,9 +141,15 @@ def recipes_at_world_1(
     # Compiling costs ~20 s a row on a GPU: the bare loop and the three wrappers it matters most
     # for.
     compiled = ("bare loop (performance)", "ddp_torchrun", "fsdp2", "tensor_parallel")
-    return [(f"{label} + compile", train,
-             dataclasses.replace(cfg, compile=True, compile_backend=compile_backend))
-            for label, train, cfg in rows if label in compiled]
+    return [
+        (
+            f"{label} + compile",
+            train,
+            dataclasses.replace(cfg, compile=True, compile_backend=compile_backend),
+        )
+        for label, train, cfg in rows
+        if label in compiled
+    ]
 
 
 def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[str, list]:
@@ -158,36 +164,58 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
         str(2 * batch): [
             ("bare loop", proven, perf(**b64)),
             ("bare loop + compile (blocks + loss)", proven, perf(**b64, **compiled)),
-            ("bare loop + compile (whole model + loss)", proven,
-             perf(**b64, **compiled, compile_scope="model")),
-            ("bare loop + compile (whole model + loss), CUDA graphs", proven,
-             perf(**b64, **compiled, compile_scope="model", compile_mode="reduce-overhead")),
+            (
+                "bare loop + compile (whole model + loss)",
+                proven,
+                perf(**b64, **compiled, compile_scope="model"),
+            ),
+            (
+                "bare loop + compile (whole model + loss), CUDA graphs",
+                proven,
+                perf(**b64, **compiled, compile_scope="model", compile_mode="reduce-overhead"),
+            ),
             ("ddp_torchrun + compile", ddp_torchrun_proven, ddp_config(**b64, **compiled)),
             ("fsdp2 + compile", fsdp2_proven, fsdp2_config(**b64, **compiled)),
-            ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
-             tp_config(**b64, compile_backend=compile_backend)),
-            ("lightning_trainer", proven,
-             lightning_trainer.LightningConfig(**b64, output_dir=out, logger="none")),
+            (
+                "tensor_parallel (compiled: its GPU default)",
+                tensor_parallel_proven,
+                tp_config(**b64, compile_backend=compile_backend),
+            ),
+            (
+                "lightning_trainer",
+                proven,
+                lightning_trainer.LightningConfig(**b64, output_dir=out, logger="none"),
+            ),
             ("lightning_fabric", proven, lightning_fabric.FabricConfig(**b64)),
-            ("checkpointing: none + compile", proven,
-             ac(**b64, **compiled, mode="none")),
-            ("checkpointing: per_block + compile", proven,
-             ac(**b64, **compiled, mode="per_block")),
-            ("checkpointing: op_selective + compile", proven,
-             ac(**b64, **compiled, mode="op_selective")),
+            ("checkpointing: none + compile", proven, ac(**b64, **compiled, mode="none")),
+            ("checkpointing: per_block + compile", proven, ac(**b64, **compiled, mode="per_block")),
+            (
+                "checkpointing: op_selective + compile",
+                proven,
+                ac(**b64, **compiled, mode="op_selective"),
+            ),
         ],
         str(batch): [
             ("bare loop", proven, perf(**b32)),
             ("bare loop + compile (blocks + loss)", proven, perf(**b32, **compiled)),
             ("fsdp2", fsdp2_proven, fsdp2_config(**b32)),
             ("fsdp2 + compile", fsdp2_proven, fsdp2_config(**b32, **compiled)),
-            ("fsdp2, no reshard + compile", fsdp2_proven,
-             fsdp2_config(**b32, **compiled, reshard_after_forward=False)),
-            ("fsdp (classic)", proven,
-             fsdp.FSDPConfig(**b32, backend="auto" if ON_GPU else "gloo")),
+            (
+                "fsdp2, no reshard + compile",
+                fsdp2_proven,
+                fsdp2_config(**b32, **compiled, reshard_after_forward=False),
+            ),
+            (
+                "fsdp (classic)",
+                proven,
+                fsdp.FSDPConfig(**b32, backend="auto" if ON_GPU else "gloo"),
+            ),
             ("tensor_parallel --eager", tensor_parallel_proven, tp_config(**b32, eager=True)),
-            ("tensor_parallel (compiled: its GPU default)", tensor_parallel_proven,
-             tp_config(**b32, compile_backend=compile_backend)),
+            (
+                "tensor_parallel (compiled: its GPU default)",
+                tensor_parallel_proven,
+                tp_config(**b32, compile_backend=compile_backend),
+            ),
         ],
     }
 
@@ -240,17 +268,23 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
     torch._dynamo.reset()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_GPU else [])
     active = 3
-    with torch.profiler.profile(activities=activities,
-                                schedule=schedule(wait=2, warmup=1, active=active)) as prof:
+    with torch.profiler.profile(
+        activities=activities, schedule=schedule(wait=2, warmup=1, active=active)
+    ) as prof:
         handler = StepMarks(prof)
-        loggers = [logging.getLogger(name) for name in ("recipes", f"recipes.{cfg_recipe(cfg)}",
-                                                         "recipes.core.lightning")]
+        loggers = [
+            logging.getLogger(name)
+            for name in ("recipes", f"recipes.{cfg_recipe(cfg)}", "recipes.core.lightning")
+        ]
         for logger in loggers:
             logger.addHandler(handler)
         try:
             if "observer" in inspect.signature(train).parameters:  # a copyable recipe
-                steps = (lightning_profiler_steps if cfg_recipe(cfg) == "lightning_trainer"
-                         else ProfilerSteps)
+                steps = (
+                    lightning_profiler_steps
+                    if cfg_recipe(cfg) == "lightning_trainer"
+                    else ProfilerSteps
+                )
                 train(cfg, observer=steps(prof))
             else:
                 train(cfg)
@@ -259,11 +293,13 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
                 logger.removeHandler(handler)
     events = prof.key_averages()
     text = [f"## {label} (batch {cfg.global_batch_size}): {active} steps profiled\n"]
-    text.append(events.table(sort_by="self_cpu_time_total", row_limit=limit,
-                             max_name_column_width=60))
+    text.append(
+        events.table(sort_by="self_cpu_time_total", row_limit=limit, max_name_column_width=60)
+    )
     if ON_GPU:
-        text.append(events.table(sort_by="self_cuda_time_total", row_limit=limit,
-                                 max_name_column_width=60))
+        text.append(
+            events.table(sort_by="self_cuda_time_total", row_limit=limit, max_name_column_width=60)
+        )
     return "\n".join(text)
 
 
@@ -360,15 +396,27 @@ def table(rows: list[dict], baseline_ms: float | None, *, compact: bool = False)
     def pct(value):
         return f"{100 * value:.1f}%" if value is not None else "n/a"
 
-    columns = ["run", "batch", "ms/step", "vs bare", "tokens/s", "MFU", "MFU vs bf16 peak",
-               "peak GiB", "note"]
+    columns = [
+        "run",
+        "batch",
+        "ms/step",
+        "vs bare",
+        "tokens/s",
+        "MFU",
+        "MFU vs bf16 peak",
+        "peak GiB",
+        "note",
+    ]
     if compact:
         columns = ["run", "ms/step", "vs bare", "tokens/s", "MFU (bf16 peak)", "GiB", "note"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if "ms_per_step" not in row:
-            cells = {"run": row["label"], "batch": row["batch"],
-                     "note": row.get("skipped") or row.get("failed")}
+            cells = {
+                "run": row["label"],
+                "batch": row["batch"],
+                "note": row.get("skipped") or row.get("failed"),
+            }
             lines.append("| " + " | ".join(str(cells.get(c, "")) for c in columns) + " |")
             continue
         note = []
@@ -377,12 +425,16 @@ def table(rows: list[dict], baseline_ms: float | None, *, compact: bool = False)
         if row.get("saved_bytes"):
             note.append(f"saved for backward {row['saved_bytes'] / 2**20:.0f} MiB")
         cells = {
-            "run": row["label"], "batch": str(row["batch"]), "ms/step": f"{row['ms_per_step']:.1f}",
+            "run": row["label"],
+            "batch": str(row["batch"]),
+            "ms/step": f"{row['ms_per_step']:.1f}",
             "vs bare": f"{row['ms_per_step'] / baseline_ms - 1:+.1%}" if baseline_ms else "",
-            "tokens/s": f"{row['tokens_per_second']:,.0f}", "MFU": pct(row["mfu"]),
+            "tokens/s": f"{row['tokens_per_second']:,.0f}",
+            "MFU": pct(row["mfu"]),
             "MFU vs bf16 peak": pct(row["mfu_vs_bf16_peak"]),
             "MFU (bf16 peak)": pct(row["mfu_vs_bf16_peak"]),
-            "peak GiB": f"{row['peak_memory_gib']:.2f}", "GiB": f"{row['peak_memory_gib']:.1f}",
+            "peak GiB": f"{row['peak_memory_gib']:.2f}",
+            "GiB": f"{row['peak_memory_gib']:.1f}",
             "note": "; ".join(note),
         }
         lines.append("| " + " | ".join(cells[c] for c in columns) + " |")
@@ -399,9 +451,12 @@ def main(argv=None) -> int:
         "--batch", type=int, default=32 if ON_GPU else 8, help="global batch (sequences)"
     )
     parser.add_argument("--steps", type=int, default=20 if ON_GPU else 4)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu"],
-                        help="cpu: measure the CPU also where a GPU is "
-                        "(every recipe joins a gloo world)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu"],
+        help="cpu: measure the CPU also where a GPU is (every recipe joins a gloo world)",
+    )
     parser.add_argument(
         "--parts",
         default="ladder,recipes,compiled",
@@ -458,7 +513,9 @@ def main(argv=None) -> int:
             report[key] = previous[key]
     earlier = previous.get("measured") or (
         {part: f"{previous['date']}, torch {previous['torch']}" for part in ("ladder", "recipes")}
-        if previous else {})
+        if previous
+        else {}
+    )
     report["measured"] = {**earlier, **measured_at}
     if {"recipes", "compiled"} & parts:
         report["recipes"] = {}
@@ -494,8 +551,11 @@ def main(argv=None) -> int:
             measured = [measure(label, train, cfg) for label, train, cfg in chosen(rows)]
             report["gaps"][batch] = measured
             print(f"## the gaps, batch {batch}\n")
-            print(table(measured, measured[0].get("ms_per_step") if measured else None), "\n",
-                  flush=True)
+            print(
+                table(measured, measured[0].get("ms_per_step") if measured else None),
+                "\n",
+                flush=True,
+            )
             write(path, report)
     if "profile" in parts:
         batch32 = dict(model=args.model, steps=7, precision="auto", global_batch_size=args.batch)
@@ -504,11 +564,17 @@ def main(argv=None) -> int:
         runs = [
             ("bare loop", performance.train, performance_config(**batch32)),
             ("fsdp2", fsdp2.train, fsdp2_config(**batch32)),
-            ("fsdp2 + compile", fsdp2.train, fsdp2_config(
-                **batch32, compile=True, compile_backend=compile_backend)),
+            (
+                "fsdp2 + compile",
+                fsdp2.train,
+                fsdp2_config(**batch32, compile=True, compile_backend=compile_backend),
+            ),
             ("bare loop", performance.train, performance_config(**batch64)),
-            ("lightning_trainer", lightning_trainer.train, lightning_trainer.LightningConfig(
-                **batch64, output_dir=out, logger="none")),
+            (
+                "lightning_trainer",
+                lightning_trainer.train,
+                lightning_trainer.LightningConfig(**batch64, output_dir=out, logger="none"),
+            ),
         ]
         texts = []
         for label, train, cfg in chosen(runs):
@@ -520,8 +586,10 @@ def main(argv=None) -> int:
             print(texts[-1][:3000], flush=True)
         profiles = path[: -len(".json")] + "-profiles.txt"
         with open(profiles, "w") as file:
-            file.write(f"# torch.profiler on {device}, torch {torch.__version__}, "
-                       f"{report['date']}\n\n" + "\n\n".join(texts) + "\n")
+            file.write(
+                f"# torch.profiler on {device}, torch {torch.__version__}, "
+                f"{report['date']}\n\n" + "\n\n".join(texts) + "\n"
+            )
         print(f"wrote {profiles}")
     write(path, report)
     return 0

@@ -29,22 +29,28 @@ import sys
 import time
 import traceback
 
-import torch  # imported once here; every copy's process inherits it
 import torch.distributed as dist
 
 # torch's heavier modules too (DTensor alone takes ~1 s of CPU to import), for the same reason:
 # a copy imports them again for nothing. Only torch's and third parties': the cookbook stays out.
-PREIMPORT = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-             "torch.distributed.device_mesh", "torch.nn.parallel", "torch.utils.data",
-             "torchdata.stateful_dataloader")
+PREIMPORT = (
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.device_mesh",
+    "torch.nn.parallel",
+    "torch.utils.data",
+    "torchdata.stateful_dataloader",
+)
 
 
 def run_copy(copy: dict, rank: int, out_dir: str) -> None:
     """The copy's process: ``python train_mine.py ARGS`` in its project folder, then exit."""
     os.makedirs(out_dir, exist_ok=True)
     for fd, stream in ((1, "stdout"), (2, "stderr")):
-        opened = os.open(os.path.join(out_dir, f"rank{rank}.{stream}"),
-                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        opened = os.open(
+            os.path.join(out_dir, f"rank{rank}.{stream}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        )
         os.dup2(opened, fd)
         os.close(opened)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
@@ -88,8 +94,12 @@ def main() -> None:
     under_torchrun = "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))
     if under_torchrun:  # torchrun's own store (its agent hosts it): rank 0 posts the ports there
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=datetime.timedelta(seconds=300))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=300),
+        )
     for copy in plan["copies"]:
         out_dir = os.path.join(plan["out"], copy["name"])
         if under_torchrun:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import importlib.util
 import json
-import atexit
 import os
 import runpy
 import subprocess
@@ -25,13 +25,20 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_DEVICES = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 # Every distributed test runs on gloo; the NCCL variant runs where there is one GPU per rank.
-BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(CUDA_DEVICES == 0, reason="NCCL needs CUDA devices"))]
+BACKENDS = [
+    "gloo",
+    pytest.param(
+        "nccl", marks=pytest.mark.skipif(CUDA_DEVICES == 0, reason="NCCL needs CUDA devices")
+    ),
+]
 
 
 def require_world(backend: str, world_size: int) -> None:
     """Skip (with the reason) a world this machine cannot host."""
     if backend == "nccl" and CUDA_DEVICES < world_size:
-        pytest.skip(f"NCCL with {world_size} ranks needs {world_size} CUDA devices, found {CUDA_DEVICES}")
+        pytest.skip(
+            f"NCCL with {world_size} ranks needs {world_size} CUDA devices, found {CUDA_DEVICES}"
+        )
 
 
 def in_one_world(train_fn, configs, backend: str = "gloo", timeout_s: float = 60.0):
@@ -40,10 +47,14 @@ def in_one_world(train_fn, configs, backend: str = "gloo", timeout_s: float = 60
         return [train_fn(cfg) for cfg in configs]
 
 
-def run_world(train_fn, world_size: int, configs, *, backend: str = "gloo", deadline_s: float = 120.0):
+def run_world(
+    train_fn, world_size: int, configs, *, backend: str = "gloo", deadline_s: float = 120.0
+):
     """Rank 0's results of ``train_fn`` over ``configs`` on a fresh spawned world."""
     require_world(backend, world_size)
-    return spawn_world(in_one_world, world_size, train_fn, list(configs), backend, deadline_s=deadline_s)
+    return spawn_world(
+        in_one_world, world_size, train_fn, list(configs), backend, deadline_s=deadline_s
+    )
 
 
 @functools.cache
@@ -57,8 +68,10 @@ def single_process_reference(*, steps: int | None = None, keep_final_state: bool
     from recipes import ddp_torchrun
 
     fields = {"steps": steps} if steps is not None else {}
-    return run_alone(ddp_result if keep_final_state else ddp_result_only,
-                     ddp_torchrun.DDPConfig(precision="fp32", **fields))
+    return run_alone(
+        ddp_result if keep_final_state else ddp_result_only,
+        ddp_torchrun.DDPConfig(precision="fp32", **fields),
+    )
 
 
 def ddp_result(cfg, *, keep_final_state: bool = True):
@@ -83,8 +96,9 @@ def tp_result(cfg, *, keep_final_state: bool = True):
     from recipes import tensor_parallel
     from recipes.core.observe import prove
 
-    return prove(tensor_parallel.train, cfg, name="tensor_parallel",
-                 keep_final_state=keep_final_state)
+    return prove(
+        tensor_parallel.train, cfg, name="tensor_parallel", keep_final_state=keep_final_state
+    )
 
 
 def tp_result_only(cfg):
@@ -122,8 +136,9 @@ def recipe_result(cfg, *, keep_final_state: bool = True, observer=None):
 
     torch.nn.utils.clip_grad_norm_ = recording_clip
     try:
-        result = prove(module.train, cfg, name=name, keep_final_state=keep_final_state,
-                       observer=observer)
+        result = prove(
+            module.train, cfg, name=name, keep_final_state=keep_final_state, observer=observer
+        )
     finally:
         torch.nn.utils.clip_grad_norm_ = clip
     if norms:
@@ -137,19 +152,33 @@ def run_alone(train_fn, cfg):
 
 
 def assert_states_close(actual: dict, expected: dict, *, atol: float, rtol: float = 0.0) -> None:
-    assert actual.keys() == expected.keys(), f"parameter names differ: {sorted(actual.keys() ^ expected.keys())}"
-    worst = max(((name, (actual[name].float() - expected[name].float()).abs().max().item()) for name in expected),
-                key=lambda item: item[1])
+    assert actual.keys() == expected.keys(), (
+        f"parameter names differ: {sorted(actual.keys() ^ expected.keys())}"
+    )
+    worst = max(
+        (
+            (name, (actual[name].float() - expected[name].float()).abs().max().item())
+            for name in expected
+        ),
+        key=lambda item: item[1],
+    )
     for name in expected:
-        torch.testing.assert_close(actual[name].float(), expected[name].float(), atol=atol, rtol=rtol,
-                                   msg=lambda m, name=name: f"{name}: {m} (largest difference: {worst})")
+        torch.testing.assert_close(
+            actual[name].float(),
+            expected[name].float(),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m, name=name: f"{name}: {m} (largest difference: {worst})",
+        )
 
 
 def assert_losses_close(actual, expected, *, atol: float) -> None:
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=atol, rtol=0.0)
 
 
-def run_cli(args: list[str], *, timeout_s: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, timeout_s: float = 120.0, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run a command from the repo root the way a user would; never waits longer than ``timeout_s``.
 
     ``python -m recipes.<name> ...`` and ``python scripts/<name>.py ...`` run in a process forked
@@ -165,18 +194,27 @@ def run_cli(args: list[str], *, timeout_s: float = 120.0, env: dict | None = Non
     full_env.pop("RANK", None)
     if len(args) >= 3 and args[:2] == [PYTHON, "-m"] and args[2].startswith("recipes."):
         return _run_module_forked(args, ("module", args[2]), args[3:], timeout_s, full_env)
-    torchrun = (1 if args[:1] == ["torchrun"] else
-                3 if args[:3] == [PYTHON, "-m", "torch.distributed.run"] else 0)
+    torchrun = (
+        1
+        if args[:1] == ["torchrun"]
+        else 3
+        if args[:3] == [PYTHON, "-m", "torch.distributed.run"]
+        else 0
+    )
     if torchrun:
-        return _run_module_forked(args, ("module", "torch.distributed.run"), args[torchrun:],
-                                  timeout_s, full_env)
+        return _run_module_forked(
+            args, ("module", "torch.distributed.run"), args[torchrun:], timeout_s, full_env
+        )
     if len(args) >= 2 and args[0] == PYTHON and args[1].startswith("scripts/"):
         return _run_module_forked(args, ("path", args[1]), args[2:], timeout_s, full_env)
-    return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s, env=full_env)
+    return subprocess.run(
+        args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s, env=full_env
+    )
 
 
-def _run_module_forked(args: list[str], target: tuple[str, str], argv: list[str], timeout_s: float,
-                       env: dict) -> subprocess.CompletedProcess:
+def _run_module_forked(
+    args: list[str], target: tuple[str, str], argv: list[str], timeout_s: float, env: dict
+) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="recipes-cli-") as out:
         proc = spawn._rank_context().Process(target=_module_main, args=(target, argv, env, out))
         proc.start()
@@ -185,8 +223,10 @@ def _run_module_forked(args: list[str], target: tuple[str, str], argv: list[str]
             proc.kill()
             proc.join()
             raise subprocess.TimeoutExpired(args, timeout_s)
-        streams = [open(os.path.join(out, name), encoding="utf-8", errors="replace").read()
-                   for name in ("stdout", "stderr")]
+        streams = [
+            open(os.path.join(out, name), encoding="utf-8", errors="replace").read()
+            for name in ("stdout", "stderr")
+        ]
     return subprocess.CompletedProcess(args, proc.exitcode, *streams)
 
 
@@ -245,14 +285,17 @@ PYTHON = sys.executable
 @functools.cache
 def docs_hooks():
     """docs/hooks.py as a module: the code that renders the pages' generated sections."""
-    spec = importlib.util.spec_from_file_location("docs_hooks", os.path.join(REPO_ROOT, "docs", "hooks.py"))
+    spec = importlib.util.spec_from_file_location(
+        "docs_hooks", os.path.join(REPO_ROOT, "docs", "hooks.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def plain_training_loop(model, *, steps: int, global_batch_size: int, lr: float, seed: int,
-                        dataset=None):
+def plain_training_loop(
+    model, *, steps: int, global_batch_size: int, lr: float, seed: int, dataset=None
+):
     """The textbook single-process loop, no wrapper of any kind: the reference a split or mixed run
     must equal.
 
@@ -296,7 +339,8 @@ def assert_about_fraction(actual: int, ddp: int, n: int, what: str) -> None:
     """``actual`` is about 1/n of DDP's ``ddp`` bytes (within 10%, plus padding)."""
     expected = ddp / n
     assert expected * 0.9 <= actual <= expected * 1.1 + SLACK_BYTES, (
-        f"{what}: {actual} bytes, expected about 1/{n} of DDP's {ddp} = {expected:.0f}")
+        f"{what}: {actual} bytes, expected about 1/{n} of DDP's {ddp} = {expected:.0f}"
+    )
 
 
 def run_pair(pair):
@@ -311,8 +355,9 @@ def expected_tp_param_fraction(tp_size: int) -> float:
     from recipes.core.workload import build_model
 
     model = build_model("tiny")
-    replicated = sum(p.numel() for n, p in model.named_parameters()
-                     if "norm" in n or n.endswith("w_out.bias"))
+    replicated = sum(
+        p.numel() for n, p in model.named_parameters() if "norm" in n or n.endswith("w_out.bias")
+    )
     total = sum(p.numel() for p in model.parameters())
     return (replicated + (total - replicated) / tp_size) / total
 
@@ -369,11 +414,16 @@ def assert_sharded_run_claims(results: dict, ddp_memory: dict, reference) -> Non
     assert_about_fraction(synced_bytes, ddp_memory["grad_bytes"], 2, "sync accumulation")
     assert unsynced_bytes >= 0.9 * 2 * synced_bytes and unsynced_bytes >= ddp_memory["grad_bytes"]
 
-    clipped_reference = run_alone(recipe_result, zero.ZeroConfig(
-        optimizer="adamw", max_grad_norm=SHARDED_CLIP, steps=SHARDED_STEPS, precision="fp32"))
+    clipped_reference = run_alone(
+        recipe_result,
+        zero.ZeroConfig(
+            optimizer="adamw", max_grad_norm=SHARDED_CLIP, steps=SHARDED_STEPS, precision="fp32"
+        ),
+    )
     clipped = results["clipped"]
-    assert clipped.extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"],
-                                                         rel=1e-5)
+    assert clipped.extras["grad_norms"] == pytest.approx(
+        clipped_reference.extras["grad_norms"], rel=1e-5
+    )
     assert max(clipped.extras["grad_norms"]) > SHARDED_CLIP
     assert_states_close(clipped.final_state, clipped_reference.final_state, atol=1e-5)
 
@@ -384,6 +434,6 @@ def assert_sharded_run_claims(results: dict, ddp_memory: dict, reference) -> Non
     assert fp16["skipped_steps_per_rank"] == [[SHARDED_INJECT_STEP], [SHARDED_INJECT_STEP]]
     assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]  # 2^16 halved once, on both ranks
     until = SHARDED_INJECT_STEP + 1
-    assert_losses_close(results["fp16"].losses[:until], reference.losses[:until],
-                        atol=SHARDED_BF16_ATOL)
-
+    assert_losses_close(
+        results["fp16"].losses[:until], reference.losses[:until], atol=SHARDED_BF16_ATOL
+    )

@@ -16,8 +16,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from recipes import activation_checkpointing as ac
 from recipes.parallelize import CheckpointingError
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
-from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json,
-                           recipe_result, run_cli, with_fields)
+from tests.helpers import (
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    recipe_result,
+    run_cli,
+    with_fields,
+)
 
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
 # --dist loadgroup), so the fixtures run once rather than once per worker.
@@ -49,8 +56,11 @@ def checkpointed_model(mode):
     forward = model
     if mode in ("per_block", "selective", "op_selective"):
         ac.apply_activation_checkpointing(
-            model, block_types=(Block,), every_k=CFG.every_k if mode == "selective" else 1,
-            policy=ac.save_matmul_outputs if mode == "op_selective" else None)
+            model,
+            block_types=(Block,),
+            every_k=CFG.every_k if mode == "selective" else 1,
+            policy=ac.save_matmul_outputs if mode == "op_selective" else None,
+        )
     elif mode == "sequential":
         forward = functools.partial(ac.sequential_forward, model, segments=CFG.segments)
     return model, forward
@@ -64,7 +74,8 @@ def grads_and_block_calls(mode):
     # is rebuilt (checkpoint's early_stop), so a post-forward hook would never see the second call.
     for index, block in enumerate(model.layers.values()):
         block.mlp.register_forward_pre_hook(
-            lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+            lambda *_, index=index: calls.__setitem__(index, calls[index] + 1)
+        )
     inputs, targets = one_batch()
     lm_loss(forward(inputs), targets).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}, calls
@@ -73,8 +84,12 @@ def grads_and_block_calls(mode):
 def test_every_mode_keeps_the_gradients_and_recomputes_the_checkpointed_blocks():
     reference, calls = grads_and_block_calls("none")
     assert calls == [1, 1, 1, 1]
-    expected_calls = {"per_block": [2, 2, 2, 2], "selective": [2, 1, 2, 1],
-                      "sequential": [2, 2, 1, 1], "op_selective": [2, 2, 2, 2]}
+    expected_calls = {
+        "per_block": [2, 2, 2, 2],
+        "selective": [2, 1, 2, 1],
+        "sequential": [2, 2, 1, 1],
+        "op_selective": [2, 2, 2, 2],
+    }
     for mode, expected in expected_calls.items():
         grads, calls = grads_and_block_calls(mode)
         assert calls == expected, f"{mode}: blocks ran {calls} times, expected {expected}"
@@ -123,7 +138,12 @@ def test_training_is_unchanged_by_checkpointing(runs):
         assert_states_close(runs[mode].final_state, runs["none"].final_state, atol=0.0)
     assert runs["none"].losses[-1] < runs["none"].losses[0]
     assert [runs[mode].extras["checkpointed_blocks"] for mode in MODES] == [
-        [], [0, 1, 2, 3], [0, 2], [0], [0, 1, 2, 3]]
+        [],
+        [0, 1, 2, 3],
+        [0, 2],
+        [0],
+        [0, 1, 2, 3],
+    ]
     assert {runs[mode].precision for mode in MODES} == {"fp32"}
     assert all(runs[mode].tokens_per_second > 0 for mode in MODES)
 
@@ -160,16 +180,22 @@ def test_saved_bytes_shrink_as_derived(runs):
     # This is what selective checkpointing's cache holds: a saved_tensors_hooks count misses it all.
     per_token_and_block = MODEL.n_layers * TOKENS * FLOAT_BYTES
     assert saved["none"] - saved["per_block"] == per_token_and_block * (
-        (8 + 2 * MODEL.mlp_ratio - 1) * MODEL.dim + 4 + MODEL.n_heads)
+        (8 + 2 * MODEL.mlp_ratio - 1) * MODEL.dim + 4 + MODEL.n_heads
+    )
     assert saved["op_selective"] - saved["per_block"] == per_token_and_block * (
-        (6 + MODEL.mlp_ratio) * MODEL.dim + MODEL.n_heads)
+        (6 + MODEL.mlp_ratio) * MODEL.dim + MODEL.n_heads
+    )
 
     # What checkpoint keeps is exactly each checkpointed region's input: dim floats per token.
     block_input_bytes = TOKENS * MODEL.dim * FLOAT_BYTES
     inputs = {mode: runs[mode].extras["checkpoint_input_bytes"] for mode in MODES}
-    assert inputs == {"none": 0, "per_block": 4 * block_input_bytes,
-                      "selective": 2 * block_input_bytes, "sequential": block_input_bytes,
-                      "op_selective": 4 * block_input_bytes}
+    assert inputs == {
+        "none": 0,
+        "per_block": 4 * block_input_bytes,
+        "selective": 2 * block_input_bytes,
+        "sequential": block_input_bytes,
+        "op_selective": 4 * block_input_bytes,
+    }
     # Every checkpointed block frees the same bytes: 2 of 4 blocks free exactly half of per_block's.
     assert 2 * (saved["none"] - saved["selective"]) == saved["none"] - saved["per_block"]
     # checkpoint_sequential checkpoints blocks 0-1 as one segment: selective's two, minus one input.
@@ -183,8 +209,10 @@ BF16_LOSS_TOLERANCE = 1e-3
 
 
 def test_bf16_trains_like_fp32_and_checkpointing_stays_exact(runs):
-    bf16 = {mode: recipe_result(with_fields(CFG, mode=mode, precision="bf16"))
-            for mode in ("none", "op_selective")}
+    bf16 = {
+        mode: recipe_result(with_fields(CFG, mode=mode, precision="bf16"))
+        for mode in ("none", "op_selective")
+    }
     assert bf16["none"].precision == "bf16"
     assert_losses_close(bf16["none"].losses, runs["none"].losses, atol=BF16_LOSS_TOLERANCE)
     assert bf16["none"].losses != runs["none"].losses  # bf16 did run: its rounding shows
@@ -196,9 +224,11 @@ def test_bf16_trains_like_fp32_and_checkpointing_stays_exact(runs):
 
 def test_apply_needs_a_block_that_matches_and_names_what_it_found():
     model = build_model("tiny", seed=0)
-    with pytest.raises(CheckpointingError,
-                       match=r"matched no block in TransformerLM; its module classes "
-                             r"are: .*Attention, Block, .*TransformerLM"):
+    with pytest.raises(
+        CheckpointingError,
+        match=r"matched no block in TransformerLM; its module classes "
+        r"are: .*Attention, Block, .*TransformerLM",
+    ):
         ac.apply_activation_checkpointing(model, block_types=(torch.nn.Conv2d,))
     with pytest.raises(CheckpointingError, match="exactly one of block_types"):
         ac.apply_activation_checkpointing(model)
@@ -208,8 +238,9 @@ def test_apply_needs_a_block_that_matches_and_names_what_it_found():
 
 def test_bad_options_name_the_valid_range():
     # train refuses them before any work (a ValueError: the command line prints its one line)
-    with pytest.raises(ValueError, match="segments must be between 1 and the model's 4 blocks, "
-                                         "got 5"):
+    with pytest.raises(
+        ValueError, match="segments must be between 1 and the model's 4 blocks, got 5"
+    ):
         ac.train(with_fields(CFG, mode="sequential", segments=5))
     with pytest.raises(ValueError, match="every_k must be >= 1"):
         ac.train(with_fields(CFG, mode="selective", every_k=0))
@@ -217,8 +248,21 @@ def test_bad_options_name_the_valid_range():
 
 def test_cli_runs_and_prints_the_measurement():
     # the recipe's own command line, measured by the harness: its lines, then the result's JSON
-    proc = run_cli([PYTHON, "-m", "recipes.core.prove", "activation_checkpointing", "--model",
-                    "tiny", "--mode", "op_selective", "--steps", "2"], timeout_s=120)
+    proc = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.core.prove",
+            "activation_checkpointing",
+            "--model",
+            "tiny",
+            "--mode",
+            "op_selective",
+            "--steps",
+            "2",
+        ],
+        timeout_s=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = last_json(proc.stdout)
     assert result["extras"]["checkpointed_blocks"] == [0, 1] and result["extras"]["saved_bytes"] > 0
@@ -226,8 +270,19 @@ def test_cli_runs_and_prints_the_measurement():
     assert result["tokens_per_second"] > 0 and result["precision"] in ("fp32", "bf16")
     printed = [float(x) for x in re.findall(r"^step \d loss (\d+\.\d{4})$", proc.stdout, re.M)]
     assert printed == [round(loss, 4) for loss in result["losses"]], proc.stdout
-    bad = run_cli([PYTHON, "-m", "recipes.activation_checkpointing", "--mode", "sequential",
-                   "--segments", "5"], timeout_s=120)
+    bad = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.activation_checkpointing",
+            "--mode",
+            "sequential",
+            "--segments",
+            "5",
+        ],
+        timeout_s=120,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
-        "error: segments must be between 1 and the model's 4 blocks, got 5"]
+        "error: segments must be between 1 and the model's 4 blocks, got 5"
+    ]

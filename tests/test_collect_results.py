@@ -11,8 +11,18 @@ from tests.helpers import PYTHON, docs_hooks, run_cli
 
 def collect(command: str, out_dir, timeout_s: float) -> subprocess.CompletedProcess:
     """Measure ddp_torchrun with ``command`` into ``out_dir``, as a user runs the script."""
-    return run_cli([PYTHON, "scripts/collect_results.py", "ddp_torchrun", "--command", command,
-                    "--out-dir", str(out_dir)], timeout_s=timeout_s)
+    return run_cli(
+        [
+            PYTHON,
+            "scripts/collect_results.py",
+            "ddp_torchrun",
+            "--command",
+            command,
+            "--out-dir",
+            str(out_dir),
+        ],
+        timeout_s=timeout_s,
+    )
 
 
 def test_collect_results_writes_what_the_measured_section_renders(tmp_path):
@@ -29,7 +39,10 @@ def test_collect_results_writes_what_the_measured_section_renders(tmp_path):
     assert data["machine"]["cpu_cores"] >= 1 and data["torch"] and data["python"]
     table = docs_hooks().results_markdown(data, "ddp_torchrun")
     # gloo on CPU here; NCCL on cuda:0 where a GPU is
-    assert f"| World | 1 rank(s), backend `{result['backend']}`, device `{result['device']}` |" in table
+    assert (
+        f"| World | 1 rank(s), backend `{result['backend']}`, device `{result['device']}` |"
+        in table
+    )
     assert f"`{command}`" in table and "Time per step" in table
 
 

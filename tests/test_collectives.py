@@ -27,18 +27,30 @@ def collectives_result(cfg):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_collective_matches_its_expected_value(world_size, backend):
-    native, portable = run_world(collectives_result, world_size, [CFG, with_fields(CFG, portable_only=True)],
-                                 backend=backend)
+    native, portable = run_world(
+        collectives_result, world_size, [CFG, with_fields(CFG, portable_only=True)], backend=backend
+    )
     assert (native.world_size, native.backend) == (world_size, backend)
-    assert list(native.extras["ops"]) == list(collectives.OPS)  # every op ran, in order (the recipe raises on a mismatch)
+    assert list(native.extras["ops"]) == list(
+        collectives.OPS
+    )  # every op ran, in order (the recipe raises on a mismatch)
     assert list(native.extras["op_ms"]) == list(collectives.OPS)  # each op timed from outside
-    if backend == "nccl" or TORCH_VERSION >= (2, 13):  # torch 2.13's gloo has AVG, reduce_scatter and all_to_all
+    if backend == "nccl" or TORCH_VERSION >= (
+        2,
+        13,
+    ):  # torch 2.13's gloo has AVG, reduce_scatter and all_to_all
         assert set(native.extras["ops"].values()) == {"ok"}, native.extras["ops"]
     else:
-        assert all(note == "ok" or note.startswith("fallback: ") for note in native.extras["ops"].values())
+        assert all(
+            note == "ok" or note.startswith("fallback: ") for note in native.extras["ops"].values()
+        )
     # The portable fallbacks ran instead, and produced the same values.
     for name, note in portable.extras["ops"].items():
-        assert note.startswith("fallback: portable_only requested") if name in FALLBACK_OPS else note == "ok", (name, note)
+        assert (
+            note.startswith("fallback: portable_only requested")
+            if name in FALLBACK_OPS
+            else note == "ok"
+        ), (name, note)
     assert portable.param_checksum == pytest.approx(native.param_checksum, abs=1e-3)
     assert native.losses == [] and native.seconds_per_step > 0
 
@@ -57,13 +69,24 @@ def _break(op):
 
     def broken(ctx, actual, expected):
         if ctx.op == op:
-            expected = expected + 1 if isinstance(expected, torch.Tensor) else [expected, "deliberately wrong"]
+            expected = (
+                expected + 1
+                if isinstance(expected, torch.Tensor)
+                else [expected, "deliberately wrong"]
+            )
         check(ctx, actual, expected)
+
     return broken
 
 
-@pytest.mark.parametrize("op, shown", [("all_reduce_sum", "expected ["), ("barrier", "expected [1, 'deliberately wrong']"),
-                                       ("scatter_object_list", "expected ['work item 0', 'deliberately wrong']")])
+@pytest.mark.parametrize(
+    "op, shown",
+    [
+        ("all_reduce_sum", "expected ["),
+        ("barrier", "expected [1, 'deliberately wrong']"),
+        ("scatter_object_list", "expected ['work item 0', 'deliberately wrong']"),
+    ],
+)
 def test_a_wrong_expectation_is_caught(op, shown, monkeypatch):
     monkeypatch.setattr(collectives.Ctx, "check", _break(op))
     with pytest.raises(collectives.CollectiveMismatch, match=rf"^{op} on rank 0 of 1: ") as caught:
@@ -86,11 +109,15 @@ def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it():
 
 def test_bad_options_are_one_line_and_exit_2(capsys):
     # (the unknown --break-check value is gone with the option: its fault injection is _break's)
-    with pytest.raises(ValueError, match="skip_on_rank=3 needs a world of at least 2 with that rank in it"):
+    with pytest.raises(
+        ValueError, match="skip_on_rank=3 needs a world of at least 2 with that rank in it"
+    ):
         run_alone(collectives.run, with_fields(CFG, skip_on_rank=3))
-    for argv, message in ((["--skip-on-rank", "3"], "error: skip_on_rank=3 needs a world of at least 2 "),
-                          (["--skip-on-rank", "-2"], "must be a finite number >= -1, got -2"),
-                          (["--numel", "0"], "must be a finite number >= 1, got 0")):
+    for argv, message in (
+        (["--skip-on-rank", "3"], "error: skip_on_rank=3 needs a world of at least 2 "),
+        (["--skip-on-rank", "-2"], "must be a finite number >= -1, got -2"),
+        (["--numel", "0"], "must be a finite number >= 1, got 0"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             collectives.main(argv)
         assert exit_info.value.code == 2
@@ -103,12 +130,24 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
 # and test_multinode cover the launch path itself there.
 @pytest.mark.slow
 def test_torchrun_launch_with_three_ranks():
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=3", "-m", "recipes.core.prove", "collectives"],
-                   timeout_s=150)
+    proc = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=3",
+            "-m",
+            "recipes.core.prove",
+            "collectives",
+        ],
+        timeout_s=150,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = last_json(proc.stdout)
     assert result["world_size"] == 3 and set(result["extras"]["ops"]) == set(collectives.OPS)
-    assert all(note == "ok" or note.startswith("fallback: ") for note in result["extras"]["ops"].values())
+    assert all(
+        note == "ok" or note.startswith("fallback: ") for note in result["extras"]["ops"].values()
+    )
     # One line per op, from rank 0 only (rank 0 prints; the others print nothing).
-    assert sum(line.split()[:1] == [name] for name in collectives.OPS
-               for line in proc.stdout.splitlines()) == len(collectives.OPS)
+    assert sum(
+        line.split()[:1] == [name] for name in collectives.OPS for line in proc.stdout.splitlines()
+    ) == len(collectives.OPS)

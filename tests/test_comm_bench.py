@@ -11,9 +11,16 @@ from tests.helpers import last_json, run_cli
 def test_algbw_and_busbw_follow_nccl_tests():
     # 1e9 bytes in 0.1 s: algbw 10 GB/s; busbw = algbw * 2(n-1)/n for all-reduce, (n-1)/n else
     # (NVIDIA/nccl-tests doc/PERFORMANCE.md), computed by hand:
-    expected = {("all_reduce", 2): 10.0, ("all_reduce", 4): 15.0, ("all_reduce", 8): 17.5,
-                ("all_gather", 2): 5.0, ("all_gather", 8): 8.75,
-                ("reduce_scatter", 4): 7.5, ("all_to_all", 4): 7.5, ("all_to_all", 2): 5.0}
+    expected = {
+        ("all_reduce", 2): 10.0,
+        ("all_reduce", 4): 15.0,
+        ("all_reduce", 8): 17.5,
+        ("all_gather", 2): 5.0,
+        ("all_gather", 8): 8.75,
+        ("reduce_scatter", 4): 7.5,
+        ("all_to_all", 4): 7.5,
+        ("all_to_all", 2): 5.0,
+    }
     for (op, n), busbw in expected.items():
         algbw, got = comm_bench.bandwidths_gb_per_s(op, 10**9, 0.1, n)
         assert algbw == pytest.approx(10.0) and got == pytest.approx(busbw), (op, n)
@@ -33,8 +40,10 @@ def simulated_outputs(op: str, numel: int, world: int, rank: int):
     """What `op` must leave on `rank`, computed here from every rank's input, and a wrong answer
     that a careless implementation could give (chunks swapped or a rank left out)."""
     chunk = numel // world
-    inputs = [comm_bench.sent_values(r, torch.float32, torch.device("cpu")).repeat(numel)[:numel]
-              for r in range(world)]
+    inputs = [
+        comm_bench.sent_values(r, torch.float32, torch.device("cpu")).repeat(numel)[:numel]
+        for r in range(world)
+    ]
     own = slice(rank * chunk, (rank + 1) * chunk)
     if op == "all_reduce":
         return sum(inputs), inputs[0] * world
@@ -54,8 +63,9 @@ def test_the_value_check_accepts_the_right_result_and_counts_a_wrong_one(op):
     chunk is not a whole number of the input's 251-element period)."""
     world, numel = 3, 900
     for rank in range(world):
-        _, out, expected_at = comm_bench.collective(op, numel, world, rank, torch.float32,
-                                                    torch.device("cpu"))
+        _, out, expected_at = comm_bench.collective(
+            op, numel, world, rank, torch.float32, torch.device("cpu")
+        )
         right, wrong = simulated_outputs(op, numel, world, rank)
         assert out.shape == right.shape
         assert comm_bench.count_wrong(right, expected_at, 1e-6, piece=128) == 0, (op, rank)
@@ -70,13 +80,20 @@ def bench_world(cfg):
 
 
 def test_two_rank_gloo_run_returns_a_checked_row_per_op_and_size(tmp_path):
-    cfg = comm_bench.CommBenchConfig(min_bytes=1024, max_bytes=4096, warmup_iters=1, iters=2,
-                                     backend="gloo", json_path=str(tmp_path / "rows.json"))
+    cfg = comm_bench.CommBenchConfig(
+        min_bytes=1024,
+        max_bytes=4096,
+        warmup_iters=1,
+        iters=2,
+        backend="gloo",
+        json_path=str(tmp_path / "rows.json"),
+    )
     result = spawn_world(bench_world, 2, cfg, deadline_s=120)
     assert (result["world_size"], result["backend"]) == (2, "gloo")
     rows = result["rows"]
     assert [(r["op"], r["size_bytes"]) for r in rows] == [
-        (op, size) for op in comm_bench.OPS for size in (1024, 2048, 4096)]
+        (op, size) for op in comm_bench.OPS for size in (1024, 2048, 4096)
+    ]
     for row in rows:
         assert row["wrong_elements"] == 0, row  # every rank's output equals the expected values
         assert row["time_us"] > 0 and row["count"] == row["size_bytes"] // 4
@@ -89,16 +106,26 @@ def test_two_rank_gloo_run_returns_a_checked_row_per_op_and_size(tmp_path):
     assert json.loads((tmp_path / "rows.json").read_text())["rows"] == rows
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--min-bytes", "8K", "--max-bytes", "1K"], "error: --min-bytes 8192 must be positive and at "
-                                                 "most --max-bytes 1024"),
-    (["--ops", "all_reduce,broadcast"], "error: --ops: unknown op(s) broadcast; use any of "
-                                        "all_reduce,all_gather,reduce_scatter,all_to_all"),
-    (["--iters", "0"], "error: --iters 0: use 1 or more"),
-    (["--warmup-iters", "-1"], "error: --warmup-iters -1: use 0 or more"),
-    (["--max-bytes", "lots"], "error: argument --max-bytes: 'lots' is not a size; write e.g. "
-                              "4096, 64K, 4M, 1G"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--min-bytes", "8K", "--max-bytes", "1K"],
+            "error: --min-bytes 8192 must be positive and at most --max-bytes 1024",
+        ),
+        (
+            ["--ops", "all_reduce,broadcast"],
+            "error: --ops: unknown op(s) broadcast; use any of "
+            "all_reduce,all_gather,reduce_scatter,all_to_all",
+        ),
+        (["--iters", "0"], "error: --iters 0: use 1 or more"),
+        (["--warmup-iters", "-1"], "error: --warmup-iters -1: use 0 or more"),
+        (
+            ["--max-bytes", "lots"],
+            "error: argument --max-bytes: 'lots' is not a size; write e.g. 4096, 64K, 4M, 1G",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         comm_bench.main(argv)
@@ -110,9 +137,22 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
 # run() runs in a spawned world above.
 @pytest.mark.slow
 def test_torchrun_launch_prints_one_table_and_the_json_result():
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.comm_bench", "--max-bytes", "2K", "--iters", "1",
-                        "--warmup-iters", "0"], timeout_s=120)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.comm_bench",
+            "--max-bytes",
+            "2K",
+            "--iters",
+            "1",
+            "--warmup-iters",
+            "0",
+        ],
+        timeout_s=120,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     assert launched.stdout.count("# 2 rank(s), gloo on cpu") == 1  # rank 0 only
     result = last_json(launched.stdout)
@@ -127,4 +167,5 @@ def test_nccl_without_a_gpu_per_rank_is_one_line_and_exit_2(monkeypatch, capsys)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert capsys.readouterr().err.splitlines() == [
         f"error: --backend nccl needs a GPU per rank: 4096 rank(s) on this node, {gpus} GPU(s); "
-        "use --backend gloo (or auto)"]
+        "use --backend gloo (or auto)"
+    ]

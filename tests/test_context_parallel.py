@@ -14,10 +14,10 @@ from recipes.core.observe import prove
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from tests.helpers import (
-    ddp_result,
     CUDA_DEVICES,
     assert_losses_close,
     assert_states_close,
+    ddp_result,
     last_json,
     run_alone,
     run_cli,
@@ -38,16 +38,21 @@ def attention_differences(world, causal: bool, load_balance: bool) -> list[float
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*full, is_causal=causal)
     expected.backward(grad_out)
-    layout = torch.stack([context_parallel.shard_positions(seq_len, r, cp_size,
-                                                           load_balance=load_balance)
-                          for r in range(cp_size)])
+    layout = torch.stack(
+        [
+            context_parallel.shard_positions(seq_len, r, cp_size, load_balance=load_balance)
+            for r in range(cp_size)
+        ]
+    )
     mine = layout[world.rank]
     shards = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     with context_parallel.ring_attention(dist.group.WORLD, layout):
         out = F.scaled_dot_product_attention(*shards, is_causal=causal)
     out.backward(grad_out[:, :, mine])
-    differences = torch.tensor([(out - expected[:, :, mine]).abs().max()] + [
-        (shard.grad - whole.grad[:, :, mine]).abs().max() for shard, whole in zip(shards, full)])
+    differences = torch.tensor(
+        [(out - expected[:, :, mine]).abs().max()]
+        + [(shard.grad - whole.grad[:, :, mine]).abs().max() for shard, whole in zip(shards, full)]
+    )
     dist.all_reduce(differences, op=dist.ReduceOp.MAX)
     return differences.tolist()
 
@@ -58,9 +63,15 @@ def llama_differences(world) -> list[float]:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        attn_implementation="sdpa")
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -68,16 +79,19 @@ def llama_differences(world) -> list[float]:
     whole.square().mean().backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    layout = torch.stack([context_parallel.shard_positions(16, r, world.world_size)
-                          for r in range(world.world_size)])
+    layout = torch.stack(
+        [context_parallel.shard_positions(16, r, world.world_size) for r in range(world.world_size)]
+    )
     mine = layout[world.rank]
     with context_parallel.ring_attention(dist.group.WORLD, layout):
         logits = model(input_ids=ids[:, mine], position_ids=mine.expand(2, -1)).logits
     (logits.square().sum() / whole.numel()).backward()  # this rank's share of the mean
     for p in model.parameters():
         dist.all_reduce(p.grad)
-    differences = torch.tensor([(logits - whole[:, mine]).abs().max()] + [
-        (p.grad - expected[name]).abs().max() for name, p in model.named_parameters()])
+    differences = torch.tensor(
+        [(logits - whole[:, mine]).abs().max()]
+        + [(p.grad - expected[name]).abs().max() for name, p in model.named_parameters()]
+    )
     dist.all_reduce(differences, op=dist.ReduceOp.MAX)
     return [differences[0].item(), differences[1:].max().item()]
 
@@ -98,14 +112,16 @@ def cp_result(cfg):
 def check_attention(attention):
     for (causal, load_balance), diffs in attention.items():
         worst = max(diffs)
-        assert worst < 1e-5, f"causal={causal} load_balance={load_balance}: output/dq/dk/dv " \
-                             f"differ by {diffs}"
+        assert worst < 1e-5, (
+            f"causal={causal} load_balance={load_balance}: output/dq/dk/dv differ by {diffs}"
+        )
 
 
 def reference(backend="gloo"):
     """Single-process training; on gloo it runs on CPU like the ring worlds, even on a GPU host."""
-    return run_alone(ddp_result, ddp_torchrun.DDPConfig(
-        steps=STEPS, precision="fp32", backend=backend))
+    return run_alone(
+        ddp_result, ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", backend=backend)
+    )
 
 
 def test_ring_attention_and_training_equal_one_process_on_2_ranks():
@@ -119,8 +135,9 @@ def test_ring_attention_and_training_equal_one_process_on_2_ranks():
         assert result.extras["load_balance"] == cfg.load_balance
         # the work each rank did, from the positions its model received: equal when balanced
         # (68 and 68 of the 136-score causal triangle), 36 and 100 when contiguous
-        assert result.extras["score_entries_per_rank"] == ([68, 68] if cfg.load_balance
-                                                           else [36, 100])
+        assert result.extras["score_entries_per_rank"] == (
+            [68, 68] if cfg.load_balance else [36, 100]
+        )
         assert_losses_close(result.losses, expected.losses, atol=1e-5)
         assert_states_close(result.final_state, expected.final_state, atol=1e-5)
 
@@ -137,9 +154,12 @@ def test_ring_attention_and_training_equal_one_process_on_4_ranks():
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_load_balancing_gives_every_rank_the_same_causal_work(cp_size):
     def work(load_balance):
-        layout = torch.stack([context_parallel.shard_positions(16, r, cp_size,
-                                                               load_balance=load_balance)
-                              for r in range(cp_size)])
+        layout = torch.stack(
+            [
+                context_parallel.shard_positions(16, r, cp_size, load_balance=load_balance)
+                for r in range(cp_size)
+            ]
+        )
         assert sorted(layout.flatten().tolist()) == list(range(16)), "every position exactly once"
         return [context_parallel.score_entries(layout, r) for r in range(cp_size)]
 
@@ -153,8 +173,11 @@ def test_load_balancing_gives_every_rank_the_same_causal_work(cp_size):
 
 
 def test_cp_size_that_does_not_split_the_sequence_is_rejected():
-    with pytest.raises(ValueError, match=r"cannot split seq_len=16 into 6 equal chunks.*"
-                                          r"use a CP size of 1, 2, 4, 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot split seq_len=16 into 6 equal chunks.*"
+        r"use a CP size of 1, 2, 4, 8",
+    ):
         context_parallel.check_cp_fits(16, 3, load_balance=True)
     with pytest.raises(ValueError, match=r"into 3 equal chunks; use a CP size of 1, 2, 4, 8, 16"):
         context_parallel.check_cp_fits(16, 3, load_balance=False)
@@ -166,13 +189,18 @@ def test_torch_impl_without_cuda_fails_in_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         context_parallel.main(["--impl", "torch", "--backend", "gloo"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [(
-        "error: --impl torch needs CUDA: torch's context_parallel has no CPU sharding rule for "
-        "SDPA; use --impl ring (any backend, gloo included)")]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (
+            "error: --impl torch needs CUDA: torch's context_parallel has no CPU sharding rule for "
+            "SDPA; use --impl ring (any backend, gloo included)"
+        )
+    ]
 
 
-@pytest.mark.skipif(CUDA_DEVICES == 0, reason="torch's context_parallel has no CPU sharding rule "
-                                               "for SDPA: it needs CUDA")
+@pytest.mark.skipif(
+    CUDA_DEVICES == 0,
+    reason="torch's context_parallel has no CPU sharding rule for SDPA: it needs CUDA",
+)
 def test_torch_context_parallel_equals_no_cp():
     # A world of 1 in this process (one GPU): torch's CP path, sharding and all, against plain SDPA.
     result = run_alone(cp_result, with_fields(CFG, impl="torch"))
@@ -187,9 +215,23 @@ def test_torch_context_parallel_equals_no_cp():
 @pytest.mark.slow
 def test_torchrun_launch_equals_single_process():
     # the harness around the recipe prints the result line; the recipe prints its steps plainly
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.core.prove", "context_parallel", "--steps", str(STEPS),
-                        "--precision", "fp32", "--backend", "gloo"], timeout_s=180)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "context_parallel",
+            "--steps",
+            str(STEPS),
+            "--precision",
+            "fp32",
+            "--backend",
+            "gloo",
+        ],
+        timeout_s=180,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and result["extras"]["impl"] == "ring"

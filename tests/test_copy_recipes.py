@@ -25,8 +25,13 @@ import pytest
 import torch
 
 from recipes.__main__ import recipe_modules
-from tests.helpers import (PYTHON, REPO_ROOT, _run_module_forked, assert_losses_close,
-                           single_process_reference)
+from tests.helpers import (
+    PYTHON,
+    REPO_ROOT,
+    _run_module_forked,
+    assert_losses_close,
+    single_process_reference,
+)
 
 RECIPES = Path(REPO_ROOT, "recipes")
 
@@ -66,16 +71,31 @@ RUNS = {
     "activation_checkpointing": ("python", ["--steps", "3", "--device", "cpu"]),
     # one device, no process group: a plain python run; cpu, the device results/amp.json has
     "amp": ("python", ["--device", "cpu", "--steps", "3"]),
-    "comm_bench": ("torchrun", ["--ops", "all_reduce,all_gather", "--min-bytes", "1K",
-                                "--max-bytes", "4K", "--warmup-iters", "0", "--iters", "1"]),
+    "comm_bench": (
+        "torchrun",
+        [
+            "--ops",
+            "all_reduce,all_gather",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "4K",
+            "--warmup-iters",
+            "0",
+            "--iters",
+            "1",
+        ],
+    ),
     "data": ("torchrun", ["--steps", "3"]),
     # nn.DataParallel is one process: a plain python run (on CPU a pass-through)
     "data_parallel": ("python", ["--steps", "3"]),
     # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
     "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
     # both options: every collective the split has (reduce-scatter, all-gather, the sharded loss)
-    "tensor_parallel": ("torchrun", ["--backend", "gloo", "--precision", "fp32",
-                                     "--sequence-parallel", "--loss-parallel"]),
+    "tensor_parallel": (
+        "torchrun",
+        ["--backend", "gloo", "--precision", "fp32", "--sequence-parallel", "--loss-parallel"],
+    ),
     "evaluation": ("torchrun", []),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun
     "fsdp2": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
@@ -84,8 +104,10 @@ RUNS = {
     "hybrid_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     # replay over 2 ranks: built on meta, never whole, initialised shard by shard
     "meta_init": ("torchrun", ["--backend", "gloo"]),
-    "job": ("torchrun", ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3",
-                         "--tensorboard", "false"]),
+    "job": (
+        "torchrun",
+        ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3", "--tensorboard", "false"],
+    ),
     "single_gpu": ("python", ["--precision", "fp32"]),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun: the ring over 2 CPU ranks
     "context_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
@@ -93,12 +115,22 @@ RUNS = {
     "ddp_spawn": ("python", ["--nprocs", "2", "--steps", "3"]),
     # 3 steps under fully_shard, saved into the copy's own project folder (the launcher runs each
     # copy there); gloo and fp32, as results/sharded_checkpoint.json was measured
-    "sharded_checkpoint": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
-                                        "fp32"]),
+    "sharded_checkpoint": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+    ),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
     "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    "loss_compare": ("python", ["{repo}/results/ddp_torchrun.json", "{repo}/results/fsdp2.json",
-                                "--assert-equal", "--atol", "1e-5"]),
+    "loss_compare": (
+        "python",
+        [
+            "{repo}/results/ddp_torchrun.json",
+            "{repo}/results/fsdp2.json",
+            "--assert-equal",
+            "--atol",
+            "1e-5",
+        ],
+    ),
     # every op over 2 gloo ranks (the defaults): one line per op from rank 0
     "collectives": ("torchrun", ["--backend", "gloo"]),
     # a clean run (no --skip-rank): the hand-written data parallelism over 2 gloo ranks
@@ -108,16 +140,22 @@ RUNS = {
     "grad_clipping": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
     # sync_last under fully_shard over both ranks, 2 micro-batches of ragged samples; gloo and
     # fp32, as results/sharded_accumulation.json was measured
-    "sharded_accumulation": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
-                                          "fp32"]),
+    "sharded_accumulation": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+    ),
     # pure arithmetic: the command results/memory_estimate.json was made with
     "memory_estimate": ("python", ["--params", "7.5e9", "--world-size", "64"]),
     # one probe (pp 1) of a fake world of 4: tensor parallel and fully_shard, each over 2 ranks
-    "dry_run": ("python", ["--model", "tiny", "--world-size", "4", "--pp", "1", "--dp", "2",
-                           "--tp", "2"]),
+    "dry_run": (
+        "python",
+        ["--model", "tiny", "--world-size", "4", "--pp", "1", "--dp", "2", "--tp", "2"],
+    ),
     # the smallest default window (wait 1, warmup 1, active 2); traces in a fresh temporary folder
-    "profiling": ("torchrun", ["--steps", "4", "--backend", "gloo", "--precision", "fp32",
-                               "--top-ops", "3"]),
+    "profiling": (
+        "torchrun",
+        ["--steps", "4", "--backend", "gloo", "--precision", "fp32", "--top-ops", "3"],
+    ),
     # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/fsdp.json is CPU fp32
     "fsdp": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     # float8 trains only on a GPU of capability 8.9+ with torchao (tests/test_float8.py runs it
@@ -128,21 +166,26 @@ RUNS = {
     # 2 experts a rank, the all-to-alls over 2 CPU ranks; fp32, as results/ was measured
     "expert_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     # 1F1B over 2 stages (a stage per rank), the tiny model's 2 blocks: the smallest pipeline
-    "pipeline_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
-                                       "fp32"]),
+    "pipeline_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     # 3 micro-batches of 2 on each of the 2 ranks, as results/grad_accumulation.json was measured
-    "grad_accumulation": ("torchrun", ["--steps", "3", "--micro-batches", "3", "--backend",
-                                       "gloo", "--precision", "fp32"]),
+    "grad_accumulation": (
+        "torchrun",
+        ["--steps", "3", "--micro-batches", "3", "--backend", "gloo", "--precision", "fp32"],
+    ),
     # the tiny GPT-2 written, loaded sharded, 2 steps, exported into the copy's project folder
     "hf_checkpoint": ("torchrun", ["--steps", "2", "--backend", "gloo"]),
     # LoRA under DDP, the defaults, 3 steps; gloo and fp32 as results/finetune.json was measured
     "finetune": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
     # gloo and 32-true on a GPU host too: results/lightning_fabric.json is CPU fp32, 2 ranks
-    "lightning_fabric": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
-                                      "32-true"]),
+    "lightning_fabric": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "32-true"],
+    ),
     # the Trainer's DDP over the 2 ranks; no logger: nothing but the lines per step
-    "lightning_trainer": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision",
-                                       "32-true", "--logger", "none"]),
+    "lightning_trainer": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "32-true", "--logger", "none"],
+    ),
 }
 
 
@@ -153,12 +196,16 @@ def test_every_copyable_recipe_names_its_copy_set_and_imports_only_it():
         carried = copy_set(name)
         for module in [name, *carried]:
             tree = ast.parse((RECIPES / f"{module}.py").read_text())
-            ours = {m.split(".")[1] for m in imported_modules(tree)
-                    if m.startswith("recipes.") and m.count(".") >= 1}
+            ours = {
+                m.split(".")[1]
+                for m in imported_modules(tree)
+                if m.startswith("recipes.") and m.count(".") >= 1
+            }
             missing = ours - set(carried) - {name}
             assert not missing, (
                 f"recipes/{module}.py imports recipes.{sorted(missing)}: add them to "
-                f"recipes/{name}.py's 'Copy with it:' line, or stop importing them")
+                f"recipes/{name}.py's 'Copy with it:' line, or stop importing them"
+            )
         assert name in RUNS, f"tests/test_copy_recipes.py: add how to run the copy of {name}"
 
 
@@ -170,7 +217,8 @@ def make_copy(name: str, where: Path) -> Path:
     for module in [name, *copy_set(name)]:
         shutil.copy(RECIPES / f"{module}.py", project / "recipes" / f"{module}.py")
     (project / "train_mine.py").write_text(
-        f"from recipes.{name} import main\n\nif __name__ == '__main__':\n    main()\n")
+        f"from recipes.{name} import main\n\nif __name__ == '__main__':\n    main()\n"
+    )
     return project
 
 
@@ -185,9 +233,13 @@ def users_environment(project: Path) -> dict[str, str]:
     hide.mkdir(exist_ok=True)
     (hide / "sitecustomize.py").write_text(
         "import sys\n"
-        "sys.meta_path[:] = [f for f in sys.meta_path if 'distributed_recipes' not in repr(f)]\n")
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "RECIPES_BACKEND")}
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'distributed_recipes' not in repr(f)]\n"
+    )
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "RECIPES_BACKEND")
+    }
     env.update(PYTHONPATH=os.pathsep.join([str(project), str(hide)]), OMP_NUM_THREADS="1")
     return env
 
@@ -211,8 +263,9 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     plan = where / "plan.json"
     # the Lightning recipes' copies import it: once per launched process, not once per copy
     preimport = ["lightning"] if any(name.startswith("lightning") for name in names) else []
-    plan.write_text(json.dumps({"copies": copies, "out": str(where / "out"),
-                                "preimport": preimport}))
+    plan.write_text(
+        json.dumps({"copies": copies, "out": str(where / "out"), "preimport": preimport})
+    )
     launcher = where / "copy_launcher.py"  # beside no cookbook: it imports none of it
     shutil.copy(Path(REPO_ROOT, "tests", "copy_launcher.py"), launcher)
     env = users_environment(where / "launcher")
@@ -220,24 +273,43 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     timeout_s = sum(copy["timeout_s"] for copy in copies) + 60
     if torchrun:  # torchrun's agent forked with torch imported; the ranks start fresh, as users'
         argv = ["--standalone", "--nproc_per_node=2", str(launcher), str(plan)]
-        proc = _run_module_forked(["torchrun", *argv], ("module", "torch.distributed.run"), argv,
-                                  timeout_s, env)
+        proc = _run_module_forked(
+            ["torchrun", *argv], ("module", "torch.distributed.run"), argv, timeout_s, env
+        )
     else:  # a fresh interpreter: the copies fork from it, and it must not hold our package
-        proc = subprocess.run([PYTHON, str(launcher), str(plan)], cwd=where, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [PYTHON, str(launcher), str(plan)],
+            cwd=where,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     ranks = (0, 1) if torchrun else (0,)
     results = {}
     for copy in copies:
         out = where / "out" / copy["name"]
-        read = [(out / f"rank{rank}.{kind}").read_text(errors="replace")
-                if (out / f"rank{rank}.{kind}").exists() else ""
-                for rank in ranks for kind in ("stdout", "stderr", "json")]
+        read = [
+            (out / f"rank{rank}.{kind}").read_text(errors="replace")
+            if (out / f"rank{rank}.{kind}").exists()
+            else ""
+            for rank in ranks
+            for kind in ("stdout", "stderr", "json")
+        ]
         exits = [json.loads(status)["exit"] if status else "never ran" for status in read[2::3]]
         code = 0 if set(exits) == {0} else 1
         results[copy["name"]] = subprocess.CompletedProcess(
-            copy["name"], code, "".join(read[0::3]),
-            "".join(read[1::3]) + (f"\nexit codes of the ranks: {exits}; launcher: "
-                                   f"{proc.returncode} {proc.stderr[-1500:]}" if code else ""))
+            copy["name"],
+            code,
+            "".join(read[0::3]),
+            "".join(read[1::3])
+            + (
+                f"\nexit codes of the ranks: {exits}; launcher: "
+                f"{proc.returncode} {proc.stderr[-1500:]}"
+                if code
+                else ""
+            ),
+        )
     return results
 
 
@@ -245,8 +317,10 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
 def launched_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The copies a user runs under torchrun (2 gloo ranks), from one torchrun launch, and those
     a user runs with plain python, from one python launch."""
-    return {**launch_copies(TORCHRUN_COPIES, tmp_path_factory.mktemp("torchrun"), torchrun=True),
-            **launch_copies(PYTHON_COPIES, tmp_path_factory.mktemp("python"), torchrun=False)}
+    return {
+        **launch_copies(TORCHRUN_COPIES, tmp_path_factory.mktemp("torchrun"), torchrun=True),
+        **launch_copies(PYTHON_COPIES, tmp_path_factory.mktemp("python"), torchrun=False),
+    }
 
 
 # The first test to ask for ``launched_copies`` pays for the one launch of every copy (each its
@@ -258,9 +332,14 @@ def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, launched_cop
     project = make_copy(name, tmp_path)  # as the fixture made the one that ran
     proc = launched_copies[name]
     # The cookbook is not importable there: only what was copied is.
-    probe = subprocess.run([PYTHON, "-c", "import recipes.core"], cwd=project,
-                           env=users_environment(project), capture_output=True, text=True,
-                           timeout=60)
+    probe = subprocess.run(
+        [PYTHON, "-c", "import recipes.core"],
+        cwd=project,
+        env=users_environment(project),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.returncode != 0 and "No module named 'recipes.core'" in probe.stderr
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -357,21 +436,21 @@ def committed_losses(name: str) -> list[float]:
 def check_amp(stdout: str) -> None:
     # bf16 autocast on CPU (the default precision), no scaler: the package's losses, scale 1
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("amp")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("amp")[: len(losses)], atol=6e-5)
     assert len(losses) == 3 and stdout.count(" scale 1\n") == 3, stdout
 
 
 def check_data_parallel(stdout: str) -> None:
     # single-device training (on a GPU host, the batch split over its GPUs: fp32 rounding apart)
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("data_parallel")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("data_parallel")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
 
 
 def check_zero(stdout: str) -> None:
     # two ranks, rank 0 printing: the package's own 2-rank losses, one line per step
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("zero")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("zero")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
 
 
@@ -397,7 +476,7 @@ def check_ddp_spawn(stdout: str) -> None:
     # the two processes it spawned trained like the package's own run (results/ddp_spawn.json:
     # the defaults on 2 processes), rank 0 printing one line per step
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("ddp_spawn")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("ddp_spawn")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
     # rank 0 of the 2 saved the plain model (no DDP "module." prefix) where it says, once
     saved = re.findall(r"^rank 0 of 2 saved step 3 to (\S+)$", stdout, re.M)
@@ -409,10 +488,12 @@ def check_ddp_spawn(stdout: str) -> None:
 def check_context_parallel(stdout: str) -> None:
     # each sequence split over the 2 ranks (load-balanced), ring attention: the package's own
     # 2-rank losses (results/context_parallel.json), one line per step from rank 0
-    assert ("context parallel (ring) over 2 rank(s): 8 of 16 positions each, load_balance=True"
-            in stdout), stdout
+    assert (
+        "context parallel (ring) over 2 rank(s): 8 of 16 positions each, load_balance=True"
+        in stdout
+    ), stdout
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("context_parallel")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("context_parallel")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
 
 
@@ -457,6 +538,8 @@ def check_hang_diagnosis(stdout: str) -> None:
     losses = printed_losses(stdout)
     assert len(losses) == 3 and "diagnosis:" not in stdout, stdout
     assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+
+
 def check_memory_estimate(stdout: str) -> None:
     # the same figures as the package's own run of the same command, every row and the per-GPU
     # figure, and the table before them (ZeRO-3 of mixed-precision Adam: 1.88 GB on the device)
@@ -476,7 +559,8 @@ def check_dry_run(stdout: str) -> None:
     psi = dry_run.stage_params_per_tp_rank(dry_run.PRESETS["tiny"], 0, 1, 2)
     expected = model_state_per_rank(psi, 2, "zero3", LAYOUTS["adam-fp32"])["device"]
     assert {k: stage[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")} == {
-        k: expected[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}, stage
+        k: expected[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")
+    }, stage
     assert report["all_match_estimate"] and len(report["ranks"]) == 4, report
     assert stage["collectives"]["reduce_scatter"] == 3 and stage["collectives"]["all_reduce"] > 0
     assert "tiny on pp 1 x dp 2 x tp 2 = 4 ranks" in stdout, stdout
@@ -496,12 +580,14 @@ def check_profiling(stdout: str) -> None:
     for rank in (0, 1):
         assert json.loads(Path(found[2], f"trace-rank{rank}.json").read_text())["traceEvents"]
     shutil.rmtree(found[2])  # the recipe's fresh temporary folder
+
+
 def check_fsdp(stdout: str) -> None:
     # FULL_SHARD over both ranks: the package's own 2-rank losses (results/fsdp.json), one line
     # per step from rank 0
     assert "FSDP full on 2 rank(s), wrap=block, fp32, 1 x 6 sequences per rank" in stdout, stdout
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("fsdp")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("fsdp")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
 
 
@@ -515,14 +601,16 @@ def check_performance(stdout: str) -> None:
     # fp32 on cpu, the default switches: the package's own losses, and the kernel it named
     assert "fp32 on cpu, attention kernel: " in stdout, stdout
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("performance")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("performance")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
+
+
 def check_expert_parallel(stdout: str) -> None:
     # the experts split over the 2 ranks: the package's own 2-rank losses (results/, aux loss
     # included), one line per step from rank 0, and no token dropped (no capacity by default)
     assert "expert parallel over 2 rank(s): 2 of 4 experts each, top_k=2" in stdout, stdout
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("expert_parallel")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("expert_parallel")[: len(losses)], atol=6e-5)
     assert len(losses) == 3 and "dropped [0, 0]" in stdout, stdout
 
 
@@ -535,17 +623,30 @@ def check_pipeline_parallel(stdout: str) -> None:
     assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
 
 
-CHECKS = {"single_gpu": check_single_gpu, "preflight": check_preflight,
-          "comm_bench": check_comm_bench, "data": check_data,
-          "ddp_torchrun": check_ddp_torchrun, "evaluation": check_evaluation, "job": check_job,
-          "loss_compare": check_loss_compare, "tensor_parallel": check_tensor_parallel,
-          "fsdp2": check_fsdp2, "amp": check_amp, "data_parallel": check_data_parallel,
-          "zero": check_zero, "process_groups": check_process_groups,
-          "hybrid_parallel": check_hybrid_parallel, "ddp_spawn": check_ddp_spawn,
-          "context_parallel": check_context_parallel,
-          "activation_checkpointing": check_activation_checkpointing,
-          "meta_init": check_meta_init, "sharded_checkpoint": check_sharded_checkpoint,
-          "collectives": check_collectives, "hang_diagnosis": check_hang_diagnosis}
+CHECKS = {
+    "single_gpu": check_single_gpu,
+    "preflight": check_preflight,
+    "comm_bench": check_comm_bench,
+    "data": check_data,
+    "ddp_torchrun": check_ddp_torchrun,
+    "evaluation": check_evaluation,
+    "job": check_job,
+    "loss_compare": check_loss_compare,
+    "tensor_parallel": check_tensor_parallel,
+    "fsdp2": check_fsdp2,
+    "amp": check_amp,
+    "data_parallel": check_data_parallel,
+    "zero": check_zero,
+    "process_groups": check_process_groups,
+    "hybrid_parallel": check_hybrid_parallel,
+    "ddp_spawn": check_ddp_spawn,
+    "context_parallel": check_context_parallel,
+    "activation_checkpointing": check_activation_checkpointing,
+    "meta_init": check_meta_init,
+    "sharded_checkpoint": check_sharded_checkpoint,
+    "collectives": check_collectives,
+    "hang_diagnosis": check_hang_diagnosis,
+}
 
 
 def check_grad_clipping(stdout: str) -> None:
@@ -553,8 +654,9 @@ def check_grad_clipping(stdout: str) -> None:
     # 2 steps; the norm one process computes), one line per step from rank 0
     losses = printed_losses(stdout)
     assert_losses_close(losses, committed_losses("grad_clipping"), atol=6e-5)
-    norms = [float(n) for n in re.findall(r"^step \d+ loss \S+ grad norm (\d+\.\d{4})$", stdout,
-                                           re.M)]
+    norms = [
+        float(n) for n in re.findall(r"^step \d+ loss \S+ grad norm (\d+\.\d{4})$", stdout, re.M)
+    ]
     expected = json.loads(Path(REPO_ROOT, "results", "grad_clipping.json").read_text())
     assert_losses_close(norms, expected["result"]["extras"]["grad_norms"], atol=6e-5)
 
@@ -571,18 +673,24 @@ def check_sharded_accumulation(stdout: str) -> None:
 
 
 CHECKS["sharded_accumulation"] = check_sharded_accumulation
-CHECKS.update({"memory_estimate": check_memory_estimate, "dry_run": check_dry_run,
-               "profiling": check_profiling})
+CHECKS.update(
+    {
+        "memory_estimate": check_memory_estimate,
+        "dry_run": check_dry_run,
+        "profiling": check_profiling,
+    }
+)
 CHECKS.update({"fsdp": check_fsdp, "float8": check_float8, "performance": check_performance})
-CHECKS.update({"expert_parallel": check_expert_parallel,
-               "pipeline_parallel": check_pipeline_parallel})
+CHECKS.update(
+    {"expert_parallel": check_expert_parallel, "pipeline_parallel": check_pipeline_parallel}
+)
 
 
 def check_grad_accumulation(stdout: str) -> None:
     # 2 ranks x 3 micro-batches, one line per step from rank 0: the package's own losses
     # (results/grad_accumulation.json: the same split, 6 steps)
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("grad_accumulation")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("grad_accumulation")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
 
 
@@ -595,9 +703,13 @@ def check_hf_checkpoint(stdout: str) -> None:
     losses = printed_losses(stdout)
     assert_losses_close(losses, committed_losses("hf_checkpoint")[:2], atol=6e-5)
     assert len(losses) == 2, stdout
-    difference = re.findall(r"^exported config.json, model.safetensors to checkpoints/"
-                            r"hf_checkpoint/hf; from_pretrained's logits differ from the trained "
-                            r"model's by at most (\S+)$", stdout, re.M)
+    difference = re.findall(
+        r"^exported config.json, model.safetensors to checkpoints/"
+        r"hf_checkpoint/hf; from_pretrained's logits differ from the trained "
+        r"model's by at most (\S+)$",
+        stdout,
+        re.M,
+    )
     assert len(difference) == 1 and float(difference[0]) <= 1e-6, stdout
 
 
@@ -607,8 +719,9 @@ CHECKS["hf_checkpoint"] = check_hf_checkpoint
 def check_finetune(stdout: str) -> None:
     # the adapters alone train (2048 of the tiny model's 31872 parameters), with the package's
     # own 2-rank losses (results/finetune.json: the defaults), one line per step from rank 0
-    assert ("lora fine-tuning with ddp on 2 rank(s): 2048 of 31872 parameters train (6.43%)"
-            in stdout), stdout
+    assert (
+        "lora fine-tuning with ddp on 2 rank(s): 2048 of 31872 parameters train (6.43%)" in stdout
+    ), stdout
     losses = printed_losses(stdout)
     assert_losses_close(losses, committed_losses("finetune")[:3], atol=6e-5)
     assert len(losses) == 3, stdout
@@ -620,7 +733,7 @@ CHECKS["finetune"] = check_finetune
 def check_lightning_fabric(stdout: str) -> None:
     # Fabric's DDP over the 2 ranks, rank 0 printing: the package's own 2-rank losses
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("lightning_fabric")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("lightning_fabric")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
 
 
@@ -630,7 +743,7 @@ CHECKS["lightning_fabric"] = check_lightning_fabric
 def check_lightning_trainer(stdout: str) -> None:
     # the Trainer's DDP over the 2 ranks, rank 0 printing: the package's own 2-rank losses
     losses = printed_losses(stdout)
-    assert_losses_close(losses, committed_losses("lightning_trainer")[:len(losses)], atol=6e-5)
+    assert_losses_close(losses, committed_losses("lightning_trainer")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
 
 

@@ -57,7 +57,8 @@ def test_prepare_writes_uint16_shards_that_decode_to_the_corpus(shards):
     text = tokenizer.decode(tokens[:200].tolist())
     assert first_file.startswith(text) and len(text) > 250  # BPE merges: > 1.25 bytes a token
     held_out = sum(e["tokens"] for e in index["val"]) / sum(
-        e["tokens"] for e in index["train"] + index["val"])
+        e["tokens"] for e in index["train"] + index["val"]
+    )
     assert held_out == pytest.approx(shards.val_fraction, abs=1e-3)
     # Windows never straddle two shards: each shard holds (tokens - 1) // seq_len of them
     windows = data.TokenWindows(shards.data_dir, "train", shards.seq_len)
@@ -76,18 +77,25 @@ def test_plain_bytes_need_no_tokenizer(tmp_path):
     corpus.mkdir()
     (corpus / "a.txt").write_text("héllo world\n" * 50)
     (corpus / "b.bin").write_bytes(b"\xff\xfe\x00binary")  # skipped: not UTF-8 text
-    cfg = data.DataConfig(corpus=str(corpus), data_dir=str(tmp_path / "out"), vocab_size=256,
-                          val_fraction=0.1)
+    cfg = data.DataConfig(
+        corpus=str(corpus), data_dir=str(tmp_path / "out"), vocab_size=256, val_fraction=0.1
+    )
     index = data.prepare_shards(cfg)
-    tokens = np.concatenate([np.fromfile(tmp_path / "out" / e["file"], dtype=np.uint16)
-                             for e in index["train"] + index["val"]])
+    tokens = np.concatenate(
+        [
+            np.fromfile(tmp_path / "out" / e["file"], dtype=np.uint16)
+            for e in index["train"] + index["val"]
+        ]
+    )
     assert bytes(tokens.astype(np.uint8)) == ("héllo world\n" * 50).encode() + b"\x00"
 
 
-def epoch_indices(kind: str, n: int, rank: int, epoch: int, *, workers: int = 2,
-                  batch: int = 4) -> list[int]:
-    loader, sampler = data.build_loader(Indexed(n), kind=kind, rank=rank, world_size=2,
-                                        batch_size=batch, num_workers=workers)
+def epoch_indices(
+    kind: str, n: int, rank: int, epoch: int, *, workers: int = 2, batch: int = 4
+) -> list[int]:
+    loader, sampler = data.build_loader(
+        Indexed(n), kind=kind, rank=rank, world_size=2, batch_size=batch, num_workers=workers
+    )
     if sampler is not None:
         sampler.set_epoch(epoch)
     return [i for b in loader for i in b.tolist()]
@@ -120,8 +128,9 @@ def test_a_mid_epoch_resume_with_2_workers_yields_exactly_the_next_batches(kind,
     windows = data.TokenWindows(shards.data_dir, "train", shards.seq_len)
 
     def loader():
-        return data.build_loader(windows, kind=kind, rank=1, world_size=2, batch_size=4,
-                                 num_workers=2, seed=3)
+        return data.build_loader(
+            windows, kind=kind, rank=1, world_size=2, batch_size=4, num_workers=2, seed=3
+        )
 
     first, sampler = loader()
     if sampler is not None:
@@ -156,8 +165,14 @@ def test_distributed_sampler_pads_with_repeats_unless_drop_last():
     from torch.utils.data import DistributedSampler
 
     def split(drop_last: bool) -> list[list[int]]:
-        return [list(DistributedSampler(Indexed(7), num_replicas=2, rank=r, shuffle=False,
-                                        drop_last=drop_last)) for r in (0, 1)]
+        return [
+            list(
+                DistributedSampler(
+                    Indexed(7), num_replicas=2, rank=r, shuffle=False, drop_last=drop_last
+                )
+            )
+            for r in (0, 1)
+        ]
 
     assert split(False) == [[0, 2, 4, 6], [1, 3, 5, 0]]
     assert split(True) == [[0, 2, 4], [1, 3, 5]]
@@ -165,6 +180,7 @@ def test_distributed_sampler_pads_with_repeats_unless_drop_last():
 
 # --------------------------------------------------------------------------------------------------
 # Uneven inputs in a real 2-rank world: rank 0 has 3 batches, rank 1 has 5.
+
 
 def uneven_world(seq_len: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
@@ -180,12 +196,14 @@ def uneven_world(seq_len: int) -> list[dict]:
         count = 3 + 2 * world.rank
         batches = [(torch.randint(0, 64, (2, seq_len)),) * 2 for _ in range(count)]
         ddp = DDP(build_model(model_cfg))
-        join_steps = data.train_with_join(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1),
-                                          batches, world.device)
+        join_steps = data.train_with_join(
+            ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches, world.device
+        )
         sharded = build_model(model_cfg)
         fully_shard(sharded, mesh=init_device_mesh(world.device.type, (world.world_size,)))
         min_steps = data.train_until_one_runs_out(
-            sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), batches, world.device)
+            sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), batches, world.device
+        )
         out = [None, None]
         torch.distributed.all_gather_object(out, {"join": join_steps, "min": min_steps})
         return out
@@ -202,6 +220,7 @@ def test_uneven_inputs_finish_without_a_hang_with_join_and_with_the_min_pattern(
 # --------------------------------------------------------------------------------------------------
 # The recipe: training from the shards, a checkpoint with the loader's position, bad input.
 
+
 def test_a_run_resumed_from_its_checkpoint_continues_exactly(shards, tmp_path):
     cfg = replace(shards, steps=6, num_workers=2)
     straight = data.run(cfg)
@@ -215,13 +234,16 @@ def test_a_run_resumed_from_its_checkpoint_continues_exactly(shards, tmp_path):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     proc = run_cli([PYTHON, "-m", "recipes.data", "--corpus", str(tmp_path / "missing")])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: --corpus {tmp_path / 'missing'}: not a folder; name a folder of text files"]
+        f"error: --corpus {tmp_path / 'missing'}: not a folder; name a folder of text files"
+    ]
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = run_cli([PYTHON, "-m", "recipes.data", "--corpus", str(empty),
-                    "--data-dir", str(tmp_path / "out")])
+    proc = run_cli(
+        [PYTHON, "-m", "recipes.data", "--corpus", str(empty), "--data-dir", str(tmp_path / "out")]
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
-        f"error: corpus {empty}: no UTF-8 text files found")
+        f"error: corpus {empty}: no UTF-8 text files found"
+    )
     # in-process: main's own checks, before any data is read (nan once reached AdamW's message)
     with pytest.raises(SystemExit) as exit_info:
         data.main(["--lr", "nan", "--data-dir", str(tmp_path / "out")])
@@ -240,10 +262,18 @@ def test_two_ranks_train_past_an_epoch_with_both_loaders(tmp_path):
     (corpus / "a.txt").write_text(text)  # ASCII: 6,000 tokens as bytes, 178 training windows
     # num_workers=0: a spawned rank's default start method is forkserver, whose workers import
     # torch afresh (~6 s a rank here); the tests above cover the workers
-    cfg = data.DataConfig(corpus=str(corpus), data_dir=str(tmp_path / "out"), vocab_size=256,
-                          seq_len=32, batch_size=16, steps=10, num_workers=0)
-    results = run_world(data.run, 2, [replace(cfg, loader=kind) for kind in ("map", "stream")],
-                        deadline_s=90)
+    cfg = data.DataConfig(
+        corpus=str(corpus),
+        data_dir=str(tmp_path / "out"),
+        vocab_size=256,
+        seq_len=32,
+        batch_size=16,
+        steps=10,
+        num_workers=0,
+    )
+    results = run_world(
+        data.run, 2, [replace(cfg, loader=kind) for kind in ("map", "stream")], deadline_s=90
+    )
     for result in results:  # an epoch: 5 steps (map, drop_last), 6 (stream, partial batches)
         assert result["windows"] == 178 and result["world_size"] == 2
         assert result["steps"] == 10 and len(result["losses"]) == 10 and result["epoch"] == 1
@@ -255,11 +285,27 @@ def test_two_ranks_train_past_an_epoch_with_both_loaders(tmp_path):
 def test_torchrun_launch_resumed_from_its_checkpoint_equals_a_straight_run(shards, tmp_path):
     cfg = replace(shards, steps=6)
     straight = spawn_world(data.run, 2, cfg, deadline_s=90)
-    args = ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.data",
-            "--data-dir", cfg.data_dir, "--max-bytes", str(cfg.max_bytes),
-            "--vocab-size", str(cfg.vocab_size), "--shard-tokens", str(cfg.shard_tokens),
-            "--seq-len", str(cfg.seq_len), "--batch-size", str(cfg.batch_size),
-            "--checkpoint", str(tmp_path / "ckpt")]
+    args = [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "recipes.data",
+        "--data-dir",
+        cfg.data_dir,
+        "--max-bytes",
+        str(cfg.max_bytes),
+        "--vocab-size",
+        str(cfg.vocab_size),
+        "--shard-tokens",
+        str(cfg.shard_tokens),
+        "--seq-len",
+        str(cfg.seq_len),
+        "--batch-size",
+        str(cfg.batch_size),
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+    ]
     losses = []
     for steps in (3, 6):
         launched = run_cli(args + ["--steps", str(steps)], timeout_s=180)

@@ -43,8 +43,9 @@ def test_data_parallel_equals_single_device_training(monkeypatch, tmp_path):
     CountingDataParallel.built.clear()
     reference = single_process_reference(steps=4)
     saved = tmp_path / "model.pt"
-    result = recipe_result(data_parallel.DataParallelConfig(steps=4, precision="fp32",
-                                                            save_path=str(saved)))
+    result = recipe_result(
+        data_parallel.DataParallelConfig(steps=4, precision="fp32", save_path=str(saved))
+    )
     [dp_model] = CountingDataParallel.built
     assert dp_model.forwards == 4, "every step's forward must go through the DataParallel wrapper"
     assert dp_model.device_ids == list(range(torch.cuda.device_count()))  # [] on CPU: pass-through
@@ -61,7 +62,9 @@ def test_data_parallel_equals_single_device_training(monkeypatch, tmp_path):
     assert_states_close(state, reference.final_state, atol=state_atol)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message; this machine has a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the CPU message; this machine has a GPU"
+)
 def test_cli_says_it_runs_on_one_cpu_device():
     proc = run_cli([PYTHON, "-m", "recipes.data_parallel", "--steps", "2"], timeout_s=60)
     assert proc.returncode == 0, proc.stderr

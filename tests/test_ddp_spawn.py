@@ -43,15 +43,21 @@ def one_rank_with_its_loads(cfg):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_ddp_option_trains_like_one_process_and_checkpoint_loads_everywhere(backend, tmp_path):
+def test_every_ddp_option_trains_like_one_process_and_checkpoint_loads_everywhere(
+    backend, tmp_path
+):
     reference = single_process_reference(steps=REFERENCE.steps)
     options = [
         dict(),
         dict(find_unused_parameters=True, gradient_as_bucket_view=False),
         dict(static_graph=True, bucket_cap_mb=0.01),  # tiny buckets: many all-reduces, same result
     ]
-    configs = [ddp_spawn.DDPSpawnConfig(steps=4, precision="fp32", checkpoint_path=str(tmp_path / f"ckpt{i}.pt"), **o)
-               for i, o in enumerate(options)]
+    configs = [
+        ddp_spawn.DDPSpawnConfig(
+            steps=4, precision="fp32", checkpoint_path=str(tmp_path / f"ckpt{i}.pt"), **o
+        )
+        for i, o in enumerate(options)
+    ]
     results = run_world(one_rank_with_its_loads, 3, configs, backend=backend)
     for result, option in zip(results, options):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
@@ -59,7 +65,9 @@ def test_every_ddp_option_trains_like_one_process_and_checkpoint_loads_everywher
         # Every one of the 3 ranks loaded exactly what rank 0 saved.
         assert result.extras["loaded_checksums"] == [result.param_checksum] * 3, option
     saved = torch.load(configs[0].checkpoint_path, weights_only=True)
-    assert not any(key.startswith("module.") for key in saved["model"]), "saved DDP's wrapper, not .module"
+    assert not any(key.startswith("module.") for key in saved["model"]), (
+        "saved DDP's wrapper, not .module"
+    )
     assert saved["step"] == 4
 
 
@@ -80,6 +88,7 @@ def test_a_rank_that_raises_surfaces_in_the_parent_and_is_named(monkeypatch, cap
     with pytest.raises(mp.ProcessRaisedException, match=r"KeyError: 'no-such-model'") as raised:
         ddp_spawn.train(cfg)
     assert raised.value.error_index in (0, 1) and "Traceback" in raised.value.msg
+
     # main turns it into the child's traceback and one last line that names the rank (no spawn)
     def failing_train(cfg):
         raise raised.value
@@ -105,10 +114,13 @@ def test_a_busy_master_port_is_refused_before_spawning(monkeypatch):
 
 # The numbers were refused by the config's checks; the copyable recipe's command line refuses
 # them (argparse, one line, exit 2): the same input, the same one line, from make_parser.
-@pytest.mark.parametrize("argv, message", [
-    (["--nprocs", "0"], "argument --nprocs: must be a finite number >= 1, got 0"),
-    (["--bucket-cap-mb", "0"], "argument --bucket-cap-mb: must be a finite number > 0, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nprocs", "0"], "argument --nprocs: must be a finite number >= 1, got 0"),
+        (["--bucket-cap-mb", "0"], "argument --bucket-cap-mb: must be a finite number > 0, got 0"),
+    ],
+)
 def test_bad_numbers_are_refused_by_the_command_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         ddp_spawn.main(argv)

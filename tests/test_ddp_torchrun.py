@@ -55,8 +55,9 @@ def test_ddp_equals_single_process(world_size, backend, tmp_path):
     assert not any(key.startswith("module.") for key in state), sorted(state)[:3]
     plain = build_model(cfg.model)
     plain.load_state_dict(state)  # strict: every key matches
-    assert_states_close({n: p.detach() for n, p in plain.named_parameters()}, result.final_state,
-                        atol=0.0)
+    assert_states_close(
+        {n: p.detach() for n, p in plain.named_parameters()}, result.final_state, atol=0.0
+    )
 
 
 def test_a_second_epoch_is_reshuffled_as_one_process_does():
@@ -64,8 +65,9 @@ def test_a_second_epoch_is_reshuffled_as_one_process_does():
     # (without it, epoch 1 repeats epoch 0's order and these losses differ).
     cfg = ddp_torchrun.DDPConfig(steps=10, precision="fp32")
     losses = run_alone(ddp_torchrun.train, cfg)
-    expected, _ = plain_training_loop("tiny", steps=10, global_batch_size=cfg.global_batch_size,
-                                      lr=cfg.lr, seed=cfg.seed)
+    expected, _ = plain_training_loop(
+        "tiny", steps=10, global_batch_size=cfg.global_batch_size, lr=cfg.lr, seed=cfg.seed
+    )
     assert_losses_close(losses, expected, atol=1e-5)
 
 
@@ -79,12 +81,16 @@ STEP_LINE = re.compile(r"^step (\d+) loss (\d+\.\d{4})$", re.M)
 def test_torchrun_and_plain_python_print_the_same_losses():
     # GPU hosts: gloo and fp32 on both, so that 3 ranks need no 3 GPUs and nothing is bf16
     extra = ["--backend", "gloo", "--precision", "fp32"] if CUDA_DEVICES else []
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=3", "-m",
-                        "recipes.ddp_torchrun", *extra])
+    launched = run_cli(
+        ["torchrun", "--standalone", "--nproc_per_node=3", "-m", "recipes.ddp_torchrun", *extra]
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     alone = run_cli([PYTHON, "-m", "recipes.ddp_torchrun", "--precision", "fp32", *extra])
     assert alone.returncode == 0, alone.stderr[-2000:]
-    launched_lines, alone_lines = STEP_LINE.findall(launched.stdout), STEP_LINE.findall(alone.stdout)
+    launched_lines, alone_lines = (
+        STEP_LINE.findall(launched.stdout),
+        STEP_LINE.findall(alone.stdout),
+    )
     # Logs come from rank 0 only: one line per step (3 ranks printing would give 3 per step).
     steps = ddp_torchrun.DDPConfig().steps
     assert [int(step) for step, _ in launched_lines] == list(range(steps)), launched.stdout
@@ -108,8 +114,10 @@ def main_in_a_rank(argv):
 def test_global_batch_that_does_not_divide_is_rejected_with_valid_sizes():
     code, stderr = spawn_world(main_in_a_rank, 2, ["--global-batch-size", "9"], deadline_s=60)
     assert code == 2
-    assert stderr.splitlines() == ["error: global_batch_size=9 does not divide across 2 ranks; "
-                                   "use a multiple of 2, e.g. 8 or 10"]
+    assert stderr.splitlines() == [
+        "error: global_batch_size=9 does not divide across 2 ranks; "
+        "use a multiple of 2, e.g. 8 or 10"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -55,10 +55,16 @@ def _two_ranks() -> tuple:
     # (seen once under load: "Failed to recv, got 0 bytes" in init_process_group).
     # A file of this run alone (the spawning test's pid and the port): a FileStore file outlives
     # its run, and one a past run left under the same name would hand out its stale addresses.
-    store_file = Path(tempfile.gettempdir(),
-                      f"dist_setup_test_{os.getppid()}_{os.environ['MASTER_PORT']}")
-    dist.init_process_group("gloo", store=dist.FileStore(str(store_file), 2), rank=info.rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    store_file = Path(
+        tempfile.gettempdir(), f"dist_setup_test_{os.getppid()}_{os.environ['MASTER_PORT']}"
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(str(store_file), 2),
+        rank=info.rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
     reused = dist_setup.setup_distributed("gloo")
     dist_setup.cleanup_distributed()
     kept = dist.is_initialized()

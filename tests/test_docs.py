@@ -37,7 +37,8 @@ ROOT = Path(REPO_ROOT)
 pytestmark = [
     pytest.mark.skipif(
         importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
-        reason="the docs tests build the site with mkdocs-material: pip install -e '.[docs]'"),
+        reason="the docs tests build the site with mkdocs-material: pip install -e '.[docs]'",
+    ),
     # One worker builds the site once and runs every page test (pyproject: --dist loadgroup).
     pytest.mark.xdist_group("docs"),
 ]
@@ -153,15 +154,20 @@ def test_every_source_line_fits_the_docs_column():
     Until every branch's reflow is merged this fails and lists the lines still too long: that list
     is the work left, not a flaky test.
     """
-    paths = sorted([*ROOT.glob("recipes/**/*.py"), *ROOT.glob("scripts/*.py"),
-                    *ROOT.glob("docs/**/*.py")])
-    too_long = [f"{path.relative_to(ROOT)}:{number} ({len(line)} chars)"
-                for path in paths
-                for number, line in enumerate(path.read_text().splitlines(), 1)
-                if len(line) > MAX_LINE]
+    paths = sorted(
+        [*ROOT.glob("recipes/**/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("docs/**/*.py")]
+    )
+    too_long = [
+        f"{path.relative_to(ROOT)}:{number} ({len(line)} chars)"
+        for path in paths
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if len(line) > MAX_LINE
+    ]
     files = sorted({entry.split(":")[0] for entry in too_long})
-    assert not too_long, (f"{len(too_long)} lines longer than {MAX_LINE} characters in {files}; "
-                          f"first ones: {too_long[:10]}")
+    assert not too_long, (
+        f"{len(too_long)} lines longer than {MAX_LINE} characters in {files}; "
+        f"first ones: {too_long[:10]}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,22 +183,38 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
     # The code is the tested source between its markers, with the markers themselves removed:
     # the distributed lines a reader came for, in the recipe's own function.
     assert "def train(cfg: DDPConfig, observer=None) -> list[float]:" in text
-    for line in ("dist.init_process_group(", "torch.cuda.set_device(device)",
-                 "DistributedSampler(", "sampler.set_epoch(epoch)", "DDP(model,",
-                 "torch.save(ddp_model.module.state_dict()", "dist.destroy_process_group()"):
+    for line in (
+        "dist.init_process_group(",
+        "torch.cuda.set_device(device)",
+        "DistributedSampler(",
+        "sampler.set_epoch(epoch)",
+        "DDP(model,",
+        "torch.save(ddp_model.module.state_dict()",
+        "dist.destroy_process_group()",
+    ):
         assert line in text, f"{line!r} missing from the page's code"
     assert "--8<--" not in text
     # No measuring in the code a reader copies (the pattern and the whole file, up to "How to
     # run"): the harness measures from outside. (How to run names its command, Proven by the tests.)
     source = (site / "recipes" / "ddp_torchrun" / "index.html").read_text()
-    code_section = source[source.index('id="the-code"'):source.index('id="how-to-run"')]
-    blocks = [html.unescape(re.sub(r"<[^>]+>", "", block)) for block in
-              re.findall(r'<div class="highlight">(.*?)</div>', code_section, re.S)]
+    code_section = source[source.index('id="the-code"') : source.index('id="how-to-run"')]
+    blocks = [
+        html.unescape(re.sub(r"<[^>]+>", "", block))
+        for block in re.findall(r'<div class="highlight">(.*?)</div>', code_section, re.S)
+    ]
     assert len(blocks) == 3, (
-        f"expected the pattern, the diff from single_gpu and the whole file, found {len(blocks)}")
+        f"expected the pattern, the diff from single_gpu and the whole file, found {len(blocks)}"
+    )
     assert any("dist.init_process_group(" in block for block in blocks), "no code block found"
-    for plumbing in ("recipes.core", "RecipeResult", "StepTimer", "make_result",
-                     "model_state_bytes", "param_checksum", "to_json"):
+    for plumbing in (
+        "recipes.core",
+        "RecipeResult",
+        "StepTimer",
+        "make_result",
+        "model_state_bytes",
+        "param_checksum",
+        "to_json",
+    ):
         assert not any(plumbing in block for block in blocks), f"{plumbing} in a code block"
     for action in make_parser()._actions:
         if action.option_strings and action.dest != "help":
@@ -220,12 +242,14 @@ def test_the_ddp_page_shows_what_ddp_adds_to_the_single_gpu_loop_as_a_diff(site)
     rendered = render_diff("recipes/single_gpu.py:train,recipes/ddp_torchrun.py:train")
     lines = rendered.splitlines()
     assert lines[0] == "```diff" and lines[1] == "--- recipes/single_gpu.py:train"
-    for added in ("+        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
-                  "+            sampler.set_epoch(epoch)",
-                  "+        dist.init_process_group(backend, timeout=timeout, "
-                  "device_id=device if use_cuda else None)",
-                  "+        dist.destroy_process_group()  # every way out: NCCL's communicators "
-                  "are freed, not leaked"):
+    for added in (
+        "+        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
+        "+            sampler.set_epoch(epoch)",
+        "+        dist.init_process_group(backend, timeout=timeout, "
+        "device_id=device if use_cuda else None)",
+        "+        dist.destroy_process_group()  # every way out: NCCL's communicators "
+        "are freed, not leaked",
+    ):
         assert any(line.startswith(added) for line in lines), added
     assert "-    order = torch.Generator()" in lines
     # unchanged but re-indented under try: shown once, as the new file has it, unmarked
@@ -254,24 +278,32 @@ def test_every_recipe_with_a_training_loop_shows_what_it_adds_to_the_baseline(si
     hooks()  # puts docs/ on the path, where its _hooks package lives
     from _hooks.diff import diff_lines, snippet_section
 
-    marked = sorted(p.stem for p in Path(REPO_ROOT, "recipes").glob("[a-z]*.py")
-                    if "# --8<-- [start:loop]" in p.read_text())
+    marked = sorted(
+        p.stem
+        for p in Path(REPO_ROOT, "recipes").glob("[a-z]*.py")
+        if "# --8<-- [start:loop]" in p.read_text()
+    )
     assert {"zero", "fsdp2", "amp", "tensor_parallel"} <= set(marked), marked
     for name in marked:
         if f"recipes/{name}.py:loop" in LOOP_BASELINES:
             continue
         page = Path(REPO_ROOT, "docs", "recipes", f"{name}.md").read_text()
-        spec = re.search(r"<!-- diff: (recipes/\w+\.py:loop),recipes/(\w+)\.py:loop(,context=\d+)?"
-                         r" -->", page)
+        spec = re.search(
+            r"<!-- diff: (recipes/\w+\.py:loop),recipes/(\w+)\.py:loop(,context=\d+)?"
+            r" -->",
+            page,
+        )
         assert spec and spec[1] in LOOP_BASELINES and spec[2] == name, (
             f"docs/recipes/{name}.md: show the loop as a diff, e.g. <!-- diff: "
-            f"{LOOP_BASELINES[0]},recipes/{name}.py:loop,context=2 -->")
+            f"{LOOP_BASELINES[0]},recipes/{name}.py:loop,context=2 -->"
+        )
         old, new = snippet_section(spec[1]), snippet_section(f"recipes/{name}.py:loop")
         kept = sum(line[:1] == " " and line.strip() != "" for line in diff_lines(old, new, None))
         baseline = sum(line.strip() != "" for line in old)
         assert kept >= baseline / 3, (
             f"recipes/{name}.py keeps {kept} of the {baseline} lines of {spec[1]}: write its loop "
-            "in the baseline's names and order, so that its diff shows what it adds")
+            "in the baseline's names and order, so that its diff shows what it adds"
+        )
         text = page_text(site, f"recipes/{name}")
         assert f"+++ recipes/{name}.py:loop" in text, name
 
@@ -293,10 +325,20 @@ def test_the_api_reference_documents_what_a_user_copies_with_stable_anchors(site
             )
     reference = (site / "reference" / "recipes" / "index.html").read_text()
     copyable = hooks().copyable_recipes()
-    assert {"ddp_torchrun", "data", "evaluation", "job", "preflight", "comm_bench",
-            "loss_compare"} <= set(copyable), copyable
-    imports_core = re.compile(r"^\s*(from recipes\.core\b|import recipes\.core\b|"
-                              r"from recipes import .*\bcore\b|from \.core\b)", re.M)
+    assert {
+        "ddp_torchrun",
+        "data",
+        "evaluation",
+        "job",
+        "preflight",
+        "comm_bench",
+        "loss_compare",
+    } <= set(copyable), copyable
+    imports_core = re.compile(
+        r"^\s*(from recipes\.core\b|import recipes\.core\b|"
+        r"from recipes import .*\bcore\b|from \.core\b)",
+        re.M,
+    )
     for name in recipe_modules():
         source = (ROOT / "recipes" / f"{name}.py").read_text()
         if name in copyable:
@@ -433,8 +475,7 @@ def test_recipe_names_link_to_pages_that_exist_and_stay_code_until_then(tmp_path
         files=None,
     )
     assert (
-        out
-        == "[ddp_torchrun](../recipes/ddp_torchrun.md) and `amp` but `[zero][]` "
+        out == "[ddp_torchrun](../recipes/ddp_torchrun.md) and `amp` but `[zero][]` "
         "and `no_such_recipe`"
     )
     assert any("[no_such_recipe][] names no recipe" in r.getMessage() for r in caplog.records)
@@ -698,8 +739,11 @@ def chromium_binary() -> str:
     "page, code_text, diagram_text",
     [
         ("", "python -m recipes.ddp_torchrun", "setup_distributed"),
-        ("recipes/ddp_torchrun/", "def train(cfg: DDPConfig, observer=None) -> list[float]:",
-         "optimizer.step()"),
+        (
+            "recipes/ddp_torchrun/",
+            "def train(cfg: DDPConfig, observer=None) -> list[float]:",
+            "optimizer.step()",
+        ),
     ],
 )
 def test_a_browser_shows_navigation_code_and_diagrams_offline(
@@ -720,8 +764,14 @@ def test_a_browser_shows_navigation_code_and_diagrams_offline(
             "[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link')]"
             ".map(a => a.textContent.trim())",
         )
-        assert {"Home", "From one GPU to many", "DDP under torchrun (ddp_torchrun)",
-                "Troubleshooting", "Contributing", "Recipes you can copy"} <= set(nav), nav
+        assert {
+            "Home",
+            "From one GPU to many",
+            "DDP under torchrun (ddp_torchrun)",
+            "Troubleshooting",
+            "Contributing",
+            "Recipes you can copy",
+        } <= set(nav), nav
         code = browser.evaluate(
             session, "[...document.querySelectorAll('.highlight code')].map(c => c.textContent)"
         )
@@ -783,8 +833,10 @@ FIGURES_JS = """[...document.querySelectorAll('figure.recipe-chart')].map(f => {
 
 
 def built_pages(site: Path) -> list[str]:
-    return sorted("" if path.parent == site else str(path.parent.relative_to(site)) + "/"
-                  for path in site.rglob("index.html"))
+    return sorted(
+        "" if path.parent == site else str(path.parent.relative_to(site)) + "/"
+        for path in site.rglob("index.html")
+    )
 
 
 # At 1280 px no table and no chart may be wider than the column (a scrolling table hides columns);
@@ -810,8 +862,9 @@ def mermaid_text_px(browser: Chromium, session: str, svgs: list[dict]) -> list[f
     for svg in svgs:
         attributes = dict(zip(*[iter(svg.get("attributes", []))] * 2))
         view_width = float(attributes.get("viewBox", "0 0 0 0").split()[2])
-        quad = browser.send("DOM.getBoxModel", {"nodeId": svg["nodeId"]},
-                            session=session)["model"]["content"]
+        quad = browser.send("DOM.getBoxModel", {"nodeId": svg["nodeId"]}, session=session)["model"][
+            "content"
+        ]
         if view_width:
             sizes.append(MERMAID_FONT_PX * (quad[2] - quad[0]) / view_width)
     return sizes
@@ -826,8 +879,14 @@ def test_every_page_in_a_browser_at_1280_and_390_px(served_site, site, chromium_
     pages = built_pages(site)
     assert len(pages) >= 20, pages
     browser = Chromium(chromium_binary, tmp_path / "profile")
-    failures: dict[str, list[str]] = {"code": [], "mermaid": [], "figures": [], "scripts": [],
-                                      "wide at 1280 px": [], "text under 9 px at 390 px": []}
+    failures: dict[str, list[str]] = {
+        "code": [],
+        "mermaid": [],
+        "figures": [],
+        "scripts": [],
+        "wide at 1280 px": [],
+        "text under 9 px at 390 px": [],
+    }
     try:
         for page in pages:
             browser.events.clear()
@@ -839,33 +898,49 @@ def test_every_page_in_a_browser_at_1280_and_390_px(served_site, site, chromium_
                 failures["mermaid"].append(f"{name}: {rendered} of {expected} rendered")
             svgs = []
             if expected:
-                root = browser.send("DOM.getDocument", {"depth": -1, "pierce": True},
-                                    session=session)["root"]
+                root = browser.send(
+                    "DOM.getDocument", {"depth": -1, "pierce": True}, session=session
+                )["root"]
                 svgs = shadow_svgs(root)
-                errors = [svg for svg in svgs if ("aria-roledescription", "error")
-                          in zip(*[iter(svg.get("attributes", []))] * 2)]
+                errors = [
+                    svg
+                    for svg in svgs
+                    if ("aria-roledescription", "error")
+                    in zip(*[iter(svg.get("attributes", []))] * 2)
+                ]
                 if errors:
                     failures["mermaid"].append(f"{name}: {len(errors)} syntax-error diagram(s)")
             wide = browser.evaluate(session, CODE_OVERFLOW_JS) or []
-            failures["code"] += [f"{name}: {line.strip()[:60]!r}... ({len(line)} chars)"
-                                 for line in wide]
-            failures["wide at 1280 px"] += [f"{name}: {what}" for what in
-                                            browser.evaluate(session, WIDE_AT_1280_JS) or []]
+            failures["code"] += [
+                f"{name}: {line.strip()[:60]!r}... ({len(line)} chars)" for line in wide
+            ]
+            failures["wide at 1280 px"] += [
+                f"{name}: {what}" for what in browser.evaluate(session, WIDE_AT_1280_JS) or []
+            ]
             html = (site / page / "index.html").read_text()
             charts = browser.evaluate(session, FIGURES_JS) or []
             if len(charts) != html.count('class="recipe-chart"') or not all(
-                    drawn and caption for _, drawn, caption in charts):
+                drawn and caption for _, drawn, caption in charts
+            ):
                 failures["figures"].append(f"{name}: {charts}")
             # The same page at 390 px: the layout follows the new viewport, no reload needed. A
             # page without a chart or diagram has nothing to shrink there: its relayout is saved.
             if charts or svgs:
-                browser.send("Emulation.setDeviceMetricsOverride",
-                             {"width": 390, "height": 844, "deviceScaleFactor": 1,
-                              "mobile": False}, session=session)
-                small = [f"chart {kind}: {px:.1f} px" for kind, px in
-                         browser.evaluate(session, CHART_TEXT_PX_JS) or [] if px < 9]
-                small += [f"diagram: {px:.1f} px" for px in
-                          mermaid_text_px(browser, session, svgs) if px < 9]
+                browser.send(
+                    "Emulation.setDeviceMetricsOverride",
+                    {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": False},
+                    session=session,
+                )
+                small = [
+                    f"chart {kind}: {px:.1f} px"
+                    for kind, px in browser.evaluate(session, CHART_TEXT_PX_JS) or []
+                    if px < 9
+                ]
+                small += [
+                    f"diagram: {px:.1f} px"
+                    for px in mermaid_text_px(browser, session, svgs)
+                    if px < 9
+                ]
                 failures["text under 9 px at 390 px"] += [f"{name}: {s}" for s in small]
             if script_errors(browser):
                 failures["scripts"].append(f"{name}: {script_errors(browser)}")
@@ -880,13 +955,22 @@ def test_every_page_in_a_browser_at_1280_and_390_px(served_site, site, chromium_
         "caption is missing; wide: a table or chart that scrolls sideways at 1280 px (fewer or "
         "narrower columns); text under 9 px: a chart or diagram shrunk on a phone (give its SVG a "
         "min-width and let its container scroll):\n"
-        + "\n".join(f"{k}: {v}" for k, v in report.items()))
+        + "\n".join(f"{k}: {v}" for k, v in report.items())
+    )
 
 
 def test_every_chart_kind_is_on_a_page_and_draws_from_results():
     """Each chart the hooks can draw appears on some page, and renders from the committed data."""
-    kinds = ["memory", "loss", "ladder", "pipeline", "fsdp-units", "tp-split", "comm-busbw",
-             "job-loss"]
+    kinds = [
+        "memory",
+        "loss",
+        "ladder",
+        "pipeline",
+        "fsdp-units",
+        "tp-split",
+        "comm-busbw",
+        "job-loss",
+    ]
     pages = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
     for kind in kinds:
         assert f"<!-- chart: {kind} -->" in pages, f"no page shows the {kind} chart"
@@ -937,15 +1021,19 @@ def test_the_loss_chart_labels_each_recipe_with_its_largest_difference_from_ddp(
 
 def test_the_pipeline_chart_draws_measured_times_only_from_an_idle_machine(monkeypatch, tmp_path):
     data = json.loads((ROOT / "results" / "pipeline_parallel.json").read_text())
-    (tmp_path / "pipeline_parallel.json").write_text(json.dumps(
-        {**data, "machine": {**data["machine"], "load_average_1m": 30.0, "cpu_cores": 2}}))
+    (tmp_path / "pipeline_parallel.json").write_text(
+        json.dumps(
+            {**data, "machine": {**data["machine"], "load_average_1m": 30.0, "cpu_cores": 2}}
+        )
+    )
     module = hooks()
     monkeypatch.setattr(module.base, "RESULTS_DIR", tmp_path)
     loaded = module.render_chart("pipeline")
     assert loaded.count("<figure") == 2 and "computed from the schedule, not timed" in loaded
     assert "load average of 30.0 on 2 cores" in loaded
-    (tmp_path / "pipeline_parallel.json").write_text(json.dumps(
-        {**data, "machine": {**data["machine"], "load_average_1m": 0.5, "cpu_cores": 2}}))
+    (tmp_path / "pipeline_parallel.json").write_text(
+        json.dumps({**data, "machine": {**data["machine"], "load_average_1m": 0.5, "cpu_cores": 2}})
+    )
     idle = module.render_chart("pipeline")
     schedules = [row["schedule"] for row in data["result"]["extras"]["schedule_table"]]
     assert idle.count("<figure") == len(schedules) and "load average 0.5" in idle
@@ -956,9 +1044,16 @@ def test_the_pipeline_chart_draws_measured_times_only_from_an_idle_machine(monke
 def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_timings():
     data = json.loads((ROOT / "results" / "ddp_torchrun.json").read_text())
     data["machine"] = {**data["machine"], "load_average_1m": 9.0, "cpu_cores": 2, "gpus": []}
-    data["result"] = {**data["result"], "extras": {
-        **data["result"]["extras"], "trace_dir": "/tmp/x", "resumed_from": "", "saved": None,
-        "op_ms": {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}}}
+    data["result"] = {
+        **data["result"],
+        "extras": {
+            **data["result"]["extras"],
+            "trace_dir": "/tmp/x",
+            "resumed_from": "",
+            "saved": None,
+            "op_ms": {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0},
+        },
+    }
     text = hooks().results_markdown(data, "ddp_torchrun")
     assert "/tmp" not in text and "None" not in text and "resumed_from" not in text
     # a timing taken under load is left out, with no row saying why it is empty
@@ -968,9 +1063,11 @@ def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_tim
     # On an idle machine the time is shown, but never a raw list: a timeline stays in the JSON.
     timeline = [[["F", 0, m, m * 1.5, m * 1.5 + 1.0] for m in range(8)] for _ in range(2)]
     data["machine"]["load_average_1m"] = 0.5
-    data["result"]["extras"] = {**data["result"]["extras"], "timeline_per_rank": timeline,
-                                "schedule_table": [{"schedule": "gpipe", "bubble": 0.2,
-                                                    "timeline_per_rank": timeline}]}
+    data["result"]["extras"] = {
+        **data["result"]["extras"],
+        "timeline_per_rank": timeline,
+        "schedule_table": [{"schedule": "gpipe", "bubble": 0.2, "timeline_per_rank": timeline}],
+    }
     text = hooks().results_markdown(data, "ddp_torchrun")
     assert "\n| Time per step |" in text and "op_ms" in text and "gpipe" in text
     assert "[F" not in text and "timeline" not in text, text
@@ -981,10 +1078,26 @@ def test_measured_sections_leave_out_temporary_paths_empty_values_and_loaded_tim
 # it shows, which must be the Python function's. Every field is given, so the page's defaults do not
 # matter; `gpus` is world_size * tp * pp and `gpu` the GPU preset (or "custom" + gpu_memory_gib).
 CALCULATOR_BASE = dict(
-    model="custom", params="7.5e9", layers=32, hidden=4096, heads=32, vocab=32000, gpus=8,
-    strategy="zero3", shard_size=8, tp=1, pp=1, sequence_parallel=True, offload=False,
-    precision="mixed", seq_len=4096, micro_batch=1, checkpointing="none", flash_attention=True,
-    gpu="80", gpu_memory_gib="80",
+    model="custom",
+    params="7.5e9",
+    layers=32,
+    hidden=4096,
+    heads=32,
+    vocab=32000,
+    gpus=8,
+    strategy="zero3",
+    shard_size=8,
+    tp=1,
+    pp=1,
+    sequence_parallel=True,
+    offload=False,
+    precision="mixed",
+    seq_len=4096,
+    micro_batch=1,
+    checkpointing="none",
+    flash_attention=True,
+    gpu="80",
+    gpu_memory_gib="80",
 )
 CALCULATOR_CONFIGS = [
     dict(gpus=64, strategy="ddp"),
@@ -992,20 +1105,61 @@ CALCULATOR_CONFIGS = [
     dict(gpus=64, strategy="zero2", gpu="40"),
     dict(model="llama3-8b", gpus=8, seq_len=8192, micro_batch=2, flash_attention=False),
     dict(model="llama3-70b", gpus=128, tp=4, pp=2, seq_len=8192, checkpointing="full"),
-    dict(model="llama3-70b", gpus=64, tp=8, sequence_parallel=False, checkpointing="selective",
-         flash_attention=False),
-    dict(model="llama3-405b", gpus=512, strategy="hsdp", shard_size=16, tp=8, pp=2,
-         gpu="141"),
-    dict(model="100m", gpus=1, strategy="ddp", precision="fp32", seq_len=512, micro_batch=16,
-         gpu="24"),
-    dict(model="gpt2-xl", gpus=4, strategy="zero3", offload=True, precision="fp32",
-         seq_len=1024, micro_batch=4, checkpointing="full", gpu="custom", gpu_memory_gib="16"),
-    dict(model="llama2-13b", gpus=16, strategy="hsdp", shard_size=4, pp=4, micro_batch=4,
-         gpu="192"),
-    dict(params="3e9", layers=24, hidden=3072, heads=24, vocab=50000, gpus=6, tp=3,
-         strategy="zero2", offload=True, seq_len=2048, checkpointing="selective", gpu="48"),
-    dict(model="llama3-8b", gpus=2, strategy="zero1", precision="autocast", seq_len=131072,
-         flash_attention=False),
+    dict(
+        model="llama3-70b",
+        gpus=64,
+        tp=8,
+        sequence_parallel=False,
+        checkpointing="selective",
+        flash_attention=False,
+    ),
+    dict(model="llama3-405b", gpus=512, strategy="hsdp", shard_size=16, tp=8, pp=2, gpu="141"),
+    dict(
+        model="100m",
+        gpus=1,
+        strategy="ddp",
+        precision="fp32",
+        seq_len=512,
+        micro_batch=16,
+        gpu="24",
+    ),
+    dict(
+        model="gpt2-xl",
+        gpus=4,
+        strategy="zero3",
+        offload=True,
+        precision="fp32",
+        seq_len=1024,
+        micro_batch=4,
+        checkpointing="full",
+        gpu="custom",
+        gpu_memory_gib="16",
+    ),
+    dict(
+        model="llama2-13b", gpus=16, strategy="hsdp", shard_size=4, pp=4, micro_batch=4, gpu="192"
+    ),
+    dict(
+        params="3e9",
+        layers=24,
+        hidden=3072,
+        heads=24,
+        vocab=50000,
+        gpus=6,
+        tp=3,
+        strategy="zero2",
+        offload=True,
+        seq_len=2048,
+        checkpointing="selective",
+        gpu="48",
+    ),
+    dict(
+        model="llama3-8b",
+        gpus=2,
+        strategy="zero1",
+        precision="autocast",
+        seq_len=131072,
+        flash_attention=False,
+    ),
 ]
 PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")
 
@@ -1014,11 +1168,20 @@ def python_figures(ui: dict) -> dict:
     from recipes.memory_estimate import EstimateConfig, gpu_memory
 
     values = {k: v for k, v in ui.items() if k not in ("gpus", "gpu", "params", "gpu_memory_gib")}
-    result = gpu_memory(EstimateConfig(
-        **values, params=float(ui["params"]), world_size=ui["gpus"] // (ui["tp"] * ui["pp"]),
-        gpu_memory_gib=float(ui["gpu_memory_gib"] if ui["gpu"] == "custom" else ui["gpu"])))
-    return {**result["device"], "gpu_bytes": result["gpu_bytes"],
-            "host_bytes": result["host_bytes"], "fits": result["fits"]}
+    result = gpu_memory(
+        EstimateConfig(
+            **values,
+            params=float(ui["params"]),
+            world_size=ui["gpus"] // (ui["tp"] * ui["pp"]),
+            gpu_memory_gib=float(ui["gpu_memory_gib"] if ui["gpu"] == "custom" else ui["gpu"]),
+        )
+    )
+    return {
+        **result["device"],
+        "gpu_bytes": result["gpu_bytes"],
+        "host_bytes": result["host_bytes"],
+        "fits": result["fits"],
+    }
 
 
 def test_the_memory_calculator_shows_what_recipes_memory_estimate_computes(
@@ -1051,7 +1214,8 @@ def test_the_memory_calculator_shows_what_recipes_memory_estimate_computes(
                 # The same doubles from the same operations, bit for bit; the text is GiB.
                 assert figure["bytes"] == expected[part], (ui, part)
                 assert float(figure["text"].split()[0]) == pytest.approx(
-                    expected[part] / 2**30, abs=0.0051), (ui, part, figure["text"])
+                    expected[part] / 2**30, abs=0.0051
+                ), (ui, part, figure["text"])
             assert ("host_bytes" in page["figures"]) == bool(expected["host_bytes"])
             assert page["fits"] is expected["fits"], ui
             fits.add(expected["fits"])
@@ -1059,31 +1223,41 @@ def test_the_memory_calculator_shows_what_recipes_memory_estimate_computes(
         assert "heads=32 must divide by tp=3" in shown[-1]["error"]
 
         # Editing a field recomputes and writes the inputs into the address (a shareable link).
-        browser.evaluate(session, """(() => {
+        browser.evaluate(
+            session,
+            """(() => {
             const gpus = document.querySelector('.memory-calculator [name=gpus]');
-            gpus.value = '16'; gpus.dispatchEvent(new Event('input', {bubbles: true}));})()""")
+            gpus.value = '16'; gpus.dispatchEvent(new Event('input', {bubbles: true}));})()""",
+        )
         assert "gpus=16" in browser.evaluate(session, "location.search")
 
         # 390 px (a phone): the fields stack in one column and nothing scrolls sideways.
         out_dir = Path(os.environ.get("DOCS_SCREENSHOT_DIR", tmp_path))
         out_dir.mkdir(parents=True, exist_ok=True)
         for width in (1280, 390):
-            browser.send("Emulation.setDeviceMetricsOverride", {
-                "width": width, "height": 900, "deviceScaleFactor": 1, "mobile": width < 500},
-                session=session)
-            browser.evaluate(session, "document.querySelector('.memory-calculator')"
-                                      ".scrollIntoView()")
-            layout = browser.evaluate(session, """(() => {
+            browser.send(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": width < 500},
+                session=session,
+            )
+            browser.evaluate(
+                session, "document.querySelector('.memory-calculator').scrollIntoView()"
+            )
+            layout = browser.evaluate(
+                session,
+                """(() => {
                 const groups = [...document.querySelectorAll('.memory-calculator .mc-group')];
                 return {scroll: document.documentElement.scrollWidth,
                         lefts: [...new Set(groups.map(
                             g => Math.round(g.getBoundingClientRect().left)))]};
-            })()""")
+            })()""",
+            )
             assert layout["scroll"] <= width, (width, layout)
             if width == 390:
                 assert len(layout["lefts"]) == 1, f"the fields do not stack at 390 px: {layout}"
-            screenshot = browser.send("Page.captureScreenshot", {"format": "png"},
-                                      session=session)["data"]
+            screenshot = browser.send("Page.captureScreenshot", {"format": "png"}, session=session)[
+                "data"
+            ]
             (out_dir / f"memory_calculator_{width}.png").write_bytes(base64.b64decode(screenshot))
         assert not script_errors(browser), script_errors(browser)
     finally:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from recipes import dry_run
-from recipes.toy import TransformerLM
 from recipes.memory_estimate import model_state_per_rank
+from recipes.toy import TransformerLM
 from tests.helpers import PYTHON, last_json, run_cli
 
 
@@ -25,7 +25,10 @@ def test_a_2x2x2_layout_matches_memory_estimate_stage_by_stage():
     cfg = dry_run.PRESETS["tiny"]
     assert extras["ranks_checked"] == 0
     assert [(r["pp"], r["dp"], r["tp"]) for r in extras["ranks"][:3]] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+    ]
     for stage in extras["stages"]:
         psi = dry_run.stage_params_per_tp_rank(cfg, stage["pp"], 2, 2)
         figures = model_state_per_rank(psi, 2, "zero3", dry_run.FP32)["device"]
@@ -55,13 +58,20 @@ def test_the_share_formula_adds_up_to_the_whole_model(preset):
     assert sum(dry_run.stage_params_per_tp_rank(cfg, s, pp, 1) for s in range(pp)) == whole
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"pp": 8, "dp": 8, "tp": 4}, "pp 8 x dp 8 x tp 4 = 256, not world_size 512"),
-    ({"model": "tiny", "world_size": 3, "pp": 3, "dp": 1, "tp": 1},
-     "2 layers do not split into pp=3 equal stages; use pp in 1, 2"),
-    ({"model": "tiny", "world_size": 3, "pp": 1, "dp": 1, "tp": 3},
-     "tensor parallel over 3 ranks cannot split n_heads=4"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"pp": 8, "dp": 8, "tp": 4}, "pp 8 x dp 8 x tp 4 = 256, not world_size 512"),
+        (
+            {"model": "tiny", "world_size": 3, "pp": 3, "dp": 1, "tp": 1},
+            "2 layers do not split into pp=3 equal stages; use pp in 1, 2",
+        ),
+        (
+            {"model": "tiny", "world_size": 3, "pp": 1, "dp": 1, "tp": 3},
+            "tensor parallel over 3 ranks cannot split n_heads=4",
+        ),
+    ],
+)
 def test_bad_layouts_get_one_line(changes, message):
     # LayoutError, or tensor parallel's own TPPlanError: both ValueErrors of one line
     with pytest.raises(ValueError, match=message) as caught:

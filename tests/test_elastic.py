@@ -42,8 +42,9 @@ ATOL = 1e-5
 
 @functools.cache
 def uninterrupted_losses() -> list[float]:
-    cfg = sharded_checkpoint.CheckpointConfig(strategy="ddp", steps=STEPS, save_every=0,
-                                              resume_from="", precision="fp32", timeout_s=60)
+    cfg = sharded_checkpoint.CheckpointConfig(
+        strategy="ddp", steps=STEPS, save_every=0, resume_from="", precision="fp32", timeout_s=60
+    )
     # Through the harness (prove), not train() alone: in this test process the world's groups must
     # outlive the DDP reducer that holds them (recipes.core.world._keep_groups_past_teardown); freed
     # by the reducer's destructor, with the GIL held, a gloo group can hang the process.
@@ -51,21 +52,49 @@ def uninterrupted_losses() -> list[float]:
 
 
 def published(root: str) -> set[str]:
-    return {name for name in os.listdir(root) if name.startswith("step_")} if os.path.isdir(
-        root) else set()
+    return (
+        {name for name in os.listdir(root) if name.startswith("step_")}
+        if os.path.isdir(root)
+        else set()
+    )
 
 
-def run_with_kills(tmp_path, kills: list[int], *, backend: str = "gloo", deadline_s: float = 240,
-                   extra: tuple[str, ...] = ()) -> tuple[int, str, str]:
+def run_with_kills(
+    tmp_path,
+    kills: list[int],
+    *,
+    backend: str = "gloo",
+    deadline_s: float = 240,
+    extra: tuple[str, ...] = (),
+) -> tuple[int, str, str]:
     """torchrun with ``--max-restarts=len(kills)``; in attempt k, once that attempt has published
     a checkpoint of its own, SIGKILL the worker of rank ``kills[k]``. Returns (rc, out, err)."""
     root = str(tmp_path / "ckpt")
     out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
-    command = ["torchrun", "--standalone", "--nproc_per_node=2", f"--max-restarts={len(kills)}",
-               "-m", "recipes.core.prove", "sharded_checkpoint",  # its JSON result line last
-               "--strategy", "ddp", "--steps", str(STEPS),
-               "--save-every", str(SAVE_EVERY), "--checkpoint-dir", root, "--precision", "fp32",
-               "--backend", backend, "--timeout-s", "60", *extra]
+    command = [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node=2",
+        f"--max-restarts={len(kills)}",
+        "-m",
+        "recipes.core.prove",
+        "sharded_checkpoint",  # its JSON result line last
+        "--strategy",
+        "ddp",
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--checkpoint-dir",
+        root,
+        "--precision",
+        "fp32",
+        "--backend",
+        backend,
+        "--timeout-s",
+        "60",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     with open(out_path, "w") as out, open(err_path, "w") as err:
@@ -85,8 +114,10 @@ def run_with_kills(tmp_path, kills: list[int], *, backend: str = "gloo", deadlin
                         break
                     time.sleep(0.02)
                 else:
-                    pytest.fail(f"kill {attempt} (rank {rank}) never happened: the run ended or "
-                                f"stalled first; stderr: {err_path.read_text()[-2000:]}")
+                    pytest.fail(
+                        f"kill {attempt} (rank {rank}) never happened: the run ended or "
+                        f"stalled first; stderr: {err_path.read_text()[-2000:]}"
+                    )
             launcher.wait(timeout=max(1.0, deadline_s - (time.monotonic() - start)))
         finally:
             if launcher.poll() is None:
@@ -113,8 +144,15 @@ def assert_resumed_like_uninterrupted(rc: int, out: str, err: str, restarts: int
 # gloo in the slow set, with the 20-trial loop below (CI runs it): the default run kills a rank
 # under torchrun --max-restarts in tests/test_job.py, through the same restart path (dist_setup's
 # store namespace per attempt, a DCP resume), and that costs the 4-minute suite ~13 s of CPU.
-BACKENDS = [pytest.param("gloo", marks=pytest.mark.slow), pytest.param("nccl", marks=[
-    pytest.mark.skipif(CUDA_DEVICES < 2, reason="NCCL with 2 ranks needs 2 CUDA devices")])]
+BACKENDS = [
+    pytest.param("gloo", marks=pytest.mark.slow),
+    pytest.param(
+        "nccl",
+        marks=[
+            pytest.mark.skipif(CUDA_DEVICES < 2, reason="NCCL with 2 ranks needs 2 CUDA devices")
+        ],
+    ),
+]
 
 
 @pytest.mark.timeout(300)
@@ -149,11 +187,26 @@ def launch_plain_ranks(world_size: int, args: list[str], ranks=None) -> list[sub
     port = str(free_port())
     procs = []
     for rank in range(world_size) if ranks is None else ranks:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": str(world_size),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
-        procs.append(subprocess.Popen([PYTHON, "-m", *args], cwd=REPO_ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+        procs.append(
+            subprocess.Popen(
+                [PYTHON, "-m", *args],
+                cwd=REPO_ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     return procs
 
 
@@ -175,8 +228,12 @@ def test_survivors_name_the_rank_that_died_and_exit_cleanly():
     for rank in (0, 2):
         err = outputs[rank][1]
         assert procs[rank].returncode == 1, err[-3000:]
-        assert re.search(rf"^error: rank {rank}: .* failed because rank 1 \(pid {procs[1].pid}\) "
-                         r"is no longer running", err, re.M), err[-3000:]
+        assert re.search(
+            rf"^error: rank {rank}: .* failed because rank 1 \(pid {procs[1].pid}\) "
+            r"is no longer running",
+            err,
+            re.M,
+        ), err[-3000:]
         assert "terminate called" not in err and "Traceback" not in err, err[-3000:]
 
 
@@ -190,14 +247,24 @@ def test_survivors_name_the_rank_that_died_and_exit_cleanly():
 @pytest.mark.timeout(180)
 def test_torchrun_root_cause_is_the_killed_rank_and_bad_input_keeps_exit_code_2(tmp_path):
     # A killed rank: torchrun's summary names it, not rank 0 whose collective broke first.
-    command = ["torchrun", "--standalone", "--nproc_per_node=3", "-m", *PAYLOAD,
-               "--steps", "100000", "--timeout-s", "60"]
+    command = [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node=3",
+        "-m",
+        *PAYLOAD,
+        "--steps",
+        "100000",
+        "--timeout-s",
+        "60",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     err_path = tmp_path / "err.txt"
     with open(err_path, "w") as err:
-        launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=err)
+        launcher = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=err
+        )
         try:
             line = launcher.stdout.readline()
             while line and not line.startswith("step "):
@@ -216,8 +283,10 @@ def test_torchrun_root_cause_is_the_killed_rank_and_bad_input_keeps_exit_code_2(
     # Bad input: the one line is what the summary reports, with the worker's exit code 2. One
     # worker: with two, torchrun stops the other as soon as one exits, so on a loaded machine the
     # rank whose report came first (the root cause) could show SIGTERM (-15) instead of 2.
-    bad = run_cli(["torchrun", "--standalone", "--nproc_per_node=1", "-m", *PAYLOAD,
-                   "--lr", "-1"], timeout_s=120)
+    bad = run_cli(
+        ["torchrun", "--standalone", "--nproc_per_node=1", "-m", *PAYLOAD, "--lr", "-1"],
+        timeout_s=120,
+    )
     root_cause = bad.stderr.split("Root Cause")[-1]
     assert bad.returncode != 0
     assert re.search(r"exitcode\s*: 2 ", root_cause), root_cause
@@ -253,8 +322,17 @@ def test_busy_master_port_fails_in_torchruns_agent():
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        busy = run_cli(["torchrun", "--nproc_per_node=2", "--master-addr=127.0.0.1",
-                        f"--master-port={port}", "-m", *PAYLOAD], timeout_s=90)
+        busy = run_cli(
+            [
+                "torchrun",
+                "--nproc_per_node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                *PAYLOAD,
+            ],
+            timeout_s=90,
+        )
     assert busy.returncode != 0
     assert "static_tcp_rendezvous.py" in busy.stderr and "EADDRINUSE" in busy.stderr
     # no worker may have started: none printed a step (the recipe) or a result (the harness)

@@ -21,16 +21,21 @@ SEQ_LEN = 16
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    cfg = data.DataConfig(data_dir=str(tmp_path_factory.mktemp("shards")), max_bytes=200_000,
-                          vocab_size=300, shard_tokens=20_000)
+    cfg = data.DataConfig(
+        data_dir=str(tmp_path_factory.mktemp("shards")),
+        max_bytes=200_000,
+        vocab_size=300,
+        shard_tokens=20_000,
+    )
     data.prepare_shards(cfg)
     return cfg.data_dir
 
 
 def model_and_windows(data_dir: str):
     windows = Subset(data.TokenWindows(data_dir, "val", SEQ_LEN), range(WINDOWS))
-    model = build_model(ModelConfig(vocab_size=300, seq_len=SEQ_LEN, dim=32, n_layers=1,
-                                    n_heads=2), seed=1)
+    model = build_model(
+        ModelConfig(vocab_size=300, seq_len=SEQ_LEN, dim=32, n_layers=1, n_heads=2), seed=1
+    )
     return model, windows
 
 
@@ -47,13 +52,13 @@ def eval_world(data_dir: str, with_torchmetrics: bool = False) -> dict:
         loader = DataLoader(shard, batch_size=BATCH)
         out = {
             "right": evaluation.evaluate(model, loader, world.device),
-            "naive": evaluation.evaluate_naively(model, windows, world.rank, world.world_size,
-                                                 BATCH, world.device),
+            "naive": evaluation.evaluate_naively(
+                model, windows, world.rank, world.world_size, BATCH, world.device
+            ),
             "batches": len(loader),
         }
         if with_torchmetrics:  # its import costs ~2.4 s of CPU per rank: in the slow run only
-            out["torchmetrics"] = evaluation.evaluate_with_torchmetrics(model, loader,
-                                                                        world.device)
+            out["torchmetrics"] = evaluation.evaluate_with_torchmetrics(model, loader, world.device)
         # the world's device: a GPU host's default mesh would be CUDA under these gloo ranks
         mesh = init_device_mesh(world.device.type, (world.world_size,))
         for block in model.layers.values():
@@ -76,7 +81,8 @@ def single_process_loss(data_dir: str) -> float:
 
 
 def test_the_validation_loss_on_2_uneven_ranks_equals_one_process_and_the_naive_one_does_not(
-        shards):
+    shards,
+):
     reference = single_process_loss(shards)
     per_rank = spawn_world(eval_world, 2, shards, deadline_s=90)
     assert [r["batches"] for r in per_rank] == [7, 6]  # different numbers of batches, no hang
@@ -100,8 +106,12 @@ def test_the_padding_and_the_mean_of_means_each_move_the_number(shards):
     means alone (what each rank of the naive way computes)."""
     model, windows = model_and_windows(shards)
     with torch.no_grad():
-        losses = torch.stack([F.cross_entropy(model(x[None]).flatten(0, 1), y)
-                              for x, y in (windows[i] for i in range(WINDOWS))])
+        losses = torch.stack(
+            [
+                F.cross_entropy(model(x[None]).flatten(0, 1), y)
+                for x, y in (windows[i] for i in range(WINDOWS))
+            ]
+        )
     right = losses.mean()  # every window has SEQ_LEN tokens: the mean of windows is the token mean
     with_duplicate = torch.cat([losses, losses[:1]]).mean()  # DistributedSampler's pad
     ranks = [losses[0::2], losses[1::2]]  # 19 and 18 windows
@@ -113,11 +123,13 @@ def test_the_padding_and_the_mean_of_means_each_move_the_number(shards):
 
 
 def test_the_recipe_runs_alone_and_refuses_bad_input(shards):
-    result = evaluation.run(evaluation.EvalConfig(data_dir=shards, vocab_size=300, seq_len=SEQ_LEN,
-                                                  max_windows=WINDOWS))
+    result = evaluation.run(
+        evaluation.EvalConfig(data_dir=shards, vocab_size=300, seq_len=SEQ_LEN, max_windows=WINDOWS)
+    )
     assert result["windows_per_rank"] == [WINDOWS]
-    model = build_model(ModelConfig(vocab_size=300, seq_len=SEQ_LEN, dim=64, n_layers=2,
-                                    n_heads=4))  # the recipe's model
+    model = build_model(
+        ModelConfig(vocab_size=300, seq_len=SEQ_LEN, dim=64, n_layers=2, n_heads=4)
+    )  # the recipe's model
     windows = data.TokenWindows(shards, "val", SEQ_LEN)
     inputs, targets = (torch.stack(t) for t in zip(*(windows[i] for i in range(WINDOWS))))
     with torch.no_grad():
@@ -134,9 +146,23 @@ def test_the_recipe_runs_alone_and_refuses_bad_input(shards):
 def test_torchrun_launch_under_fully_shard_equals_one_process(shards):
     cfg = evaluation.EvalConfig(data_dir=shards, seq_len=SEQ_LEN, max_windows=WINDOWS)
     alone = evaluation.run(cfg)
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.evaluation", "--data-dir", shards, "--seq-len", str(SEQ_LEN),
-                        "--max-windows", str(WINDOWS), "--sharded"], timeout_s=180)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.evaluation",
+            "--data-dir",
+            shards,
+            "--seq-len",
+            str(SEQ_LEN),
+            "--max-windows",
+            str(WINDOWS),
+            "--sharded",
+        ],
+        timeout_s=180,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["windows_per_rank"] == [19, 18]

@@ -39,8 +39,10 @@ def layer_differences(world, capacity_factor: float) -> dict:
     split.load_state_dict(whole.state_dict())
     expert_parallel.apply_ep(nn.Sequential(split), init_device_mesh("cpu", (world.world_size,)))
     generator = torch.Generator().manual_seed(1)
-    x, grad_out = torch.randn(TOKENS, DIM, generator=generator), torch.randn(TOKENS, DIM,
-                                                                           generator=generator)
+    x, grad_out = (
+        torch.randn(TOKENS, DIM, generator=generator),
+        torch.randn(TOKENS, DIM, generator=generator),
+    )
     share = TOKENS // world.world_size
     mine = slice(world.rank * share, (world.rank + 1) * share)
     x_whole = (x if capacity_factor == math.inf else x[mine]).clone().requires_grad_()
@@ -49,22 +51,27 @@ def layer_differences(world, capacity_factor: float) -> dict:
     if capacity_factor < math.inf:  # EP reports the group's drops: sum the one-process runs' drops
         dropped = torch.tensor(whole.dropped_tokens)
         dist.all_reduce(dropped)
-        return {"output": (y_mine - y_whole).abs().max().item(),
-                "dropped": (split.dropped_tokens, int(dropped))}
+        return {
+            "output": (y_mine - y_whole).abs().max().item(),
+            "dropped": (split.dropped_tokens, int(dropped)),
+        }
     ((y_whole * grad_out).sum() + whole.aux_loss).backward()
     ((y_mine * grad_out[mine]).sum() + split.aux_loss).backward()
     dist.all_reduce(split.router.weight.grad)  # the replicated router's gradient: summed
-    local = slice(world.rank * EXPERTS // world.world_size,
-                  (world.rank + 1) * EXPERTS // world.world_size)
+    local = slice(
+        world.rank * EXPERTS // world.world_size, (world.rank + 1) * EXPERTS // world.world_size
+    )
     aux = split.aux_loss.detach().clone()
     dist.all_reduce(aux)
-    return {"output": (y_mine - y_whole[mine]).abs().max().item(),
-            "input grad": (x_mine.grad - x_whole.grad[mine]).abs().max().item(),
-            "router grad": (split.router.weight.grad - whole.router.weight.grad).abs().max().item(),
-            "w_in grad": (split.w_in.grad - whole.w_in.grad[local]).abs().max().item(),
-            "w_out grad": (split.w_out.grad - whole.w_out.grad[local]).abs().max().item(),
-            "aux loss": (aux - whole.aux_loss).abs().item(),
-            "counts": (split.tokens_per_expert, whole.tokens_per_expert)}
+    return {
+        "output": (y_mine - y_whole[mine]).abs().max().item(),
+        "input grad": (x_mine.grad - x_whole.grad[mine]).abs().max().item(),
+        "router grad": (split.router.weight.grad - whole.router.weight.grad).abs().max().item(),
+        "w_in grad": (split.w_in.grad - whole.w_in.grad[local]).abs().max().item(),
+        "w_out grad": (split.w_out.grad - whole.w_out.grad[local]).abs().max().item(),
+        "aux loss": (aux - whole.aux_loss).abs().item(),
+        "counts": (split.tokens_per_expert, whole.tokens_per_expert),
+    }
 
 
 def ep_world(configs):
@@ -99,15 +106,18 @@ def test_experts_on_2_ranks_equal_the_one_process_moe():
 
 
 def test_layouts_that_cannot_be_placed_fail_in_one_line():
-    with pytest.raises(expert_parallel.ExpertParallelError,
-                       match=r"num_experts=6 cannot be placed evenly on 4 ranks; use "
-                             r"a multiple of 4 experts, or an EP size of 1, 2, 3, 6"):
+    with pytest.raises(
+        expert_parallel.ExpertParallelError,
+        match=r"num_experts=6 cannot be placed evenly on 4 ranks; use "
+        r"a multiple of 4 experts, or an EP size of 1, 2, 3, 6",
+    ):
         expert_parallel.check_ep_fits(6, 4)
     # refused by train before it joins any world: every rank at once, no rank left waiting
     with pytest.raises(ValueError, match=r"top_k=5 > num_experts=4.*use --top-k 4 or less"):
         expert_parallel.train(expert_parallel.EPConfig(top_k=5))
-    with pytest.raises(expert_parallel.ExpertParallelError,
-                       match=r"apply_ep found no MoE layer.*Linear"):
+    with pytest.raises(
+        expert_parallel.ExpertParallelError, match=r"apply_ep found no MoE layer.*Linear"
+    ):
         expert_parallel.apply_ep(nn.Sequential(nn.Linear(2, 2)), None)
 
 
@@ -116,9 +126,23 @@ def test_layouts_that_cannot_be_placed_fail_in_one_line():
 @pytest.mark.slow
 def test_torchrun_launch_equals_one_process():
     # through the harness (the recipe's own lines first, then the result's JSON)
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.core.prove", "expert_parallel", "--steps", str(STEPS),
-                        "--precision", "fp32", "--backend", "gloo"], timeout_s=180)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "expert_parallel",
+            "--steps",
+            str(STEPS),
+            "--precision",
+            "fp32",
+            "--backend",
+            "gloo",
+        ],
+        timeout_s=180,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and len(result["extras"]["tokens_per_expert"]) == 2
@@ -127,29 +151,44 @@ def test_torchrun_launch_equals_one_process():
     assert launched.stdout.count("\nstep ") == STEPS and "[rank1]" not in launched.stdout
 
 
-@pytest.mark.parametrize("args, line", [
-    (["--top-k", "5"], "error: top_k=5 > num_experts=4: a token needs top_k different experts; "
-                       "use --top-k 4 or less"),
-    # 0 reads as "no capacity" to some and as "room for no token" to others: refused, naming both.
-    (["--capacity-factor", "0"], "error: capacity_factor must be > 0, got 0: an expert would take "
-                                 "no token and every token would be dropped; leave it out (inf: "
-                                 "none dropped) or use e.g. 1.25"),
-    # (the line goes on with the fix, as for 0: train checks every capacity, in one place)
-    (["--capacity-factor", "-1"], "error: capacity_factor must be > 0, got -1; leave it out "
-                                  "(inf: none dropped) or use e.g. 1.25"),
-    # refused, not run as fp32 under tf32's name (a world of 1, in this process)
-    pytest.param(["--precision", "tf32", "--backend", "gloo"],
-                 "error: --precision tf32 is a CUDA matmul mode and this run is on cpu; use "
-                 "--precision fp32 (or bf16)",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="tf32 runs on CUDA")),
-])
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--top-k", "5"],
+            "error: top_k=5 > num_experts=4: a token needs top_k different experts; "
+            "use --top-k 4 or less",
+        ),
+        # 0 reads as "no capacity" to some and as "room for no token" to others: refused, naming both.
+        (
+            ["--capacity-factor", "0"],
+            "error: capacity_factor must be > 0, got 0: an expert would take "
+            "no token and every token would be dropped; leave it out (inf: "
+            "none dropped) or use e.g. 1.25",
+        ),
+        # (the line goes on with the fix, as for 0: train checks every capacity, in one place)
+        (
+            ["--capacity-factor", "-1"],
+            "error: capacity_factor must be > 0, got -1; leave it out "
+            "(inf: none dropped) or use e.g. 1.25",
+        ),
+        # refused, not run as fp32 under tf32's name (a world of 1, in this process)
+        pytest.param(
+            ["--precision", "tf32", "--backend", "gloo"],
+            "error: --precision tf32 is a CUDA matmul mode and this run is on cpu; use "
+            "--precision fp32 (or bf16)",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="tf32 runs on CUDA"),
+        ),
+    ],
+)
 def test_bad_command_line_is_one_line_and_exit_code_2(capsys, args, line):
     with pytest.raises(SystemExit) as exit_info:
         expert_parallel.main(args)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [line]
-    with pytest.raises(expert_parallel.ExpertParallelError,
-                       match="capacity_factor must be > 0, got 0: an expert"):
+    with pytest.raises(
+        expert_parallel.ExpertParallelError, match="capacity_factor must be > 0, got 0: an expert"
+    ):
         expert_parallel.MoE(8, 16, 4, 2, capacity_factor=0.0)  # the layer a user copies, too
 
 
@@ -161,8 +200,9 @@ def test_a_refusal_of_a_copyable_function_is_one_line_and_exit_code_2(capsys, mo
     message = "apply_ep found no MoE layer in the model; its modules: ['Linear', 'Sequential']"
     # a model without MoE layers where the recipe builds its own: apply_ep's refusal, in a
     # world of 1 (this process), through the recipe's own main
-    monkeypatch.setattr(expert_parallel, "build_moe_model",
-                        lambda cfg, device: nn.Sequential(nn.Linear(2, 2)))
+    monkeypatch.setattr(
+        expert_parallel, "build_moe_model", lambda cfg, device: nn.Sequential(nn.Linear(2, 2))
+    )
     with pytest.raises(SystemExit) as exit_info:
         expert_parallel.main(["--backend", "gloo"])
     assert exit_info.value.code == 2

@@ -15,11 +15,25 @@ import pytest
 import torch
 
 from recipes import finetune
-from recipes.core.workload import Block, build_model, distributed_loader, iterate_steps, lm_loss
-from recipes.core.workload import make_dataset
+from recipes.core.workload import (
+    Block,
+    build_model,
+    distributed_loader,
+    iterate_steps,
+    lm_loss,
+    make_dataset,
+)
 from recipes.core.world import join_world
-from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json,
-                           recipe_result, run_cli, run_world, with_fields)
+from tests.helpers import (
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    recipe_result,
+    run_cli,
+    run_world,
+    with_fields,
+)
 
 TuningError = finetune.TuningError
 STEPS = 3
@@ -27,7 +41,8 @@ CFG = finetune.FinetuneConfig(steps=STEPS, precision="fp32", timeout_s=120)
 BF16_ATOL = 2e-2  # as in tests/test_fsdp2.py: bf16's 8-bit mantissa over a few AdamW steps
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
-    reason="the Hugging Face models need: pip install transformers")
+    reason="the Hugging Face models need: pip install transformers",
+)
 
 
 def reference(cfg: finetune.FinetuneConfig, ranks: int = 2):
@@ -48,17 +63,33 @@ def reference(cfg: finetune.FinetuneConfig, ranks: int = 2):
     model = finetune.build_arch(cfg.arch, cfg.model, seed=cfg.seed)
     targets = finetune.ready_made_targets(cfg.arch)
     if cfg.mode == "lora":
-        finetune.add_lora(model, targets=targets.lora_targets, rank=cfg.lora_rank,
-                          alpha=cfg.lora_alpha, seed=cfg.seed)
-    finetune.freeze_for(model, cfg.mode, head=targets.head, block_types=targets.block_types,
-                        last_k=cfg.last_k)
+        finetune.add_lora(
+            model,
+            targets=targets.lora_targets,
+            rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            seed=cfg.seed,
+        )
+    finetune.freeze_for(
+        model, cfg.mode, head=targets.head, block_types=targets.block_types, last_k=cfg.last_k
+    )
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     data = finetune.HF_DATA if cfg.arch != "cookbook" else cfg.model
     dataset = make_dataset(data, cfg.global_batch_size, seed=cfg.seed)
-    shares = [iterate_steps(*distributed_loader(
-        dataset, rank=rank, world_size=ranks, per_rank_batch_size=cfg.global_batch_size // ranks,
-        seed=cfg.seed), cfg.steps) for rank in range(ranks)]
+    shares = [
+        iterate_steps(
+            *distributed_loader(
+                dataset,
+                rank=rank,
+                world_size=ranks,
+                per_rank_batch_size=cfg.global_batch_size // ranks,
+                seed=cfg.seed,
+            ),
+            cfg.steps,
+        )
+        for rank in range(ranks)
+    ]
     losses = []
     for batches in zip(*shares):  # one step: every rank's share of the global batch
         optimizer.zero_grad()
@@ -126,9 +157,17 @@ def assert_checkpoint_reloads(result, cfg):
 
 @pytest.mark.timeout(300)  # about 10 s on an idle 2-core machine; room for a loaded one
 def test_cookbook_model_every_mode_and_strategy_equals_one_process(tmp_path):
-    configs = [with_fields(CFG, mode=mode, strategy=strategy, last_k=1,
-                           checkpoint_dir=str(tmp_path / f"{strategy}-{mode}"))
-               for strategy in ("ddp", "fully_shard") for mode in finetune.MODES]
+    configs = [
+        with_fields(
+            CFG,
+            mode=mode,
+            strategy=strategy,
+            last_k=1,
+            checkpoint_dir=str(tmp_path / f"{strategy}-{mode}"),
+        )
+        for strategy in ("ddp", "fully_shard")
+        for mode in finetune.MODES
+    ]
     # Pitfall check: fully_shard with frozen parameters and MixedPrecisionPolicy(param_dtype=bf16).
     bf16 = with_fields(CFG, mode="lora", strategy="fully_shard", precision="bf16")
     *results, bf16_result = run_world(recipe_result, 2, configs + [bf16], deadline_s=280)
@@ -147,14 +186,25 @@ def test_cookbook_model_every_mode_and_strategy_equals_one_process(tmp_path):
 
 # Default run: GPT-2's fused, tied model under DDP, Llama under fully_shard; the rest is slow.
 HF_DEFAULT = [("gpt2", "ddp", "lora"), ("llama", "fully_shard", "lora")]
-HF_ALL = [(arch, strategy, mode) for arch in ("gpt2", "llama")
-          for strategy in ("ddp", "fully_shard") for mode in finetune.MODES]
+HF_ALL = [
+    (arch, strategy, mode)
+    for arch in ("gpt2", "llama")
+    for strategy in ("ddp", "fully_shard")
+    for mode in finetune.MODES
+]
 
 
 def hf_parity(tmp_path, combos):
-    configs = [with_fields(CFG, arch=arch, strategy=strategy, mode=mode,
-                           checkpoint_dir=str(tmp_path / f"{arch}-{strategy}-{mode}"))
-               for arch, strategy, mode in combos]
+    configs = [
+        with_fields(
+            CFG,
+            arch=arch,
+            strategy=strategy,
+            mode=mode,
+            checkpoint_dir=str(tmp_path / f"{arch}-{strategy}-{mode}"),
+        )
+        for arch, strategy, mode in combos
+    ]
     for cfg, result in zip(configs, run_world(recipe_result, 2, configs, deadline_s=580)):
         assert_fine_tuned_like_one_process(result, cfg)
         if cfg.mode == "lora":
@@ -205,8 +255,10 @@ def test_classic_fsdp_mixed_requires_grad_in_one_unit_needs_use_orig_params():
 
     wrap = {"auto_wrap_policy": ModuleWrapPolicy({Block}), "device_id": torch.device("cpu")}
     with join_world("gloo"):
-        with pytest.raises(ValueError, match="has both parameters with requires_grad=True and "
-                                             "False.*use_orig_params=False"):
+        with pytest.raises(
+            ValueError,
+            match="has both parameters with requires_grad=True and False.*use_orig_params=False",
+        ):
             FSDP(adapted(), use_orig_params=False, **wrap)
         with pytest.warns(UserWarning):  # torch says it keeps more gradient memory this way
             model = FSDP(adapted(), use_orig_params=True, **wrap)
@@ -219,13 +271,19 @@ def test_bad_input_in_the_functions_says_the_fix():
     model = build_model("tiny")
     with pytest.raises(TuningError, match=r"LoRA rank must be >= 1, got 0"):
         finetune.add_lora(model, targets=("*.attn.wq",), rank=0, alpha=1.0)
-    with pytest.raises(TuningError, match=r"match no module of TransformerLM; its linear layers "
-                                          r"are called output, w_in, w_out, wk, wo, wq, wv"):
+    with pytest.raises(
+        TuningError,
+        match=r"match no module of TransformerLM; its linear layers "
+        r"are called output, w_in, w_out, wk, wo, wq, wv",
+    ):
         finetune.add_lora(model, targets=("*.q_proj",), rank=2, alpha=1.0)
     with pytest.raises(TuningError, match=r"layers.0.attn, which is not a Linear or Conv1D"):
         finetune.add_lora(model, targets=("*.attn",), rank=2, alpha=1.0)
-    with pytest.raises(TuningError, match=r"last_k=3, but TransformerLM has 2 blocks \(Block\); "
-                                          r"use 1 to 2"):
+    with pytest.raises(
+        TuningError,
+        match=r"last_k=3, but TransformerLM has 2 blocks \(Block\); "
+        r"use 1 to 2",
+    ):
         finetune.freeze_for(model, "partial", head=("output",), block_types=(Block,), last_k=3)
     with pytest.raises(TuningError, match="found no LoRA adapter; call add_lora"):
         finetune.freeze_for(model, "lora")
@@ -242,15 +300,25 @@ def test_bad_config_is_refused_before_any_work():
         finetune.FinetuneConfig(last_k=0)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--lora-targets", "*.nope"], "error: LoRA targets ('*.nope',) match no module of "
-                                   "TransformerLM; its linear layers are called output"),
-    # The same path (TuningError -> one line, exit 2), already shown for the functions above.
-    pytest.param(["--lora-rank", "0"], "error: lora_rank must be >= 1, got 0",
-                 marks=pytest.mark.slow),
-    pytest.param(["--mode", "partial", "--last-k", "3"],
-                 "error: last_k=3, but TransformerLM has 2 blocks", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--lora-targets", "*.nope"],
+            "error: LoRA targets ('*.nope',) match no module of "
+            "TransformerLM; its linear layers are called output",
+        ),
+        # The same path (TuningError -> one line, exit 2), already shown for the functions above.
+        pytest.param(
+            ["--lora-rank", "0"], "error: lora_rank must be >= 1, got 0", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            ["--mode", "partial", "--last-k", "3"],
+            "error: last_k=3, but TransformerLM has 2 blocks",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_bad_command_line_fails_in_one_line(args, message):
     proc = run_cli([PYTHON, "-m", "recipes.finetune", "--steps", "1", *args], timeout_s=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -262,11 +330,14 @@ def test_a_file_where_the_checkpoint_folder_goes_fails_in_one_line(tmp_path):
     """Refused before training (it failed in makedirs after it, in a traceback), on every rank."""
     a_file = tmp_path / "trained"
     a_file.write_text("a file, not a folder")
-    proc = run_cli([PYTHON, "-m", "recipes.finetune", "--steps", "1", "--checkpoint-dir",
-                    str(a_file)], timeout_s=120)
+    proc = run_cli(
+        [PYTHON, "-m", "recipes.finetune", "--steps", "1", "--checkpoint-dir", str(a_file)],
+        timeout_s=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        f"error: --checkpoint-dir {a_file} is a file; name a directory (created if missing)"]
+        f"error: --checkpoint-dir {a_file} is a file; name a directory (created if missing)"
+    ]
     assert not re.search(r"^step \d", proc.stdout, re.M)  # no training happened first
     with pytest.raises(TuningError, match=f"--checkpoint-dir {a_file}/run: {a_file} is a file"):
         finetune.train(with_fields(CFG, checkpoint_dir=str(a_file / "run"), backend="gloo"))
@@ -278,10 +349,25 @@ def test_a_file_where_the_checkpoint_folder_goes_fails_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_torchrun_launch_equals_single_process(tmp_path):
     # The recipe prints its steps only: the harness around it prints the result line.
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.core.prove", "finetune", "--strategy", "fully_shard",
-                        "--precision", "fp32", "--steps", "2", "--checkpoint-dir", str(tmp_path)],
-                       timeout_s=170)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "finetune",
+            "--strategy",
+            "fully_shard",
+            "--precision",
+            "fp32",
+            "--steps",
+            "2",
+            "--checkpoint-dir",
+            str(tmp_path),
+        ],
+        timeout_s=170,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     losses, *_ = reference(with_fields(CFG, steps=2))

@@ -17,14 +17,14 @@ from recipes.core.state import all_ranks
 from recipes.toy import MODEL_PRESETS, Block
 from tests.helpers import (
     BACKENDS,
+    PYTHON,
     SHARDED_BF16_ATOL,
     SHARDED_CLIP,
     SHARDED_INJECT_STEP,
     SHARDED_STEPS,
-    PYTHON,
     assert_about_fraction,
-    assert_sharded_run_claims,
     assert_losses_close,
+    assert_sharded_run_claims,
     assert_states_close,
     fsdp2_result,
     recipe_result,
@@ -37,8 +37,12 @@ from tests.helpers import (
 )
 
 # Shared with tests/test_fsdp.py (assert_sharded_run_claims), which says why these values.
-STEPS, CLIP, BF16_ATOL, INJECT_STEP = (SHARDED_STEPS, SHARDED_CLIP, SHARDED_BF16_ATOL,
-                                       SHARDED_INJECT_STEP)
+STEPS, CLIP, BF16_ATOL, INJECT_STEP = (
+    SHARDED_STEPS,
+    SHARDED_CLIP,
+    SHARDED_BF16_ATOL,
+    SHARDED_INJECT_STEP,
+)
 INJECT_RANK = 1
 CFG = fsdp2.FSDP2Config(steps=STEPS, precision="fp32", timeout_s=120)
 
@@ -102,9 +106,16 @@ FP32_EXACT = ["default", "no_reshard", "prefetch_offload", "accumulate_sync", "a
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_shard_equals_ddp_with_every_option(backend):
-    pairs = [(fp16_with_an_inf_on_one_rank if name == "fp16" else fsdp2_result,
-              with_fields(cfg, backend=backend)) for name, cfg in RUNS.items()]
-    pairs.append((recipe_result, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend)))  # DDP's bytes
+    pairs = [
+        (
+            fp16_with_an_inf_on_one_rank if name == "fp16" else fsdp2_result,
+            with_fields(cfg, backend=backend),
+        )
+        for name, cfg in RUNS.items()
+    ]
+    pairs.append(
+        (recipe_result, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend))
+    )  # DDP's bytes
     *outputs, ddp = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
     results = dict(zip(RUNS, outputs))
     reference = single_process_reference(steps=STEPS)
@@ -112,7 +123,9 @@ def test_fully_shard_equals_ddp_with_every_option(backend):
     for name in FP32_EXACT:
         assert_losses_close(results[name].losses, reference.losses, atol=1e-5)
         assert_states_close(results[name].final_state, reference.final_state, atol=1e-5)
-        assert results[name].param_checksum == pytest.approx(reference.param_checksum, abs=1e-3), name
+        assert results[name].param_checksum == pytest.approx(reference.param_checksum, abs=1e-3), (
+            name
+        )
 
     ddp_memory = ddp.extras["memory_per_rank"][0]
     for memory in results["default"].extras["memory_per_rank"]:
@@ -127,7 +140,9 @@ def test_fully_shard_equals_ddp_with_every_option(backend):
 
 
 def test_bad_options_fail_in_one_line():
-    proc = run_cli([PYTHON, "-m", "recipes.fsdp2", "--reshard-after-forward", "maybe"], timeout_s=60)
+    proc = run_cli(
+        [PYTHON, "-m", "recipes.fsdp2", "--reshard-after-forward", "maybe"], timeout_s=60
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, proc.stderr
@@ -135,7 +150,9 @@ def test_bad_options_fail_in_one_line():
     assert "Traceback" not in proc.stderr
     with pytest.raises(ValueError, match="hsdp_replicas=2 does not divide world size 1"):
         run_alone(fsdp2.train, with_fields(CFG, hsdp_replicas=2))
-    with pytest.raises(ValueError, match="reshard_after_forward=2 does not divide the shard group size 1"):
+    with pytest.raises(
+        ValueError, match="reshard_after_forward=2 does not divide the shard group size 1"
+    ):
         run_alone(fsdp2.train, with_fields(CFG, reshard_after_forward=2))
 
 
@@ -143,7 +160,9 @@ def test_bad_options_fail_in_one_line():
 def test_three_ranks_uneven_shards_equal_ddp():
     """3 ranks: dim 0 of most parameters does not divide by 3, so shards are padded; still DDP's training."""
     reference = single_process_reference(steps=STEPS)
-    for result in run_world(fsdp2_result, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], deadline_s=300):
+    for result in run_world(
+        fsdp2_result, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], deadline_s=300
+    ):
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)
 
@@ -159,7 +178,8 @@ class PrefetchOrder(Observer):
         index = {id(state): i for i, state in enumerate(states)}
         self.extras["prefetch"] = (
             [[index[id(t)] for t in state._states_to_forward_prefetch] for state in states],
-            [[index[id(t)] for t in state._states_to_backward_prefetch] for state in states])
+            [[index[id(t)] for t in state._states_to_backward_prefetch] for state in states],
+        )
 
 
 def test_explicit_prefetch_gives_each_block_its_neighbours():
@@ -169,8 +189,11 @@ def test_explicit_prefetch_gives_each_block_its_neighbours():
     seen = []
     for explicit in (True, False):  # the world of 1 in this process runs the same train()
         cfg = with_fields(CFG, model="small", steps=1, explicit_prefetch=explicit)
-        seen.append(prove(fsdp2.train, cfg, name="fsdp2",
-                          observer=PrefetchOrder(cfg.steps)).extras["prefetch"])
+        seen.append(
+            prove(fsdp2.train, cfg, name="fsdp2", observer=PrefetchOrder(cfg.steps)).extras[
+                "prefetch"
+            ]
+        )
     n = MODEL_PRESETS["small"].n_layers
     # Block i all-gathers block i+1 in forward; in backward (reverse order) block i+1 gathers i.
     forward = [[i + 1] for i in range(n - 1)] + [[]]

@@ -10,28 +10,42 @@ import pytest
 
 from recipes import ddp_torchrun, grad_accumulation
 from recipes.core.spawn import spawn_world
-from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, ddp_result,
-                           recipe_result, run_alone, run_world)
+from tests.helpers import (
+    BACKENDS,
+    assert_losses_close,
+    assert_states_close,
+    ddp_result,
+    recipe_result,
+    run_alone,
+    run_world,
+)
 
 STEPS = 4
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size, micro_batches", [(2, 3), (3, 2)])
-def test_no_sync_communicates_once_per_step_and_matches_the_whole_batch(world_size, micro_batches,
-                                                                        backend):
-    whole_batch = run_alone(ddp_result, ddp_torchrun.DDPConfig(
-        steps=STEPS, precision="fp32"))
-    config = functools.partial(grad_accumulation.GradAccumulationConfig, steps=STEPS,
-                               micro_batches=micro_batches, precision="fp32")
-    with_no_sync, without = run_world(recipe_result, world_size,
-                                      [config(), config(use_no_sync=False)], backend=backend)
+def test_no_sync_communicates_once_per_step_and_matches_the_whole_batch(
+    world_size, micro_batches, backend
+):
+    whole_batch = run_alone(ddp_result, ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32"))
+    config = functools.partial(
+        grad_accumulation.GradAccumulationConfig,
+        steps=STEPS,
+        micro_batches=micro_batches,
+        precision="fp32",
+    )
+    with_no_sync, without = run_world(
+        recipe_result, world_size, [config(), config(use_no_sync=False)], backend=backend
+    )
     # Communication: exactly one all-reduce round per optimizer step with no_sync, one per
     # micro-batch without.
     assert with_no_sync.extras["allreduce_rounds_per_step"] == [1] * STEPS
     assert without.extras["allreduce_rounds_per_step"] == [micro_batches] * STEPS
-    assert (without.extras["bucket_allreduces"]
-            == micro_batches * with_no_sync.extras["bucket_allreduces"])
+    assert (
+        without.extras["bucket_allreduces"]
+        == micro_batches * with_no_sync.extras["bucket_allreduces"]
+    )
     # Each forward is one micro-batch: the global batch cut over ranks and micro-batches
     assert with_no_sync.extras["micro_batch_size"] == 12 // (world_size * micro_batches)
     # Equivalence: k micro-batches on N ranks == one step on the global batch in one process.
@@ -54,11 +68,14 @@ def main_in_a_rank(argv):
 def test_micro_batches_that_do_not_divide_are_rejected():
     # Every rank refuses, rank 0 says it once (the copyable recipe raises a plain ValueError: it
     # cannot import the harness's RecipeError)
-    code, stderr = spawn_world(main_in_a_rank, 2, ["--global-batch-size", "12",
-                                                   "--micro-batches", "4"], deadline_s=60)
+    code, stderr = spawn_world(
+        main_in_a_rank, 2, ["--global-batch-size", "12", "--micro-batches", "4"], deadline_s=60
+    )
     assert code == 2
-    assert stderr.splitlines() == ["error: global_batch_size=12 does not divide across 2 ranks x "
-                                   "4 micro-batches; use a multiple of 8, e.g. 8 or 16"]
+    assert stderr.splitlines() == [
+        "error: global_batch_size=12 does not divide across 2 ranks x "
+        "4 micro-batches; use a multiple of 8, e.g. 8 or 16"
+    ]
 
 
 @pytest.mark.parametrize("micro_batches", [0, -1])  # once: ZeroDivisionError, RuntimeError
@@ -72,4 +89,5 @@ def test_micro_batches_below_one_are_refused_before_any_world(micro_batches, cap
         grad_accumulation.main(["--micro-batches", str(micro_batches)])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"error: micro_batches must be >= 1, got {micro_batches}"]
+        f"error: micro_batches must be >= 1, got {micro_batches}"
+    ]

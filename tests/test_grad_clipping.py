@@ -40,9 +40,17 @@ def gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
-                        attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0)  # no dropout: the ranks must compute what one process does
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=128,
+        n_positions=32,
+        attn_implementation="eager",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )  # no dropout: the ranks must compute what one process does
     return GPT2LMHeadModel(config)
 
 
@@ -64,8 +72,10 @@ def gpt2_clip(max_norm: float = 0.05):
         tokens = tokens.chunk(world)[dist.get_rank()]
     model(tokens, labels=tokens).loss.backward()
     norm = grad_clipping.clip_grad_norm_across(model.parameters(), max_norm)
-    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-             for name, p in model.named_parameters()}
+    grads = {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for name, p in model.named_parameters()
+    }
     return float(norm), grads
 
 
@@ -83,7 +93,8 @@ def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
         Config(layout="fsdp", clip="local_shards"),
     ]
     *results, ddp_torch, pp_torch, fsdp_local, (gpt2_norm, gpt2_grads) = run_world(
-        clip_layouts_and_gpt2, 2, [*configs, "gpt2"], deadline_s=300)
+        clip_layouts_and_gpt2, 2, [*configs, "gpt2"], deadline_s=300
+    )
     for layout, result in zip(layouts, results):
         assert result.extras["layout"] == layout
         assert_equals_one_process(result, ref)
@@ -110,17 +121,21 @@ def test_every_two_rank_layout_equals_one_process_and_the_pitfalls_differ():
         torch.testing.assert_close(gpt2_grads[name], p.grad, atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layouts", [
-    ["hsdp", "fsdp_tp"],
-    # slow: a third 4-rank config; its two pieces (fully_shard's DTensor norm, the pp sum) are
-    # each covered by the 2-rank layouts.
-    pytest.param(["pp_fsdp"], marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "layouts",
+    [
+        ["hsdp", "fsdp_tp"],
+        # slow: a third 4-rank config; its two pieces (fully_shard's DTensor norm, the pp sum) are
+        # each covered by the 2-rank layouts.
+        pytest.param(["pp_fsdp"], marks=pytest.mark.slow),
+    ],
+)
 def test_four_rank_layouts_equal_one_process(layouts):
     # fsdp_tp: TP'd weights are 2-D DTensors (dp x tp), the rest 1-D on dp: two meshes to combine.
     ref = reference()
-    results = run_world(clip_result, 4, [Config(layout=layout) for layout in layouts],
-                        deadline_s=300)
+    results = run_world(
+        clip_result, 4, [Config(layout=layout) for layout in layouts], deadline_s=300
+    )
     for layout, result in zip(layouts, results):
         assert (result.extras["layout"], result.extras["mesh"]) == (layout, [2, 2])
         assert_equals_one_process(result, ref)
@@ -143,11 +158,13 @@ def test_torch_clip_grad_norm_under_tp_raises_on_mixed_tensors():
 
 
 def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
-    with pytest.raises(MeshError, match=r"^mesh 2x2 has 4 ranks but the world has 1; "
-                                        r"pass sizes >= 1 whose product is 1$"):
+    with pytest.raises(
+        MeshError,
+        match=r"^mesh 2x2 has 4 ranks but the world has 1; "
+        r"pass sizes >= 1 whose product is 1$",
+    ):
         run_alone(grad_clipping.train, Config(layout="fsdp_tp", mesh=[2, 2]))
-    with pytest.raises(MeshError,
-                       match=r"^mesh \[2\] has 1 dims but this layout has 2 \(dp, tp\)"):
+    with pytest.raises(MeshError, match=r"^mesh \[2\] has 1 dims but this layout has 2 \(dp, tp\)"):
         run_alone(grad_clipping.train, Config(layout="fsdp_tp", mesh=[2]))
 
 
@@ -155,9 +172,23 @@ def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
 def test_torchrun_launch_prints_the_result():
     # through the harness, as scripts/collect_results.py runs it: the recipe's own lines, then
     # the measured result as JSON (the copy test launches the recipe itself under torchrun)
-    proc = cli([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                "recipes.core.prove", "grad_clipping", "--layout", "pp", "--steps", "1"],
-               timeout_s=300)
+    proc = cli(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "grad_clipping",
+            "--layout",
+            "pp",
+            "--steps",
+            "1",
+        ],
+        timeout_s=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step 0 loss 4.3436 grad norm 0.6157" in proc.stdout, proc.stdout
     result = last_json(proc.stdout)
@@ -168,6 +199,9 @@ def test_torchrun_launch_prints_the_result():
 def test_a_precision_that_cannot_compare_exactly_is_one_line():
     # (a ValueError, as every copyable recipe refuses bad input; the command line offers no
     # bf16: argparse refuses it in one line too)
-    with pytest.raises(ValueError, match=r"^--precision bf16: this recipe compares norms exactly; "
-                                         r"use fp32 or tf32$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--precision bf16: this recipe compares norms exactly; "
+        r"use fp32 or tf32$",
+    ):
         run_alone(grad_clipping.train, Config(layout="single", precision="bf16"))

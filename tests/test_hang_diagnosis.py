@@ -43,10 +43,17 @@ def test_flight_recorder_names_the_rank_that_skipped_and_the_collective(tmp_path
     assert "rank 1 skipped or reordered gloo:all_reduce" in finding, finding
     assert "hang_diagnosis.py" in finding, "the finding points at the skipped call's line"
     # torch's own analysis of the same dumps (they need the pg_config repair on torch 2.13 gloo).
-    fr_trace = [PYTHON, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path),
-                "--prefix", "rank_"]
-    proc = subprocess.run(fr_trace, check=False, cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=120)
+    fr_trace = [
+        PYTHON,
+        "-m",
+        "torch.distributed.flight_recorder.fr_trace",
+        str(tmp_path),
+        "--prefix",
+        "rank_",
+    ]
+    proc = subprocess.run(
+        fr_trace, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
     report = proc.stdout + proc.stderr
     if "gloo != 'nccl' or 'xccl'" in report:
         # torch 2.11's fr_trace reads NCCL/XCCL dumps only (it asserts the backend); the recipe's
@@ -87,12 +94,18 @@ def test_two_rank_vote_blames_the_higher_rank_as_fr_trace_does(tmp_path):
     import pickle
 
     def entry(seq, name):
-        return {"process_group": ("0", "default_pg"), "collective_seq_id": seq,
-                "profiling_name": name, "frames": [{"filename": "/x/train.py", "line": 7}]}
+        return {
+            "process_group": ("0", "default_pg"),
+            "collective_seq_id": seq,
+            "profiling_name": name,
+            "frames": [{"filename": "/x/train.py", "line": 7}],
+        }
 
     for rank, second in ((0, "gloo:all_reduce"), (1, "gloo:all_gather")):
         with open(tmp_path / f"rank_{rank}", "wb") as f:
             pickle.dump({"entries": [entry(1, "gloo:broadcast"), entry(2, second)]}, f)
     finding = hang_diagnosis.find_mismatch(str(tmp_path))
-    assert finding.startswith("collective #2 on default_pg: the others ran gloo:all_reduce "
-                              "(at train.py:7); rank 1 ran gloo:all_gather"), finding
+    assert finding.startswith(
+        "collective #2 on default_pg: the others ran gloo:all_reduce "
+        "(at train.py:7); rank 1 ran gloo:all_gather"
+    ), finding

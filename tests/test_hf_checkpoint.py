@@ -102,8 +102,9 @@ def rank_main(job: dict):
     for name in MODELS:
         for reader in READERS:
             counter.bytes = 0
-            model = hf.build_hf_sharded(AutoConfig.from_pretrained(job[name]), mesh,
-                                        torch.device("cpu"))
+            model = hf.build_hf_sharded(
+                AutoConfig.from_pretrained(job[name]), mesh, torch.device("cpu")
+            )
             hf.load_hf_sharded(model, job[name], reader=reader)
             read = all_ranks(counter.bytes)
             sharded = all(isinstance(p, DTensor) for p in model.parameters())
@@ -122,8 +123,9 @@ def reference_training(initial_dir: str, cfg: hf.HFCheckpointConfig):
     model = AutoModelForCausalLM.from_pretrained(initial_dir)
     model.train()
     data = SyntheticTokens(cfg.global_batch_size * 4, hf.SEQ_LEN, model.config.vocab_size, cfg.seed)
-    loader, sampler = distributed_loader(data, rank=0, world_size=1,
-                                         per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed)
+    loader, sampler = distributed_loader(
+        data, rank=0, world_size=1, per_rank_batch_size=cfg.global_batch_size, seed=cfg.seed
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     losses = []
     for _, (inputs, targets) in iterate_steps(loader, sampler, cfg.steps):
@@ -151,10 +153,22 @@ def test_hf_in_and_out_of_fully_shard(tmp_path):
     originals = {name: save_tiny(name, str(tmp_path / name)) for name in MODELS}
     probe = torch.randint(0, 128, (2, hf.SEQ_LEN), generator=torch.Generator().manual_seed(1))
     runs = [  # GPT-2 into several files (index), Llama into one, by each export path
-        hf.HFCheckpointConfig(model="gpt2", out_dir=str(tmp_path / "run_gpt2"), steps=STEPS,
-                              max_file_bytes=100_000, backend="gloo", timeout_s=60),
-        hf.HFCheckpointConfig(model="llama", out_dir=str(tmp_path / "run_llama"), steps=STEPS,
-                              reader="safetensors", backend="gloo", timeout_s=60),
+        hf.HFCheckpointConfig(
+            model="gpt2",
+            out_dir=str(tmp_path / "run_gpt2"),
+            steps=STEPS,
+            max_file_bytes=100_000,
+            backend="gloo",
+            timeout_s=60,
+        ),
+        hf.HFCheckpointConfig(
+            model="llama",
+            out_dir=str(tmp_path / "run_llama"),
+            steps=STEPS,
+            reader="safetensors",
+            backend="gloo",
+            timeout_s=60,
+        ),
     ]
     job = {**{name: str(tmp_path / name) for name in MODELS}, "probe": probe, "runs": runs}
     loads, results = run_world(rank_main, 2, [job], deadline_s=170)[0]
@@ -173,15 +187,18 @@ def test_hf_in_and_out_of_fully_shard(tmp_path):
     for cfg, result in zip(runs, results):
         out = os.path.join(cfg.out_dir, "hf")
         losses, reference = reference_training(os.path.join(cfg.out_dir, "initial"), cfg)
-        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses), atol=1e-5,
-                                   rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(result.losses), torch.tensor(losses), atol=1e-5, rtol=0
+        )
         reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
         for name, tensor in reference.state_dict().items():
-            torch.testing.assert_close(reloaded.state_dict()[name], tensor, atol=1e-5, rtol=0,
-                                       msg=f"{cfg.model} {name}")
+            torch.testing.assert_close(
+                reloaded.state_dict()[name], tensor, atol=1e-5, rtol=0, msg=f"{cfg.model} {name}"
+            )
         with torch.no_grad():
-            torch.testing.assert_close(reloaded(probe).logits, reference(probe).logits,
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                reloaded(probe).logits, reference(probe).logits, atol=1e-5, rtol=0
+            )
         assert result.extras["export_logits_max_abs_diff"] <= 1e-6
     gpt2_out, llama_out = (os.path.join(cfg.out_dir, "hf") for cfg in runs)
     with open(os.path.join(gpt2_out, hf.INDEX)) as f:
@@ -201,32 +218,59 @@ def test_bad_checkpoints_fail_in_one_line(tmp_path):
     state["transformer.ln_f.extra"] = state.pop("transformer.ln_f.bias")
     save_file(state, os.path.join(good, "model.safetensors"), metadata={"format": "pt"})
     cfg = hf.HFCheckpointConfig(hf_dir=good, out_dir=str(tmp_path / "out"), backend="gloo")
-    with pytest.raises(hf.HFCheckpointError, match=r"missing keys \['transformer.ln_f.bias'\], "
-                                          r"unexpected keys \['transformer.ln_f.extra'\]"):
+    with pytest.raises(
+        hf.HFCheckpointError,
+        match=r"missing keys \['transformer.ln_f.bias'\], "
+        r"unexpected keys \['transformer.ln_f.extra'\]",
+    ):
         hf.train(cfg)
     os.remove(os.path.join(good, "model.safetensors"))
     with pytest.raises(hf.HFCheckpointError, match="no model.safetensors"):
         hf.train(cfg)
-    proc = run_cli([PYTHON, "-m", "recipes.hf_checkpoint", "--hf-dir", str(tmp_path / "none"),
-                    "--out-dir", str(tmp_path / "out")], timeout_s=120)
+    proc = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.hf_checkpoint",
+            "--hf-dir",
+            str(tmp_path / "none"),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ],
+        timeout_s=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: --hf-dir {tmp_path / 'none'} does not exist; pass the directory save_pretrained "
-        "wrote")
+        "wrote"
+    )
 
 
 # Slow: a torchrun launch of 2 fresh interpreters that import transformers; the same run() is
 # tested in the world above.
 @pytest.mark.slow
 def test_torchrun_launch_exports_what_from_pretrained_loads(tmp_path):
-    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "recipes.hf_checkpoint", "--backend", "gloo", "--steps", "1",
-               "--out-dir", str(tmp_path)]
+    command = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "recipes.hf_checkpoint",
+        "--backend",
+        "gloo",
+        "--steps",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     proc = run_cli(command, timeout_s=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the recipe's own lines (it prints no JSON: the harness measures it, in the test above)
-    difference = re.findall(r"logits differ from the trained model's by at most (\S+)$",
-                            proc.stdout, re.M)
+    difference = re.findall(
+        r"logits differ from the trained model's by at most (\S+)$", proc.stdout, re.M
+    )
     assert len(difference) == 1 and float(difference[0]) <= 1e-6, proc.stdout
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
 
@@ -246,44 +290,71 @@ def test_a_broken_folder_or_file_fails_in_one_line_naming_it(tmp_path):
     with open(os.path.join(good, "model.safetensors"), "rb") as f:
         data = f.read()
     with open(os.path.join(truncated, "model.safetensors"), "wb") as f:
-        f.write(data[:len(data) // 2])  # an interrupted download
+        f.write(data[: len(data) // 2])  # an interrupted download
     shutil.copytree(good, not_config)
     with open(os.path.join(not_config, "config.json"), "w") as f:
-        f.write("{\"model\": ")
+        f.write('{"model": ')
     shutil.copytree(good, sharded)  # as save_pretrained(max_shard_size=...) writes, one file lost
     missing = "model-00002-of-00002.safetensors"
-    os.replace(os.path.join(sharded, "model.safetensors"),
-               os.path.join(sharded, "model-00001-of-00002.safetensors"))
+    os.replace(
+        os.path.join(sharded, "model.safetensors"),
+        os.path.join(sharded, "model-00001-of-00002.safetensors"),
+    )
     with open(os.path.join(sharded, hf.INDEX), "w") as f:
-        json.dump({"metadata": {}, "weight_map": {"transformer.wte.weight": missing, "lm_head":
-                   "model-00001-of-00002.safetensors"}}, f)
+        json.dump(
+            {
+                "metadata": {},
+                "weight_map": {
+                    "transformer.wte.weight": missing,
+                    "lm_head": "model-00001-of-00002.safetensors",
+                },
+            },
+            f,
+        )
     out = str(tmp_path / "out")
     cases = [
-        ({"hf_dir": str(a_file)}, f"--hf-dir {a_file} is a file, not a directory; pass the "
-                                  "directory save_pretrained wrote"),
+        (
+            {"hf_dir": str(a_file)},
+            f"--hf-dir {a_file} is a file, not a directory; pass the "
+            "directory save_pretrained wrote",
+        ),
         ({"hf_dir": str(tmp_path / "nowhere")}, "does not exist; pass the directory "),
-        ({"hf_dir": str(tmp_path)}, f"no config.json in {str(tmp_path)!r}; pass a save_pretrained "
-                                    "directory"),
+        (
+            {"hf_dir": str(tmp_path)},
+            f"no config.json in {str(tmp_path)!r}; pass a save_pretrained directory",
+        ),
         ({"hf_dir": not_config}, f"{not_config}/config.json is not a model config (Expecting "),
-        ({"hf_dir": truncated}, f"{truncated}/model.safetensors is not a readable safetensors file "
-                                "(Error while deserializing header: incomplete metadata, file not "
-                                "fully covered); it may be truncated: save or download it again"),
-        ({"hf_dir": sharded}, f"{hf.INDEX} in '{sharded}' names {missing}, which is missing; "
-                              "copy every file the index lists"),
+        (
+            {"hf_dir": truncated},
+            f"{truncated}/model.safetensors is not a readable safetensors file "
+            "(Error while deserializing header: incomplete metadata, file not "
+            "fully covered); it may be truncated: save or download it again",
+        ),
+        (
+            {"hf_dir": sharded},
+            f"{hf.INDEX} in '{sharded}' names {missing}, which is missing; "
+            "copy every file the index lists",
+        ),
         ({"out_dir": str(a_file)}, f"--out-dir {a_file} is a file; name a directory"),
-        ({"out_dir": str(a_file / "run")}, f"--out-dir {a_file}/run: {a_file} is a file, so "
-                                           "nothing can be created under it"),
+        (
+            {"out_dir": str(a_file / "run")},
+            f"--out-dir {a_file}/run: {a_file} is a file, so nothing can be created under it",
+        ),
     ]
     for changes, message in cases:
-        cfg = hf.HFCheckpointConfig(**{"hf_dir": good, "out_dir": out, "steps": 1,
-                                       "backend": "gloo", **changes})
+        cfg = hf.HFCheckpointConfig(
+            **{"hf_dir": good, "out_dir": out, "steps": 1, "backend": "gloo", **changes}
+        )
         with pytest.raises(hf.HFCheckpointError) as caught:
             hf.train(cfg)
         assert message in str(caught.value), (changes, str(caught.value))
     assert not os.path.exists(out)  # refused before anything was written
     # The command line: that line alone on stderr, exit 2.
-    proc = run_cli([PYTHON, "-m", "recipes.hf_checkpoint", "--hf-dir", truncated,
-                    "--out-dir", out], timeout_s=120)
+    proc = run_cli(
+        [PYTHON, "-m", "recipes.hf_checkpoint", "--hf-dir", truncated, "--out-dir", out],
+        timeout_s=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")] \
-        == [f"error: {cases[4][1]}"]
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")] == [
+        f"error: {cases[4][1]}"
+    ]

@@ -49,16 +49,26 @@ def gradient_difference(world, cfg) -> float:
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         if cfg.pp == 1:
             model = apply_tp_and_fsdp(
-                build_model("tiny", seed=2, device=world.device), mesh, plan=plan, block_types=(Block,))
+                build_model("tiny", seed=2, device=world.device),
+                mesh,
+                plan=plan,
+                block_types=(Block,),
+            )
             lm_loss(model(inputs), targets).backward()
             modules = [model]
         else:
             # the recipe's own stage: cut, TP x fully_shard on its sub-mesh, one pipeline step
             stage, schedule = hybrid_parallel.build_pipeline(
-                build_model("tiny", seed=2), mesh, plan=plan, schedule=cfg.schedule,
-                microbatches=cfg.microbatches, device=world.device)
-            hybrid_parallel.pipeline_step(schedule, stage, inputs, targets,
-                                          loss_holders=dp_size * cfg.tp)
+                build_model("tiny", seed=2),
+                mesh,
+                plan=plan,
+                schedule=cfg.schedule,
+                microbatches=cfg.microbatches,
+                device=world.device,
+            )
+            hybrid_parallel.pipeline_step(
+                schedule, stage, inputs, targets, loss_holders=dp_size * cfg.tp
+            )
             modules = [stage.submod]
     worst = 0.0
     for module in modules:
@@ -71,14 +81,18 @@ def gradient_difference(world, cfg) -> float:
 def hybrid_world(configs, backend):
     with join_world(backend, timeout_s=180) as world:
         # the recipe measured by the harness (recipes.core.observe.HybridObserver), final state kept
-        return ([gradient_difference(world, cfg) for cfg in configs],
-                [recipe_result(cfg) for cfg in configs])
+        return (
+            [gradient_difference(world, cfg) for cfg in configs],
+            [recipe_result(cfg) for cfg in configs],
+        )
 
 
 def check_against_reference(configs, differences, results):
     expected = reference()
     for cfg, difference, result in zip(configs, differences, results):
-        assert difference < 1e-5, f"sequence_parallel={cfg.sequence_parallel}: a gradient differs by {difference:.2e}"
+        assert difference < 1e-5, (
+            f"sequence_parallel={cfg.sequence_parallel}: a gradient differs by {difference:.2e}"
+        )
         assert_losses_close(result.losses, expected.losses, atol=1e-5)
         assert_states_close(result.final_state, expected.final_state, atol=1e-5)
         assert result.extras["sequence_parallel"] == cfg.sequence_parallel
@@ -128,9 +142,21 @@ def test_pipeline_x_fully_shard_x_tensor_parallel_on_a_3d_mesh(backend):
 def test_torchrun_launch_prints_the_rank_grid_and_equals_single_process():
     # 2 ranks with --tp 1: a dp 2 x tp 1 mesh, the cheapest layout that goes through torchrun.
     # through the harness (recipes.core.prove): the recipe's own lines, then the result as JSON
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.core.prove", "hybrid_parallel", "--tp", "1", "--steps", "2"],
-                       timeout_s=240)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "hybrid_parallel",
+            "--tp",
+            "1",
+            "--steps",
+            "2",
+        ],
+        timeout_s=240,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     assert "mesh dp x tp = 2 x 1" in launched.stdout
     assert "  dp=1       1" in launched.stdout  # the grid: row dp=1 holds rank 1
@@ -140,6 +166,9 @@ def test_torchrun_launch_prints_the_rank_grid_and_equals_single_process():
 
 def test_layout_that_does_not_fit_the_world_is_rejected():
     world = types.SimpleNamespace(world_size=6, device=types.SimpleNamespace(type="cpu"))
-    with pytest.raises(ValueError, match=r"pp=2 x tp=2 does not divide the world size 6; "
-                                         r"run on a multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"pp=2 x tp=2 does not divide the world size 6; "
+        r"run on a multiple of 4",
+    ):
         hybrid_parallel.build_mesh(world, pp=2, tp=2)

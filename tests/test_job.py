@@ -24,9 +24,30 @@ from tests.helpers import PYTHON, REPO_ROOT
 STEPS = 8
 # 12 windows a step: 6 per rank on 2 ranks, 4 on 3, 12 on 1; 2 micro-batches each. The corpus
 # holds 7 global batches: step 8 starts the second epoch.
-ARGS = ["--model", "tiny", "--seq-len", "16", "--steps", str(STEPS), "--global-batch-size", "12",
-        "--accumulation", "2", "--warmup-steps", "2", "--eval-every", "4", "--eval-windows", "8",
-        "--checkpoint-every", "2", "--num-workers", "1", "--prepare", "false"]
+ARGS = [
+    "--model",
+    "tiny",
+    "--seq-len",
+    "16",
+    "--steps",
+    str(STEPS),
+    "--global-batch-size",
+    "12",
+    "--accumulation",
+    "2",
+    "--warmup-steps",
+    "2",
+    "--eval-every",
+    "4",
+    "--eval-windows",
+    "8",
+    "--checkpoint-every",
+    "2",
+    "--num-workers",
+    "1",
+    "--prepare",
+    "false",
+]
 # What a test kills with: a sitecustomize that the ranks import at start (PYTHONPATH). It wraps
 # the LR scheduler's step, called once per optimizer step, and SIGKILLs the chosen rank after
 # step N, once: the marker file keeps the restarted rank alive. Nothing of it is in the recipe.
@@ -58,23 +79,49 @@ def shards(tmp_path_factory) -> Path:
     corpus.mkdir()
     text = Path(job.__file__).read_text()[:1500]  # 1425 train tokens (bytes): 89 windows of 16
     (corpus / "text.txt").write_text(text)
-    prepare_shards(DataConfig(corpus=str(corpus), data_dir=str(where / "shards"),
-                              max_bytes=10_000, vocab_size=256))
+    prepare_shards(
+        DataConfig(
+            corpus=str(corpus), data_dir=str(where / "shards"), max_bytes=10_000, vocab_size=256
+        )
+    )
     return where / "shards"
 
 
-def launch(nproc: int, args: list[str], *, restarts: int = 0, env: dict | None = None,
-           timeout_s: float = 150) -> subprocess.CompletedProcess:
-    launcher = ([PYTHON, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
-                 "--monitor-interval=0.1"] if nproc > 1 else [PYTHON])
+def launch(
+    nproc: int,
+    args: list[str],
+    *,
+    restarts: int = 0,
+    env: dict | None = None,
+    timeout_s: float = 150,
+) -> subprocess.CompletedProcess:
+    launcher = (
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={restarts}",
+            "--monitor-interval=0.1",
+        ]
+        if nproc > 1
+        else [PYTHON]
+    )
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [run_env.pop("PYTHONPATH", ""),
-                                                          REPO_ROOT]))
+    run_env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [run_env.pop("PYTHONPATH", ""), REPO_ROOT])
+    )
     # a session of its own: on a timeout the whole tree goes (torchrun, ranks, loader workers)
-    proc = subprocess.Popen([*launcher, "-m", "recipes.job", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=run_env, cwd=REPO_ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*launcher, "-m", "recipes.job", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=run_env,
+        cwd=REPO_ROOT,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -120,8 +167,9 @@ def losses_by_step(out: Path) -> dict[int, list[float]]:
 def reference(shards, tmp_path_factory) -> dict:
     """The uninterrupted run on 2 ranks, every checkpoint kept."""
     out = tmp_path_factory.mktemp("reference")
-    result = in_a_world(2, [*ARGS, "--data-dir", str(shards), "--out-dir", str(out),
-                            "--keep", "100"])
+    result = in_a_world(
+        2, [*ARGS, "--data-dir", str(shards), "--out-dir", str(out), "--keep", "100"]
+    )
     return {"result": result, "out": out}
 
 
@@ -144,8 +192,12 @@ def test_the_reference_run_learns_logs_and_checkpoints(reference):
 def kill_env(where: Path, at: int, rank: int) -> dict:
     (where / "killer").mkdir()
     (where / "killer" / "sitecustomize.py").write_text(KILLER)
-    return {"PYTHONPATH": str(where / "killer"), "JOB_KILL_AT_STEP": str(at),
-            "JOB_KILL_RANK": str(rank), "JOB_KILL_MARKER": str(where / "killed")}
+    return {
+        "PYTHONPATH": str(where / "killer"),
+        "JOB_KILL_AT_STEP": str(at),
+        "JOB_KILL_RANK": str(rank),
+        "JOB_KILL_MARKER": str(where / "killed"),
+    }
 
 
 def check_equal_to_reference(reference, out: Path, final: dict, at: int) -> None:
@@ -180,7 +232,8 @@ def kill_and_restart(reference, shards, where: Path, *, at: int, rank: int, by: 
 
 
 def test_killed_at_a_random_step_and_restarted_by_torchrun_equals_the_uninterrupted_run(
-        reference, shards, tmp_path):
+    reference, shards, tmp_path
+):
     at, rank = random.randint(1, STEPS - 1), random.randint(0, 1)
     print(f"killing rank {rank} after step {at}")
     kill_and_restart(reference, shards, tmp_path, at=at, rank=rank, by="torchrun")
@@ -189,22 +242,26 @@ def test_killed_at_a_random_step_and_restarted_by_torchrun_equals_the_uninterrup
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", range(4))
 def test_killed_at_random_steps_and_restarted_equals_the_uninterrupted_run(
-        reference, shards, tmp_path, trial):
+    reference, shards, tmp_path, trial
+):
     at, rank = random.Random(trial).randint(1, STEPS - 1), trial % 2
-    kill_and_restart(reference, shards, tmp_path, at=at, rank=rank,
-                     by="rerun" if trial % 2 == 0 else "torchrun")
+    kill_and_restart(
+        reference, shards, tmp_path, at=at, rank=rank, by="rerun" if trial % 2 == 0 else "torchrun"
+    )
 
 
 @pytest.mark.parametrize("nproc", [3, pytest.param(1, marks=pytest.mark.slow)])
-def test_a_checkpoint_of_2_ranks_continues_on_another_world_size(reference, shards, tmp_path,
-                                                                 nproc):
+def test_a_checkpoint_of_2_ranks_continues_on_another_world_size(
+    reference, shards, tmp_path, nproc
+):
     """DCP re-shards the model and AdamW; the data continue from the global position (epoch,
     global batches done): the same windows in the same order, split 3 ways or not at all."""
     (tmp_path / "checkpoints").mkdir()
-    shutil.copytree(reference["out"] / "checkpoints" / "step_00000004",
-                    tmp_path / "checkpoints" / "step_00000004")
-    args = [*ARGS, "--data-dir", str(shards), "--out-dir", str(tmp_path), "--tensorboard",
-            "false"]
+    shutil.copytree(
+        reference["out"] / "checkpoints" / "step_00000004",
+        tmp_path / "checkpoints" / "step_00000004",
+    )
+    args = [*ARGS, "--data-dir", str(shards), "--out-dir", str(tmp_path), "--tensorboard", "false"]
     result = in_a_world(nproc, args)
     expected = reference["result"]
     assert result["world_size"] == nproc and result["resumed_from"] == 4
@@ -219,12 +276,28 @@ def layouts(shards: str, out: str) -> dict:
     # One group for the four runs: train() uses a group that exists and leaves it open.
     dist.init_process_group("gloo")
     results = {}
-    for name, extra in (("ddp", {}), ("fsdp", {}), ("hsdp", {"dp_replicate": 2}),
-                        ("tp_fsdp", {"tp": 2})):
-        cfg = job.JobConfig(model="tiny", seq_len=16, steps=3, global_batch_size=8,
-                            eval_every=3, eval_windows=4, checkpoint_every=3, data_dir=shards,
-                            prepare=False, num_workers=0, tensorboard=False, parallelism=name,
-                            out_dir=f"{out}/{name}", **extra)
+    for name, extra in (
+        ("ddp", {}),
+        ("fsdp", {}),
+        ("hsdp", {"dp_replicate": 2}),
+        ("tp_fsdp", {"tp": 2}),
+    ):
+        cfg = job.JobConfig(
+            model="tiny",
+            seq_len=16,
+            steps=3,
+            global_batch_size=8,
+            eval_every=3,
+            eval_windows=4,
+            checkpoint_every=3,
+            data_dir=shards,
+            prepare=False,
+            num_workers=0,
+            tensorboard=False,
+            parallelism=name,
+            out_dir=f"{out}/{name}",
+            **extra,
+        )
         results[name] = job.train(cfg)
     dist.destroy_process_group()
     return results
@@ -233,16 +306,21 @@ def layouts(shards: str, out: str) -> dict:
 def test_ddp_fsdp_hsdp_and_tp_fsdp_train_alike(shards, tmp_path):
     results = spawn_world(layouts, 2, str(shards), str(tmp_path), deadline_s=150)
     assert results["ddp"]["parameter_type"] == "Parameter"
-    assert {name: (r["parameter_type"], r["dp_size"], r["tp_size"])
-            for name, r in results.items() if name != "ddp"} == {
-        "fsdp": ("DTensor", 2, 1), "hsdp": ("DTensor", 2, 1), "tp_fsdp": ("DTensor", 1, 2)}
+    assert {
+        name: (r["parameter_type"], r["dp_size"], r["tp_size"])
+        for name, r in results.items()
+        if name != "ddp"
+    } == {"fsdp": ("DTensor", 2, 1), "hsdp": ("DTensor", 2, 1), "tp_fsdp": ("DTensor", 1, 2)}
     for name, result in results.items():
         assert result["losses"] == pytest.approx(results["ddp"]["losses"], abs=1e-5), name
 
 
 def test_a_partial_checkpoint_is_never_the_latest(tmp_path):
-    for name, complete in (("step_00000004", True), ("step_00000006", False),
-                           ("tmp-step_00000008", True)):
+    for name, complete in (
+        ("step_00000004", True),
+        ("step_00000006", False),
+        ("tmp-step_00000008", True),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rank_00000.pt").write_bytes(b"")
         if complete:
@@ -264,30 +342,35 @@ def test_bad_configurations_are_one_line_naming_the_fix(capsys, tmp_path, monkey
     bad = tmp_path / "bad.yaml"
     bad.write_text("learning_rate: 0.1\n")
     assert "unknown key 'learning_rate'; valid keys: model" in one_line_error(
-        capsys, ["--config", str(bad)])
+        capsys, ["--config", str(bad)]
+    )
     bad.write_text("steps: ten\n")
     assert "steps must be int, got 'ten'" in one_line_error(capsys, ["--config", str(bad)])
     bad.write_text("parallelism: zero3\n")
     assert "use one of ddp, fsdp, hsdp, tp_fsdp" in one_line_error(capsys, ["--config", str(bad)])
     assert "--steps: invalid int value" in one_line_error(capsys, ["--steps", "ten"])
     assert "unrecognized arguments: --learning-rate" in one_line_error(
-        capsys, ["--learning-rate", "1"])
+        capsys, ["--learning-rate", "1"]
+    )
     layout = one_line_error(capsys, ["--parallelism", "tp_fsdp", "--tp", "2"])  # a world of 1
     assert "does not divide the world size 1; run on a multiple of 2 ranks" in layout
     missing = one_line_error(capsys, ["--data-dir", str(tmp_path / "none"), "--prepare", "false"])
     assert "no shards (index.json) there; run python -m recipes.data --steps 0" in missing
     assert "not a folder" in one_line_error(capsys, ["--corpus", str(tmp_path / "none")])
     assert "not a multiple of 1 data-parallel ranks x accumulation=3" in one_line_error(
-        capsys, ["--global-batch-size", "8", "--accumulation", "3"])
+        capsys, ["--global-batch-size", "8", "--accumulation", "3"]
+    )
     # every number, not only the counts: nan once reached AdamW's traceback on every rank
-    for flag, value, message in [("--lr", "nan", "lr=nan: must be a finite number > 0"),
-                                 ("--lr", "0", "lr=0.0: must be a finite number > 0"),
-                                 ("--min-lr", "-1", "min_lr=-1.0: must be a finite number >= 0"),
-                                 ("--clip", "inf", "clip=inf: must be a finite number >= 0"),
-                                 ("--weight-decay", "nan", "weight_decay=nan: must be a finite"),
-                                 ("--num-workers", "-1", "num_workers=-1: must be at least 0"),
-                                 ("--tp", "0", "tp=0: must be at least 1"),
-                                 ("--eval-windows", "0", "eval_windows=0: must be at least 1")]:
+    for flag, value, message in [
+        ("--lr", "nan", "lr=nan: must be a finite number > 0"),
+        ("--lr", "0", "lr=0.0: must be a finite number > 0"),
+        ("--min-lr", "-1", "min_lr=-1.0: must be a finite number >= 0"),
+        ("--clip", "inf", "clip=inf: must be a finite number >= 0"),
+        ("--weight-decay", "nan", "weight_decay=nan: must be a finite"),
+        ("--num-workers", "-1", "num_workers=-1: must be at least 0"),
+        ("--tp", "0", "tp=0: must be at least 1"),
+        ("--eval-windows", "0", "eval_windows=0: must be at least 1"),
+    ]:
         assert message in one_line_error(capsys, [flag, value]), (flag, value)
 
 
@@ -296,8 +379,15 @@ def test_the_shipped_configurations_load(capsys):
         cfg = job.load_config(str(path), {})
         assert cfg.steps >= 1, path
     full = job.load_config(str(Path(REPO_ROOT, "configs", "job", "fsdp_full.yaml")), {})
-    assert (full.parallelism, full.activation_checkpointing, full.accumulation, full.precision,
-            full.clip, full.keep, full.tensorboard) == ("fsdp", True, 2, "bf16", 1.0, 3, True)
+    assert (
+        full.parallelism,
+        full.activation_checkpointing,
+        full.accumulation,
+        full.precision,
+        full.clip,
+        full.keep,
+        full.tensorboard,
+    ) == ("fsdp", True, 2, "bf16", 1.0, 3, True)
     assert job.load_config(None, {}) == job.JobConfig()  # tiny.yaml is the default
     tiny = job.load_config(str(Path(REPO_ROOT, "configs", "job", "tiny.yaml")), {})
     assert dataclass_diff(tiny, job.JobConfig()) == {"out_dir"}

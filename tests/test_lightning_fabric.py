@@ -14,14 +14,25 @@ import torch
 # --dist loadgroup), so the fixtures run once rather than once per worker.
 pytestmark = pytest.mark.xdist_group("lightning_fabric")
 
-L = pytest.importorskip("lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]")
+L = pytest.importorskip(
+    "lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]"
+)
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from recipes import ddp_torchrun, lightning_fabric
 from recipes.core.observe import ResumableObserver
 from recipes.core.spawn import spawn_world
-from tests.helpers import (ddp_result, CUDA_DEVICES, assert_losses_close, assert_states_close,
-                           in_one_world, last_json, recipe_result, run_alone, run_cli)
+from tests.helpers import (
+    CUDA_DEVICES,
+    assert_losses_close,
+    assert_states_close,
+    ddp_result,
+    in_one_world,
+    last_json,
+    recipe_result,
+    run_alone,
+    run_cli,
+)
 
 STEPS = 6
 REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
@@ -107,8 +118,19 @@ def test_accumulation_with_no_backward_sync_equals_one_big_batch_and_syncs_once_
 # copy of this recipe under torchrun.
 @pytest.mark.slow
 def test_torchrun_launch_equals_raw_and_logs_from_rank_zero_only():
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.core.prove",
-                    "lightning_fabric", "--accumulate-grad-batches", "2"], timeout_s=240)
+    proc = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "lightning_fabric",
+            "--accumulate-grad-batches",
+            "2",
+        ],
+        timeout_s=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["world_size"] == 2
@@ -121,12 +143,16 @@ def test_torchrun_launch_equals_raw_and_logs_from_rank_zero_only():
 
 @pytest.mark.skipif(CUDA_DEVICES > 0, reason="on a GPU machine 16-mixed is valid")
 def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run():
-    with pytest.raises(ValueError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"):
+    with pytest.raises(
+        ValueError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"
+    ):
         lightning_fabric.train(fabric_cfg(precision="16-mixed"))
 
 
 def test_global_batch_that_does_not_divide_into_micro_batches_is_rejected():
-    with pytest.raises(ValueError, match=r"global_batch_size=12 does not divide across 1 ranks x 5 micro-batches"):
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=12 does not divide across 1 ranks x 5 micro-batches"
+    ):
         lightning_fabric.train(fabric_cfg(accumulate_grad_batches=5))
 
 
@@ -138,14 +164,22 @@ def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path, capsys):
         lightning_fabric.main(["--resume-from", str(truncated), "--precision", "32-true"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"error: --resume-from {truncated} cannot be read as a checkpoint"), err
+    assert err[-1].startswith(f"error: --resume-from {truncated} cannot be read as a checkpoint"), (
+        err
+    )
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"accumulate_grad_batches": 0}, "accumulate_grad_batches must be a finite number >= 1, got 0"),
-    ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
-    ({"model": "huge"}, "model='huge'; valid values: 100m, small, tiny"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"accumulate_grad_batches": 0},
+            "accumulate_grad_batches must be a finite number >= 1, got 0",
+        ),
+        ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
+        ({"model": "huge"}, "model='huge'; valid values: 100m, small, tiny"),
+    ],
+)
 def test_a_config_built_in_code_is_checked_like_the_command_line(changes, message):
     # not a ZeroDivisionError (or a KeyError) from inside train: the command line's one line
     with pytest.raises(ValueError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):

@@ -18,14 +18,27 @@ from unittest import mock
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]")
+pytest.importorskip(
+    "lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]"
+)
 from torch.utils.data import DataLoader
 
 from recipes import ddp_torchrun, fsdp, lightning_fabric, lightning_trainer
 from recipes.core.spawn import spawn_world
 from recipes.toy import build_model
-from tests.helpers import (ddp_result, CUDA_DEVICES, PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, in_one_world,
-                           last_json, recipe_result, run_alone, run_cli)
+from tests.helpers import (
+    CUDA_DEVICES,
+    PYTHON,
+    REPO_ROOT,
+    assert_losses_close,
+    assert_states_close,
+    ddp_result,
+    in_one_world,
+    last_json,
+    recipe_result,
+    run_alone,
+    run_cli,
+)
 
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
 # --dist loadgroup), so the fixtures run once rather than once per worker.
@@ -36,13 +49,19 @@ TENSORBOARD = lightning_trainer.tensorboard_available()
 # LightningCLI needs jsonargparse, which lightning's base install does not bring.
 needs_jsonargparse = pytest.mark.skipif(
     importlib.util.find_spec("jsonargparse") is None,
-    reason="LightningCLI needs jsonargparse: pip install 'jsonargparse[signatures]' (or lightning[pytorch-extra])")
+    reason="LightningCLI needs jsonargparse: pip install 'jsonargparse[signatures]' (or lightning[pytorch-extra])",
+)
 REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 
 
 def lightning_cfg(out: str, **changes) -> lightning_trainer.LightningConfig:
-    fields = {"steps": STEPS, "timeout_s": 120, "output_dir": out, "logger": "none",
-              "precision": "32-true"}
+    fields = {
+        "steps": STEPS,
+        "timeout_s": 120,
+        "output_dir": out,
+        "logger": "none",
+        "precision": "32-true",
+    }
     return lightning_trainer.LightningConfig(**(fields | changes))
 
 
@@ -57,8 +76,12 @@ def as_nodes(ranks_per_node: int) -> None:
     a multi-node launch sets), for the recipe and for Lightning's cluster environment alike."""
     rank = int(os.environ["RANK"])
     node = str(rank // ranks_per_node)
-    os.environ.update(LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
-                      GROUP_RANK=node, NODE_RANK=node)
+    os.environ.update(
+        LOCAL_RANK=str(rank % ranks_per_node),
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
+        GROUP_RANK=node,
+        NODE_RANK=node,
+    )
 
 
 def torch_hybrid_shard_grads(_cfg):
@@ -72,9 +95,13 @@ def torch_hybrid_shard_grads(_cfg):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = FullyShardedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(4, 1)), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-        device_mesh=init_device_mesh("cpu", (world_size, 1)), device_id=torch.device("cpu"),
-        auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), use_orig_params=True)
+        torch.nn.Sequential(torch.nn.Linear(4, 1)),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        device_mesh=init_device_mesh("cpu", (world_size, 1)),
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+        use_orig_params=True,
+    )
     model(torch.full((1, 4), float(rank + 1))).sum().backward()
     grad = next(model.parameters()).grad.clone()
     grads = [torch.zeros_like(grad) for _ in range(world_size)]
@@ -87,8 +114,11 @@ def _run_phase(phase):
     if name.endswith("one_rank_per_node"):
         with mock.patch.dict(os.environ):  # Lightning's teardown even deletes WORLD_SIZE
             as_nodes(1)
-            return torch_hybrid_shard_grads(cfg) if name.startswith("torch") else _run_phase(
-                (name.removesuffix("_one_rank_per_node"), cfg))
+            return (
+                torch_hybrid_shard_grads(cfg)
+                if name.startswith("torch")
+                else _run_phase((name.removesuffix("_one_rank_per_node"), cfg))
+            )
     if name == "classic_fsdp":  # copyable: the harness measures it (and keeps its final state)
         return recipe_result(cfg)
     if name == "raw_ddp":
@@ -108,21 +138,49 @@ def world(tmp_path_factory):
         ("raw_ddp", REFERENCE),
         ("ddp", lightning_cfg(f"{out}/ddp", logger="csv", checkpoint_every_n_steps=3)),
         # The resumed runs keep the ModelCheckpoint callback, as Lightning asks when resuming.
-        ("ddp_resumed", lightning_cfg(f"{out}/ddp_resumed", resume_from=ckpt, checkpoint_every_n_steps=3)),
+        (
+            "ddp_resumed",
+            lightning_cfg(f"{out}/ddp_resumed", resume_from=ckpt, checkpoint_every_n_steps=3),
+        ),
         # A plain DataLoader's checkpoint has no loader state (Lightning refuses to mix the two): its own run.
         ("plain_loader", lightning_cfg(f"{out}/plain", checkpoint_every_n_steps=3)),
-        ("plain_loader_resumed", lightning_cfg(f"{out}/plain_resumed", checkpoint_every_n_steps=3,
-                                               resume_from=os.path.join(out, "plain", "checkpoints", "step=3.ckpt"))),
+        (
+            "plain_loader_resumed",
+            lightning_cfg(
+                f"{out}/plain_resumed",
+                checkpoint_every_n_steps=3,
+                resume_from=os.path.join(out, "plain", "checkpoints", "step=3.ckpt"),
+            ),
+        ),
         ("ddp_accumulate", lightning_cfg(f"{out}/acc", accumulate_grad_batches=3)),
-        ("ddp_clip", lightning_cfg(f"{out}/clip", gradient_clip_val=0.05, logger="tensorboard" if TENSORBOARD else "none")),
-        ("fabric_clip", lightning_fabric.FabricConfig(steps=STEPS, timeout_s=120, gradient_clip_val=0.05)),
+        (
+            "ddp_clip",
+            lightning_cfg(
+                f"{out}/clip",
+                gradient_clip_val=0.05,
+                logger="tensorboard" if TENSORBOARD else "none",
+            ),
+        ),
+        (
+            "fabric_clip",
+            lightning_fabric.FabricConfig(steps=STEPS, timeout_s=120, gradient_clip_val=0.05),
+        ),
         ("fsdp", lightning_cfg(f"{out}/fsdp", strategy="fsdp", checkpoint_every_n_steps=3)),
-        ("fsdp_resumed", lightning_cfg(f"{out}/fsdp_resumed", strategy="fsdp", resume_from=fsdp_ckpt,
-                                       checkpoint_every_n_steps=3)),
+        (
+            "fsdp_resumed",
+            lightning_cfg(
+                f"{out}/fsdp_resumed",
+                strategy="fsdp",
+                resume_from=fsdp_ckpt,
+                checkpoint_every_n_steps=3,
+            ),
+        ),
         ("model_parallel", lightning_cfg(f"{out}/tp", strategy="model_parallel")),
         # Two "nodes" of one rank each: HYBRID_SHARD is replication there, and must equal DDP.
-        ("fsdp_hybrid_one_rank_per_node", lightning_cfg(f"{out}/hybrid1", strategy="fsdp",
-                                                        sharding_strategy="HYBRID_SHARD")),
+        (
+            "fsdp_hybrid_one_rank_per_node",
+            lightning_cfg(f"{out}/hybrid1", strategy="fsdp", sharding_strategy="HYBRID_SHARD"),
+        ),
         ("torch_hybrid_one_rank_per_node", None),
         ("bf16", lightning_cfg(f"{out}/bf16", precision="bf16-mixed")),
     ]
@@ -146,16 +204,22 @@ def test_logged_loss_is_synced_over_ranks(world):
     with open(world["ddp"].extras["metrics_file"]) as f:
         rows = [row for row in csv.DictReader(f) if row.get("train_loss")]
     assert [int(row["step"]) for row in rows] == list(range(STEPS))
-    assert_losses_close([float(row["train_loss"]) for row in rows], world["raw_ddp"].losses, atol=1e-6)
+    assert_losses_close(
+        [float(row["train_loss"]) for row in rows], world["raw_ddp"].losses, atol=1e-6
+    )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
-                    reason="reading the event file needs the tensorboard package")
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None,
+    reason="reading the event file needs the tensorboard package",
+)
 def test_tensorboard_logger_writes_each_steps_global_loss(world):
     """What TensorBoard will plot: one train_loss per optimizer step, the mean over the ranks."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (events,) = glob.glob(os.path.join(world["out"], "clip", "lightning_trainer", "*", "events.out.tfevents.*"))
+    (events,) = glob.glob(
+        os.path.join(world["out"], "clip", "lightning_trainer", "*", "events.out.tfevents.*")
+    )
     accumulator = EventAccumulator(os.path.dirname(events))
     accumulator.Reload()
     scalars = accumulator.Scalars("train_loss")
@@ -165,31 +229,45 @@ def test_tensorboard_logger_writes_each_steps_global_loss(world):
 
 def test_resume_from_mid_epoch_checkpoint_equals_uninterrupted_run(world):
     full, resumed = world["ddp"], world["ddp_resumed"]
-    assert [os.path.basename(p) for p in full.extras["checkpoints"]] == ["step=3.ckpt", "step=6.ckpt"]
+    assert [os.path.basename(p) for p in full.extras["checkpoints"]] == [
+        "step=3.ckpt",
+        "step=6.ckpt",
+    ]
     assert_losses_close(resumed.losses, full.losses[3:], atol=1e-6)
     assert_states_close(resumed.final_state, full.final_state, atol=1e-6)
     # The loader's position is in the checkpoint: epoch 0, 3 of its 8 batches done.
     checkpoint = torch.load(full.extras["checkpoints"][0], weights_only=False)
-    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "batches_done": 3}]
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {"epoch": 0, "batches_done": 3}
+    ]
 
 
 def test_plain_dataloader_repeats_batches_after_mid_epoch_resume(world):
     """The pitfall ResumableLoader guards against: resumed at step 3, a plain DataLoader starts its epoch over."""
     full, plain = world["plain_loader"], world["plain_loader_resumed"]
-    assert_losses_close(full.losses, world["raw_ddp"].losses, atol=1e-5)  # uninterrupted, it is fine
+    assert_losses_close(
+        full.losses, world["raw_ddp"].losses, atol=1e-5
+    )  # uninterrupted, it is fine
     # Same weights at step 3, different batches (0, 1, 2 again): every resumed loss is off.
-    assert all(abs(p - f) > 1e-3 for p, f in zip(plain.losses, full.losses[3:])), (plain.losses, full.losses)
+    assert all(abs(p - f) > 1e-3 for p, f in zip(plain.losses, full.losses[3:])), (
+        plain.losses,
+        full.losses,
+    )
 
 
 def test_gradient_accumulation_equals_one_big_batch(world):
     assert_losses_close(world["ddp_accumulate"].losses, world["raw_ddp"].losses, atol=1e-5)
-    assert_states_close(world["ddp_accumulate"].final_state, world["raw_ddp"].final_state, atol=1e-5)
+    assert_states_close(
+        world["ddp_accumulate"].final_state, world["raw_ddp"].final_state, atol=1e-5
+    )
 
 
 def test_gradient_clipping_clips_the_global_norm_like_fabric(world):
     clipped, fabric, raw = world["ddp_clip"], world["fabric_clip"], world["raw_ddp"]
     assert_states_close(clipped.final_state, fabric.final_state, atol=1e-6)
-    worst = max((clipped.final_state[k] - raw.final_state[k]).abs().max().item() for k in raw.final_state)
+    worst = max(
+        (clipped.final_state[k] - raw.final_state[k]).abs().max().item() for k in raw.final_state
+    )
     assert worst > 1e-5, "a clip value far below the gradient norm must change training"
 
 
@@ -198,7 +276,9 @@ def test_fsdp_trains_like_ddp_and_shards_the_weights(world):
     assert fsdp.losses[-1] < fsdp.losses[0]
     assert_losses_close(fsdp.losses, world["raw_ddp"].losses, atol=1e-5)
     assert_states_close(fsdp.final_state, world["raw_ddp"].final_state, atol=1e-5)
-    assert fsdp.extras["param_fraction_per_rank"] == pytest.approx(0.5, abs=0.01)  # FULL_SHARD over 2 ranks
+    assert fsdp.extras["param_fraction_per_rank"] == pytest.approx(
+        0.5, abs=0.01
+    )  # FULL_SHARD over 2 ranks
 
 
 def test_hybrid_shard_with_one_rank_per_node_equals_ddp(world):
@@ -225,13 +305,17 @@ def test_torch_fsdp1_hybrid_shard_with_one_rank_per_node_does_not_reduce_across_
 def test_hybrid_shard_on_two_nodes_of_two_equals_ddp(tmp_path):
     """2 nodes x 2 ranks (torchrun's variables set per rank): Lightning's HYBRID_SHARD and the
     classic fsdp recipe's hybrid mode both equal DDP, and shard each weight over a node's 2 ranks."""
-    phases = [("raw_ddp", REFERENCE),
-              ("fsdp", lightning_cfg(str(tmp_path), strategy="fsdp",
-                                     sharding_strategy="HYBRID_SHARD")),
-              ("classic_fsdp", fsdp.FSDPConfig(steps=STEPS, timeout_s=120, precision="fp32",
-                                               sharding_strategy="hybrid"))]
-    raw, lightning_hybrid, classic = spawn_world(
-        _as_two_nodes_of_two, 4, phases, deadline_s=500)
+    phases = [
+        ("raw_ddp", REFERENCE),
+        ("fsdp", lightning_cfg(str(tmp_path), strategy="fsdp", sharding_strategy="HYBRID_SHARD")),
+        (
+            "classic_fsdp",
+            fsdp.FSDPConfig(
+                steps=STEPS, timeout_s=120, precision="fp32", sharding_strategy="hybrid"
+            ),
+        ),
+    ]
+    raw, lightning_hybrid, classic = spawn_world(_as_two_nodes_of_two, 4, phases, deadline_s=500)
     for result in (lightning_hybrid, classic):
         assert_losses_close(result.losses, raw.losses, atol=1e-5)
         assert_states_close(result.final_state, raw.final_state, atol=1e-5)
@@ -246,7 +330,9 @@ def _as_two_nodes_of_two(phases):
 def test_fsdp_sharded_checkpoint_is_a_folder_of_shards_and_reloads(world):
     folder = world["fsdp"].extras["checkpoints"][0]
     assert os.path.isdir(folder)
-    assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= set(os.listdir(folder)), "one shard file per rank"
+    assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= set(os.listdir(folder)), (
+        "one shard file per rank"
+    )
     resumed = world["fsdp_resumed"]
     assert_losses_close(resumed.losses, world["fsdp"].losses[3:], atol=1e-6)
     assert_states_close(resumed.final_state, world["fsdp"].final_state, atol=1e-6)
@@ -260,9 +346,13 @@ def test_model_parallel_strategy_runs_tensor_parallel_on_cpu(world):
     # Each rank holds half of every Block linear (w_out's bias stays whole under RowwiseParallel).
     model = build_model("tiny")
     total = sum(p.numel() for p in model.parameters())
-    split = sum(p.numel() for name, p in model.named_parameters()
-                if name.startswith("layers.") and (".attn.w" in name or ".mlp.w" in name)
-                and not name.endswith("w_out.bias"))
+    split = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if name.startswith("layers.")
+        and (".attn.w" in name or ".mlp.w" in name)
+        and not name.endswith("w_out.bias")
+    )
     assert tp.extras["param_fraction_per_rank"] == pytest.approx((total - split / 2) / total)
 
 
@@ -270,7 +360,9 @@ def test_bf16_mixed_trains_close_to_fp32(world):
     bf16, fp32 = world["bf16"], world["raw_ddp"]
     assert bf16.losses[-1] < bf16.losses[0]
     assert_losses_close(bf16.losses, fp32.losses, atol=1e-2)  # bf16 matmuls: ~3 significant digits
-    worst = max((bf16.final_state[k] - fp32.final_state[k]).abs().max().item() for k in fp32.final_state)
+    worst = max(
+        (bf16.final_state[k] - fp32.final_state[k]).abs().max().item() for k in fp32.final_state
+    )
     assert 1e-6 < worst < 1e-2, "bf16 autocast must really run, and stay close"
 
 
@@ -285,7 +377,9 @@ def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
         result = recipe_result(lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2))
     assert (result.world_size, result.extras["strategy"]) == (2, "ddp_spawn")
     assert_losses_close(result.losses, reference.losses, atol=1e-5)
-    assert_states_close(result.final_state, reference.final_state, atol=1e-5)  # rank 0's weights came back
+    assert_states_close(
+        result.final_state, reference.final_state, atol=1e-5
+    )  # rank 0's weights came back
 
 
 # Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
@@ -293,8 +387,19 @@ def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
 # and test_multinode cover the launch path itself there.
 @pytest.mark.slow
 def test_torchrun_launch_prints_readable_logs_and_the_result(tmp_path):
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.core.prove",
-                    "lightning_trainer", "--output-dir", str(tmp_path)], timeout_s=240)
+    proc = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "lightning_trainer",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        timeout_s=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert_losses_close(result["losses"], run_alone(ddp_result, REFERENCE).losses, atol=1e-5)
@@ -311,9 +416,21 @@ def test_lightning_cli_yaml_config_runs_ddp_with_lightnings_launcher(tmp_path):
     """``fit --config configs/lightning/ddp.yaml``: Lightning starts the 2nd process; same losses as raw DDP."""
     import csv
 
-    proc = run_cli([PYTHON, "-m", "recipes.lightning_trainer", "fit", "--config", "configs/lightning/ddp.yaml",
-                    "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
-                   timeout_s=240)
+    proc = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.lightning_trainer",
+            "fit",
+            "--config",
+            "configs/lightning/ddp.yaml",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        timeout_s=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Starting with 2 processes" in proc.stdout + proc.stderr
     (version,) = glob.glob(os.path.join(tmp_path, "lightning_trainer_cli", "version_*"))
@@ -322,7 +439,10 @@ def test_lightning_cli_yaml_config_runs_ddp_with_lightnings_launcher(tmp_path):
     train_losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
     assert_losses_close(train_losses, run_alone(ddp_result, REFERENCE).losses, atol=1e-5)
     assert any(row.get("val_loss") for row in rows), "validation ran (val_check_interval: 3)"
-    assert sorted(os.listdir(os.path.join(version, "checkpoints"))) == ["step=3.ckpt", "step=6.ckpt"]
+    assert sorted(os.listdir(os.path.join(version, "checkpoints"))) == [
+        "step=3.ckpt",
+        "step=6.ckpt",
+    ]
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
 
 
@@ -343,9 +463,18 @@ def test_wrong_key_in_yaml_config_is_named_by_lightning_cli(tmp_path, capsys):
 
 @needs_jsonargparse
 def test_fsdp_yaml_config_is_valid(capsys):
-    with pytest.raises(SystemExit) as exit_info, mock.patch.object(sys, "argv", ["lightning_trainer.py"]):
-        lightning_trainer.lightning_cli(["fit", "--config", os.path.join(REPO_ROOT, "configs", "lightning", "fsdp.yaml"),
-                                         "--print_config"])
+    with (
+        pytest.raises(SystemExit) as exit_info,
+        mock.patch.object(sys, "argv", ["lightning_trainer.py"]),
+    ):
+        lightning_trainer.lightning_cli(
+            [
+                "fit",
+                "--config",
+                os.path.join(REPO_ROOT, "configs", "lightning", "fsdp.yaml"),
+                "--print_config",
+            ]
+        )
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "FSDPStrategy" in printed and "recipes.toy.Block" in printed
@@ -355,29 +484,59 @@ def test_fsdp_yaml_config_is_valid(capsys):
 @needs_jsonargparse
 @pytest.mark.slow
 def test_fsdp_yaml_config_trains_on_cpu_with_the_cpu_strategy(tmp_path):
-    proc = run_cli([PYTHON, "-m", "recipes.lightning_trainer", "fit", "--config", "configs/lightning/fsdp.yaml",
-                    "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
-                    "--trainer.strategy.class_path", "recipes.lightning_trainer.FSDPOnCPUStrategy",
-                    "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
-                   timeout_s=300)
+    proc = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.lightning_trainer",
+            "fit",
+            "--config",
+            "configs/lightning/fsdp.yaml",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.precision",
+            "32-true",
+            "--trainer.strategy.class_path",
+            "recipes.lightning_trainer.FSDPOnCPUStrategy",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        timeout_s=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (version,) = glob.glob(os.path.join(tmp_path, "lightning_trainer_fsdp", "version_*"))
-    assert sorted(os.listdir(os.path.join(version, "checkpoints"))) == ["step=3.ckpt", "step=6.ckpt"]
+    assert sorted(os.listdir(os.path.join(version, "checkpoints"))) == [
+        "step=3.ckpt",
+        "step=6.ckpt",
+    ]
 
 
 @pytest.mark.skipif(CUDA_DEVICES > 0, reason="on a GPU machine 16-mixed is valid")
 def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run(tmp_path):
-    with pytest.raises(ValueError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"):
+    with pytest.raises(
+        ValueError, match="precision '16-mixed' needs CUDA.*use --precision bf16-mixed"
+    ):
         lightning_trainer.train(lightning_cfg(str(tmp_path), precision="16-mixed"))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"devices": 3}, r"the launcher started 1 node\(s\) x 1 process\(es\); --devices 3 --num-nodes 0 disagree"),
-    ({"strategy": "model_parallel", "tensor_parallel_size": 2}, "tensor_parallel_size=2 does not divide the world of 1"),
-    # FSDP features that torch 2.13 only gets right on GPUs (each found by running it on CPU): refused up front.
-    ({"strategy": "fsdp", "cpu_offload": True}, "on a CPU world they are there already"),
-    ({"strategy": "fsdp", "state_dict_type": "full"}, "use --state-dict-type sharded on CPU"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"devices": 3},
+            r"the launcher started 1 node\(s\) x 1 process\(es\); --devices 3 --num-nodes 0 disagree",
+        ),
+        (
+            {"strategy": "model_parallel", "tensor_parallel_size": 2},
+            "tensor_parallel_size=2 does not divide the world of 1",
+        ),
+        # FSDP features that torch 2.13 only gets right on GPUs (each found by running it on CPU): refused up front.
+        ({"strategy": "fsdp", "cpu_offload": True}, "on a CPU world they are there already"),
+        ({"strategy": "fsdp", "state_dict_type": "full"}, "use --state-dict-type sharded on CPU"),
+    ],
+)
 def test_settings_that_do_not_fit_the_world_are_rejected(tmp_path, changes, message):
     if "strategy" in changes and changes["strategy"] == "fsdp" and CUDA_DEVICES:
         pytest.skip("these FSDP settings are valid on GPUs")
@@ -399,12 +558,19 @@ def test_help_names_both_command_lines(capsys):
     assert "--strategy {ddp,ddp_spawn,fsdp,model_parallel}" in printed and "LightningCLI" in printed
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"global_batch_size": 9},
-     r"global_batch_size=9 does not divide across 2 ranks; use a multiple of 2"),
-    ({"accumulate_grad_batches": 2, "global_batch_size": 6},
-     r"global_batch_size=6 does not divide across 2 ranks x 2 micro-batches; use a multiple of 4"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"global_batch_size": 9},
+            r"global_batch_size=9 does not divide across 2 ranks; use a multiple of 2",
+        ),
+        (
+            {"accumulate_grad_batches": 2, "global_batch_size": 6},
+            r"global_batch_size=6 does not divide across 2 ranks x 2 micro-batches; use a multiple of 4",
+        ),
+    ],
+)
 def test_ddp_spawn_checks_the_batch_in_the_parent_before_spawning(tmp_path, changes, message):
     # Once a 70-line ProcessRaisedException from every spawned process; now one line, no spawn.
     cfg = lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2, **changes)
@@ -414,12 +580,21 @@ def test_ddp_spawn_checks_the_batch_in_the_parent_before_spawning(tmp_path, chan
 
 
 @needs_jsonargparse
-@pytest.mark.parametrize("old, new, message", [
-    ("model:\n  model: tiny", "model:\n  model: huge",
-     "error: unknown model.model='huge'; valid values: tiny, small, 100m"),
-    ("global_batch_size: 12", "global_batch_size: 9",
-     "error: data.global_batch_size=9 does not divide across 2 ranks; use a multiple of 2"),
-])
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        (
+            "model:\n  model: tiny",
+            "model:\n  model: huge",
+            "error: unknown model.model='huge'; valid values: tiny, small, 100m",
+        ),
+        (
+            "global_batch_size: 12",
+            "global_batch_size: 9",
+            "error: data.global_batch_size=9 does not divide across 2 ranks; use a multiple of 2",
+        ),
+    ],
+)
 def test_bad_yaml_values_are_one_line_and_exit_2(tmp_path, capsys, old, new, message):
     """Once a KeyError traceback, and the right message 108 lines deep: now one line, exit 2,
     before Lightning starts any process."""
@@ -429,8 +604,9 @@ def test_bad_yaml_values_are_one_line_and_exit_2(tmp_path, capsys, old, new, mes
     config = tmp_path / "bad.yaml"
     config.write_text(text.replace(old, new, 1))
     with pytest.raises(SystemExit) as exit_info, mock.patch.object(sys, "argv", ["x.py"]):
-        lightning_trainer.lightning_cli(["fit", "--config", str(config),
-                                         "--trainer.logger.init_args.save_dir", str(tmp_path)])
+        lightning_trainer.lightning_cli(
+            ["fit", "--config", str(config), "--trainer.logger.init_args.save_dir", str(tmp_path)]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(message), err
@@ -444,7 +620,8 @@ def test_ddp_spawn_batch_from_the_command_line_is_one_line_and_exit_2(capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: global_batch_size=9 does not divide across 2 ranks; use a multiple of 2, "
-        "e.g. 8 or 10"]
+        "e.g. 8 or 10"
+    ]
 
 
 def test_a_bad_number_is_one_line_and_exit_2(capsys):
@@ -452,15 +629,31 @@ def test_a_bad_number_is_one_line_and_exit_2(capsys):
         lightning_trainer.main(["--gradient-clip-val", "nan"])
     assert exit_info.value.code == 2
     # argparse's own refusal, as every copyable recipe's: the usage line, then the one error line
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "error: argument --gradient-clip-val: must be a finite number >= 0, got nan")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith("error: argument --gradient-clip-val: must be a finite number >= 0, got nan")
+    )
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches must be a finite number >= 1, got 0"),
-    ({"tensor_parallel_size": -2}, r"tensor_parallel_size must be a finite number >= 0, got -2"),
-    ({"strategy": "deepspeed"}, r"strategy='deepspeed'; valid values: ddp, ddp_spawn, fsdp, model_parallel"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"accumulate_grad_batches": 0},
+            r"accumulate_grad_batches must be a finite number >= 1, got 0",
+        ),
+        (
+            {"tensor_parallel_size": -2},
+            r"tensor_parallel_size must be a finite number >= 0, got -2",
+        ),
+        (
+            {"strategy": "deepspeed"},
+            r"strategy='deepspeed'; valid values: ddp, ddp_spawn, fsdp, model_parallel",
+        ),
+    ],
+)
 def test_a_config_built_in_code_is_checked_like_the_command_line(tmp_path, changes, message):
     # not a ZeroDivisionError from the batch check, or Lightning's traceback: one line
     with pytest.raises(ValueError, match=f"^{message}$"):

@@ -16,17 +16,30 @@ def write_formats(folder, losses=LOSSES) -> dict[str, str]:
     """The same losses in every format loss_compare reads; path by format name."""
     files = {
         "results file": ("run.json", json.dumps({"recipe": "x", "result": {"losses": losses}})),
-        "recipe output": ("stdout.txt", "[rank0] step 0 loss 4.3398 time 3.1 ms\n"
-                          "[rank0] done: 4 steps on 2 rank(s): loss 4.3398 -> 3.9876\n"
-                          + json.dumps({"recipe": "x", "losses": losses}) + "\n"),
-        "log": ("train.log", "".join(f"\x1b[32m[rank0] step {s} loss {v} time 3.0 ms\x1b[0m\n"
-                                     for s, v in enumerate(losses))
-                + "[rank0] done: 4 steps on 2 rank(s): loss 4.33 -> 3.98\n"),
-        "torchtitan log": ("titan.log", "".join(f"[titan] step: {s}  loss: {v}  memory: 1GiB\n"
-                                                for s, v in enumerate(losses))),
+        "recipe output": (
+            "stdout.txt",
+            "[rank0] step 0 loss 4.3398 time 3.1 ms\n"
+            "[rank0] done: 4 steps on 2 rank(s): loss 4.3398 -> 3.9876\n"
+            + json.dumps({"recipe": "x", "losses": losses})
+            + "\n",
+        ),
+        "log": (
+            "train.log",
+            "".join(
+                f"\x1b[32m[rank0] step {s} loss {v} time 3.0 ms\x1b[0m\n"
+                for s, v in enumerate(losses)
+            )
+            + "[rank0] done: 4 steps on 2 rank(s): loss 4.33 -> 3.98\n",
+        ),
+        "torchtitan log": (
+            "titan.log",
+            "".join(f"[titan] step: {s}  loss: {v}  memory: 1GiB\n" for s, v in enumerate(losses)),
+        ),
         "CSV": ("losses.csv", "step,loss\n" + "".join(f"{s},{v}\n" for s, v in enumerate(losses))),
-        "JSON lines": ("losses.jsonl", "".join(json.dumps({"step": s, "loss": v}) + "\n"
-                                               for s, v in enumerate(losses))),
+        "JSON lines": (
+            "losses.jsonl",
+            "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in enumerate(losses)),
+        ),
     }
     paths = {}
     for name, (filename, text) in files.items():
@@ -36,8 +49,14 @@ def write_formats(folder, losses=LOSSES) -> dict[str, str]:
 
 
 def test_every_format_is_detected_and_read(tmp_path):
-    detected = {"results file": "JSON", "recipe output": "recipe output", "log": "log",
-                "torchtitan log": "log", "CSV": "CSV", "JSON lines": "JSON lines"}
+    detected = {
+        "results file": "JSON",
+        "recipe output": "recipe output",
+        "log": "log",
+        "torchtitan log": "log",
+        "CSV": "CSV",
+        "JSON lines": "JSON lines",
+    }
     for name, path in write_formats(tmp_path).items():
         losses, found = loss_compare.read_losses(path)
         assert found == detected[name], name
@@ -66,7 +85,8 @@ def test_runs_that_part_exit_1_naming_the_first_step_and_the_largest_difference(
     assert "largest absolute difference: 0.003 at step 2" in captured.out
     assert "steps only in B: 4" in captured.out
     assert captured.err.splitlines() == [
-        "loss_compare: the runs differ: they part at step 2; their steps differ"]
+        "loss_compare: the runs differ: they part at step 2; their steps differ"
+    ]
     result = json.loads(captured.out.splitlines()[-1])
     assert (result["first_parted_step"], result["only_in_b"], result["equal"]) == (2, [4], False)
     assert result["max_rel_diff"] == pytest.approx(3e-3 / LOSSES[2])
@@ -84,16 +104,31 @@ def test_a_nan_parts_unless_both_runs_have_it():
     assert result["first_parted_step"] == 1 and result["max_abs_diff"] == float("inf")
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "error: {path}: no such file; give the path of a log, results JSON, CSV or JSONL file"),
-    ("nothing to see here\n", "error: {path}: no losses found; expected a recipe's JSON result "
-     "(\"losses\"), log lines like 'step 3 loss 2.3456', a CSV with columns step,loss, or JSON "
-     "lines {{\"step\", \"loss\"}}"),
-    ("step,loss\n0,4.3\n1,oops\n", "error: {path}: line 3 of the CSV has no number in step or "
-     "loss: {{'step': '1', 'loss': 'oops'}}"),
-    (b"\xff\xfe\x00binary", "error: {path}: cannot read it as text (UnicodeDecodeError); give a "
-     "log, results JSON, CSV or JSONL file"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            None,
+            "error: {path}: no such file; give the path of a log, results JSON, CSV or JSONL file",
+        ),
+        (
+            "nothing to see here\n",
+            "error: {path}: no losses found; expected a recipe's JSON result "
+            "(\"losses\"), log lines like 'step 3 loss 2.3456', a CSV with columns step,loss, or JSON "
+            'lines {{"step", "loss"}}',
+        ),
+        (
+            "step,loss\n0,4.3\n1,oops\n",
+            "error: {path}: line 3 of the CSV has no number in step or "
+            "loss: {{'step': '1', 'loss': 'oops'}}",
+        ),
+        (
+            b"\xff\xfe\x00binary",
+            "error: {path}: cannot read it as text (UnicodeDecodeError); give a "
+            "log, results JSON, CSV or JSONL file",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     good = write_formats(tmp_path)["CSV"]
     path = tmp_path / "bad.txt"
@@ -118,10 +153,22 @@ def test_negative_tolerance_is_refused(tmp_path, capsys):
 def test_the_command_line_compares_two_committed_results_files():
     """The real entry point, on two committed results: ZeRO-1 trains the DDP baseline's model and
     data, so its losses match DDP's within 1e-5 (tests/test_zero.py asserts the same)."""
-    proc = subprocess.run([sys.executable, "-m", "recipes.loss_compare",
-                           "results/ddp_torchrun.json", "results/zero.json", "--assert-equal",
-                           "--atol", "1e-5"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.loss_compare",
+            "results/ddp_torchrun.json",
+            "results/zero.json",
+            "--assert-equal",
+            "--atol",
+            "1e-5",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["common_steps"] >= 2
 
@@ -134,8 +181,12 @@ def test_a_copy_runs_alone_outside_the_package(tmp_path):
     copy = tmp_path / "loss_compare.py"
     shutil.copy(f"{REPO_ROOT}/recipes/loss_compare.py", copy)
     paths = write_formats(tmp_path)
-    proc = subprocess.run([sys.executable, "-I", str(copy), paths["CSV"], paths["log"],
-                           "--assert-equal"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-I", str(copy), paths["CSV"], paths["log"], "--assert-equal"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["equal"] is True

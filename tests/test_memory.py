@@ -35,8 +35,12 @@ def classic_fsdp_flat_parameters(cfg):
     from recipes.core.world import join_world
 
     with join_world("gloo"):
-        model = FSDP(build_model("tiny"), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=False,
-                     device_id=torch.device("cpu"))
+        model = FSDP(
+            build_model("tiny"),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=False,
+            device_id=torch.device("cpu"),
+        )
         optimizer = torch.optim.AdamW(model.parameters())
         tokens = torch.randint(0, 64, (2, 16))
         lm_loss(model(tokens), tokens).backward()
@@ -46,7 +50,9 @@ def classic_fsdp_flat_parameters(cfg):
 
 def test_counts_storages_once_and_skips_none_and_freed():
     base = torch.zeros(100)
-    assert tensor_storage_bytes([base, base[10:20], base.view(10, 10), None]) == 400  # views share one storage
+    assert (
+        tensor_storage_bytes([base, base[10:20], base.view(10, 10), None]) == 400
+    )  # views share one storage
     freed = torch.zeros(50)
     freed.untyped_storage().resize_(0)  # how FSDP frees an unsharded buffer
     assert tensor_storage_bytes([freed]) == 0
@@ -55,7 +61,11 @@ def test_counts_storages_once_and_skips_none_and_freed():
 def test_plain_module_before_and_after_a_step():
     model = build_model("tiny")
     numel = sum(p.numel() for p in model.parameters())
-    assert model_state_bytes(model) == {"param_bytes": 4 * numel, "grad_bytes": 0, "optimizer_bytes": 0}
+    assert model_state_bytes(model) == {
+        "param_bytes": 4 * numel,
+        "grad_bytes": 0,
+        "optimizer_bytes": 0,
+    }
     optimizer = torch.optim.AdamW(model.parameters())
     tokens = torch.randint(0, 64, (2, 16))
     lm_loss(model(tokens), tokens).backward()
@@ -63,7 +73,10 @@ def test_plain_module_before_and_after_a_step():
     n_tensors = len(list(model.parameters()))
     # AdamW: exp_avg and exp_avg_sq (fp32, one each per element) plus a 4-byte scalar step per tensor.
     assert model_state_bytes(model, optimizer) == {
-        "param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * numel + 4 * n_tensors}
+        "param_bytes": 4 * numel,
+        "grad_bytes": 4 * numel,
+        "optimizer_bytes": 8 * numel + 4 * n_tensors,
+    }
     linear = nn.Linear(4, 4)
     linear.weight.grad = torch.ones(4, 4)
     assert model_state_bytes(linear)["grad_bytes"] == 64  # the bias has no gradient: None counts 0
@@ -79,10 +92,15 @@ FOUR_RANK_RUNS = {
     "ddp": (recipe_result, zero.ZeroConfig(optimizer="adamw", **ZERO_COMMON)),
     "zero1": (recipe_result, zero.ZeroConfig(**ZERO_COMMON)),
     "full": (recipe_result, fsdp.FSDPConfig(sharding_strategy="full", **ZERO_COMMON)),
-    "shard_grad_op": (recipe_result, fsdp.FSDPConfig(sharding_strategy="shard_grad_op", **ZERO_COMMON)),
+    "shard_grad_op": (
+        recipe_result,
+        fsdp.FSDPConfig(sharding_strategy="shard_grad_op", **ZERO_COMMON),
+    ),
     "no_shard": (recipe_result, fsdp.FSDPConfig(sharding_strategy="no_shard", **ZERO_COMMON)),
-    "hybrid": (recipe_result, fsdp.FSDPConfig(sharding_strategy="hybrid", ranks_per_node=2,
-                                              **ZERO_COMMON)),
+    "hybrid": (
+        recipe_result,
+        fsdp.FSDPConfig(sharding_strategy="hybrid", ranks_per_node=2, **ZERO_COMMON),
+    ),
     "fully_shard": (fsdp2_result, fsdp2.FSDP2Config(**FSDP2_COMMON)),
     "hsdp": (fsdp2_result, fsdp2.FSDP2Config(hsdp_replicas=2, **FSDP2_COMMON)),
     "reshard_to_2": (fsdp2_result, fsdp2.FSDP2Config(reshard_after_forward=2, **FSDP2_COMMON)),
@@ -93,7 +111,9 @@ FOUR_RANK_RUNS = {
 def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
     n = 4
     reference = single_process_reference(steps=3)
-    results = dict(zip(FOUR_RANK_RUNS, run_world(run_pair, n, FOUR_RANK_RUNS.values(), deadline_s=480)))
+    results = dict(
+        zip(FOUR_RANK_RUNS, run_world(run_pair, n, FOUR_RANK_RUNS.values(), deadline_s=480))
+    )
     flat_params = results.pop("flat_params")
     for name, result in results.items():
         assert result.world_size == n
@@ -102,8 +122,12 @@ def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
         assert result.param_checksum == pytest.approx(reference.param_checksum, abs=1e-3), name
 
     ddp = results["ddp"].extras["memory_per_rank"][0]
-    assert all(m == ddp for m in results["ddp"].extras["memory_per_rank"]), "DDP replicates everything"
-    assert ddp["grad_bytes"] == ddp["param_bytes"] and ddp["optimizer_bytes"] > 2 * ddp["param_bytes"]
+    assert all(m == ddp for m in results["ddp"].extras["memory_per_rank"]), (
+        "DDP replicates everything"
+    )
+    assert (
+        ddp["grad_bytes"] == ddp["param_bytes"] and ddp["optimizer_bytes"] > 2 * ddp["param_bytes"]
+    )
 
     for name in ("full", "fully_shard", "reshard_to_2"):  # ZeRO-3: everything 1/N
         for rank, memory in enumerate(results[name].extras["memory_per_rank"]):
@@ -120,11 +144,16 @@ def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
     for rank, memory in enumerate(results["shard_grad_op"].extras["memory_per_rank"]):
         for key in ddp:
             assert_about_fraction(memory[key], ddp[key], n, f"shard_grad_op rank {rank} {key}")
-    assert results["shard_grad_op"].extras["param_bytes_after_forward"] >= ddp["param_bytes"] * (1 + 1 / n)
+    assert results["shard_grad_op"].extras["param_bytes_after_forward"] >= ddp["param_bytes"] * (
+        1 + 1 / n
+    )
     assert results["full"].extras["param_bytes_after_forward"] < ddp["param_bytes"] / 2
     # NO_SHARD: DDP's bytes (the optimizer's scalar step tensors may differ by a few bytes).
     for memory in results["no_shard"].extras["memory_per_rank"]:
-        assert memory["param_bytes"] == ddp["param_bytes"] and memory["grad_bytes"] == ddp["grad_bytes"]
+        assert (
+            memory["param_bytes"] == ddp["param_bytes"]
+            and memory["grad_bytes"] == ddp["grad_bytes"]
+        )
         assert memory["optimizer_bytes"] == pytest.approx(ddp["optimizer_bytes"], abs=SLACK_BYTES)
     # ZeRO-1: parameters and gradients replicated; optimizer state partitioned by whole parameters, so
     # every state lives on exactly one rank (the sum is DDP's) and a rank holds at most 1/N plus the
@@ -133,8 +162,13 @@ def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
     largest_state = 8 * max(p.numel() for p in build_model("tiny").parameters()) + 4
     assert sum(m["optimizer_bytes"] for m in zero_memory) == ddp["optimizer_bytes"]
     for rank, memory in enumerate(zero_memory):
-        assert memory["param_bytes"] == ddp["param_bytes"] and memory["grad_bytes"] == ddp["grad_bytes"]
-        assert memory["optimizer_bytes"] <= ddp["optimizer_bytes"] / n + largest_state, f"zero1 rank {rank}"
+        assert (
+            memory["param_bytes"] == ddp["param_bytes"]
+            and memory["grad_bytes"] == ddp["grad_bytes"]
+        )
+        assert memory["optimizer_bytes"] <= ddp["optimizer_bytes"] / n + largest_state, (
+            f"zero1 rank {rank}"
+        )
     # use_orig_params=False: counted through the flat parameters, the same 1/N.
     for rank, memory in enumerate(flat_params):
         for key in ddp:

@@ -11,30 +11,43 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recipes.core.memory import model_state_bytes
-from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.spawn import spawn_world
+from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world
 from recipes.fsdp import apply_fsdp
-from recipes.parallelize import apply_fully_shard
 from recipes.memory_estimate import (
-    LAYOUTS, MODEL_PRESETS, EstimateConfig, EstimateError, activation_bytes, estimate, gpu_memory, make_parser,
+    LAYOUTS,
+    MODEL_PRESETS,
+    EstimateConfig,
+    EstimateError,
+    activation_bytes,
+    estimate,
+    gpu_memory,
+    make_parser,
     model_state_per_rank,
 )
+from recipes.parallelize import apply_fully_shard
 from tests.helpers import PYTHON, last_json, run_cli
 
 GB = 1e9
 
 
 def _row(result, optimizer, stage, offload=False):
-    (row,) = [r for r in result["rows"] if (r["optimizer"], r["stage"], r["offload"]) == (optimizer, stage, offload)]
+    (row,) = [
+        r
+        for r in result["rows"]
+        if (r["optimizer"], r["stage"], r["offload"]) == (optimizer, stage, offload)
+    ]
     return row
 
 
 def test_the_papers_example_7_5b_params_on_64_ranks():
     # ZeRO paper, Figure 1 / section 5: Psi = 7.5B, N = 64, K = 12 (mixed-precision Adam).
     result = estimate(EstimateConfig(params=7.5e9, world_size=64, optimizer="adam-mixed"))
-    device_gb = {stage: _row(result, "adam-mixed", stage)["device"]["total_bytes"] / GB
-                 for stage in ("ddp", "zero1", "zero2", "zero3")}
+    device_gb = {
+        stage: _row(result, "adam-mixed", stage)["device"]["total_bytes"] / GB
+        for stage in ("ddp", "zero1", "zero2", "zero3")
+    }
     assert device_gb["ddp"] == pytest.approx(120.0)
     assert round(device_gb["zero1"], 1) == 31.4
     assert round(device_gb["zero2"], 1) == 16.6
@@ -51,8 +64,12 @@ def test_formulas_of_each_stage(layout_name, world_size):
     psi, n, layout = 1e9, world_size, LAYOUTS[layout_name]
     p, g, k = layout.param_bytes, layout.grad_bytes, layout.optimizer_bytes
     assert p + g + k == 16, "Adam is 16 bytes per parameter in both layouts"
-    expected = {"ddp": (p + g + k) * psi, "zero1": (p + g) * psi + k * psi / n,
-                "zero2": p * psi + (g + k) * psi / n, "zero3": (p + g + k) * psi / n}
+    expected = {
+        "ddp": (p + g + k) * psi,
+        "zero1": (p + g) * psi + k * psi / n,
+        "zero2": p * psi + (g + k) * psi / n,
+        "zero3": (p + g + k) * psi / n,
+    }
     for stage, total in expected.items():
         figures = model_state_per_rank(psi, n, stage, layout)
         assert figures["device"]["total_bytes"] == pytest.approx(total)
@@ -61,11 +78,21 @@ def test_formulas_of_each_stage(layout_name, world_size):
             continue
         # Offload moves exactly the sharded parts to the host; the sum is unchanged.
         offloaded = model_state_per_rank(psi, n, stage, layout, offload=True)
-        assert offloaded["device"]["total_bytes"] + offloaded["host"]["total_bytes"] == pytest.approx(total)
+        assert offloaded["device"]["total_bytes"] + offloaded["host"][
+            "total_bytes"
+        ] == pytest.approx(total)
         replicated = {"zero1": (p + g) * psi, "zero2": p * psi, "zero3": 0.0}[stage]
         assert offloaded["device"]["total_bytes"] == pytest.approx(replicated)
     if world_size == 1:  # one rank: sharding saves nothing
-        assert len({round(model_state_per_rank(psi, 1, s, layout)["device"]["total_bytes"]) for s in expected}) == 1
+        assert (
+            len(
+                {
+                    round(model_state_per_rank(psi, 1, s, layout)["device"]["total_bytes"])
+                    for s in expected
+                }
+            )
+            == 1
+        )
 
 
 def test_ddp_has_no_offload_row_and_bad_input_is_refused():
@@ -79,23 +106,39 @@ def test_ddp_has_no_offload_row_and_bad_input_is_refused():
         message = rf"^params must be a finite number > 0, got {params:g}$"
         with pytest.raises(EstimateError, match=message):
             EstimateConfig(params=params)
-    with pytest.raises(EstimateError, match="unknown optimizer='sgd'; valid values: both, adam-mixed, adam-fp32"):
+    with pytest.raises(
+        EstimateError, match="unknown optimizer='sgd'; valid values: both, adam-mixed, adam-fp32"
+    ):
         EstimateConfig(optimizer="sgd")
     rows = estimate(EstimateConfig())["rows"]
     assert len(rows) == 2 * 7  # two layouts x (DDP + ZeRO-1/2/3 with and without offload)
 
 
 def test_cli_prints_the_table_and_the_same_figures_as_json_last():
-    proc = run_cli([PYTHON, "-m", "recipes.memory_estimate", "--params", "7.5e9", "--world-size", "64"], timeout_s=60)
+    proc = run_cli(
+        [PYTHON, "-m", "recipes.memory_estimate", "--params", "7.5e9", "--world-size", "64"],
+        timeout_s=60,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = last_json(proc.stdout)
     assert data == json.loads(json.dumps(estimate(EstimateConfig(params=7.5e9, world_size=64))))
     table = proc.stdout.strip().splitlines()[:-1]
-    zero3 = next(line for line in table if line.startswith("ZeRO-3 (P_os+g+p) ") and "offload" not in line)
-    assert zero3.split()[-2:] == ["1.88", "0.00"]  # device total, host total (GB) of mixed-precision Adam
-    assert any("FULL_SHARD" in line and "fully_shard" in line and "FSDPStrategy" in line for line in table)
-    assert any("SHARD_GRAD_OP" in line for line in table) and any("ZeroRedundancyOptimizer" in line for line in table)
-    assert any("CPUOffload(offload_params=True)" in line and "CPUOffloadPolicy" in line for line in table)
+    zero3 = next(
+        line for line in table if line.startswith("ZeRO-3 (P_os+g+p) ") and "offload" not in line
+    )
+    assert zero3.split()[-2:] == [
+        "1.88",
+        "0.00",
+    ]  # device total, host total (GB) of mixed-precision Adam
+    assert any(
+        "FULL_SHARD" in line and "fully_shard" in line and "FSDPStrategy" in line for line in table
+    )
+    assert any("SHARD_GRAD_OP" in line for line in table) and any(
+        "ZeroRedundancyOptimizer" in line for line in table
+    )
+    assert any(
+        "CPUOffload(offload_params=True)" in line and "CPUOffloadPolicy" in line for line in table
+    )
     bad = run_cli([PYTHON, "-m", "recipes.memory_estimate", "--params", "nan"], timeout_s=60)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == ["error: params must be a finite number > 0, got nan"]
@@ -112,13 +155,16 @@ def _wrap(strategy, model, world):
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     if strategy == "zero1":  # as recipes.zero builds it
         wrapped = DDP(model)
-        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        return wrapped, ZeroRedundancyOptimizer(
+            wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3
+        )
     if strategy == "fsdp_full_shard":
         wrapped = apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device=world.device)
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     if strategy == "fully_shard":
-        wrapped = apply_fully_shard(model, init_device_mesh(world.device.type, (world.world_size,)),
-                                    block_types=(Block,))
+        wrapped = apply_fully_shard(
+            model, init_device_mesh(world.device.type, (world.world_size,)), block_types=(Block,)
+        )
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     raise AssertionError(strategy)
 
@@ -126,7 +172,9 @@ def _wrap(strategy, model, world):
 def measure_per_rank_bytes(strategies):
     """Every rank's model_state_bytes after one optimizer step, per strategy (runs in the spawned world)."""
     with join_world("gloo", timeout_s=120) as world:
-        rows = make_dataset("tiny", 12).tokens[6 * world.rank: 6 * world.rank + 6]  # this rank's 6 sequences
+        rows = make_dataset("tiny", 12).tokens[
+            6 * world.rank : 6 * world.rank + 6
+        ]  # this rank's 6 sequences
         inputs, targets = rows[:, :-1], rows[:, 1:]
         measured = {}
         for strategy in strategies:
@@ -145,8 +193,12 @@ def test_estimate_matches_bytes_measured_on_a_real_world_of_2():
     n_tensors = len(list(model.parameters()))
     largest = max(p.numel() for p in model.parameters())
     fp32 = LAYOUTS["adam-fp32"]
-    measured = spawn_world(measure_per_rank_bytes, 2, ["ddp", "zero1", "fsdp_full_shard", "fully_shard"],
-                           deadline_s=180)
+    measured = spawn_world(
+        measure_per_rank_bytes,
+        2,
+        ["ddp", "zero1", "fsdp_full_shard", "fully_shard"],
+        deadline_s=180,
+    )
 
     # Tolerances, stated: AdamW keeps a 4-byte scalar `step` per parameter tensor that the formulas
     # (bytes per parameter) do not count; the rest must agree exactly or within the named slack.
@@ -166,7 +218,10 @@ def test_estimate_matches_bytes_measured_on_a_real_world_of_2():
     zero1 = measured["zero1"]
     for per_rank in zero1:
         assert per_rank["param_bytes"] == 4 * psi and per_rank["grad_bytes"] == 4 * psi
-        assert abs(per_rank["optimizer_bytes"] - estimate_of("zero1")["optimizer_bytes"]) <= 8 * largest + step_bytes
+        assert (
+            abs(per_rank["optimizer_bytes"] - estimate_of("zero1")["optimizer_bytes"])
+            <= 8 * largest + step_bytes
+        )
     assert sum(r["optimizer_bytes"] for r in zero1) == 8 * psi + step_bytes
     assert max(r["optimizer_bytes"] for r in zero1) < 0.6 * measured["ddp"][0]["optimizer_bytes"]
 
@@ -175,9 +230,17 @@ def test_estimate_matches_bytes_measured_on_a_real_world_of_2():
     pad_bytes = 4 * (2 - 1) * n_tensors
     for strategy in ("fsdp_full_shard", "fully_shard"):
         for per_rank in measured[strategy]:
-            assert abs(per_rank["param_bytes"] - estimate_of("zero3")["param_bytes"]) <= pad_bytes, (strategy, per_rank)
-            assert abs(per_rank["grad_bytes"] - estimate_of("zero3")["grad_bytes"]) <= pad_bytes, (strategy, per_rank)
-            assert abs(per_rank["optimizer_bytes"] - estimate_of("zero3")["optimizer_bytes"]) <= 2 * pad_bytes + step_bytes
+            assert (
+                abs(per_rank["param_bytes"] - estimate_of("zero3")["param_bytes"]) <= pad_bytes
+            ), (strategy, per_rank)
+            assert abs(per_rank["grad_bytes"] - estimate_of("zero3")["grad_bytes"]) <= pad_bytes, (
+                strategy,
+                per_rank,
+            )
+            assert (
+                abs(per_rank["optimizer_bytes"] - estimate_of("zero3")["optimizer_bytes"])
+                <= 2 * pad_bytes + step_bytes
+            )
             assert per_rank["param_bytes"] <= measured["ddp"][0]["param_bytes"] / 2 + pad_bytes
 
 
@@ -196,12 +259,14 @@ def test_activations_follow_korthikanti_per_layer_formulas():
     logits = 4 * s * b * V
     none = s * b * h * (34 + 5 * a * s / h)
     assert activation_bytes(EstimateConfig(**shape, flash_attention=False)) == pytest.approx(
-        L * none + logits)
+        L * none + logits
+    )
     # Flash attention and selective recomputation drop the s x s scores: 34 s b h per layer.
     flash = activation_bytes(EstimateConfig(**shape))
     assert flash == pytest.approx(L * 34 * s * b * h + logits)
-    assert activation_bytes(EstimateConfig(**shape, flash_attention=False,
-                                           checkpointing="selective")) == pytest.approx(flash)
+    assert activation_bytes(
+        EstimateConfig(**shape, flash_attention=False, checkpointing="selective")
+    ) == pytest.approx(flash)
     # Full recomputation: 2 s b h per layer, plus one layer's activations while it is recomputed.
     full = activation_bytes(EstimateConfig(**shape, checkpointing="full"))
     assert full == pytest.approx(L * 2 * s * b * h + 34 * s * b * h + logits)
@@ -242,13 +307,15 @@ def test_each_strategy_per_gpu_matches_the_table_and_hsdp_shards_over_its_group(
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert got["device"][key] == table[key]
         assert got["device"]["total_bytes"] == pytest.approx(
-            table["total_bytes"] + got["device"]["activation_bytes"])
+            table["total_bytes"] + got["device"]["activation_bytes"]
+        )
     # HSDP: ZeRO-3 inside a group of shard_size ranks, the groups replicate: 16 * psi / 8 each.
     hsdp = _gpu(params=psi, world_size=n, strategy="hsdp", shard_size=8, precision="autocast")
     assert hsdp["shard_over"] == 8
     assert hsdp["device"]["param_bytes"] == 4 * psi / 8
     assert sum(hsdp["device"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")) == (
-        pytest.approx(16 * psi / 8))
+        pytest.approx(16 * psi / 8)
+    )
     # Offload moves the sharded parts to the host; ZeRO-3 keeps no model state on the device.
     off = _gpu(params=psi, world_size=n, strategy="zero3", offload=True)
     assert off["host_bytes"] == pytest.approx(16 * psi / n)
@@ -258,7 +325,12 @@ def test_each_strategy_per_gpu_matches_the_table_and_hsdp_shards_over_its_group(
 def test_fits_compares_with_the_gpu_and_presets_set_the_shape():
     cfg = EstimateConfig(model="llama3-70b", params=1.0, layers=1, world_size=8, strategy="ddp")
     assert (cfg.params, cfg.layers, cfg.hidden, cfg.heads, cfg.vocab) == (
-        70.6e9, 80, 8192, 64, 128256)
+        70.6e9,
+        80,
+        8192,
+        64,
+        128256,
+    )
     assert not gpu_memory(cfg)["fits"]  # 16 bytes x 70.6e9 replicated
     small = _gpu(model="100m", world_size=1, strategy="ddp", seq_len=512, gpu_memory_gib=24)
     assert small["fits"] and small["gpu_bytes"] == 24 * 2**30

@@ -39,8 +39,12 @@ def gpt2_sharded_from_seed_checkpoint(path: str):
     from recipes.core.state import all_ranks, full_state_on_rank0
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_sharded_on_meta(lambda: GPT2LMHeadModel(gpt2_config()), mesh,
-                                  block_types=(GPT2Block,), device=torch.device("cpu"))
+    model = build_sharded_on_meta(
+        lambda: GPT2LMHeadModel(gpt2_config()),
+        mesh,
+        block_types=(GPT2Block,),
+        device=torch.device("cpu"),
+    )
     meta_init.load_seed_checkpoint(model, path)
     tied = model.lm_head.weight is model.transformer.wte.weight
     shard_bytes = all_ranks(model_state_bytes(model)["param_bytes"])
@@ -71,9 +75,15 @@ def rank_main(paths: tuple[str, str]):
     """Everything on one world of 2 (run_world has joined it): one spawn for the whole test."""
     seed_dir, gpt2_dir = paths
     replay = proven(CFG)
-    seeded = proven(meta_init.MetaInitConfig(
-        seed=SEED, method="seed_checkpoint", seed_checkpoint_dir=seed_dir, backend="gloo",
-        timeout_s=60))
+    seeded = proven(
+        meta_init.MetaInitConfig(
+            seed=SEED,
+            method="seed_checkpoint",
+            seed_checkpoint_dir=seed_dir,
+            backend="gloo",
+            timeout_s=60,
+        )
+    )
     return replay, seeded, gpt2_sharded_from_seed_checkpoint(gpt2_dir), dtensor_random_init_on_cpu()
 
 
@@ -127,30 +137,64 @@ def test_meta_init_equals_a_normal_build_and_no_rank_holds_the_model(tmp_path):
 def test_missing_seed_checkpoint_is_one_line_and_exit_2(tmp_path):
     missing = str(tmp_path / "nothing")
     with pytest.raises(ValueError, match="create it once with"):
-        meta_init.run(meta_init.MetaInitConfig(method="seed_checkpoint",
-                                                      seed_checkpoint_dir=missing))
-    proc = run_cli([PYTHON, "-m", "recipes.meta_init", "--method", "seed_checkpoint",
-                    "--seed-checkpoint-dir", missing], timeout_s=120)
+        meta_init.run(
+            meta_init.MetaInitConfig(method="seed_checkpoint", seed_checkpoint_dir=missing)
+        )
+    proc = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.meta_init",
+            "--method",
+            "seed_checkpoint",
+            "--seed-checkpoint-dir",
+            missing,
+        ],
+        timeout_s=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"error: no seed checkpoint in {missing}; create it once with python -m recipes.meta_init "
-        f"--create-seed-checkpoint --seed-checkpoint-dir {missing}"]
+        f"--create-seed-checkpoint --seed-checkpoint-dir {missing}"
+    ]
 
 
 # Slow: torchrun launches of 2 fresh interpreters; the same code runs in the world above.
 @pytest.mark.slow
 def test_torchrun_launches_equal_a_normal_build(tmp_path):
     seed_dir = str(tmp_path / "seed")
-    proc = run_cli([PYTHON, "-m", "recipes.meta_init", "--create-seed-checkpoint",
-                    "--seed-checkpoint-dir", seed_dir], timeout_s=120)
+    proc = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.meta_init",
+            "--create-seed-checkpoint",
+            "--seed-checkpoint-dir",
+            seed_dir,
+        ],
+        timeout_s=120,
+    )
     assert proc.returncode == 0 and os.path.exists(os.path.join(seed_dir, ".metadata")), proc.stderr
     reference = build_model("tiny", seed=0).state_dict()
     expected = sum(t.double().sum().item() for t in reference.values())
     for method in ("replay", "seed_checkpoint"):
         # through the harness, which prints the measured result as JSON
-        command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "-m", "recipes.core.prove", "meta_init", "--backend", "gloo", "--method",
-                   method, "--seed-checkpoint-dir", seed_dir]
+        command = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "meta_init",
+            "--backend",
+            "gloo",
+            "--method",
+            method,
+            "--seed-checkpoint-dir",
+            seed_dir,
+        ]
         proc = run_cli(command, timeout_s=170)
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = last_json(proc.stdout)

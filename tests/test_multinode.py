@@ -34,8 +34,9 @@ from tests.helpers import REPO_ROOT, assert_losses_close, ddp_result
 STEPS, GLOBAL_BATCH = 4, 8
 PORT = 29511  # inside fresh namespaces every port is free
 pytestmark = [
-    pytest.mark.skipif(shutil.which("ip") is None,
-                       reason="needs iproute2's `ip` (apt-get install iproute2)"),
+    pytest.mark.skipif(
+        shutil.which("ip") is None, reason="needs iproute2's `ip` (apt-get install iproute2)"
+    ),
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
 ]
 
@@ -48,8 +49,10 @@ def ip(*args: str) -> None:
 def two_hosts():
     """Two namespaces joined by a veth pair: [(namespace, interface, address), ...]."""
     tag = uuid.uuid4().hex[:6]
-    hosts = [(f"recipes-{tag}-{n}", f"rcp{tag}{n}", f"10.213.{int(tag[:2], 16)}.{n + 1}")
-             for n in range(2)]
+    hosts = [
+        (f"recipes-{tag}-{n}", f"rcp{tag}{n}", f"10.213.{int(tag[:2], 16)}.{n + 1}")
+        for n in range(2)
+    ]
     try:
         for namespace, _, _ in hosts:
             ip("netns", "add", namespace)
@@ -72,26 +75,57 @@ PROVE_DDP = ("recipes.core.prove", "ddp_torchrun")
 HARNESS_DDP = ("recipes.core.prove", "grad_accumulation")
 
 
-def launch_node(host, node_rank: int, master_address: str, rendezvous: str, tmp_path,
-                *extra: str, module: tuple[str, ...] = HARNESS_DDP) -> subprocess.Popen:
+def launch_node(
+    host,
+    node_rank: int,
+    master_address: str,
+    rendezvous: str,
+    tmp_path,
+    *extra: str,
+    module: tuple[str, ...] = HARNESS_DDP,
+) -> subprocess.Popen:
     namespace, interface, address = host
     if rendezvous == "static":
-        joining = [f"--node-rank={node_rank}", f"--master-addr={master_address}",
-                   f"--master-port={PORT}"]
+        joining = [
+            f"--node-rank={node_rank}",
+            f"--master-addr={master_address}",
+            f"--master-port={PORT}",
+        ]
     else:
-        joining = ["--rdzv-backend=c10d", f"--rdzv-endpoint={master_address}:{PORT}",
-                   "--rdzv-id=two-hosts", f"--local-addr={address}"]
+        joining = [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={master_address}:{PORT}",
+            "--rdzv-id=two-hosts",
+            f"--local-addr={address}",
+        ]
         if node_rank == 0:
             joining.append("--rdzv-conf=is_host=1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface}
     env.pop("RANK", None)
-    command = ["ip", "netns", "exec", namespace, "torchrun", "--nnodes=2", "--nproc_per_node=2",
-               *joining, "-m", *module, "--backend", "gloo",
-               "--global-batch-size", str(GLOBAL_BATCH), "--precision", "fp32", *extra]
+    command = [
+        "ip",
+        "netns",
+        "exec",
+        namespace,
+        "torchrun",
+        "--nnodes=2",
+        "--nproc_per_node=2",
+        *joining,
+        "-m",
+        *module,
+        "--backend",
+        "gloo",
+        "--global-batch-size",
+        str(GLOBAL_BATCH),
+        "--precision",
+        "fp32",
+        *extra,
+    ]
     out = open(tmp_path / f"node{node_rank}.out", "w+")
     err = open(tmp_path / f"node{node_rank}.err", "w+")
-    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True
+    )
 
 
 def read(tmp_path, node_rank: int, stream: str) -> str:
@@ -103,8 +137,9 @@ def pids_in(hosts) -> list[int]:
     in a session of its own, out of reach of its process group)."""
     pids = []
     for namespace, _, _ in hosts:
-        listing = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
-                                 text=True, timeout=30)
+        listing = subprocess.run(
+            ["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30
+        )
         pids += [int(pid) for pid in listing.stdout.split()]
     return pids
 
@@ -128,8 +163,11 @@ def wait_all(nodes: list[subprocess.Popen], tmp_path, timeout_s: float) -> None:
         for node in nodes:
             node.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        printed = "\n".join(f"--- node {n} {stream}:\n{read(tmp_path, n, stream)[-2000:]}"
-                            for n in range(len(nodes)) for stream in ("out", "err"))
+        printed = "\n".join(
+            f"--- node {n} {stream}:\n{read(tmp_path, n, stream)[-2000:]}"
+            for n in range(len(nodes))
+            for stream in ("out", "err")
+        )
         pytest.fail(f"the nodes did not end within {timeout_s:g}s\n{printed}")
 
 
@@ -142,9 +180,10 @@ def wait_all(nodes: list[subprocess.Popen], tmp_path, timeout_s: float) -> None:
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_two_hosts_train_like_one_process(two_hosts, rendezvous, tmp_path):
     master = two_hosts[0][2]
-    nodes = [launch_node(host, n, master, rendezvous, tmp_path, "--steps", str(STEPS),
-                         module=PROVE_DDP)
-             for n, host in enumerate(two_hosts)]
+    nodes = [
+        launch_node(host, n, master, rendezvous, tmp_path, "--steps", str(STEPS), module=PROVE_DDP)
+        for n, host in enumerate(two_hosts)
+    ]
     try:
         wait_all(nodes, tmp_path, 240)
     finally:
@@ -153,8 +192,9 @@ def test_two_hosts_train_like_one_process(two_hosts, rendezvous, tmp_path):
         assert node.returncode == 0, read(tmp_path, n, "err")[-4000:]
     result = json.loads(read(tmp_path, 0, "out").strip().splitlines()[-1])
     assert result["world_size"] == 4
-    reference = ddp_result(ddp_torchrun.DDPConfig(
-        steps=STEPS, global_batch_size=GLOBAL_BATCH, precision="fp32"))
+    reference = ddp_result(
+        ddp_torchrun.DDPConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, precision="fp32")
+    )
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
 
 
@@ -167,14 +207,19 @@ def test_two_hosts_train_like_one_process(two_hosts, rendezvous, tmp_path):
 def test_a_host_that_vanishes_ends_the_other_with_a_clear_error(two_hosts, tmp_path):
     timeout_s = 15
     master = two_hosts[0][2]
-    nodes = [launch_node(host, n, master, "static", tmp_path, "--steps", "1000000",
-                         "--timeout-s", str(timeout_s)) for n, host in enumerate(two_hosts)]
+    nodes = [
+        launch_node(
+            host, n, master, "static", tmp_path, "--steps", "1000000", "--timeout-s", str(timeout_s)
+        )
+        for n, host in enumerate(two_hosts)
+    ]
     vanished: list[int] = []
     try:
         deadline = time.monotonic() + 180
         while "step 0 loss" not in read(tmp_path, 0, "out"):  # the recipe's line, from rank 0
-            assert time.monotonic() < deadline and nodes[0].poll() is None, \
-                read(tmp_path, 0, "err")[-4000:]
+            assert time.monotonic() < deadline and nodes[0].poll() is None, read(
+                tmp_path, 0, "err"
+            )[-4000:]
             time.sleep(0.2)
         # Node 1 vanishes: its end of the cable goes down and its namespace is removed. (Deleting
         # the veth would also take node 0's end and address, which node 0's own ranks use to

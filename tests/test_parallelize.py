@@ -8,27 +8,40 @@ import inspect
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from recipes import parallelize, toy
 
-ERRORS = [parallelize.CheckpointingError, parallelize.CompileTargetError,
-          parallelize.ShardingError, parallelize.FSDPWrapError, parallelize.TPPlanError]
+ERRORS = [
+    parallelize.CheckpointingError,
+    parallelize.CompileTargetError,
+    parallelize.ShardingError,
+    parallelize.FSDPWrapError,
+    parallelize.TPPlanError,
+]
 
 
 def test_the_file_imports_torch_and_nothing_of_ours():
     tree = ast.parse(Path(inspect.getfile(parallelize)).read_text())
-    modules = {node.module if isinstance(node, ast.ImportFrom) else alias.name
-               for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-               for alias in node.names}
-    assert all(m.split(".")[0] in {"torch", "fnmatch", "functools", "itertools", "re", "math",
-                                   "collections", "__future__"} for m in modules), modules
+    modules = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    assert all(
+        m.split(".")[0]
+        in {"torch", "fnmatch", "functools", "itertools", "re", "math", "collections", "__future__"}
+        for m in modules
+    ), modules
     for error in ERRORS:
-        assert issubclass(error, ValueError) and error.__doc__ and error.__module__ == \
-            parallelize.__name__
+        assert (
+            issubclass(error, ValueError)
+            and error.__doc__
+            and error.__module__ == parallelize.__name__
+        )
 
 
 @pytest.fixture
@@ -45,20 +58,39 @@ def one_step(model):
     return loss.item()
 
 
-@pytest.mark.parametrize("call, error, names", [
-    (lambda mesh: parallelize.apply_fully_shard(nn.Sequential(nn.Linear(2, 2)), mesh,
-                                                block_types=(toy.Block,)),
-     parallelize.ShardingError, "Linear"),
-    (lambda mesh: parallelize.apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)),
-                                                             block_types=(toy.Block,)),
-     parallelize.CheckpointingError, "Linear"),
-    (lambda mesh: parallelize.apply_compile(nn.Sequential(nn.Linear(2, 2)),
-                                            block_types=(toy.Block,)),
-     parallelize.CompileTargetError, "Linear"),
-    (lambda mesh: parallelize.apply_tp(toy.build_model("tiny"), mesh,
-                                       plan={"nowhere": parallelize.ReplicateParallel()}),
-     parallelize.TPPlanError, "nowhere"),
-])
+@pytest.mark.parametrize(
+    "call, error, names",
+    [
+        (
+            lambda mesh: parallelize.apply_fully_shard(
+                nn.Sequential(nn.Linear(2, 2)), mesh, block_types=(toy.Block,)
+            ),
+            parallelize.ShardingError,
+            "Linear",
+        ),
+        (
+            lambda mesh: parallelize.apply_activation_checkpointing(
+                nn.Sequential(nn.Linear(2, 2)), block_types=(toy.Block,)
+            ),
+            parallelize.CheckpointingError,
+            "Linear",
+        ),
+        (
+            lambda mesh: parallelize.apply_compile(
+                nn.Sequential(nn.Linear(2, 2)), block_types=(toy.Block,)
+            ),
+            parallelize.CompileTargetError,
+            "Linear",
+        ),
+        (
+            lambda mesh: parallelize.apply_tp(
+                toy.build_model("tiny"), mesh, plan={"nowhere": parallelize.ReplicateParallel()}
+            ),
+            parallelize.TPPlanError,
+            "nowhere",
+        ),
+    ],
+)
 def test_a_request_that_matches_nothing_is_refused_in_one_line(world_of_one, call, error, names):
     with pytest.raises(error) as refused:
         call(world_of_one)
@@ -68,14 +100,18 @@ def test_a_request_that_matches_nothing_is_refused_in_one_line(world_of_one, cal
 def test_each_function_leaves_the_first_step_loss_unchanged(world_of_one):
     expected = one_step(toy.build_model("tiny"))
     checkpointed = toy.build_model("tiny")
-    assert len(parallelize.apply_activation_checkpointing(checkpointed,
-                                                          block_types=(toy.Block,))) == 2
-    compiled = parallelize.apply_compile(toy.build_model("tiny"), block_types=(toy.Block,),
-                                         backend="eager")
-    sharded = parallelize.apply_fully_shard(toy.build_model("tiny"), world_of_one,
-                                            block_types=(toy.Block,))
-    split = parallelize.apply_tp(toy.build_model("tiny"), world_of_one,
-                                 plan=parallelize.transformer_lm_plan())
+    assert (
+        len(parallelize.apply_activation_checkpointing(checkpointed, block_types=(toy.Block,))) == 2
+    )
+    compiled = parallelize.apply_compile(
+        toy.build_model("tiny"), block_types=(toy.Block,), backend="eager"
+    )
+    sharded = parallelize.apply_fully_shard(
+        toy.build_model("tiny"), world_of_one, block_types=(toy.Block,)
+    )
+    split = parallelize.apply_tp(
+        toy.build_model("tiny"), world_of_one, plan=parallelize.transformer_lm_plan()
+    )
     for model in (checkpointed, compiled, sharded, split):
         assert one_step(model) == pytest.approx(expected, abs=1e-6)
     names = {name for name, _ in toy.build_model("tiny").named_parameters()}

@@ -8,15 +8,30 @@ import pytest
 import torch
 
 from recipes import pipeline_parallel as pp
-from recipes._pipeline_parallel_split import (GPT2, LLAMA, TRANSFORMER_LM, PipelineSplitError,
-                                              StageModule, even_split, stage_modules)
+from recipes._pipeline_parallel_split import (
+    GPT2,
+    LLAMA,
+    TRANSFORMER_LM,
+    PipelineSplitError,
+    StageModule,
+    even_split,
+    stage_modules,
+)
+from recipes.core.spawn import spawn_world
 from recipes.core.state import all_ranks
 from recipes.core.workload import build_model, lm_loss, make_dataset
-from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
-from tests.helpers import (BACKENDS, assert_losses_close, assert_states_close, last_json,
-                           plain_training_loop, recipe_result, require_world, run_cli,
-                           with_fields)
+from tests.helpers import (
+    BACKENDS,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    plain_training_loop,
+    recipe_result,
+    require_world,
+    run_cli,
+    with_fields,
+)
 
 STEPS = 3
 # (the final state: recipe_result keeps it; the recipe itself returns its losses only)
@@ -35,8 +50,13 @@ CONFIGS = [
 
 def unsplit_reference(cfg: pp.PPConfig):
     """Single-process training of the same model (blocks, seed, data, optimizer), whole batches."""
-    return plain_training_loop(pp.model_config(cfg.model, cfg.n_layers), steps=cfg.steps,
-                               global_batch_size=cfg.global_batch_size, lr=cfg.lr, seed=cfg.seed)
+    return plain_training_loop(
+        pp.model_config(cfg.model, cfg.n_layers),
+        steps=cfg.steps,
+        global_batch_size=cfg.global_batch_size,
+        lr=cfg.lr,
+        seed=cfg.seed,
+    )
 
 
 def gradient_differences(world, configs) -> list[float]:
@@ -45,31 +65,39 @@ def gradient_differences(world, configs) -> list[float]:
     for cfg in configs:
         model_cfg = pp.model_config(cfg.model, cfg.n_layers)
         dataset = make_dataset(model_cfg, cfg.global_batch_size, seed=cfg.seed)
-        batch = dataset.tokens[:cfg.global_batch_size]
+        batch = dataset.tokens[: cfg.global_batch_size]
         inputs, targets = batch[:, :-1], batch[:, 1:]
         reference = build_model(model_cfg, seed=cfg.seed)
         lm_loss(reference(inputs), targets).backward()
         reference_grads = {name: p.grad for name, p in reference.named_parameters()}
 
-        ids, num_stages = pp.stage_placement(cfg.schedule, world.rank, world.world_size,
-                                             cfg.stages_per_rank)
+        ids, num_stages = pp.stage_placement(
+            cfg.schedule, world.rank, world.world_size, cfg.stages_per_rank
+        )
         model = build_model(model_cfg, seed=cfg.seed)
         split = even_split(model, TRANSFORMER_LM, num_stages)
         if cfg.split == "manual":
-            stages = pp.manual_stages(model, split, ids, num_stages, wiring=TRANSFORMER_LM,
-                                      device=world.device)
+            stages = pp.manual_stages(
+                model, split, ids, num_stages, wiring=TRANSFORMER_LM, device=world.device
+            )
         else:
             example = inputs[: cfg.global_batch_size // cfg.microbatches].to(world.device)
-            stages = pp.traced_stages(model, split, ids, device=world.device,
-                                      example_microbatch=example)
+            stages = pp.traced_stages(
+                model, split, ids, device=world.device, example_microbatch=example
+            )
         schedule = pp.build_schedule(cfg.schedule, stages, cfg.microbatches)
         loss = pp.pipeline_step(schedule, stages, inputs.to(world.device), targets.to(world.device))
         expected = lm_loss(reference(inputs), targets).item()
         assert abs(loss - expected) < 1e-5, "the step's loss on every rank"
         names = [name for stage in stages for name, _ in stage.submod.named_parameters()]
         assert names and set(names) <= reference_grads.keys(), "stages keep the model's names"
-        worst.append(max((p.grad.cpu() - reference_grads[name]).abs().max().item()
-                         for stage in stages for name, p in stage.submod.named_parameters()))
+        worst.append(
+            max(
+                (p.grad.cpu() - reference_grads[name]).abs().max().item()
+                for stage in stages
+                for name, p in stage.submod.named_parameters()
+            )
+        )
     return worst
 
 
@@ -124,7 +152,10 @@ def test_every_schedule_equals_the_unsplit_model(backend):
         assert_states_close(result.final_state, reference_state, atol=1e-5)
         extras = result.extras
         assert (extras["schedule"], extras["split"], extras["microbatches"]) == (
-            cfg.schedule, cfg.split, cfg.microbatches)
+            cfg.schedule,
+            cfg.split,
+            cfg.microbatches,
+        )
         v = 1 if cfg.schedule in ("gpipe", "1f1b") else 2
         assert (extras["num_stages"], extras["stages_per_rank"]) == (2 * v, v), label
         # The bubble in theory, (p-1)/(v*m+p-1), and each rank's measured timeline and idle share.
@@ -145,16 +176,24 @@ def test_every_schedule_equals_the_unsplit_model(backend):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(n_layers=0, schedule="interleaved_1f1b"),
-         r"2 blocks cannot fill 4 pipeline stages .* --n-layers 4"),
-        (dict(schedule="1f1b", n_layers=4, microbatches=1),
-         r"1f1b needs at least one micro-batch per stage"),
-        (dict(schedule="dualpipev", n_layers=4, microbatches=2),
-         r"dualpipev needs at least one micro-batch per stage: microbatches=2 < 4 stages"),
+        (
+            dict(n_layers=0, schedule="interleaved_1f1b"),
+            r"2 blocks cannot fill 4 pipeline stages .* --n-layers 4",
+        ),
+        (
+            dict(schedule="1f1b", n_layers=4, microbatches=1),
+            r"1f1b needs at least one micro-batch per stage",
+        ),
+        (
+            dict(schedule="dualpipev", n_layers=4, microbatches=2),
+            r"dualpipev needs at least one micro-batch per stage: microbatches=2 < 4 stages",
+        ),
         (dict(schedule="gpipe", stages_per_rank=2), r"gpipe runs one stage per rank"),
         (dict(schedule="zbv_zero_bubble", stages_per_rank=3), r"exactly 2 stages per rank"),
-        (dict(microbatches=5),
-         r"global_batch_size=12 does not divide across 1 ranks x 5 micro-batches"),
+        (
+            dict(microbatches=5),
+            r"global_batch_size=12 does not divide across 1 ranks x 5 micro-batches",
+        ),
         (dict(schedule="interleaved_1f1b", microbatches=3, global_batch_size=6, n_layers=8), None),
     ],
 )
@@ -170,8 +209,11 @@ def test_layouts_the_schedule_cannot_run_are_rejected(changes, message):
 def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):
     # torch 2.11 may lack a schedule: simulate it by removing the class from this torch
     monkeypatch.delattr(pp.torch_schedules, "ScheduleDualPipeV")
-    with pytest.raises(ValueError, match=r"--schedule dualpipev needs torch.distributed.pipelining"
-                                          r"\.ScheduleDualPipeV, which torch \S+ lacks"):
+    with pytest.raises(
+        ValueError,
+        match=r"--schedule dualpipev needs torch.distributed.pipelining"
+        r"\.ScheduleDualPipeV, which torch \S+ lacks",
+    ):
         pp.check_schedule_runs_here("dualpipev", "gloo")
 
 
@@ -182,9 +224,22 @@ def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):
 @pytest.mark.timeout(270)  # after run_cli's own 240 s
 def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
     # through the harness (the recipe's own lines first, then the result's JSON)
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m",
-                        "recipes.core.prove", "pipeline_parallel", "--compare", "--n-layers", "4",
-                        "--steps", "2"], timeout_s=240)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "pipeline_parallel",
+            "--compare",
+            "--n-layers",
+            "4",
+            "--steps",
+            "2",
+        ],
+        timeout_s=240,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     assert result["world_size"] == 2 and result["extras"]["schedule"] == "1f1b"
@@ -203,9 +258,10 @@ def test_torchrun_launch_compares_every_schedule_and_equals_single_process():
     assert launched.stdout.count("\nstep ") == 2 * runs and "[rank1]" not in launched.stdout
 
 
-@pytest.mark.skipif(pp.torch_version() >= pp.SELF_SEND_FREE_TORCH,
-                    reason=f"torch {torch.__version__} runs the V schedules on gloo: the parity "
-                           "test covers them")
+@pytest.mark.skipif(
+    pp.torch_version() >= pp.SELF_SEND_FREE_TORCH,
+    reason=f"torch {torch.__version__} runs the V schedules on gloo: the parity test covers them",
+)
 def test_zbv_on_gloo_is_refused_where_torch_would_send_to_itself():
     cfg = with_fields(CFG, schedule="zbv_zero_bubble", backend="gloo")
     with pytest.raises(ValueError, match="zbv_zero_bubble on gloo needs torch >= 2.13"):
@@ -244,8 +300,9 @@ def hf_pipeline_world(names):
             # --8<-- [start:your_model]
             # model: e.g. LlamaForCausalLM(config); wiring: LLAMA (GPT2 for GPT-2)
             split = even_split(model, wiring, 2)  # ["model.layers.1"]: stage 1 starts there
-            stages = pp.manual_stages(model, split, [world.rank], 2, wiring=wiring,
-                                      device=world.device)
+            stages = pp.manual_stages(
+                model, split, [world.rank], 2, wiring=wiring, device=world.device
+            )
             schedule = pp.build_schedule("1f1b", stages, HF_MICROBATCHES)
             optimizer = torch.optim.SGD(stages[0].submod.parameters(), lr=HF_LR)
             losses, grads = [], None
@@ -256,8 +313,13 @@ def hf_pipeline_world(names):
                 optimizer.step()
             # --8<-- [end:your_model]
             grads = {n: g for piece in all_ranks(grads) for n, g in piece.items()}
-            out[name] = dict(split=split, tied=stages[0].submod.tied, losses=losses, grads=grads,
-                             state=full_state_of_stages(stages[0].submod))
+            out[name] = dict(
+                split=split,
+                tied=stages[0].submod.tied,
+                losses=losses,
+                grads=grads,
+                state=full_state_of_stages(stages[0].submod),
+            )
         if world.rank == 0:
             for name in names:
                 out[name]["reference"] = hf_reference(name)
@@ -280,11 +342,15 @@ def hf_reference(name: str):
         loss.backward()
         losses.append(loss.item())
         # get_parameter: a tied name (lm_head.weight) gives the one shared tensor
-        grads = grads or {n: model.get_parameter(n).grad.clone() for n, _ in
-                          model.named_parameters(remove_duplicate=False)}
+        grads = grads or {
+            n: model.get_parameter(n).grad.clone()
+            for n, _ in model.named_parameters(remove_duplicate=False)
+        }
         optimizer.step()
-    state = {n: model.get_parameter(n).detach().clone()
-             for n, _ in model.named_parameters(remove_duplicate=False)}
+    state = {
+        n: model.get_parameter(n).detach().clone()
+        for n, _ in model.named_parameters(remove_duplicate=False)
+    }
     return losses, grads, state
 
 
@@ -309,32 +375,51 @@ def test_gpt2_and_llama_in_a_two_stage_pipeline_equal_one_process():
 
 def test_a_split_naming_a_missing_module_names_the_modules_found():
     model = build_model(pp.model_config("tiny", 4))
-    with pytest.raises(PipelineSplitError,
-                       match=r"'layers\.9', which is not a module of TransformerLM; "
-                             r"its modules there: layers\.0, layers\.1, layers\.2"):
+    with pytest.raises(
+        PipelineSplitError,
+        match=r"'layers\.9', which is not a module of TransformerLM; "
+        r"its modules there: layers\.0, layers\.1, layers\.2",
+    ):
         stage_modules(model, ["layers.9"], TRANSFORMER_LM)
-    with pytest.raises(PipelineSplitError,
-                       match=r"'blocks\.1'.* its modules there: tok_embeddings, "
-                             r"pos_embeddings, layers, norm, output"):
+    with pytest.raises(
+        PipelineSplitError,
+        match=r"'blocks\.1'.* its modules there: tok_embeddings, "
+        r"pos_embeddings, layers, norm, output",
+    ):
         stage_modules(model, ["blocks.1"], TRANSFORMER_LM)
     with pytest.raises(PipelineSplitError, match=r"no stage owns the parameters of norm, output"):
         stage_modules(model, [["tok_embeddings", "pos_embeddings", "layers"]], TRANSFORMER_LM)
     with pytest.raises(PipelineSplitError, match=r"layers\.3 named in more than one stage"):
-        stage_modules(model, [["tok_embeddings", "pos_embeddings", "layers.0", "layers.1",
-                               "layers.2", "layers.3"], ["layers.3", "norm", "output"]],
-                      TRANSFORMER_LM)
+        stage_modules(
+            model,
+            [
+                [
+                    "tok_embeddings",
+                    "pos_embeddings",
+                    "layers.0",
+                    "layers.1",
+                    "layers.2",
+                    "layers.3",
+                ],
+                ["layers.3", "norm", "output"],
+            ],
+            TRANSFORMER_LM,
+        )
     with pytest.raises(PipelineSplitError, match=r"must be distinct, in the model's order"):
         stage_modules(model, ["layers.3", "layers.1"], TRANSFORMER_LM)
-    with pytest.raises(PipelineSplitError,
-                       match=r"the split gives 2 stages, the schedule places 4"):
+    with pytest.raises(
+        PipelineSplitError, match=r"the split gives 2 stages, the schedule places 4"
+    ):
         pp.manual_stages(model, ["layers.2"], [0], 4, wiring=TRANSFORMER_LM, device="cpu")
 
 
 def test_per_stage_lists_equal_split_points():
     model = build_model(pp.model_config("tiny", 4))
     by_points = stage_modules(model, ["layers.2"], TRANSFORMER_LM)
-    assert by_points == [["tok_embeddings", "pos_embeddings", "layers.0", "layers.1"],
-                         ["layers.2", "layers.3", "norm", "output"]]
+    assert by_points == [
+        ["tok_embeddings", "pos_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "norm", "output"],
+    ]
     assert stage_modules(model, by_points, TRANSFORMER_LM) == by_points
     # No split point: one stage of every module, the blocks opened (a ModuleDict has no forward).
     assert stage_modules(model, [], TRANSFORMER_LM) == [by_points[0] + by_points[1]]

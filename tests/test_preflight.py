@@ -26,18 +26,35 @@ HOST = socket.gethostname()
 
 
 def test_a_healthy_world_under_torchrun_passes_and_prints_the_table():
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.preflight",
-                    "--timeout-s", "60"], timeout_s=120,
-                   env={"GLOO_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN"})
+    proc = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.preflight",
+            "--timeout-s",
+            "60",
+        ],
+        timeout_s=120,
+        env={"GLOO_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     # one row for this host with both ranks, the device, and the versions
-    row = next(line for line in out.splitlines()
-               if line.startswith(HOST + " ") and "env:" not in line)
+    row = next(
+        line for line in out.splitlines() if line.startswith(HOST + " ") and "env:" not in line
+    )
     assert row.split()[1] == "0,1" and " cpu " in row and torch.__version__ in row, row
     env_line = next(line for line in out.splitlines() if line.startswith(f"{HOST} env: "))
-    for setting in ("WORLD_SIZE=2", "LOCAL_WORLD_SIZE=2", "GLOO_SOCKET_IFNAME=lo",
-                    "NCCL_DEBUG=WARN", "MASTER_ADDR=", "MASTER_PORT="):
+    for setting in (
+        "WORLD_SIZE=2",
+        "LOCAL_WORLD_SIZE=2",
+        "GLOO_SOCKET_IFNAME=lo",
+        "NCCL_DEBUG=WARN",
+        "MASTER_ADDR=",
+        "MASTER_PORT=",
+    ):
         assert setting in env_line, f"{setting} missing from {env_line}"
     assert "preflight: 2 rank(s) on 1 host(s), gloo: every check passed" in out
     assert out.count("free GiB") == 1, "only rank 0 prints the table"
@@ -70,12 +87,14 @@ def _main_with_a_faulty_rank_1(argv: list[str]):
 
 
 def test_a_rank_whose_check_fails_is_named_and_every_rank_exits_1():
-    out, err = spawn_world(_main_with_a_faulty_rank_1, 2, ["--timeout-s", "30",
-                                                           "--matmul-size", "64"],
-                           deadline_s=60)
+    out, err = spawn_world(
+        _main_with_a_faulty_rank_1, 2, ["--timeout-s", "30", "--matmul-size", "64"], deadline_s=60
+    )
     # rank 0's own checks passed; it names rank 1's two failures with its host
-    assert f"error: preflight: rank 1 on {HOST}: device: matmul gave 129 where 128 was expected " \
-           f"(4096 of 4096 entries wrong)" in err, err
+    assert (
+        f"error: preflight: rank 1 on {HOST}: device: matmul gave 129 where 128 was expected "
+        f"(4096 of 4096 entries wrong)" in err
+    ), err
     assert f"error: preflight: rank 1 on {HOST}: all_reduce gave 103, expected 3" in err, err
     assert "rank 0 on" not in err, err
     assert "2 check(s) FAILED" in out and f"{HOST} " in out, out
@@ -83,15 +102,23 @@ def test_a_rank_whose_check_fails_is_named_and_every_rank_exits_1():
 
 def test_a_rank_that_never_arrives_is_named_within_the_timeout():
     # A world of 2 under Slurm's variables in which only rank 0 is started.
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
-           "SLURM_JOB_NODELIST": "localhost",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "localhost",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     start = time.monotonic()
     proc = run_cli([PYTHON, "-m", "recipes.preflight", "--timeout-s", "3"], env=env, timeout_s=60)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip() == (f"error: preflight: rank 0 on {HOST}: joining the world did not "
-                                   "finish within 3 s; rank(s) 1 never arrived"), proc.stderr
+    assert proc.stderr.strip() == (
+        f"error: preflight: rank 0 on {HOST}: joining the world did not "
+        "finish within 3 s; rank(s) 1 never arrived"
+    ), proc.stderr
     # the line itself says the watchdog fired at 3 s (torch's own timeout, 5 s later, words it
     # otherwise); the wall time adds start-up, which on 2 shared cores under load can take long
     assert elapsed < 3 + 30, f"took {elapsed:.1f} s"
@@ -101,7 +128,8 @@ def test_bad_input_is_one_line_and_exit_2():
     proc = run_cli([PYTHON, "-m", "recipes.preflight", "--timeout-s", "0"], timeout_s=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "python -m recipes.preflight: error: --timeout-s 0: use a number of seconds > 0")
+        "python -m recipes.preflight: error: --timeout-s 0: use a number of seconds > 0"
+    )
 
 
 STUCK_RANK_1 = """
@@ -125,10 +153,19 @@ def test_a_check_that_hangs_is_named_with_the_ranks_that_never_got_past_it(tmp_p
     procs: dict[int, object] = {}
 
     def rank_main(rank: int) -> None:
-        env = {**os.environ, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
-               "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "2",
-               "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
+        env = {
+            **os.environ,
+            "SLURM_PROCID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_STEP_ID": "0",
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_JOB_NODELIST": "localhost",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": REPO_ROOT,
+        }
         env.pop("RANK", None)
         procs[rank] = _run_module_forked([PYTHON, str(script)], ("path", str(script)), [], 60, env)
 
@@ -140,11 +177,14 @@ def test_a_check_that_hangs_is_named_with_the_ranks_that_never_got_past_it(tmp_p
         thread.join()
     elapsed = time.monotonic() - start
     assert [procs[rank].returncode for rank in (0, 1)] == [1, 1]
-    assert procs[0].stderr.strip() == (f"error: preflight: rank 0 on {HOST}: barrier did not "
-                                       "finish within 3 s; rank(s) 1 never reached barrier")
+    assert procs[0].stderr.strip() == (
+        f"error: preflight: rank 0 on {HOST}: barrier did not "
+        "finish within 3 s; rank(s) 1 never reached barrier"
+    )
     # (before it, torch may log that the store's host, rank 0, has gone: it exited first)
     assert procs[1].stderr.strip().splitlines()[-1] == (
-        f"error: preflight: rank 1 on {HOST}: device check did not finish within 8 s")
+        f"error: preflight: rank 1 on {HOST}: device check did not finish within 8 s"
+    )
     # the line itself says the watchdog fired at 3 s (torch's own timeout, 5 s later, words it
     # otherwise); the wall time adds start-up, which on 2 shared cores under load can take long
     assert elapsed < 8 + 30, f"took {elapsed:.1f} s"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from recipes import process_groups
-from recipes.parallelize import rank_grid
 from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
+from recipes.parallelize import rank_grid
 from tests.helpers import BACKENDS, last_json, require_world, run_cli
 
 
@@ -23,8 +23,20 @@ def expected_groups(dp: int, tp: int) -> list[dict]:
     for rank in range(dp * tp):
         d, t = divmod(rank, tp)
         row, column = [d * tp + i for i in range(tp)], [i * tp + t for i in range(dp)]
-        groups.append({"tp": {"ranks": row, "all_reduce_sum": float(sum(r + 1 for r in row)), "coordinate": t},
-                       "dp": {"ranks": column, "all_reduce_sum": float(sum(r + 1 for r in column)), "coordinate": d}})
+        groups.append(
+            {
+                "tp": {
+                    "ranks": row,
+                    "all_reduce_sum": float(sum(r + 1 for r in row)),
+                    "coordinate": t,
+                },
+                "dp": {
+                    "ranks": column,
+                    "all_reduce_sum": float(sum(r + 1 for r in column)),
+                    "coordinate": d,
+                },
+            }
+        )
     return groups
 
 
@@ -52,13 +64,21 @@ def test_the_rank_grid_of_a_3d_mesh_has_one_table_per_outer_coordinate():
 
     assert rank_grid(Mesh()).splitlines() == [
         "mesh pp x dp x tp = 2 x 2 x 2",
-        "pp=0:", "          tp=0  tp=1", "  dp=0       0     1", "  dp=1       2     3",
-        "pp=1:", "          tp=0  tp=1", "  dp=0       4     5", "  dp=1       6     7",
+        "pp=0:",
+        "          tp=0  tp=1",
+        "  dp=0       0     1",
+        "  dp=1       2     3",
+        "pp=1:",
+        "          tp=0  tp=1",
+        "  dp=0       4     5",
+        "  dp=1       6     7",
     ]
 
 
 def test_tp_that_does_not_divide_the_world_is_rejected():
-    with pytest.raises(ValueError, match=r"tp=3 does not divide the world size 4; use --tp 1, 2, 4"):
+    with pytest.raises(
+        ValueError, match=r"tp=3 does not divide the world size 4; use --tp 1, 2, 4"
+    ):
         process_groups.mesh_shape(4, 3)
 
 
@@ -67,10 +87,14 @@ def test_tp_that_does_not_divide_the_world_is_rejected():
 # and test_multinode cover the launch path itself there.
 @pytest.mark.slow
 def test_torchrun_launch_prints_the_rank_map():
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.process_groups"],
-                       timeout_s=120)
+    launched = run_cli(
+        ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.process_groups"],
+        timeout_s=120,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
-    assert "mesh dp x tp = 1 x 2" in launched.stdout and "tp groups (rows): [0, 1]" in launched.stdout
+    assert (
+        "mesh dp x tp = 1 x 2" in launched.stdout and "tp groups (rows): [0, 1]" in launched.stdout
+    )
     result = last_json(launched.stdout)
     assert result["groups_per_rank"] == expected_groups(1, 2)
     assert "[rank1]" not in launched.stdout

@@ -10,13 +10,23 @@ import pytest
 import torch
 
 from recipes import profiling
-from tests.helpers import (PYTHON, assert_losses_close, assert_states_close, last_json, plain_training_loop,
-                           recipe_result, run_cli, run_world, with_fields)
+from tests.helpers import (
+    PYTHON,
+    assert_losses_close,
+    assert_states_close,
+    last_json,
+    plain_training_loop,
+    recipe_result,
+    run_cli,
+    run_world,
+    with_fields,
+)
 
 # wait 1 + warmup 1 + active 2 = 4 profiled steps: the smallest window that skips step 0.
 # The harness (recipe_result: prove) measures the run from outside, with the final state.
-CFG = profiling.ProfilingConfig(steps=4, wait=1, warmup=1, active=2, precision="fp32", backend="gloo",
-                                timeout_s=60)
+CFG = profiling.ProfilingConfig(
+    steps=4, wait=1, warmup=1, active=2, precision="fp32", backend="gloo", timeout_s=60
+)
 # DDP's gradient all-reduce on gloo, as torch records it: launched on the training thread, then run on
 # one of gloo's worker threads. The tiny model's gradients fit in one bucket: one of each per step.
 GLOO_ALL_REDUCE = ("c10d::allreduce_", "gloo:all_reduce")
@@ -31,8 +41,13 @@ def trace_events(path: str) -> tuple[list[dict], dict]:
 
 def test_two_ranks_trace_the_gradient_all_reduce_and_train_as_one_process(tmp_path):
     cfg = with_fields(CFG, trace_dir=str(tmp_path / "world"))
-    reference_losses, reference_state = plain_training_loop(cfg.model, steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
-                                                            global_batch_size=cfg.global_batch_size)
+    reference_losses, reference_state = plain_training_loop(
+        cfg.model,
+        steps=cfg.steps,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        global_batch_size=cfg.global_batch_size,
+    )
     alone = recipe_result(with_fields(cfg, trace_dir=str(tmp_path / "alone")))
     (result,) = run_world(recipe_result, 2, [cfg])
 
@@ -47,8 +62,12 @@ def test_two_ranks_trace_the_gradient_all_reduce_and_train_as_one_process(tmp_pa
     for rank, path in enumerate(expected_paths):
         events, info = trace_events(path)
         names = {event.get("name") for event in events}
-        assert {"forward", "backward", "optimizer", *GLOO_ALL_REDUCE} <= names, f"rank {rank}: {names}"
-        assert info.get("rank") == rank and info.get("world_size") == 2, "one file per rank, named by rank"
+        assert {"forward", "backward", "optimizer", *GLOO_ALL_REDUCE} <= names, (
+            f"rank {rank}: {names}"
+        )
+        assert info.get("rank") == rank and info.get("world_size") == 2, (
+            "one file per rank, named by rank"
+        )
 
     # Every collective in the profiled steps is DDP's gradient all-reduce: one per step, nothing else
     # (the logged loss is averaged once after the loop, not by an all-reduce inside each step).
@@ -60,9 +79,13 @@ def test_two_ranks_trace_the_gradient_all_reduce_and_train_as_one_process(tmp_pa
     assert 0 < len(top_ops) <= cfg.top_ops
     assert all(isinstance(name, str) and ms >= 0 and calls >= 1 for name, ms, calls in top_ops)
     assert [ms for _, ms, _ in top_ops] == sorted((ms for _, ms, _ in top_ops), reverse=True)
-    assert not {"ProfilerStep*", "forward", "backward", "optimizer"} & {name for name, _, _ in top_ops}, \
-        "annotations are regions, not ops"
-    assert extras["memory_snapshot"].startswith("needs CUDA") and extras["window_peak_allocated_bytes"] is None
+    assert not {"ProfilerStep*", "forward", "backward", "optimizer"} & {
+        name for name, _, _ in top_ops
+    }, "annotations are regions, not ops"
+    assert (
+        extras["memory_snapshot"].startswith("needs CUDA")
+        and extras["window_peak_allocated_bytes"] is None
+    )
 
 
 # Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).
@@ -72,14 +95,36 @@ def test_two_ranks_trace_the_gradient_all_reduce_and_train_as_one_process(tmp_pa
 def test_torchrun_prints_the_top_ops_table_and_the_result_as_json(tmp_path):
     # 6 steps around the default 4-step window: with the schedule's default repeat=0, a second cycle
     # would start after the window and replace its events.
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "recipes.core.prove", "profiling",
-                    "--precision", "fp32", "--backend", "gloo", "--steps", "6", "--top-ops", "5",
-                    "--trace-dir", str(tmp_path)], timeout_s=120)
+    proc = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "profiling",
+            "--precision",
+            "fp32",
+            "--backend",
+            "gloo",
+            "--steps",
+            "6",
+            "--top-ops",
+            "5",
+            "--trace-dir",
+            str(tmp_path),
+        ],
+        timeout_s=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
-    assert result["recipe"] == "profiling" and result["world_size"] == 2 and len(result["losses"]) == 6
+    assert (
+        result["recipe"] == "profiling" and result["world_size"] == 2 and len(result["losses"]) == 6
+    )
     assert result["extras"]["communication_events"] == {name: 2 for name in GLOO_ALL_REDUCE}
-    assert "top 5 ops by self_cpu_time_total:" in proc.stdout and "Self CPU time total" in proc.stdout
+    assert (
+        "top 5 ops by self_cpu_time_total:" in proc.stdout and "Self CPU time total" in proc.stdout
+    )
     # The table's rows are the result's top_ops (the table cuts names longer than ~55 characters).
     assert len(result["extras"]["top_ops"]) == 5
     for name, _, _ in result["extras"]["top_ops"]:
@@ -90,19 +135,37 @@ def test_torchrun_prints_the_top_ops_table_and_the_result_as_json(tmp_path):
 
 
 def test_a_profile_window_longer_than_the_run_fails_in_one_line():
-    proc = run_cli([PYTHON, "-m", "recipes.profiling", "--wait", "2", "--warmup", "2", "--active", "3",
-                    "--steps", "6"], timeout_s=60)
+    proc = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "recipes.profiling",
+            "--wait",
+            "2",
+            "--warmup",
+            "2",
+            "--active",
+            "3",
+            "--steps",
+            "6",
+        ],
+        timeout_s=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --wait 2 + --warmup 2 + --active 3 = 7 profiled steps, more than --steps 6; "
-        "use --steps 7 or profile fewer steps"]
+        "use --steps 7 or profile fewer steps"
+    ]
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"active": 0}, r"^active must be >= 1, got 0$"),
-    ({"wait": -1}, r"^wait must be >= 0, got -1$"),
-    ({"top_ops": 0}, r"^top_ops must be >= 1, got 0$"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"active": 0}, r"^active must be >= 1, got 0$"),
+        ({"wait": -1}, r"^wait must be >= 0, got -1$"),
+        ({"top_ops": 0}, r"^top_ops must be >= 1, got 0$"),
+    ],
+)
 def test_bad_values_are_refused_with_the_fix(changes, message):
     with pytest.raises(ValueError, match=message):
         profiling.ProfilingConfig(**changes)
@@ -118,11 +181,15 @@ def test_a_trace_dir_that_is_a_file_is_refused(tmp_path):
 def test_the_memory_snapshot_holds_the_profiled_steps_and_the_peak_the_result_reports(tmp_path):
     result = recipe_result(with_fields(CFG, backend="auto", trace_dir=str(tmp_path)))
     extras = result.extras
-    assert result.device.startswith("cuda") and extras["top_ops_sorted_by"] == "self_device_time_total"
+    assert (
+        result.device.startswith("cuda") and extras["top_ops_sorted_by"] == "self_device_time_total"
+    )
     assert extras["memory_snapshot"] == str(tmp_path / "memory-snapshot-rank0.pickle")
     with open(extras["memory_snapshot"], "rb") as f:
         snapshot = pickle.load(f)  # what pytorch.org/memory_viz reads
-    assert snapshot["segments"] and 0 < extras["memory_snapshot_events"] < CFG.memory_history_entries
+    assert (
+        snapshot["segments"] and 0 < extras["memory_snapshot_events"] < CFG.memory_history_entries
+    )
     # The snapshot is the allocator's whole record of the window: replayed, it reaches the peak
     # the allocator counted over the same steps, to the byte.
     assert extras["snapshot_peak_requested_bytes"] == extras["window_peak_requested_bytes"]

@@ -11,13 +11,18 @@ import pytest
 from recipes.__main__ import describe, recipe_modules
 from tests.helpers import PYTHON, REPO_ROOT, run_cli
 
+
 def test_every_recipe_is_listed_with_a_summary_and_a_command():
     proc = run_cli([PYTHON, "-m", "recipes"], timeout_s=120)
     assert proc.returncode == 0, proc.stderr
     for name in recipe_modules():
         summary, command = describe(name)
-        assert summary and summary.endswith("."), f"recipes/{name}.py: the docstring's first line should be a sentence"
-        assert f"recipes.{name}" in command, f"recipes/{name}.py: its docstring should open with the command that runs it"
+        assert summary and summary.endswith("."), (
+            f"recipes/{name}.py: the docstring's first line should be a sentence"
+        )
+        assert f"recipes.{name}" in command, (
+            f"recipes/{name}.py: its docstring should open with the command that runs it"
+        )
         assert name in proc.stdout and command in proc.stdout
 
 
@@ -50,32 +55,52 @@ def test_every_recipe_command_line_calls_train_or_run_returning_a_recipe_result(
 
     for name in recipe_modules():
         tree = ast.parse(Path(REPO_ROOT, "recipes", f"{name}.py").read_text())
-        main_block = next(node for node in tree.body if isinstance(node, ast.If)
-                          and "__main__" in ast.unparse(node.test))
+        main_block = next(
+            node
+            for node in tree.body
+            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+        )
         if is_copyable(tree):  # the new shape: main() parses argparse and calls train or run
-            called = {ast.unparse(node.func) for node in ast.walk(main_block)
-                      if isinstance(node, ast.Call)}
+            called = {
+                ast.unparse(node.func)
+                for node in ast.walk(main_block)
+                if isinstance(node, ast.Call)
+            }
             assert "main" in called, f"recipes/{name}.py: its __main__ block should call main()"
-            main_fn = next(node for node in tree.body
-                           if isinstance(node, ast.FunctionDef) and node.name == "main")
-            in_main = {ast.unparse(node.func) for node in ast.walk(main_fn)
-                       if isinstance(node, ast.Call)}
+            main_fn = next(
+                node
+                for node in tree.body
+                if isinstance(node, ast.FunctionDef) and node.name == "main"
+            )
+            in_main = {
+                ast.unparse(node.func) for node in ast.walk(main_fn) if isinstance(node, ast.Call)
+            }
             assert in_main & {"train", "run", ENTRY_EXCEPTIONS.get(name)}, (
-                f"recipes/{name}.py: main() calls {in_main}")
+                f"recipes/{name}.py: main() calls {in_main}"
+            )
             continue
-        calls = [node for node in ast.walk(main_block) if isinstance(node, ast.Call)
-                 and ast.unparse(node.func) == "run_cli"]
+        calls = [
+            node
+            for node in ast.walk(main_block)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "run_cli"
+        ]
         if name in ENTRY_EXCEPTIONS:  # called, or handed to run_cli
-            called = {ast.unparse(node.func) for node in ast.walk(main_block)
-                      if isinstance(node, ast.Call)}
+            called = {
+                ast.unparse(node.func)
+                for node in ast.walk(main_block)
+                if isinstance(node, ast.Call)
+            }
             called |= {ast.unparse(call.args[0]) for call in calls if call.args}
             assert ENTRY_EXCEPTIONS[name] in called, f"recipes/{name}.py calls {sorted(called)}"
             continue
-        assert calls, f"recipes/{name}.py: its __main__ block should call run_cli(train or run, ...)"
+        assert calls, (
+            f"recipes/{name}.py: its __main__ block should call run_cli(train or run, ...)"
+        )
         entry = ast.unparse(calls[0].args[0])
         assert entry in ("train", "run"), f"recipes/{name}.py: the command line calls {entry}"
-        function = next(node for node in tree.body
-                        if isinstance(node, ast.FunctionDef) and node.name == entry)
+        function = next(
+            node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == entry
+        )
         assert ast.unparse(function.returns) == "RecipeResult", f"recipes.{name}.{entry}"
 
 
@@ -85,10 +110,16 @@ def is_copyable(tree) -> bool:
 
     return not any(
         isinstance(node, (ast.Import, ast.ImportFrom))
-        and any(name.startswith("recipes.core") for name in (
-            [node.module or ""] if isinstance(node, ast.ImportFrom)
-            else [alias.name for alias in node.names]))
-        for node in ast.walk(tree))
+        and any(
+            name.startswith("recipes.core")
+            for name in (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [alias.name for alias in node.names]
+            )
+        )
+        for node in ast.walk(tree)
+    )
 
 
 def test_a_recipe_over_300_lines_says_why_in_its_docstring():
@@ -104,7 +135,9 @@ def test_a_recipe_over_300_lines_says_why_in_its_docstring():
             stated = re.search(r"Length: about (\d+) lines", doc)
             assert stated, (
                 f"recipes/{name}.py has {lines} lines: split the second idea out, or say why in "
-                "its docstring ('Length: about N lines, ...')")
+                "its docstring ('Length: about N lines, ...')"
+            )
             # the stated length follows the file: within 10%
             assert abs(int(stated[1]) - lines) <= 0.1 * lines, (
-                f"recipes/{name}.py says about {stated[1]} lines and has {lines}")
+                f"recipes/{name}.py says about {stated[1]} lines and has {lines}"
+            )

@@ -24,8 +24,15 @@ STEPS, MICRO, BATCH, PAD = 2, 2, 8, 0.5
 
 def config(mode, mesh, **changes):
     return acc.ShardedAccumulationConfig(
-        mode=mode, mesh=mesh, steps=STEPS, micro_batches=MICRO, global_batch_size=BATCH,
-        pad_fraction=PAD, precision="fp32", **changes)
+        mode=mode,
+        mesh=mesh,
+        steps=STEPS,
+        micro_batches=MICRO,
+        global_batch_size=BATCH,
+        pad_fraction=PAD,
+        precision="fp32",
+        **changes,
+    )
 
 
 def accumulation_result(cfg):
@@ -47,8 +54,9 @@ def test_three_ways_count_their_collectives_hold_their_bytes_and_equal_one_proce
     results = dict(zip(runs, run_world(accumulation_result, 4, runs.values(), deadline_s=300)))
     ragged = acc.make_ragged_dataset("tiny", BATCH, pad_fraction=PAD, seed=0)
     assert len({int(n) for n in ragged.lengths[:BATCH]}) > 2  # ragged indeed
-    ref_losses, ref_state = plain_training_loop("tiny", steps=STEPS, global_batch_size=BATCH,
-                                                lr=1e-3, seed=0, dataset=ragged)
+    ref_losses, ref_state = plain_training_loop(
+        "tiny", steps=STEPS, global_batch_size=BATCH, lr=1e-3, seed=0, dataset=ragged
+    )
 
     every = results["every"].extras
     groups, full = every["fsdp_groups"], every["grad_bytes_unsharded"]
@@ -63,8 +71,10 @@ def test_three_ways_count_their_collectives_hold_their_bytes_and_equal_one_proce
     tokens = {"calls": 2, "bytes": 8}
     assert per_step["naive_mean"]["all_reduce over 4"] == {"calls": 1, "bytes": 4}
     # reduce-scatter every micro-batch: k x G calls, k x the gradient bytes
-    assert per_step["every"]["reduce_scatter over 4"] == {"calls": MICRO * groups,
-                                                          "bytes": MICRO * full}
+    assert per_step["every"]["reduce_scatter over 4"] == {
+        "calls": MICRO * groups,
+        "bytes": MICRO * full,
+    }
     assert per_step["every"]["all_reduce over 4"] == tokens
     # sync only on the last micro-batch: G calls, the gradient bytes once
     assert per_step["sync_last"]["reduce_scatter over 4"] == {"calls": groups, "bytes": full}
@@ -73,11 +83,15 @@ def test_three_ways_count_their_collectives_hold_their_bytes_and_equal_one_proce
     # HSDP: the shard group reduce-scatters each micro-batch; the replica all-reduce of the
     # half-size shards runs every micro-batch by default, once with set_requires_all_reduce.
     for name in ("hsdp_every", "hsdp_last"):
-        assert per_step[name]["reduce_scatter over 2"] == {"calls": MICRO * groups,
-                                                           "bytes": MICRO * full}
+        assert per_step[name]["reduce_scatter over 2"] == {
+            "calls": MICRO * groups,
+            "bytes": MICRO * full,
+        }
         assert per_step[name]["all_reduce over 4"] == tokens
-    assert per_step["hsdp_every"]["all_reduce over 2"] == {"calls": MICRO * groups,
-                                                           "bytes": MICRO * full // 2}
+    assert per_step["hsdp_every"]["all_reduce over 2"] == {
+        "calls": MICRO * groups,
+        "bytes": MICRO * full // 2,
+    }
     assert per_step["hsdp_last"]["all_reduce over 2"] == {"calls": groups, "bytes": full // 2}
     # Accumulation changes no all-gather.
     assert len({str(per_step[n]["all_gather over 4"]) for n in ("every", "sync_last")}) == 1
@@ -85,8 +99,14 @@ def test_three_ways_count_their_collectives_hold_their_bytes_and_equal_one_proce
 
     # Gradient bytes each rank holds between micro-batches: sharded (1/N) unless sync is off.
     held = {name: r.extras["grad_bytes_between_micro_batches"] for name, r in results.items()}
-    assert held == {"every": full // 4, "sync_last": full, "ddp_helper": full // 4,
-                    "hsdp_every": full // 2, "hsdp_last": full // 2, "naive_mean": full}
+    assert held == {
+        "every": full // 4,
+        "sync_last": full,
+        "ddp_helper": full // 4,
+        "hsdp_every": full // 2,
+        "hsdp_last": full // 2,
+        "naive_mean": full,
+    }
 
     # Every way, normalised by tokens, equals one process on the whole ragged batch...
     for name in ("every", "sync_last", "ddp_helper", "hsdp_every", "hsdp_last"):
@@ -101,15 +121,21 @@ def test_three_ways_count_their_collectives_hold_their_bytes_and_equal_one_proce
 
 def test_hsdp_mode_without_a_two_dim_mesh_is_one_line():
     # refused by train before it joins a world (the config is a plain dataclass)
-    with pytest.raises(ValueError, match=r"^mode hsdp_all_reduce_last needs a replicate x shard "
-                                         r"mesh, e.g. --mesh 2 2 on 4 ranks$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^mode hsdp_all_reduce_last needs a replicate x shard "
+        r"mesh, e.g. --mesh 2 2 on 4 ranks$",
+    ):
         acc.train(acc.ShardedAccumulationConfig(mode="hsdp_all_reduce_last"))
 
 
 def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
     world = types.SimpleNamespace(world_size=2, device=types.SimpleNamespace(type="cpu"))
-    with pytest.raises(MeshError, match=r"^mesh 3 has 3 ranks but the world has 2; pass sizes "
-                                        r">= 1 whose product is 2$"):
+    with pytest.raises(
+        MeshError,
+        match=r"^mesh 3 has 3 ranks but the world has 2; pass sizes "
+        r">= 1 whose product is 2$",
+    ):
         acc.data_parallel_mesh(world, [3])
     with pytest.raises(MeshError, match=r"^mesh 2x2 has 4 ranks but the world has 2"):
         checked_mesh(world, [2, 2], ("replicate", "shard"))
@@ -119,9 +145,23 @@ def test_a_mesh_whose_product_is_not_the_world_size_is_one_line():
 def test_torchrun_launch_prints_the_counted_collectives():
     # through the harness, as scripts/collect_results.py runs it (the copy test launches the
     # recipe itself under torchrun)
-    proc = cli([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                "recipes.core.prove", "sharded_accumulation", "--mode", "sync_last", "--steps",
-                "1"], timeout_s=300)
+    proc = cli(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "recipes.core.prove",
+            "sharded_accumulation",
+            "--mode",
+            "sync_last",
+            "--steps",
+            "1",
+        ],
+        timeout_s=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     extras = last_json(proc.stdout)["extras"]
     groups, full = extras["fsdp_groups"], extras["grad_bytes_unsharded"]

@@ -21,10 +21,6 @@ import torch
 import torch.distributed as dist
 
 from recipes import _sharded_checkpoint_store, sharded_checkpoint
-from recipes.core.state import full_state_on_rank0
-from recipes.core.workload import build_model, lm_loss, make_dataset
-from recipes.core.spawn import spawn_world
-from recipes.core.world import RankError, join_world
 from recipes._sharded_checkpoint_store import (
     CheckpointError,
     file_entry,
@@ -34,6 +30,10 @@ from recipes._sharded_checkpoint_store import (
     save_checkpoint,
     verify_checkpoint,
 )
+from recipes.core.spawn import spawn_world
+from recipes.core.state import full_state_on_rank0
+from recipes.core.workload import build_model, lm_loss, make_dataset
+from recipes.core.world import RankError, join_world
 from recipes.sharded_checkpoint import AppState, CheckpointConfig, ResumableSampler
 from tests.helpers import (
     CUDA_DEVICES,
@@ -394,8 +394,9 @@ def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path, capsys):
                 checkpoint_dir=ddp_dir,
             ),
         )
-    with pytest.raises(CheckpointError,
-                       match=r"--resume-from .*nowhere: no such checkpoint directory"):
+    with pytest.raises(
+        CheckpointError, match=r"--resume-from .*nowhere: no such checkpoint directory"
+    ):
         find_checkpoint(str(tmp_path / "nowhere"), ddp_dir)
     (tmp_path / "latest").write_text("step_00000009")
     with pytest.raises(CheckpointError, match=r"names .*step_00000009, which does not exist"):
@@ -405,8 +406,10 @@ def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path, capsys):
     )  # first run of a requeued job: fresh
     # The command line refuses what the config would not run, in one line (argparse: exit 2).
     for args, message in [
-        (["--strategy", "zero"], "argument --strategy: invalid choice: 'zero' (choose from "
-                                 "'ddp', 'fsdp', 'fsdp2')"),
+        (
+            ["--strategy", "zero"],
+            "argument --strategy: invalid choice: 'zero' (choose from 'ddp', 'fsdp', 'fsdp2')",
+        ),
         (["--save-every", "-1"], "argument --save-every: must be a finite number >= 0, got -1"),
     ]:
         with pytest.raises(SystemExit) as exited:
@@ -730,14 +733,21 @@ def test_trainer_killed_during_an_async_save_keeps_the_last_good_checkpoint(
         pytest.skip("finds the writer processes to kill through /proc (Linux only)")
     root, markers = tmp_path / "killed", tmp_path / "markers"
     markers.mkdir()
-    cfg = with_fields(BASE, strategy="fsdp2", save_every=3, async_save=True, async_mode=async_mode,
-                      checkpoint_dir=str(root))
+    cfg = with_fields(
+        BASE,
+        strategy="fsdp2",
+        save_every=3,
+        async_save=True,
+        async_mode=async_mode,
+        checkpoint_dir=str(root),
+    )
     outcome = {}
 
     def run():
         try:
-            outcome["result"] = spawn_world(train_until_a_save_is_in_flight, 2, cfg, str(markers),
-                                            6, deadline_s=240)
+            outcome["result"] = spawn_world(
+                train_until_a_save_is_in_flight, 2, cfg, str(markers), 6, deadline_s=240
+            )
         except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
             outcome["error"] = exc
 
@@ -765,8 +775,7 @@ def test_trainer_killed_during_an_async_save_keeps_the_last_good_checkpoint(
     verify_checkpoint(str(root / "step_00000003"))
     # The job is restarted (here on 1 rank, thread mode: this test process must not keep a DCP
     # writer process for the other tests) and trains exactly as the run that was never killed.
-    result = run_alone(recipe_result, with_fields(cfg, resume_from="latest",
-                                                             async_mode="thread"))
+    result = run_alone(recipe_result, with_fields(cfg, resume_from="latest", async_mode="thread"))
     assert result.extras["start_step"] == 3
     assert_losses_close(result.losses, saved.straight["fsdp2"].losses[3:], atol=RESHARDED_ATOL)
     assert published_steps(root) == [3, 6] and read_latest(root) == "step_00000006"
@@ -779,12 +788,18 @@ def test_async_mode_is_refused_where_it_cannot_work(tmp_path):
     cfg = with_fields(BASE, save_every=3, async_mode="process", checkpoint_dir=str(tmp_path))
     trained = AssertionError("trained")
     with mock.patch.object(sharded_checkpoint, "parallelize", side_effect=trained):
-        with pytest.raises(CheckpointError, match=r"^--async-mode process chooses how --async-save "
-                                              r"writes; add --async-save, or drop --async-mode$"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"^--async-mode process chooses how --async-save "
+            r"writes; add --async-save, or drop --async-mode$",
+        ):
             run_alone(recipe_result, cfg)
         # torch 2.11 must say it in one line if its DCP lacks the process-based writer.
         with mock.patch.object(state_dict_saver, "AsyncCheckpointerType", None, create=True):
-            with pytest.raises(CheckpointError, match=r"^--async-mode process needs dcp's "
-                                                  r"AsyncCheckpointerType.PROCESS, which torch "
-                                                  r".* lacks; use --async-mode thread$"):
+            with pytest.raises(
+                CheckpointError,
+                match=r"^--async-mode process needs dcp's "
+                r"AsyncCheckpointerType.PROCESS, which torch "
+                r".* lacks; use --async-mode thread$",
+            ):
                 run_alone(recipe_result, with_fields(cfg, async_save=True))

@@ -26,10 +26,16 @@ def quietly(fn, *args):
 
 def test_equal_to_ddp_on_one_process_bit_for_bit_across_epochs(tmp_path):
     # 25 steps of 12 over 96 samples: four epochs, so the reshuffle every epoch is compared too
-    alone = quietly(single_gpu.train, single_gpu.SingleGPUConfig(
-        steps=25, precision="fp32", save_path=str(tmp_path / "single.pt")))
-    ddp = quietly(ddp_torchrun.train, ddp_torchrun.DDPConfig(
-        steps=25, precision="fp32", save_path=str(tmp_path / "ddp.pt")))
+    alone = quietly(
+        single_gpu.train,
+        single_gpu.SingleGPUConfig(
+            steps=25, precision="fp32", save_path=str(tmp_path / "single.pt")
+        ),
+    )
+    ddp = quietly(
+        ddp_torchrun.train,
+        ddp_torchrun.DDPConfig(steps=25, precision="fp32", save_path=str(tmp_path / "ddp.pt")),
+    )
     assert alone == ddp
     # and the saved weights: a plain state_dict, the same as DDP's .module
     saved, expected = (torch.load(tmp_path / f"{n}.pt") for n in ("single", "ddp"))
@@ -40,8 +46,12 @@ def test_equal_to_ddp_on_one_process_bit_for_bit_across_epochs(tmp_path):
 
 def test_it_uses_no_torch_distributed():
     tree = ast.parse(Path(single_gpu.__file__).read_text())
-    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-             for alias in node.names]
+    names = [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ]
     names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     assert not [name for name in names if "distributed" in name], names
 
@@ -50,11 +60,15 @@ def test_the_command_prints_one_line_per_step_and_bad_input_is_one_line():
     done = run_cli([PYTHON, "-m", "recipes.single_gpu", "--steps", "3"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert [line.split()[:2] for line in done.stdout.splitlines()] == [
-        ["step", str(step)] for step in range(3)]
+        ["step", str(step)] for step in range(3)
+    ]
     bad = run_cli([PYTHON, "-m", "recipes.single_gpu", "--batch-size", "0"])
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1].endswith(
-        "argument --batch-size: must be a finite number >= 1, got 0")
+    assert (
+        bad.stderr.strip()
+        .splitlines()[-1]
+        .endswith("argument --batch-size: must be a finite number >= 1, got 0")
+    )
     assert "Traceback" not in bad.stderr
 
 
@@ -63,17 +77,21 @@ def test_other_bad_values_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         single_gpu.make_parser().parse_args(argv)
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "python -m recipes.single_gpu: error: argument")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith("python -m recipes.single_gpu: error: argument")
+    )
 
 
 def test_the_harness_measures_it_from_outside():
     from recipes.core.observe import prove
 
-    result = prove(single_gpu.train, single_gpu.SingleGPUConfig(precision="fp32"),
-                   name="single_gpu")
+    result = prove(
+        single_gpu.train, single_gpu.SingleGPUConfig(precision="fp32"), name="single_gpu"
+    )
     assert result.world_size == 1 and result.backend == "none"
-    assert result.losses == quietly(single_gpu.train,
-                                    single_gpu.SingleGPUConfig(precision="fp32"))
+    assert result.losses == quietly(single_gpu.train, single_gpu.SingleGPUConfig(precision="fp32"))
     (held,) = result.extras["memory_per_rank"]
     assert held["optimizer_bytes"] > held["param_bytes"] == held["grad_bytes"] > 0

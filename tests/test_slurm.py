@@ -84,8 +84,10 @@ if (os.environ.get("SLURM_NODEID") == "1" and "-m" in argv[:2]
 pytestmark = [
     pytest.mark.xdist_group("slurm"),  # one cluster per run: its tests share one worker
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and slurmd need root"),
-    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("unshare") is None,
-                       reason="needs iproute2's `ip` and util-linux's `unshare`"),
+    pytest.mark.skipif(
+        shutil.which("ip") is None or shutil.which("unshare") is None,
+        reason="needs iproute2's `ip` and util-linux's `unshare`",
+    ),
 ]
 
 
@@ -102,12 +104,29 @@ class Cluster:
         subnet = int(self.tag[:2], 16)
         self.addresses = [f"10.214.{subnet}.{n}" for n in (1, 2)]
         self.daemons: list[subprocess.Popen] = []
-        self.env = {key: value for key, value in os.environ.items()
-                    if not key.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
-                                           "GROUP_", "ROLE_", "TORCHELASTIC_", "PYTEST_"))}
-        self.env.update(SLURM_CONF=f"{root}/slurm.conf", OMP_NUM_THREADS="1",
-                        # python3 and torchrun of this interpreter, on every node
-                        PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+        self.env = {
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith(
+                (
+                    "SLURM_",
+                    "RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_",
+                    "MASTER_",
+                    "GROUP_",
+                    "ROLE_",
+                    "TORCHELASTIC_",
+                    "PYTEST_",
+                )
+            )
+        }
+        self.env.update(
+            SLURM_CONF=f"{root}/slurm.conf",
+            OMP_NUM_THREADS="1",
+            # python3 and torchrun of this interpreter, on every node
+            PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+        )
 
     def start(self) -> None:
         root = self.root
@@ -118,17 +137,26 @@ class Cluster:
         with open(f"{root}/munge/munge.key", "wb") as f:
             f.write(os.urandom(128))
         os.chmod(f"{root}/munge/munge.key", 0o400)
-        self._daemon(["munged", "-F", "-f", f"--socket={root}/munge/munge.socket",
-                      f"--key-file={root}/munge/munge.key", f"--log-file={root}/log/munged.log",
-                      f"--pid-file={root}/munge/munged.pid",
-                      f"--seed-file={root}/munge/munged.seed"], "munged")
+        self._daemon(
+            [
+                "munged",
+                "-F",
+                "-f",
+                f"--socket={root}/munge/munge.socket",
+                f"--key-file={root}/munge/munge.key",
+                f"--log-file={root}/log/munged.log",
+                f"--pid-file={root}/munge/munged.pid",
+                f"--seed-file={root}/munge/munged.seed",
+            ],
+            "munged",
+        )
         with open(f"{root}/slurm.conf", "w") as f:
-            f.write(SLURM_CONF.format(root=root, addr1=self.addresses[0],
-                                      addr2=self.addresses[1]))
+            f.write(SLURM_CONF.format(root=root, addr1=self.addresses[0], addr2=self.addresses[1]))
         with open(f"{root}/cgroup.conf", "w") as f:
             f.write("CgroupPlugin=cgroup/v1\n")  # read at start-up even with no cgroup plugin
         hosts = "127.0.0.1 localhost\n" + "".join(
-            f"{address} node{n}\n" for n, address in enumerate(self.addresses, 1))
+            f"{address} node{n}\n" for n, address in enumerate(self.addresses, 1)
+        )
         for namespace in self.namespaces:
             run("ip", "netns", "add", namespace, check=True)
             run("ip", "-n", namespace, "link", "set", "lo", "up", check=True)
@@ -156,25 +184,48 @@ class Cluster:
 
     def _daemon(self, command: list[str], name: str) -> None:
         log = open(f"{self.root}/log/{name}.stderr", "w")
-        self.daemons.append(subprocess.Popen(command, env=self.env, stdout=log, stderr=log,
-                                             start_new_session=True))
+        self.daemons.append(
+            subprocess.Popen(command, env=self.env, stdout=log, stderr=log, start_new_session=True)
+        )
         log.close()
 
     def _on_node(self, n: int, command: list[str], name: str) -> None:
         """``command`` on node n: in its namespace, with hostname node<n> (slurmctld checks it
         against SlurmctldHost; torchrun and gloo resolve it to the node's address)."""
-        self._daemon(["ip", "netns", "exec", self.namespaces[n - 1], "unshare", "--uts", "sh",
-                      "-c", f'hostname node{n} && exec "$@"', "sh", *command], name)
+        self._daemon(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.namespaces[n - 1],
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                f'hostname node{n} && exec "$@"',
+                "sh",
+                *command,
+            ],
+            name,
+        )
 
     def on_node1(self, *command: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        return run("ip", "netns", "exec", self.namespaces[0], *command, env=env or self.env,
-                   cwd=REPO_ROOT)
+        return run(
+            "ip", "netns", "exec", self.namespaces[0], *command, env=env or self.env, cwd=REPO_ROOT
+        )
 
     def submit(self, script: str, *args: str, env: dict | None = None) -> str:
         """sbatch ``script`` from the repository root; returns the job id."""
         output = f"{self.root}/job-%j.out"
-        done = self.on_node1("sbatch", "--parsable", *SMALL_JOB, f"--output={output}", script,
-                             *args, env={**self.env, **(env or {})})
+        done = self.on_node1(
+            "sbatch",
+            "--parsable",
+            *SMALL_JOB,
+            f"--output={output}",
+            script,
+            *args,
+            env={**self.env, **(env or {})},
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip().split(";")[0]
 
@@ -184,14 +235,22 @@ class Cluster:
         while True:
             shown = self.on_node1("scontrol", "show", "job", "-o", job).stdout
             fields = dict(re.findall(r"(\w+)=(\S*)", shown))
-            if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
-                                          "NODE_FAIL", "OUT_OF_MEMORY"):
+            if fields.get("JobState") in (
+                "COMPLETED",
+                "FAILED",
+                "CANCELLED",
+                "TIMEOUT",
+                "NODE_FAIL",
+                "OUT_OF_MEMORY",
+            ):
                 return fields
             if time.monotonic() > deadline:
                 self.on_node1("scancel", job)
-                pytest.fail(f"job {job} did not end within {timeout_s:g}s "
-                            f"({fields.get('JobState')})\n{self.output(job)[-3000:]}\n"
-                            f"{self.logs()}")
+                pytest.fail(
+                    f"job {job} did not end within {timeout_s:g}s "
+                    f"({fields.get('JobState')})\n{self.output(job)[-3000:]}\n"
+                    f"{self.logs()}"
+                )
             time.sleep(1)
 
     def output(self, job: str) -> str:
@@ -199,8 +258,10 @@ class Cluster:
             return f.read()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {path}:\n{open(path).read()[-1500:]}"
-                         for path in sorted(glob.glob(f"{self.root}/log/*")))
+        return "\n".join(
+            f"--- {path}:\n{open(path).read()[-1500:]}"
+            for path in sorted(glob.glob(f"{self.root}/log/*"))
+        )
 
     def stop(self) -> None:
         """Cancel the jobs, stop the daemons, kill what is left in the namespaces, remove them."""
@@ -230,8 +291,10 @@ class Cluster:
 def cluster(tmp_path_factory):
     missing = [name for name in DAEMONS if shutil.which(name) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurmctld "
-                    "slurmd slurm-client munge")
+        pytest.skip(
+            f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurmctld "
+            "slurmd slurm-client munge"
+        )
     cluster = Cluster(str(tmp_path_factory.mktemp("slurm")))
     try:
         try:
@@ -265,12 +328,21 @@ SLOW_JOB = pytest.mark.slow
 
 @pytest.mark.timeout(300)
 @SLOW_JOB
-@pytest.mark.parametrize("script", [
-    "configs/slurm/task_per_gpu.sh", "configs/slurm/torchrun_per_node.sh"])
+@pytest.mark.parametrize(
+    "script", ["configs/slurm/task_per_gpu.sh", "configs/slurm/torchrun_per_node.sh"]
+)
 def test_sbatch_script_trains_on_two_nodes_like_one_process(cluster, script):
     # the scripts' default recipe, ddp_torchrun, measured by the harness: its JSON result line
-    job = cluster.submit(script, "--backend", "gloo", "--precision", "fp32", "--steps", str(STEPS),
-                         env={"PYTHONPATH": REPO_ROOT, "RECIPE": "recipes.core.prove ddp_torchrun"})
+    job = cluster.submit(
+        script,
+        "--backend",
+        "gloo",
+        "--precision",
+        "fp32",
+        "--steps",
+        str(STEPS),
+        env={"PYTHONPATH": REPO_ROOT, "RECIPE": "recipes.core.prove ddp_torchrun"},
+    )
     fields = cluster.wait(job, 240)
     output = cluster.output(job)
     assert fields["JobState"] == "COMPLETED", output[-4000:]
@@ -286,10 +358,12 @@ def test_sbatch_script_trains_on_two_nodes_like_one_process(cluster, script):
 @pytest.mark.timeout(300)
 def test_lightning_slurm_script_trains_on_two_nodes_like_one_process(cluster, tmp_path):
     pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse")
-    job = cluster.submit("configs/lightning/slurm_multinode.sh",
-                         "--trainer.enable_progress_bar", "false",
-                         env={"PYTHONPATH": REPO_ROOT, "ACCELERATOR": "cpu",
-                              "LOG_DIR": str(tmp_path)})
+    job = cluster.submit(
+        "configs/lightning/slurm_multinode.sh",
+        "--trainer.enable_progress_bar",
+        "false",
+        env={"PYTHONPATH": REPO_ROOT, "ACCELERATOR": "cpu", "LOG_DIR": str(tmp_path)},
+    )
     fields = cluster.wait(job, 240)
     output = cluster.output(job)
     assert fields["JobState"] == "COMPLETED", output[-4000:]
@@ -303,16 +377,24 @@ def test_lightning_slurm_script_trains_on_two_nodes_like_one_process(cluster, tm
 
 @pytest.mark.timeout(300)
 @SLOW_JOB
-@pytest.mark.parametrize("script", [
-    "configs/slurm/task_per_gpu.sh", "configs/slurm/torchrun_per_node.sh"])
-def test_a_bad_option_on_one_node_ends_the_job_with_its_one_line_error(cluster, inject_dir,
-                                                                       script):
+@pytest.mark.parametrize(
+    "script", ["configs/slurm/task_per_gpu.sh", "configs/slurm/torchrun_per_node.sh"]
+)
+def test_a_bad_option_on_one_node_ends_the_job_with_its_one_line_error(cluster, inject_dir, script):
     timeout_s = 200  # what node 1's ranks would wait for the missing peer without -K
     # a recipe run by the harness runner (its argparse check: one line, exit 2, and torchrun's
     # error file where torchrun runs it)
-    job = cluster.submit(script, "--backend", "gloo", "--timeout-s", str(timeout_s),
-                         env={"PYTHONPATH": f"{inject_dir}:{REPO_ROOT}",
-                              "RECIPE": "recipes.core.prove grad_accumulation"})
+    job = cluster.submit(
+        script,
+        "--backend",
+        "gloo",
+        "--timeout-s",
+        str(timeout_s),
+        env={
+            "PYTHONPATH": f"{inject_dir}:{REPO_ROOT}",
+            "RECIPE": "recipes.core.prove grad_accumulation",
+        },
+    )
     started = time.monotonic()
     fields = cluster.wait(job, 240)
     took = time.monotonic() - started
@@ -326,10 +408,18 @@ def test_a_bad_option_on_one_node_ends_the_job_with_its_one_line_error(cluster, 
 
 # -- Slurm's variables without a cluster ------------------------------------------------------
 
+
 def slurm_env(**changes) -> dict:
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-           "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]",
-           "SLURM_TASKS_PER_NODE": "2(x2)"}
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+    }
     env.update(changes)
     return {key: value for key, value in env.items() if value is not None}
 
@@ -345,8 +435,11 @@ def test_a_task_srun_started_joins_the_world_slurm_describes(monkeypatch):
         monkeypatch.setenv(key, value)
     assert dist_setup._world_from_environment() == (3, 4, 1, 2)
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("gpu07", "24242")
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == \
-        ("3", "4", "1")
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == (
+        "3",
+        "4",
+        "1",
+    )
 
 
 def test_the_batch_script_itself_is_a_world_of_one(monkeypatch):
@@ -361,14 +454,18 @@ def test_the_batch_script_itself_is_a_world_of_one(monkeypatch):
     assert "MASTER_ADDR" not in os.environ
 
 
-@pytest.mark.parametrize("per_node, node, count", [
-    ("8", 0, 8), ("2(x3),1", 0, 2), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("1,3", 1, 3)])
+@pytest.mark.parametrize(
+    "per_node, node, count",
+    [("8", 0, 8), ("2(x3),1", 0, 2), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("1,3", 1, 3)],
+)
 def test_tasks_on_this_node_come_from_the_per_node_list(per_node, node, count):
     assert dist_setup.tasks_on_node(per_node, node) == count
 
 
-@pytest.mark.parametrize("nodelist, first", [
-    ("node[1-2]", "node1"), ("gpu[03-05,9],cpu1", "gpu03"), ("a1", "a1"), ("b[7],c", "b7")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("node[1-2]", "node1"), ("gpu[03-05,9],cpu1", "gpu03"), ("a1", "a1"), ("b[7],c", "b7")],
+)
 def test_the_rendezvous_host_is_the_first_of_the_node_list(nodelist, first):
     assert dist_setup.first_slurm_host(nodelist) == first
 

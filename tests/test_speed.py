@@ -6,15 +6,15 @@ import torch
 import torch.nn as nn
 
 from recipes import amp, ddp_torchrun, fsdp2, tensor_parallel
-from recipes.parallelize import CompileTargetError, apply_compile
 from recipes.core.throughput import PEAK_TFLOPS, Workload, flops_per_token, peak_flops
 from recipes.core.workload import MODEL_PRESETS, Block, build_model
+from recipes.parallelize import CompileTargetError, apply_compile
 from tests.helpers import (
+    assert_losses_close,
+    assert_states_close,
     ddp_result,
     fsdp2_result,
-    assert_losses_close,
     recipe_result,
-    assert_states_close,
     run_alone,
     run_world,
     tp_result,
@@ -117,11 +117,20 @@ def test_compile_keeps_sharded_training_equal_on_fsdp2_and_tp():
 
 def test_compile_keeps_ddp_and_amp_bf16_equal():
     for train, cfg in (
-        (ddp_result, ddp_torchrun.DDPConfig(
-            **{k: v for k, v in COMPILED.items() if k != "keep_final_state"}, backend="gloo")),
-        (recipe_result, amp.AMPConfig(**{k: v for k, v in COMPILED.items()
-                                         if k not in ("keep_final_state", "precision")},
-                                      precision="bf16", device="cpu")),
+        (
+            ddp_result,
+            ddp_torchrun.DDPConfig(
+                **{k: v for k, v in COMPILED.items() if k != "keep_final_state"}, backend="gloo"
+            ),
+        ),
+        (
+            recipe_result,
+            amp.AMPConfig(
+                **{k: v for k, v in COMPILED.items() if k not in ("keep_final_state", "precision")},
+                precision="bf16",
+                device="cpu",
+            ),
+        ),
     ):
         eager, compiled = run_alone(train, with_fields(cfg, compile=False)), run_alone(train, cfg)
         assert_losses_close(compiled.losses, eager.losses, atol=1e-6)
@@ -136,11 +145,15 @@ def test_compile_scopes_and_checkpointing_under_compile_keep_training_equal():
 
     # copyable: the harness keeps the final state (recipe_result), not the config
     perf = performance.PerformanceConfig(
-        **{k: v for k, v in COMPILED.items() if k != "keep_final_state"}, device="cpu")
+        **{k: v for k, v in COMPILED.items() if k != "keep_final_state"}, device="cpu"
+    )
     # the copyable recipe, measured by the harness (recipe_result): the blocks tell it "compiled"
     checkpointed = activation_checkpointing.ACConfig(
-        **{k: v for k, v in COMPILED.items() if k != "keep_final_state"}, model="tiny",
-        mode="op_selective", device="cpu")
+        **{k: v for k, v in COMPILED.items() if k != "keep_final_state"},
+        model="tiny",
+        mode="op_selective",
+        device="cpu",
+    )
     eager_perf = with_fields(perf, compile=False)
     for train, cfg, eager_cfg in (
         (recipe_result, perf, eager_perf),

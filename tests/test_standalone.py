@@ -38,8 +38,10 @@ COPYABLE: dict[str, tuple[str, tuple[str, ...]]] = {
     "activation_checkpointing": (PARALLELIZE, ("apply_activation_checkpointing",)),
     "fsdp2": (PARALLELIZE, ("apply_fully_shard",)),
     "fsdp": (PARALLELIZE, ("apply_fsdp",)),
-    "tensor_parallel": (PARALLELIZE, ("apply_tp", "transformer_lm_plan", "llama_plan",
-                                      "check_heads_divide", "check_tp_fits")),
+    "tensor_parallel": (
+        PARALLELIZE,
+        ("apply_tp", "transformer_lm_plan", "llama_plan", "check_heads_divide", "check_tp_fits"),
+    ),
     "speed": (PARALLELIZE, ("apply_compile",)),
     "expert_parallel": ("recipes.expert_parallel", ("apply_ep", "MoE", "check_ep_fits")),
     "float8": ("recipes.float8", ("apply_float8", "float8_filter")),
@@ -102,14 +104,24 @@ class Extraction:
             tree = ast.parse(source_path(module).read_text())
             _, imported = top_level_names(tree)
             for node in tree.body:
-                if (isinstance(node, (ast.Import, ast.ImportFrom))
-                        and getattr(node, "module", "") != "__future__"):
-                    keep = [a for a in node.names
-                            if bound_name(a) in self.wanted[module] and bound_name(a) in imported]
+                if (
+                    isinstance(node, (ast.Import, ast.ImportFrom))
+                    and getattr(node, "module", "") != "__future__"
+                ):
+                    keep = [
+                        a
+                        for a in node.names
+                        if bound_name(a) in self.wanted[module] and bound_name(a) in imported
+                    ]
                     if keep:
-                        copy = type(node)(names=keep, **({"module": node.module, "level": 0}
-                                                         if isinstance(node, ast.ImportFrom)
-                                                         else {}))
+                        copy = type(node)(
+                            names=keep,
+                            **(
+                                {"module": node.module, "level": 0}
+                                if isinstance(node, ast.ImportFrom)
+                                else {}
+                            ),
+                        )
                         text = ast.unparse(copy)
                         if text not in seen_imports:
                             seen_imports.add(text)
@@ -120,15 +132,17 @@ class Extraction:
             tree = ast.parse(text)
             definitions, _ = top_level_names(tree)
             for node in tree.body:
-                names = [n for n, d in definitions.items()
-                         if d is node and n in self.wanted[module]]
+                names = [
+                    n for n, d in definitions.items() if d is node and n in self.wanted[module]
+                ]
                 if not names:
                     continue
                 for name in names:  # one namespace: two modules must not define a name twice
                     assert defined.setdefault(name, module) == module, (
-                        f"{name} is defined in both {defined[name]} and {module}")
+                        f"{name} is defined in both {defined[name]} and {module}"
+                    )
                 first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
-                lines += ["", "", "\n".join(text.splitlines()[first - 1:node.end_lineno])]
+                lines += ["", "", "\n".join(text.splitlines()[first - 1 : node.end_lineno])]
         return "\n".join(lines) + "\n"
 
 
@@ -155,8 +169,11 @@ def top_level_names(tree: ast.Module):
 
 
 def names_loaded(node: ast.AST) -> set[str]:
-    return {leaf.id for leaf in ast.walk(node)
-            if isinstance(leaf, ast.Name) and isinstance(leaf.ctx, ast.Load)}
+    return {
+        leaf.id
+        for leaf in ast.walk(node)
+        if isinstance(leaf, ast.Name) and isinstance(leaf.ctx, ast.Load)
+    }
 
 
 def extract(module: str, names: tuple[str, ...]) -> Extraction:
@@ -302,14 +319,17 @@ def extracted_sources() -> dict[str, Extraction]:
 def test_each_copyable_function_extracts_without_our_package():
     for module, extraction in extracted_sources().items():
         assert not extraction.package_uses, (
-            f"{module}: the copyable functions use our package: {extraction.package_uses}")
+            f"{module}: the copyable functions use our package: {extraction.package_uses}"
+        )
         source = extraction.source()
-        assert "recipes" not in {n.split(".")[0] for n in re.findall(
-            r"^(?:from|import) ([\w.]+)", source, flags=re.M)}, source
+        assert "recipes" not in {
+            n.split(".")[0] for n in re.findall(r"^(?:from|import) ([\w.]+)", source, flags=re.M)
+        }, source
         if module in ERRORS:  # the refusals' class sits beside the function, documented
             tree = ast.parse(source)
-            (cls,) = [n for n in tree.body
-                      if isinstance(n, ast.ClassDef) and n.name == ERRORS[module]]
+            (cls,) = [
+                n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == ERRORS[module]
+            ]
             assert [ast.unparse(b) for b in cls.bases] == ["ValueError"] and ast.get_docstring(cls)
 
 
@@ -330,19 +350,28 @@ def test_extracted_functions_run_alone(tmp_path):
     (tmp_path / "driver.py").write_text(DRIVER)
     site_packages = str(Path(torch.__file__).parent.parent)
     env = {"PATH": os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-I", "-S", "driver.py", site_packages], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "driver.py", site_packages],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     messages = json.loads(proc.stdout.strip().splitlines()[-1])
     # The same classes and one-line messages as the package's own functions give.
     from recipes import activation_checkpointing, expert_parallel, parallelize
     from recipes.core.workload import Block
+
     same = {
         "ac": lambda: activation_checkpointing.apply_activation_checkpointing(
-            nn.Linear(2, 2), block_types=(Block,)),
+            nn.Linear(2, 2), block_types=(Block,)
+        ),
         "compile": lambda: parallelize.apply_compile(nn.Linear(2, 2), block_types=(Block,)),
-        "fully_shard": lambda: parallelize.apply_fully_shard(nn.Linear(2, 2), None,
-                                                             block_types=(Block,)),
+        "fully_shard": lambda: parallelize.apply_fully_shard(
+            nn.Linear(2, 2), None, block_types=(Block,)
+        ),
         "ep": lambda: expert_parallel.apply_ep(nn.Sequential(nn.Linear(2, 2)), None),
     }
     for key, call in same.items():
@@ -354,7 +383,12 @@ def test_extracted_functions_run_alone(tmp_path):
     assert messages["tp"][0] == messages["hybrid"][0] == messages["heads"][0] == "TPPlanError"
     assert messages["tp"][1].startswith("TP plan key 'nowhere' matches no module of TransformerLM")
     assert messages["hybrid"][1] == messages["tp"][1]
-    assert messages["heads"][1] == ("3 attention heads do not split over 2 tensor-parallel ranks; "
-                                    "use a tensor-parallel size of 1, 3")
-    assert messages["fits"] == ["TPPlanError", "tensor parallel over 3 ranks cannot split "
-                                "n_heads=4, mlp_width=128; use a tensor-parallel size of 1"]
+    assert messages["heads"][1] == (
+        "3 attention heads do not split over 2 tensor-parallel ranks; "
+        "use a tensor-parallel size of 1, 3"
+    )
+    assert messages["fits"] == [
+        "TPPlanError",
+        "tensor parallel over 3 ranks cannot split "
+        "n_heads=4, mlp_width=128; use a tensor-parallel size of 1",
+    ]

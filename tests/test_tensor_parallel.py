@@ -15,9 +15,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from recipes import tensor_parallel
 from recipes.core.spawn import spawn_world
+from recipes.core.world import join_world
 from recipes.parallelize import TPPlanError, apply_tp, check_tp_fits, transformer_lm_plan
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
-from recipes.core.world import join_world
 from tests.helpers import (
     BACKENDS,
     assert_losses_close,
@@ -32,7 +32,10 @@ from tests.helpers import (
 STEPS = 3
 CFG = tensor_parallel.TPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 # Every combination of the two options: each one changes which collectives run and where.
-OPTIONS = [dict(sequence_parallel=sp, loss_parallel=lp) for sp, lp in itertools.product([False, True], repeat=2)]
+OPTIONS = [
+    dict(sequence_parallel=sp, loss_parallel=lp)
+    for sp, lp in itertools.product([False, True], repeat=2)
+]
 
 
 def forward_backward_differences(world, options: list[dict]) -> list[dict[str, float]]:
@@ -46,14 +49,20 @@ def forward_backward_differences(world, options: list[dict]) -> list[dict[str, f
     lm_loss(reference_logits, targets).backward()
     differences = []
     for opts in options:
-        model = apply_tp(build_model("tiny", seed=3, device=device), mesh, plan=transformer_lm_plan(**opts))
+        model = apply_tp(
+            build_model("tiny", seed=3, device=device), mesh, plan=transformer_lm_plan(**opts)
+        )
         logits = model(inputs)
-        assert isinstance(logits, DTensor) == opts["loss_parallel"], "loss parallel keeps the logits sharded"
+        assert isinstance(logits, DTensor) == opts["loss_parallel"], (
+            "loss parallel keeps the logits sharded"
+        )
         with loss_parallel() if opts["loss_parallel"] else contextlib.nullcontext():
             lm_loss(logits, targets).backward()
         full_logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
         diffs = {"logits": (full_logits - reference_logits).abs().max().item()}
-        for (name, p), (ref_name, ref_p) in zip(model.named_parameters(), reference.named_parameters()):
+        for (name, p), (ref_name, ref_p) in zip(
+            model.named_parameters(), reference.named_parameters()
+        ):
             assert name == ref_name, "apply_tp keeps parameter names"
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             diffs[name] = (grad - ref_p.grad).abs().max().item()
@@ -90,22 +99,35 @@ def test_tp_equals_unsplit_model(world_size, backend):
     for opts, result in zip(trained, results):
         assert result.extras["tp_size"] == world_size and result.backend == backend
         # Measured on the model: the final norm's input is sequence-split, the logits vocabulary-split.
-        assert (result.extras["sequence_parallel"], result.extras["loss_parallel"]) == tuple(opts.values())
+        assert (result.extras["sequence_parallel"], result.extras["loss_parallel"]) == tuple(
+            opts.values()
+        )
         # Sequence parallel: the residual stream between blocks holds 1/N of the sequence per rank.
         split = world_size if opts["sequence_parallel"] else 1
         assert result.extras["residual_seq_len_per_rank"] == seq_len // split
         assert_losses_close(result.losses, reference.losses, atol=1e-5)
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)
         # 3. Each rank holds 1/N of the split weights plus the replicated norms and biases.
-        assert result.extras["param_fraction_per_rank"] == pytest.approx(expected_tp_param_fraction(world_size))
+        assert result.extras["param_fraction_per_rank"] == pytest.approx(
+            expected_tp_param_fraction(world_size)
+        )
         # AdamW keeps two moments per parameter, shaped like its shard: the optimizer state is split too.
-        assert result.extras["optimizer_bytes_per_rank"] == pytest.approx(2 * result.extras["param_bytes_per_rank"], rel=0.01)
+        assert result.extras["optimizer_bytes_per_rank"] == pytest.approx(
+            2 * result.extras["param_bytes_per_rank"], rel=0.01
+        )
 
 
 def test_tp_size_that_does_not_split_the_heads_is_rejected():
     # The recipe's check, as it calls it (a ValueError of recipes/parallelize.py's own: the recipe
     # copies without our package, so it cannot raise RecipeError; its main() prints the one line).
     tiny = MODEL_PRESETS["tiny"]
-    with pytest.raises(TPPlanError, match=r"cannot split n_heads=4.*use a tensor-parallel size of 1, 2, 4$"):
-        check_tp_fits(3, n_heads=tiny.n_heads, mlp_width=tiny.mlp_ratio * tiny.dim,
-                      vocab_size=tiny.vocab_size, seq_len=tiny.seq_len)
+    with pytest.raises(
+        TPPlanError, match=r"cannot split n_heads=4.*use a tensor-parallel size of 1, 2, 4$"
+    ):
+        check_tp_fits(
+            3,
+            n_heads=tiny.n_heads,
+            mlp_width=tiny.mlp_ratio * tiny.dim,
+            vocab_size=tiny.vocab_size,
+            seq_len=tiny.seq_len,
+        )

@@ -17,24 +17,34 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recipes.parallelize import CheckpointingError, apply_activation_checkpointing
 from recipes.core.memory import model_state_bytes
+from recipes.core.spawn import spawn_world
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import Block, lm_loss
-from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from recipes.fsdp import FSDPWrapError, apply_fsdp, wrap_policy_for
-from recipes.parallelize import (ShardingError, TPPlanError, apply_fully_shard, apply_tp,
-                                 check_heads_divide, check_tp_plan, llama_plan,
-                                 transformer_lm_plan)
+from recipes.parallelize import (
+    CheckpointingError,
+    ShardingError,
+    TPPlanError,
+    apply_activation_checkpointing,
+    apply_fully_shard,
+    apply_tp,
+    check_heads_divide,
+    check_tp_plan,
+    llama_plan,
+    transformer_lm_plan,
+)
 from tests import third_party
 from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, run_cli
 
 STEPS, GLOBAL_BATCH, LR = 3, 4, 0.1
 # Strategies per model. GPT-2 has no TP entry: its fused q/k/v is a Conv1D, which torch's
 # Colwise/RowwiseParallel cannot split (test_gpt2_tp_plan_is_refused shows the refusal).
-STRATEGIES = {"gpt2": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard"],
-              "llama": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard", "tp"]}
+STRATEGIES = {
+    "gpt2": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard"],
+    "llama": ["ddp", "fsdp", "fully_shard", "checkpointed_fully_shard", "tp"],
+}
 
 
 def train(model, *, rank: int, world_size: int, shard_batch: bool, group=None):
@@ -71,28 +81,32 @@ def parallelize(kind: str, strategy: str, world):
     if strategy == "ddp":
         return DDP(model)
     if strategy == "fsdp":
-        return apply_fsdp(model, auto_wrap_policy=ModuleWrapPolicy(set(blocks)),
-                          device=world.device)
+        return apply_fsdp(
+            model, auto_wrap_policy=ModuleWrapPolicy(set(blocks)), device=world.device
+        )
     if strategy == "checkpointed_fully_shard":  # torchtitan's order: checkpoint, then shard
         apply_activation_checkpointing(model, block_types=blocks)
     if strategy in ("fully_shard", "checkpointed_fully_shard"):
         return apply_fully_shard(model, mesh, block_types=blocks)
     config = model.config
-    check_heads_divide(world.world_size, n_heads=config.num_attention_heads,
-                       n_kv_heads=config.num_key_value_heads)
+    check_heads_divide(
+        world.world_size, n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads
+    )
     return apply_tp(model, mesh, plan=llama_plan())
+
+
 # --8<-- [end:parallelize]
 
 
 def gathered_while_a_block_runs(model, blocks) -> list[int]:
-    """Parameter bytes this rank holds beyond its shards, measured as each block's forward starts.
-    """
+    """Parameter bytes this rank holds beyond its shards, measured as each block's forward starts."""
     shards = model_state_bytes(model)["param_bytes"]
     held: list[int] = []
     for block in (m for m in model.modules() if isinstance(m, blocks)):
         # Registered after sharding, so it runs after FSDP's own pre-forward all-gather.
         block.register_forward_pre_hook(
-            lambda *_: held.append(model_state_bytes(model)["param_bytes"] - shards))
+            lambda *_: held.append(model_state_bytes(model)["param_bytes"] - shards)
+        )
     return held
 
 
@@ -102,15 +116,22 @@ def strategies_world(kind: str) -> dict:
         results = {}
         for strategy in STRATEGIES[kind]:
             model = parallelize(kind, strategy, world)
-            held = (gathered_while_a_block_runs(model, third_party.block_types(kind))
-                    if "fully_shard" in strategy else [])
-            losses = train(model, rank=world.rank, world_size=world.world_size,
-                           shard_batch=strategy != "tp")
+            held = (
+                gathered_while_a_block_runs(model, third_party.block_types(kind))
+                if "fully_shard" in strategy
+                else []
+            )
+            losses = train(
+                model, rank=world.rank, world_size=world.world_size, shard_batch=strategy != "tp"
+            )
             state, _ = full_state_on_rank0(model)
             results[strategy] = {"losses": losses, "state": state, "held": held}
         try:  # GPT-2's tied wte/lm_head: the "module" policy would put them in different units
-            apply_fsdp(third_party.build(kind), device=world.device,
-                       auto_wrap_policy=wrap_policy_for("module", block_types=(Block,)))
+            apply_fsdp(
+                third_party.build(kind),
+                device=world.device,
+                auto_wrap_policy=wrap_policy_for("module", block_types=(Block,)),
+            )
             results["module_policy"] = "accepted"
         except FSDPWrapError as error:
             results["module_policy"] = str(error)
@@ -159,8 +180,7 @@ def test_a_block_class_that_matches_nothing_is_refused():
     mesh = None  # refused before any sharding: no world needed
     with pytest.raises(ShardingError, match=r"found no Block in GPT2LMHeadModel.*GPT2Block"):
         apply_fully_shard(model, mesh, block_types=(Block,))
-    with pytest.raises(CheckpointingError,
-                       match=r"matched no block in GPT2LMHeadModel.*GPT2Block"):
+    with pytest.raises(CheckpointingError, match=r"matched no block in GPT2LMHeadModel.*GPT2Block"):
         apply_activation_checkpointing(model, block_types=(Block,))
 
 
@@ -174,14 +194,20 @@ def test_gpt2_tp_plan_is_refused():
 
 def test_tp_plan_naming_a_missing_module_is_refused():
     """torch's parallelize_module only warns and skips such a key: the model stays replicated."""
-    with pytest.raises(TPPlanError, match=r"'tok_embeddings' matches no module of "
-                                          r"LlamaForCausalLM.*model.layers.\*.self_attn.q_proj"):
+    with pytest.raises(
+        TPPlanError,
+        match=r"'tok_embeddings' matches no module of "
+        r"LlamaForCausalLM.*model.layers.\*.self_attn.q_proj",
+    ):
         check_tp_plan(third_party.build("llama"), transformer_lm_plan(), 2)
 
 
 def test_heads_that_do_not_divide_are_refused():
-    with pytest.raises(TPPlanError, match="2 key/value heads do not split over 4 tensor-parallel "
-                                          "ranks; use a tensor-parallel size of 1, 2"):
+    with pytest.raises(
+        TPPlanError,
+        match="2 key/value heads do not split over 4 tensor-parallel "
+        "ranks; use a tensor-parallel size of 1, 2",
+    ):
         check_heads_divide(4, n_heads=4, n_kv_heads=2)
 
 
@@ -198,8 +224,11 @@ def test_readme_usage_block_runs(tmp_path):
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "my_train.py"
     script.write_text(code, encoding="utf-8")
-    done = run_cli([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    str(script)], timeout_s=200, env={"PYTHONPATH": REPO_ROOT})
+    done = run_cli(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        timeout_s=200,
+        env={"PYTHONPATH": REPO_ROOT},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3, done.stdout  # printed once per step: by rank 0 only
@@ -213,13 +242,24 @@ def llama_on_a_2d_mesh() -> tuple[list[float], dict]:
 
     with join_world("gloo", timeout_s=120) as world:
         mesh = init_device_mesh(world.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
-        model = apply_tp_and_fsdp(third_party.build("llama"), mesh, plan=llama_plan(),
-                                  block_types=third_party.block_types("llama"))
+        model = apply_tp_and_fsdp(
+            third_party.build("llama"),
+            mesh,
+            plan=llama_plan(),
+            block_types=third_party.block_types("llama"),
+        )
         # tp ranks of one dp coordinate compute the same shard of the batch
-        losses = train(model, rank=mesh["dp"].get_local_rank(), world_size=2, shard_batch=True,
-                       group=mesh["dp"].get_group())
+        losses = train(
+            model,
+            rank=mesh["dp"].get_local_rank(),
+            world_size=2,
+            shard_batch=True,
+            group=mesh["dp"].get_group(),
+        )
         state, _ = full_state_on_rank0(model)
         return losses, state
+
+
 # --8<-- [end:llama_2d]
 
 
@@ -227,11 +267,12 @@ def llama_on_a_2d_mesh() -> tuple[list[float], dict]:
 def test_llama_under_tp_and_fully_shard_on_a_2d_mesh_equals_one_process():
     losses, state = spawn_world(llama_on_a_2d_mesh, 4, deadline_s=200)
     reference = third_party.build("llama")
-    assert_losses_close(losses, train(reference, rank=0, world_size=1, shard_batch=False),
-                        atol=1e-5)
-    assert_states_close(state, {name: p.detach() for name, p in reference.state_dict().items()},
-                        atol=1e-5)
-
+    assert_losses_close(
+        losses, train(reference, rank=0, world_size=1, shard_batch=False), atol=1e-5
+    )
+    assert_states_close(
+        state, {name: p.detach() for name, p in reference.state_dict().items()}, atol=1e-5
+    )
 
 
 def tied_llama_under_tp() -> dict:
@@ -245,8 +286,9 @@ def tied_llama_under_tp() -> dict:
             refusal = "accepted"
         except ValueError as error:
             refusal = str(error)
-        model = apply_tp(third_party.build("llama", tie_word_embeddings=True), mesh,
-                         plan=llama_plan())
+        model = apply_tp(
+            third_party.build("llama", tie_word_embeddings=True), mesh, plan=llama_plan()
+        )
         still_tied = model.lm_head.weight is model.model.embed_tokens.weight
         losses = train(model, rank=world.rank, world_size=world.world_size, shard_batch=False)
         state, _ = full_state_on_rank0(model)
@@ -261,13 +303,17 @@ def test_tied_llama_under_tp_stays_tied_and_equals_one_process():
     reference = third_party.build("llama", tie_word_embeddings=True)
     assert reference.lm_head.weight is reference.model.embed_tokens.weight, "the model ties them"
     assert got["still_tied"], "apply_tp untied lm_head from embed_tokens"
-    assert_losses_close(got["losses"], train(reference, rank=0, world_size=1, shard_batch=False),
-                        atol=1e-5)
+    assert_losses_close(
+        got["losses"], train(reference, rank=0, world_size=1, shard_batch=False), atol=1e-5
+    )
     # state_dict() holds the tied weight under both names; after the same training both match.
-    assert_states_close(got["state"], {name: p.detach() for name, p in
-                                       reference.state_dict().items()}, atol=1e-5)
-    assert ("untie the weight that model.embed_tokens and lm_head share" in got["refusal"]
-            and "model.embed_tokens Shard(0), lm_head kept whole" in got["refusal"]), got["refusal"]
+    assert_states_close(
+        got["state"], {name: p.detach() for name, p in reference.state_dict().items()}, atol=1e-5
+    )
+    assert (
+        "untie the weight that model.embed_tokens and lm_head share" in got["refusal"]
+        and "model.embed_tokens Shard(0), lm_head kept whole" in got["refusal"]
+    ), got["refusal"]
 
 
 def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
@@ -280,9 +326,12 @@ def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
     inputs, labels = tokens[:, :-1], tokens[:, 1:].contiguous()
     model = third_party.build_t5()  # T5's default: use_cache=True
     apply_activation_checkpointing(model, block_types=(T5Block,))
-    with pytest.raises(ValueError, match=r"^T5Block's checkpointed forward got a key/value "
-                                         r"cache \(cache: EncoderDecoderCache\).*use_cache=False"
-                                         r".*gradient_checkpointing_enable"):
+    with pytest.raises(
+        ValueError,
+        match=r"^T5Block's checkpointed forward got a key/value "
+        r"cache \(cache: EncoderDecoderCache\).*use_cache=False"
+        r".*gradient_checkpointing_enable",
+    ):
         model(input_ids=inputs, labels=labels)
     with torch.no_grad():  # without gradients nothing is replayed: the cache is allowed
         model(input_ids=inputs, labels=labels)

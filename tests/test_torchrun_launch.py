@@ -20,8 +20,10 @@ LAUNCHES = {
     "zero": ([], {}),
     "fsdp": (["--sharding-strategy", "shard_grad_op"], {}),
     "fsdp2": (["--explicit-prefetch"], {}),
-    "tensor_parallel": (["--sequence-parallel", "--loss-parallel"],
-                        {"sequence_parallel": True, "loss_parallel": True}),
+    "tensor_parallel": (
+        ["--sequence-parallel", "--loss-parallel"],
+        {"sequence_parallel": True, "loss_parallel": True},
+    ),
 }
 STEPS = 3
 
@@ -32,8 +34,19 @@ def test_torchrun_launch_equals_single_process(recipe):
     options, extras = LAUNCHES[recipe]
     # A copyable recipe prints its steps only: the harness around it prints the result line.
     module = ["recipes.core.prove", recipe] if recipe in PROVABLE else [f"recipes.{recipe}"]
-    launched = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", *module,
-                        *options, "--steps", str(STEPS)], timeout_s=180)
+    launched = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            *module,
+            *options,
+            "--steps",
+            str(STEPS),
+        ],
+        timeout_s=180,
+    )
     assert launched.returncode == 0, launched.stderr[-2000:]
     result = last_json(launched.stdout)
     reference = single_process_reference(steps=STEPS)  # the same defaults, one process
@@ -42,6 +55,9 @@ def test_torchrun_launch_equals_single_process(recipe):
     assert_losses_close(result["losses"], reference.losses, atol=1e-5)
     assert result["param_checksum"] == pytest.approx(reference.param_checksum, abs=1e-3)
     # one line per step, from rank 0 only (a copyable recipe prints "step N loss X", plainly)
-    steps = (len(re.findall(r"^step \d+ loss ", launched.stdout, re.M)) if recipe in PROVABLE
-             else launched.stdout.count("] step "))
+    steps = (
+        len(re.findall(r"^step \d+ loss ", launched.stdout, re.M))
+        if recipe in PROVABLE
+        else launched.stdout.count("] step ")
+    )
     assert steps == STEPS and "[rank1]" not in launched.stdout

@@ -91,8 +91,9 @@ def fsdp_mixed_requires_grad() -> dict:
     model = FSDP(frozen_first(), device_id=cpu, use_orig_params=True)
     model(x).sum().backward()
     with FSDP.summon_full_params(model, with_grads=True):
-        seen["use_orig_params"] = [(p.requires_grad, p.grad is not None and bool(p.grad.any()))
-                                   for p in model.parameters()]
+        seen["use_orig_params"] = [
+            (p.requires_grad, p.grad is not None and bool(p.grad.any())) for p in model.parameters()
+        ]
     # fix 2: wrap so that each unit is uniform (here: each Linear its own FlatParameter)
     model = FSDP(frozen_first(), device_id=cpu, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
     model(x).sum().backward()
@@ -107,15 +108,26 @@ def rendezvous_timeout(rank: int, ports: list[int]) -> dict:
     seen = {}
     second = datetime.timedelta(seconds=1)
     if rank == 0:
-        seen["host"] = error_of(lambda: dist.TCPStore("127.0.0.1", ports[0], world_size=2,
-                                                      is_master=True, timeout=second))
+        seen["host"] = error_of(
+            lambda: dist.TCPStore(
+                "127.0.0.1", ports[0], world_size=2, is_master=True, timeout=second
+            )
+        )
     else:
-        seen["client"] = error_of(lambda: dist.TCPStore("127.0.0.1", ports[1], world_size=2,
-                                                        is_master=False, timeout=second))
+        seen["client"] = error_of(
+            lambda: dist.TCPStore(
+                "127.0.0.1", ports[1], world_size=2, is_master=False, timeout=second
+            )
+        )
     dist.barrier()
     # the fix: every rank started, with the same address, port and world size
-    store = dist.TCPStore("127.0.0.1", ports[2], world_size=2, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=10))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        ports[2],
+        world_size=2,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=10),
+    )
     store.set(f"rank{rank}", "here")
     seen["fixed"] = store.get(f"rank{1 - rank}") == b"here"
     both = [None, None]
@@ -126,8 +138,9 @@ def rendezvous_timeout(rank: int, ports: list[int]) -> dict:
 def stale_store(rank: int, port: int) -> dict:
     """A restarted world that reuses the store of the attempt before: rank 0 reads rank 1's old
     address from it, where nothing listens any more."""
-    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=10))
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=datetime.timedelta(seconds=10)
+    )
     timeout = datetime.timedelta(seconds=2)  # for the attempt that must fail, and fail fast
     # The groups that must connect get time to: 2 s of connectFullMesh on a loaded 2-core
     # machine ran out once, and rank 1 saw "Connection closed by peer" from rank 0 giving up.
@@ -143,7 +156,8 @@ def stale_store(rank: int, port: int) -> dict:
     seen = {}
     if rank == 0:  # the restart, before rank 1 has come back
         seen["error"] = error_of(
-            lambda: dist.ProcessGroupGloo(dist.PrefixStore("job", store), rank, 2, timeout))
+            lambda: dist.ProcessGroupGloo(dist.PrefixStore("job", store), rank, 2, timeout)
+        )
     dist.barrier()
     # the fix: a namespace of its own for each attempt (torchrun: TORCHELASTIC_RESTART_COUNT)
     fresh = dist.ProcessGroupGloo(dist.PrefixStore("job/attempt1", store), rank, 2, ample)
@@ -228,11 +242,11 @@ def world() -> dict:
 def on_page(message: str) -> None:
     """The page quotes ``message`` (a long one may wrap: whitespace is compared as one space)."""
     assert " ".join(message.split()) in " ".join(page().split()), (
-        f"docs/troubleshooting.md should quote {message!r}")
+        f"docs/troubleshooting.md should quote {message!r}"
+    )
 
 
-DDP_MESSAGE = ("Expected to have finished reduction in the prior iteration before starting a new "
-               "one")
+DDP_MESSAGE = "Expected to have finished reduction in the prior iteration before starting a new one"
 
 
 def test_ddp_unused_parameters(world):
@@ -263,11 +277,17 @@ def test_fsdp_mixed_requires_grad(world):
 def test_rendezvous_timeout(world):
     seen = world["rendezvous"]
     # the host's side: rank 1 never connected (torch rounds the seconds up)
-    assert re.fullmatch(r"DistStoreError: Timed out after \d+ seconds waiting for clients\. "
-                        r"1/2 clients joined\.", seen["host"]), seen["host"]
+    assert re.fullmatch(
+        r"DistStoreError: Timed out after \d+ seconds waiting for clients\. "
+        r"1/2 clients joined\.",
+        seen["host"],
+    ), seen["host"]
     # a client's side: nobody hosts the store at that port
-    assert re.match(r"DistNetworkError: The client socket has timed out after 1000ms while "
-                    r"trying to connect to \(127\.0\.0\.1, \d+\)", seen["client"]), seen["client"]
+    assert re.match(
+        r"DistNetworkError: The client socket has timed out after 1000ms while "
+        r"trying to connect to \(127\.0\.0\.1, \d+\)",
+        seen["client"],
+    ), seen["client"]
     assert seen["fixed"]
     on_page("waiting for clients. 1/2 clients joined.")
     on_page("The client socket has timed out after")
@@ -288,7 +308,8 @@ def test_gloo_connect_full_mesh_failed(world):
 def test_collective_timeout(world):
     seen = world["timeout"]
     assert seen["error"].startswith("RuntimeError: [") and seen["error"].endswith(
-        "Timed out waiting 1000ms for recv operation to complete"), seen["error"]
+        "Timed out waiting 1000ms for recv operation to complete"
+    ), seen["error"]
     assert seen["fixed"] == 2.0, "every rank calls it: 1 + 1"
     on_page("Timed out waiting 1000ms for recv operation to complete")
     on_page("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=")
@@ -298,8 +319,10 @@ def test_collective_timeout(world):
 # --------------------------------------------------------------------------------------------------
 # Entries that need no world.
 
-CHECKPOINT_MESSAGE = ("torch.utils.checkpoint: A different number of tensors was saved during the "
-                      "original forward and recomputation.")
+CHECKPOINT_MESSAGE = (
+    "torch.utils.checkpoint: A different number of tensors was saved during the "
+    "original forward and recomputation."
+)
 
 
 class LayerDrop(nn.Module):
@@ -357,20 +380,27 @@ def test_child_failed_error_hides_the_traceback_until_record(tmp_path):
 
     plain, recorded = tmp_path / "plain.py", tmp_path / "recorded.py"
     recorded.write_text(RECORD_SCRIPT)
-    plain.write_text("\n".join(line for line in RECORD_SCRIPT.splitlines()
-                               if "record" not in line))  # no import of torch: starts fast
+    plain.write_text(
+        "\n".join(line for line in RECORD_SCRIPT.splitlines() if "record" not in line)
+    )  # no import of torch: starts fast
     summaries = {}
     for script in (plain, recorded):
         argv = ["--standalone", "--nproc_per_node=1", str(script)]
         # torchrun's agent forked from the preloaded server (no import); the worker starts fresh
-        proc = _run_module_forked(["torchrun", *argv], ("module", "torch.distributed.run"),
-                                  argv, 120, {**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = _run_module_forked(
+            ["torchrun", *argv],
+            ("module", "torch.distributed.run"),
+            argv,
+            120,
+            {**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in proc.stderr
-        summaries[script.stem] = proc.stderr[proc.stderr.index("Root Cause"):]
+        summaries[script.stem] = proc.stderr[proc.stderr.index("Root Cause") :]
     assert "error_file: <N/A>" in summaries["plain"]
-    assert ("traceback : To enable traceback see: "
-            "https://pytorch.org/docs/stable/elastic/errors.html") in summaries["plain"]
+    assert (
+        "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    ) in summaries["plain"]
     assert "ValueError" not in summaries["plain"], "the summary hides the real error"
     # with @record the worker writes the error file, and the summary shows the real exception
     assert "error_file: <N/A>" not in summaries["recorded"]
@@ -386,18 +416,19 @@ def test_out_of_memory_ladder_with_the_estimates():
 
     budget_gb = 24
     result = estimate(EstimateConfig(params=7e9, world_size=8, optimizer="adam-mixed"))
-    device_gb = {(row["stage"], row["offload"]): row["device"]["total_bytes"] / 1e9
-                 for row in result["rows"]}
-    ladder = [("ddp", False), ("zero1", False), ("zero2", False), ("zero3", False),
-              ("zero3", True)]
+    device_gb = {
+        (row["stage"], row["offload"]): row["device"]["total_bytes"] / 1e9 for row in result["rows"]
+    }
+    ladder = [("ddp", False), ("zero1", False), ("zero2", False), ("zero3", False), ("zero3", True)]
     figures = [device_gb[step] for step in ladder]
     assert figures == [112.0, 38.5, 26.25, 14.0, 0.0]
     assert all(a > b for a, b in zip(figures, figures[1:])), "each step lowers the estimate"
     assert figures[0] > budget_gb, "DDP does not fit: the out-of-memory this entry is about"
     assert next(step for step in ladder if device_gb[step] <= budget_gb) == ("zero3", False)
     # the page quotes the tool's own table, line for line
-    quoted = [line for line in format_table(result).splitlines()
-              if line.startswith(("DDP  ", "ZeRO-"))]
+    quoted = [
+        line for line in format_table(result).splitlines() if line.startswith(("DDP  ", "ZeRO-"))
+    ]
     assert len(quoted) == 7
     for line in quoted:
         on_page(line)

@@ -95,7 +95,9 @@ def test_backend_choice_and_override(monkeypatch):
     assert resolve_backend("auto", 1) == "gloo", "the environment variable overrides auto"
     with pytest.raises(RecipeError, match="valid values: auto, gloo, nccl"):
         resolve_backend("mpi", 1)
-    with pytest.raises(RecipeError, match=rf"needs one CUDA device per local rank: {gpus + 1} local rank"):
+    with pytest.raises(
+        RecipeError, match=rf"needs one CUDA device per local rank: {gpus + 1} local rank"
+    ):
         resolve_backend("nccl", gpus + 1)
 
 
@@ -112,8 +114,9 @@ def test_a_copyable_functions_refusal_in_a_rank_is_bad_input_not_a_crash():
     spawn_world reports it as RecipeError, one line, as it does RecipeError itself."""
     with pytest.raises(RecipeError) as info:
         spawn_world(refuse_a_model_on_rank, 2, 1, deadline_s=60)
-    assert str(info.value) == ("rank 1: apply_fully_shard found no Conv2d in Linear; its module "
-                               "classes are: Linear")
+    assert str(info.value) == (
+        "rank 1: apply_fully_shard found no Conv2d in Linear; its module classes are: Linear"
+    )
 
 
 def test_a_skipped_collective_times_out_naming_rank_and_operation():
@@ -122,7 +125,9 @@ def test_a_skipped_collective_times_out_naming_rank_and_operation():
         spawn_world(skip_a_collective, 2, 3, deadline_s=60)
     assert (info.value.rank, info.value.operation) == (0, "all_reduce")
     assert "rank 0 failed in all_reduce" in str(info.value)
-    assert time.monotonic() - started < 45, "the collective timeout, not the world deadline, should end it"
+    assert time.monotonic() - started < 45, (
+        "the collective timeout, not the world deadline, should end it"
+    )
 
 
 def test_a_stuck_world_is_killed_at_its_deadline_with_where_each_rank_waited():
@@ -139,7 +144,10 @@ def test_a_stuck_world_is_killed_at_its_deadline_with_where_each_rank_waited():
 
 
 def test_a_rank_that_dies_stops_the_world_and_is_named():
-    with pytest.raises(RankError, match="rank 1 exited with code 3 without raising an error; the other ranks were stopped"):
+    with pytest.raises(
+        RankError,
+        match="rank 1 exited with code 3 without raising an error; the other ranks were stopped",
+    ):
         spawn_world(die_mid_run, 2, deadline_s=60)
 
 
@@ -156,18 +164,21 @@ def test_a_busy_master_port_is_a_one_line_error():
 # Config: every number declares its range next to its default (opt), one check enforces them all.
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"steps": 0}, r"^steps must be >= 1, got 0$"),
-    ({"global_batch_size": -4}, r"^global_batch_size must be >= 1, got -4$"),
-    ({"lr": -1.0}, r"^lr must be a finite number > 0, got -1$"),
-    ({"lr": float("nan")}, r"^lr must be a finite number > 0, got nan$"),
-    ({"lr": float("inf")}, r"^lr must be a finite number > 0, got inf$"),
-    ({"timeout_s": 0.0}, r"^timeout_s must be a finite number > 0, got 0$"),
-    ({"timeout_s": -5.0}, r"^timeout_s must be a finite number > 0, got -5$"),
-    ({"seed": -1}, r"^seed must be >= 0, got -1$"),
-    ({"steps": 2.5}, r"^steps must be a whole number >= 1, got 2.5$"),
-    ({"lr": "fast"}, r"^lr must be a number > 0, got 'fast'$"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"steps": 0}, r"^steps must be >= 1, got 0$"),
+        ({"global_batch_size": -4}, r"^global_batch_size must be >= 1, got -4$"),
+        ({"lr": -1.0}, r"^lr must be a finite number > 0, got -1$"),
+        ({"lr": float("nan")}, r"^lr must be a finite number > 0, got nan$"),
+        ({"lr": float("inf")}, r"^lr must be a finite number > 0, got inf$"),
+        ({"timeout_s": 0.0}, r"^timeout_s must be a finite number > 0, got 0$"),
+        ({"timeout_s": -5.0}, r"^timeout_s must be a finite number > 0, got -5$"),
+        ({"seed": -1}, r"^seed must be >= 0, got -1$"),
+        ({"steps": 2.5}, r"^steps must be a whole number >= 1, got 2.5$"),
+        ({"lr": "fast"}, r"^lr must be a number > 0, got 'fast'$"),
+    ],
+)
 def test_shared_fields_refuse_values_outside_their_range(changes, message):
     with pytest.raises(RecipeError, match=message):
         TrainConfig(**changes)
@@ -203,14 +214,19 @@ def test_every_numeric_option_of_every_recipe_declares_a_range_that_is_enforced(
         base = ["x"] * sum(1 for a in required if a.nargs in (None, 1))
         for action in parser._actions:
             kind = action.type
-            cells = dict(zip(getattr(getattr(kind, "__code__", None), "co_freevars", ()),
-                             getattr(kind, "__closure__", None) or ()))
+            cells = dict(
+                zip(
+                    getattr(getattr(kind, "__code__", None), "co_freevars", ()),
+                    getattr(kind, "__closure__", None) or (),
+                )
+            )
             if "kind" not in cells or not action.option_strings:
                 continue  # not a number
             number = cells["kind"].cell_contents
             above = cells["above"].cell_contents if "above" in cells else None
-            at_least = next((cells[n].cell_contents for n in ("at_least", "least") if n in cells),
-                            None)
+            at_least = next(
+                (cells[n].cell_contents for n in ("at_least", "least") if n in cells), None
+            )
             bad = [above] if above is not None else [at_least - (1 if number is int else 0.5)]
             if number is float:
                 bad += [float("nan"), float("inf")]
@@ -238,8 +254,9 @@ def test_help_and_the_docs_option_tables_show_each_range(capsys):
 def test_a_bad_number_on_the_command_line_is_one_line_and_exit_2():
     # Once NaN losses and exit 0. (The recipe's own argparse check, one line, through the harness
     # runner that the failure tests use: recipes.core.prove.)
-    proc = run_cli([PYTHON, "-m", "recipes.core.prove", "grad_accumulation", "--lr", "inf"],
-                   timeout_s=60)
+    proc = run_cli(
+        [PYTHON, "-m", "recipes.core.prove", "grad_accumulation", "--lr", "inf"], timeout_s=60
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == ["error: lr must be a finite number > 0, got inf"]
     assert "Traceback" not in proc.stderr

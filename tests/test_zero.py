@@ -30,11 +30,16 @@ CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping r
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero1_equals_ddp_with_half_the_optimizer_state(backend):
     reference = single_process_reference(steps=4)
-    clipped_reference = run_alone(recipe_result, with_fields(CFG, optimizer="adamw", max_grad_norm=CLIP))
+    clipped_reference = run_alone(
+        recipe_result, with_fields(CFG, optimizer="adamw", max_grad_norm=CLIP)
+    )
     with tempfile.TemporaryDirectory() as folder:
         saved = os.path.join(folder, "zero.pt")
-        configs = [with_fields(CFG, optimizer="adamw"), with_fields(CFG, save_path=saved),
-                   with_fields(CFG, max_grad_norm=CLIP)]
+        configs = [
+            with_fields(CFG, optimizer="adamw"),
+            with_fields(CFG, save_path=saved),
+            with_fields(CFG, max_grad_norm=CLIP),
+        ]
         ddp, zero1, clipped = run_world(recipe_result, 2, configs, backend=backend)
         checkpoint = torch.load(saved, map_location="cpu", weights_only=True)
 
@@ -44,7 +49,9 @@ def test_zero1_equals_ddp_with_half_the_optimizer_state(backend):
     assert_losses_close(clipped.losses, clipped_reference.losses, atol=1e-5)
     assert_states_close(clipped.final_state, clipped_reference.final_state, atol=1e-5)
     # DDP's gradients are full on every rank, so the plain clip_grad_norm_ norm is the global one.
-    assert clipped.extras["grad_norms"] == pytest.approx(clipped_reference.extras["grad_norms"], rel=1e-5)
+    assert clipped.extras["grad_norms"] == pytest.approx(
+        clipped_reference.extras["grad_norms"], rel=1e-5
+    )
     assert max(clipped.extras["grad_norms"]) > CLIP
 
     # Every parameter tensor is owned by exactly one rank, and the split is near even.
@@ -60,7 +67,10 @@ def test_zero1_equals_ddp_with_half_the_optimizer_state(backend):
     assert sum(m["optimizer_bytes"] for m in zero_memory) == ddp_memory["optimizer_bytes"]
     for memory in zero_memory:
         assert memory["optimizer_bytes"] <= ddp_memory["optimizer_bytes"] / 2 + 8 * largest + 4
-        assert memory["param_bytes"] == ddp_memory["param_bytes"] and memory["grad_bytes"] == ddp_memory["grad_bytes"]
+        assert (
+            memory["param_bytes"] == ddp_memory["param_bytes"]
+            and memory["grad_bytes"] == ddp_memory["grad_bytes"]
+        )
     # consolidate_state_dict(to=0) gathered every rank's partition: rank 0's saved optimizer holds
     # one state per parameter tensor, beside the trained weights.
     assert len(checkpoint["optimizer"]["state"]) == len(reference.final_state)

@@ -62,6 +62,5 @@ def _direct_imports(name: str) -> set[str]:
             modules = [f"recipes.{node.module or alias.name}" for alias in node.names]
         else:
             continue
-        direct |= {module.split(".")[1] for module in modules
-                   if module.startswith("recipes.")}
+        direct |= {module.split(".")[1] for module in modules if module.startswith("recipes.")}
     return direct

@@ -17,8 +17,13 @@ from .results import PART_LABELS, load_results, result_extras
 from .svg import CHART_WIDTH
 
 # The strategy each recipe measures, as memory_estimate's stages: the estimate drawn next to it.
-ESTIMATE_STAGE = {"ddp_torchrun": "ddp", "zero": "zero1", "fsdp": "zero3", "fsdp2": "zero3",
-                  "sharded_accumulation": "zero3"}
+ESTIMATE_STAGE = {
+    "ddp_torchrun": "ddp",
+    "zero": "zero1",
+    "fsdp": "zero3",
+    "fsdp2": "zero3",
+    "sharded_accumulation": "zero3",
+}
 CHART_ORDER = ["ddp_torchrun", "zero", "fsdp", "fsdp2"]
 MODEL_STATE_RECIPES = {*ESTIMATE_STAGE, "tensor_parallel", "finetune"}
 
@@ -38,7 +43,8 @@ def model_state_rows() -> list[dict]:
     # holds only there); the other recipes that report memory_per_rank hold what DDP holds (one
     # process, ddp_spawn, context_parallel) or train nothing (meta_init).
     measured = {
-        name: data for name, data in results.items()
+        name: data
+        for name, data in results.items()
         if name in MODEL_STATE_RECIPES and result_extras(data).get("memory_per_rank")
     }
     numel = sum(p.numel() for p in build_model("tiny", seed=0).parameters())
@@ -201,8 +207,10 @@ def chart_loss() -> str:
     body = [f'<line x1="{left}" y1="{top - 4}" x2="{left}" y2="{height}" class="axis"/>']
     for e in range(lo_exp, hi_exp + 1):
         x = x_of(10.0**e)
-        body += [f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{height}" class="grid"/>',
-                 draw.text(x, top - 10, f"1e{e}", anchor="middle", size=11)]
+        body += [
+            f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{height}" class="grid"/>',
+            draw.text(x, top - 10, f"1e{e}", anchor="middle", size=11),
+        ]
     x = x_of(ROUNDING)
     body.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{height}" class="limit"/>')
     y = top
@@ -215,12 +223,21 @@ def chart_loss() -> str:
             note += f": {LOSS_DIFFERENCE_REASONS.get(name, 'trains something else')}"
         body.append(draw.text(left - 8, y + 12, name, anchor="end", size=12))
         if delta > 0:
-            body.append(draw.rect(left, y, x_of(delta) - left, bar_h, "c1" if same else "c0",
-                              f"{name}: largest difference {delta:.3g}"))
+            body.append(
+                draw.rect(
+                    left,
+                    y,
+                    x_of(delta) - left,
+                    bar_h,
+                    "c1" if same else "c0",
+                    f"{name}: largest difference {delta:.3g}",
+                )
+            )
         body.append(draw.text(max(x_of(delta), left) + 6, y + 12, note, size=11))
         y += bar_h + gap
-    svg = draw.svg(CHART_WIDTH, height, body,
-                   "Largest loss difference from ddp_torchrun, per recipe")
+    svg = draw.svg(
+        CHART_WIDTH, height, body, "Largest loss difference from ddp_torchrun, per recipe"
+    )
     same = [n for d, n, _ in rows if d <= ROUNDING]
     dates = sorted({load_results()[n]["date"][:10] for _, n, _ in rows})
     caption = (
@@ -233,15 +250,21 @@ def chart_loss() -> str:
         "default, named beside the bar."
     )
     if other:
-        caption += (" Left out because they train another model or precision by default: "
-                    + ", ".join(other) + ".")
+        caption += (
+            " Left out because they train another model or precision by default: "
+            + ", ".join(other)
+            + "."
+        )
     return draw.figure(svg, caption, "loss")
 
 
 def chart_ladder() -> str:
     # <device>.json: the benchmark; <device>-<recipe>.json: a recipe's own GPU runs (its page)
-    files = [path for path in sorted((base.RESULTS_DIR / "bench").glob("*.json"))
-             if "model" in json.loads(path.read_text())]
+    files = [
+        path
+        for path in sorted((base.RESULTS_DIR / "bench").glob("*.json"))
+        if "model" in json.loads(path.read_text())
+    ]
     if not files:
         raise MarkerError("chart ladder: no results/bench/*.json (run python scripts/bench.py)")
     parts = []
@@ -259,19 +282,30 @@ def chart_ladder() -> str:
         for row in ladder:
             rate = row["tokens_per_second"]
             w = rate * scale
-            note = (f"{rate / 1e3:,.0f}k tokens/s, {rate / base_rate:.1f} x "
-                    f"({row['ms_per_step']:.1f} ms, batch {row.get('batch', '?')})")
-            body += [draw.text(left - 8, y + 14, row["label"], anchor="end", size=11),
-                     draw.rect(left, y, w, bar_h, "c0", f"{row['label']}: {note}"),
-                     draw.text(left + w + 6, y + 14, note, size=11)]
+            note = (
+                f"{rate / 1e3:,.0f}k tokens/s, {rate / base_rate:.1f} x "
+                f"({row['ms_per_step']:.1f} ms, batch {row.get('batch', '?')})"
+            )
+            body += [
+                draw.text(left - 8, y + 14, row["label"], anchor="end", size=11),
+                draw.rect(left, y, w, bar_h, "c0", f"{row['label']}: {note}"),
+                draw.text(left + w + 6, y + 14, note, size=11),
+            ]
             y += bar_h + gap
         title = f"{data['device']}, torch {data['torch']}"
         svg = draw.svg(CHART_WIDTH, y + 4, body, f"Training throughput, {title}")
-        parts.append(draw.figure(svg, (
-            f"Training throughput on {escape(title)}, one device, model "
-            f"<code>{escape(data['model'])}</code>, measured {data['date'][:10]} by "
-            f"<code>python scripts/bench.py</code> (results/bench/{path.name}). Longer is "
-            f"faster; the factor is against the first row, plain fp32."), "ladder"))
+        parts.append(
+            draw.figure(
+                svg,
+                (
+                    f"Training throughput on {escape(title)}, one device, model "
+                    f"<code>{escape(data['model'])}</code>, measured {data['date'][:10]} by "
+                    f"<code>python scripts/bench.py</code> (results/bench/{path.name}). Longer is "
+                    f"faster; the factor is against the first row, plain fp32."
+                ),
+                "ladder",
+            )
+        )
     if not parts:
         raise MarkerError("chart ladder: no benchmark file has a ladder")
     return "\n".join(parts)
@@ -279,8 +313,12 @@ def chart_ladder() -> str:
 
 # <!-- chart: comm-busbw -->: comm_bench's bus bandwidth against the message size, one line per
 # collective.
-OP_LABELS = {"all_reduce": "all-reduce", "all_gather": "all-gather",
-             "reduce_scatter": "reduce-scatter", "all_to_all": "all-to-all"}
+OP_LABELS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+}
 
 
 def _size(num_bytes: float) -> str:
@@ -313,47 +351,76 @@ def chart_comm_busbw() -> str:
         y = top + height * (y_hi - math.log10(value)) / (y_hi - y_lo)
         return x, y
 
-    body = [f'<line x1="{left}" y1="{top + height}" x2="{left + plot_w}" y2="{top + height}" '
-            f'class="axis"/>',
-            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + height}" class="axis"/>']
+    body = [
+        f'<line x1="{left}" y1="{top + height}" x2="{left + plot_w}" y2="{top + height}" '
+        f'class="axis"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + height}" class="axis"/>',
+    ]
     for decade in range(y_lo, y_hi + 1):  # one label per power of ten
-        y = xy(min(sizes), 10.0 ** decade)[1]
-        body.append(draw.text(left - 6, y + 4, f"{10.0 ** decade:g}", anchor="end", size=11))
+        y = xy(min(sizes), 10.0**decade)[1]
+        body.append(draw.text(left - 6, y + 4, f"{10.0**decade:g}", anchor="end", size=11))
     step = max(1, math.ceil((x_hi - x_lo) / 8))  # at most ~9 size labels
     for power in range(int(x_lo), int(x_hi) + 1, step):
-        body.append(draw.text(xy(2**power, 10.0 ** y_lo)[0], top + height + 16, _size(2**power),
-                         anchor="middle", size=11))
-    body.append(draw.text(left + plot_w / 2, top + height + 32, "message size (bytes, nccl-tests' "
-                     "size: the whole buffer)", anchor="middle"))
-    body.append(draw.text(14, top + height / 2, "busbw GB/s", anchor="middle", size=11)
-                .replace("<text ", f'<text transform="rotate(-90 14 {top + height / 2})" ', 1))
+        body.append(
+            draw.text(
+                xy(2**power, 10.0**y_lo)[0],
+                top + height + 16,
+                _size(2**power),
+                anchor="middle",
+                size=11,
+            )
+        )
+    body.append(
+        draw.text(
+            left + plot_w / 2,
+            top + height + 32,
+            "message size (bytes, nccl-tests' size: the whole buffer)",
+            anchor="middle",
+        )
+    )
+    body.append(
+        draw.text(14, top + height / 2, "busbw GB/s", anchor="middle", size=11).replace(
+            "<text ", f'<text transform="rotate(-90 14 {top + height / 2})" ', 1
+        )
+    )
     for i, (op, points) in enumerate(series.items()):
         cls = f"s{i % 8}"
         line = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(s, v) for s, v in points))
         label = OP_LABELS.get(op, op)
-        body.append(f'<polyline points="{line}" class="line {cls}"><title>{escape(label)}'
-                    "</title></polyline>")
+        body.append(
+            f'<polyline points="{line}" class="line {cls}"><title>{escape(label)}'
+            "</title></polyline>"
+        )
         for s, v in points:
             x, y = xy(s, v)
-            body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" class="dot {cls}">'
-                        f"<title>{escape(label)} {_size(s)}B: {v:.3g} GB/s</title></circle>")
+            body.append(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" class="dot {cls}">'
+                f"<title>{escape(label)} {_size(s)}B: {v:.3g} GB/s</title></circle>"
+            )
         ly = top + 4 + i * 16
         best = max(v for _, v in points)
-        body += [f'<line x1="{left + plot_w + 14}" y1="{ly}" x2="{left + plot_w + 34}" '
-                 f'y2="{ly}" class="line {cls}"/>',
-                 draw.text(left + plot_w + 40, ly + 4, f"{label} (max {best:.3g} GB/s)", size=11)]
-    where = (f"{result['world_size']} ranks, {result['backend']} on {result['device']}, "
-             f"{result.get('dtype', '')}, {machine['description']}, load average "
-             f"{machine['load_average_1m']:.1f}")
-    drawn = draw.svg(CHART_WIDTH, top + height + 40, body,
-                     f"Bus bandwidth per collective and size, {where}")
-    caption = (f"Bus bandwidth (nccl-tests' busbw, GB/s, log scale) of each collective against "
-               f"the message size, measured by <code>{escape(data['command'])}</code> on "
-               f"{escape(where)}, torch {escape(data['torch'])}, {data['date'][:10]} "
-               "(results/comm_bench.json). On CPU gloo this is two processes copying through "
-               "the host's memory and TCP loopback, and a busy machine makes it noisy: read it "
-               "for the shape (latency-bound at small sizes, rising toward a plateau), then run "
-               "the same command on your GPUs and compare the plateau with the link's figure.")
+        body += [
+            f'<line x1="{left + plot_w + 14}" y1="{ly}" x2="{left + plot_w + 34}" '
+            f'y2="{ly}" class="line {cls}"/>',
+            draw.text(left + plot_w + 40, ly + 4, f"{label} (max {best:.3g} GB/s)", size=11),
+        ]
+    where = (
+        f"{result['world_size']} ranks, {result['backend']} on {result['device']}, "
+        f"{result.get('dtype', '')}, {machine['description']}, load average "
+        f"{machine['load_average_1m']:.1f}"
+    )
+    drawn = draw.svg(
+        CHART_WIDTH, top + height + 40, body, f"Bus bandwidth per collective and size, {where}"
+    )
+    caption = (
+        f"Bus bandwidth (nccl-tests' busbw, GB/s, log scale) of each collective against "
+        f"the message size, measured by <code>{escape(data['command'])}</code> on "
+        f"{escape(where)}, torch {escape(data['torch'])}, {data['date'][:10]} "
+        "(results/comm_bench.json). On CPU gloo this is two processes copying through "
+        "the host's memory and TCP loopback, and a busy machine makes it noisy: read it "
+        "for the shape (latency-bound at small sizes, rising toward a plateau), then run "
+        "the same command on your GPUs and compare the plateau with the link's figure."
+    )
     return draw.figure(drawn, caption, "comm-busbw")
 
 
@@ -375,12 +442,16 @@ def chart_job_loss() -> str:
     plot_w = CHART_WIDTH - left - right
 
     def xy(step: float, value: float) -> tuple[float, float]:
-        return (left + plot_w * step / max(x_hi, 1),
-                top + height * (y_hi - value) / max(y_hi - y_lo, 1e-9))
+        return (
+            left + plot_w * step / max(x_hi, 1),
+            top + height * (y_hi - value) / max(y_hi - y_lo, 1e-9),
+        )
 
-    body = [f'<line x1="{left}" y1="{top + height}" x2="{left + plot_w}" y2="{top + height}" '
-            'class="axis"/>',
-            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + height}" class="axis"/>']
+    body = [
+        f'<line x1="{left}" y1="{top + height}" x2="{left + plot_w}" y2="{top + height}" '
+        'class="axis"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + height}" class="axis"/>',
+    ]
     tick = 0.5 if y_hi - y_lo <= 4 else 1.0
     value = y_lo
     while value <= y_hi + 1e-9:
@@ -388,45 +459,70 @@ def chart_job_loss() -> str:
         value += tick
     for i in range(6):
         step = round(x_hi * i / 5)
-        body.append(draw.text(xy(step, y_lo)[0], top + height + 16, str(step), anchor="middle",
-                         size=11))
+        body.append(
+            draw.text(xy(step, y_lo)[0], top + height + 16, str(step), anchor="middle", size=11)
+        )
     body.append(draw.text(left + plot_w / 2, top + height + 32, "optimizer step", anchor="middle"))
-    body.append(draw.text(14, top + height / 2, "loss (nats/token)", anchor="middle", size=11)
-                .replace("<text ", f'<text transform="rotate(-90 14 {top + height / 2})" ', 1))
-    for i, (label, points, dots) in enumerate((("training loss (each step)", train, False),
-                                               ("validation loss", val, True))):
+    body.append(
+        draw.text(14, top + height / 2, "loss (nats/token)", anchor="middle", size=11).replace(
+            "<text ", f'<text transform="rotate(-90 14 {top + height / 2})" ', 1
+        )
+    )
+    for i, (label, points, dots) in enumerate(
+        (("training loss (each step)", train, False), ("validation loss", val, True))
+    ):
         cls = f"s{i % 8}"
         line = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(s, v) for s, v in points))
-        body.append(f'<polyline points="{line}" class="line {cls}"><title>{escape(label)}'
-                    "</title></polyline>")
+        body.append(
+            f'<polyline points="{line}" class="line {cls}"><title>{escape(label)}'
+            "</title></polyline>"
+        )
         if dots:
             for s, v in points:
                 x, y = xy(s, v)
-                body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" class="dot {cls}">'
-                            f"<title>step {s}: validation loss {v:.3f}</title></circle>")
+                body.append(
+                    f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" class="dot {cls}">'
+                    f"<title>step {s}: validation loss {v:.3f}</title></circle>"
+                )
         ly = top + 4 + i * 16
-        body += [f'<line x1="{left + plot_w + 14}" y1="{ly}" x2="{left + plot_w + 34}" '
-                 f'y2="{ly}" class="line {cls}"/>',
-                 draw.text(left + plot_w + 40, ly + 4, label, size=11)]
-    where = (f"{cfg['model']} model, {cfg['parallelism']} on {result['world_size']} rank(s), "
-             f"{cfg['precision']}, {machine['description']}")
-    drawn = draw.svg(CHART_WIDTH, top + height + 40, body,
-                f"Validation loss of the job from {val[0][1]:.2f} to {val[-1][1]:.2f}, {where}")
-    caption = (f"Loss against the optimizer step, measured by <code>{escape(data['command'])}"
-               f"</code> on {escape(where)} (load average {machine['load_average_1m']:.1f}), "
-               f"torch {escape(data['torch'])}, {data['date'][:10]} (results/job.json): "
-               f"validation loss over {cfg['eval_windows']} held-out windows of "
-               f"{cfg['seq_len']} tokens every {cfg['eval_every']} steps, from "
-               f"{val[0][1]:.3f} before the first step to {val[-1][1]:.3f} after step "
-               f"{val[-1][0]}; the training loss is each step's global batch of "
-               f"{cfg['global_batch_size']} windows.")
+        body += [
+            f'<line x1="{left + plot_w + 14}" y1="{ly}" x2="{left + plot_w + 34}" '
+            f'y2="{ly}" class="line {cls}"/>',
+            draw.text(left + plot_w + 40, ly + 4, label, size=11),
+        ]
+    where = (
+        f"{cfg['model']} model, {cfg['parallelism']} on {result['world_size']} rank(s), "
+        f"{cfg['precision']}, {machine['description']}"
+    )
+    drawn = draw.svg(
+        CHART_WIDTH,
+        top + height + 40,
+        body,
+        f"Validation loss of the job from {val[0][1]:.2f} to {val[-1][1]:.2f}, {where}",
+    )
+    caption = (
+        f"Loss against the optimizer step, measured by <code>{escape(data['command'])}"
+        f"</code> on {escape(where)} (load average {machine['load_average_1m']:.1f}), "
+        f"torch {escape(data['torch'])}, {data['date'][:10]} (results/job.json): "
+        f"validation loss over {cfg['eval_windows']} held-out windows of "
+        f"{cfg['seq_len']} tokens every {cfg['eval_every']} steps, from "
+        f"{val[0][1]:.3f} before the first step to {val[-1][1]:.3f} after step "
+        f"{val[-1][0]}; the training loss is each step's global batch of "
+        f"{cfg['global_batch_size']} windows."
+    )
     return draw.figure(drawn, caption, "job-loss")
 
 
-CHARTS = {"memory": chart_memory, "loss": chart_loss, "ladder": chart_ladder,
-          "pipeline": diagrams.chart_pipeline, "fsdp-units": diagrams.chart_fsdp_units,
-          "tp-split": diagrams.chart_tp_split, "comm-busbw": chart_comm_busbw,
-          "job-loss": chart_job_loss}
+CHARTS = {
+    "memory": chart_memory,
+    "loss": chart_loss,
+    "ladder": chart_ladder,
+    "pipeline": diagrams.chart_pipeline,
+    "fsdp-units": diagrams.chart_fsdp_units,
+    "tp-split": diagrams.chart_tp_split,
+    "comm-busbw": chart_comm_busbw,
+    "job-loss": chart_job_loss,
+}
 
 
 def render_chart(kind: str, **_: Any) -> str:

@@ -13,7 +13,6 @@ from .base import MarkerError, escape, kib
 from .results import result_extras
 from .svg import CHART_WIDTH
 
-
 # Pipeline timelines: every timeline a results file holds (extras.timeline_per_rank, and each row of
 # extras.schedule_table), one rank per row; without measured timelines, the schedules' order for the
 # measured pp_size and micro-batches, computed here (unit times: forward 1, backward 2).
@@ -136,32 +135,46 @@ def chart_pipeline() -> str:
         for schedule, per_rank, _ in _timelines(extras):
             svg = _timeline_svg(f"Pipeline schedule {schedule}, measured", per_rank, "ms")
             ranks = len(per_rank)
-            parts.append(draw.figure(svg, (
-                f"<strong>{escape(schedule)}</strong>, measured on {where} (load average "
-                f"{load:.1f} when the run started), {ranks} ranks: the last training step's "
-                "forward (F), backward (B) and weight-gradient (W) actions of each rank, "
-                "labelled with their micro-batch, in milliseconds; grey is idle, the bubble. "
-                f"From results/pipeline_parallel.json (<code>{escape(data['command'])}</code>)."
-            ), "pipeline"))
+            parts.append(
+                draw.figure(
+                    svg,
+                    (
+                        f"<strong>{escape(schedule)}</strong>, measured on {where} (load average "
+                        f"{load:.1f} when the run started), {ranks} ranks: the last training step's "
+                        "forward (F), backward (B) and weight-gradient (W) actions of each rank, "
+                        "labelled with their micro-batch, in milliseconds; grey is idle, the bubble. "
+                        f"From results/pipeline_parallel.json (<code>{escape(data['command'])}</code>)."
+                    ),
+                    "pipeline",
+                )
+            )
     if not parts:
         pp, micro = int(extras["pp_size"]), int(extras["microbatches"])
         measured = ""
         if _timelines(extras):
-            measured = (f" The measured timelines are in results/pipeline_parallel.json, but "
-                        f"they were taken under a load average of {load:.1f} on {cores} cores, "
-                        "so their times would show the other processes: not drawn.")
+            measured = (
+                f" The measured timelines are in results/pipeline_parallel.json, but "
+                f"they were taken under a load average of {load:.1f} on {cores} cores, "
+                "so their times would show the other processes: not drawn."
+            )
         for schedule in ("gpipe", "1f1b"):
             per_rank = simulated_schedule(schedule, pp, micro)
             end = max(a[4] for actions in per_rank for a in actions)
             busy = sum(a[4] - a[3] for actions in per_rank for a in actions)
             svg = _timeline_svg(f"Pipeline schedule {schedule}, {pp} ranks", per_rank, "time units")
-            parts.append(draw.figure(svg, (
-                f"<strong>{schedule}</strong> on {pp} ranks with {micro} micro-batches (the "
-                "measured run's shape), computed from the schedule, not timed: forward = 1 "
-                "time unit, backward = 2, each rank running its actions in the schedule's "
-                f"order. Grey is the bubble: {1 - busy / (end * pp):.0%} of the ranks' time "
-                f"here.{measured if schedule == '1f1b' else ''}"
-            ), "pipeline"))
+            parts.append(
+                draw.figure(
+                    svg,
+                    (
+                        f"<strong>{schedule}</strong> on {pp} ranks with {micro} micro-batches (the "
+                        "measured run's shape), computed from the schedule, not timed: forward = 1 "
+                        "time unit, backward = 2, each rank running its actions in the schedule's "
+                        f"order. Grey is the bubble: {1 - busy / (end * pp):.0%} of the ranks' time "
+                        f"here.{measured if schedule == '1f1b' else ''}"
+                    ),
+                    "pipeline",
+                )
+            )
     return "\n".join(parts)
 
 

@@ -29,8 +29,9 @@ def diff_lines(old: list[str], new: list[str], context: int | None) -> list[str]
     """``git diff -w``'s view: lines that differ only in indentation (a body moved into a
     ``try:``) are unchanged, shown as the new file has them; ``context``: unchanged lines kept
     around each change (None: all of them), a gap marked ``...``."""
-    matcher = difflib.SequenceMatcher(a=[line.strip() for line in old],
-                                      b=[line.strip() for line in new], autojunk=False)
+    matcher = difflib.SequenceMatcher(
+        a=[line.strip() for line in old], b=[line.strip() for line in new], autojunk=False
+    )
     marked: list[tuple[str, str]] = []
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
@@ -67,5 +68,5 @@ def snippet_section(spec: str) -> list[str]:
         last = next(i for i, line in enumerate(lines) if line.strip().endswith(end))
     except StopIteration:
         raise MarkerError(f"diff: {path} has no section {name!r} ({start} ... {end})") from None
-    body = [line for line in lines[first + 1:last] if "--8<--" not in line]
+    body = [line for line in lines[first + 1 : last] if "--8<--" not in line]
     return textwrap.dedent("\n".join(body)).splitlines()

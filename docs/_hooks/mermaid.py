@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import re
 
-
 # In a sequence diagram, a collective that every rank takes part in is drawn with arrows at both
 # ends: a one-way arrow would say that one rank sends and the other only receives.
-SYMMETRIC = re.compile(r"^(\s*\w+\s*)(-->>|->>)(\s*\w+\s*:.*\b(all-reduce|all-gather|"
-                       r"reduce-scatter|all-to-all|all_reduce|all_gather|reduce_scatter|"
-                       r"allreduce|barrier)\b.*)$", re.I)
+SYMMETRIC = re.compile(
+    r"^(\s*\w+\s*)(-->>|->>)(\s*\w+\s*:.*\b(all-reduce|all-gather|"
+    r"reduce-scatter|all-to-all|all_reduce|all_gather|reduce_scatter|"
+    r"allreduce|barrier)\b.*)$",
+    re.I,
+)
 
 
 def symmetric_collective(line: str) -> str:
@@ -36,7 +38,9 @@ def with_mermaid_script(html: str) -> str:
         return html
     fixes = FIXES_TAG.search(html)
     if fixes is None:
-        raise ValueError("a page with a mermaid diagram has no assets/mermaid-fixes.js script tag "
-                         "(mkdocs.yml extra_javascript) to load mermaid before")
+        raise ValueError(
+            "a page with a mermaid diagram has no assets/mermaid-fixes.js script tag "
+            "(mkdocs.yml extra_javascript) to load mermaid before"
+        )
     tag = f'<script src="{fixes.group(1)}{MERMAID_SCRIPT}"></script>'
-    return html[:fixes.start()] + tag + html[fixes.start():]
+    return html[: fixes.start()] + tag + html[fixes.start() :]

@@ -73,8 +73,12 @@ def _argparse_options(parser: Any, module_name: str) -> str:
         cells = [flag, default, help_text]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     head = "| Option | Default | What it does |\n|---|---|---|\n"
-    return f"`python -m {module_name} --help` prints the same list.\n\n" + head + "\n".join(
-        rows) + "\n"
+    return (
+        f"`python -m {module_name} --help` prints the same list.\n\n"
+        + head
+        + "\n".join(rows)
+        + "\n"
+    )
 
 
 def _option_row(flag: str, default: str, help_text: str, annotation: Any) -> str:

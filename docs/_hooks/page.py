@@ -33,17 +33,31 @@ def fold_pitfalls(markdown: str) -> str:
             i += 1
             continue
         body, i = [match.group(2)], i + 1
-        while i < len(lines) and (lines[i].startswith("  ") or (
-                not lines[i].strip() and i + 1 < len(lines) and lines[i + 1].startswith("  "))):
+        while i < len(lines) and (
+            lines[i].startswith("  ")
+            or (not lines[i].strip() and i + 1 < len(lines) and lines[i + 1].startswith("  "))
+        ):
             body.append(lines[i][2:])
             i += 1
         tests = list(dict.fromkeys(TEST_NAME.findall("\n".join(body))))
         title = match.group(1).replace('"', "&quot;")
         # numbered links, each titled with its test's name: the summary stays one short line
-        proof = (" (proven by " + " ".join(f'[{k}](#{t}){{ title="{t}" }}'
-                                           for k, t in enumerate(tests, 1)) + ")") if tests else ""
-        out += ["", f'??? warning "{title}{proof}"', "",
-                *[("    " + b) if b.strip() else "" for b in body], ""]
+        proof = (
+            (
+                " (proven by "
+                + " ".join(f'[{k}](#{t}){{ title="{t}" }}' for k, t in enumerate(tests, 1))
+                + ")"
+            )
+            if tests
+            else ""
+        )
+        out += [
+            "",
+            f'??? warning "{title}{proof}"',
+            "",
+            *[("    " + b) if b.strip() else "" for b in body],
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -98,7 +112,7 @@ API_PAGES = {
     "torch.profiler": "profiler.html",
     "torchrun": "elastic/run.html",
     "no_sync": "generated/torch.nn.parallel.DistributedDataParallel.html"
-               "#torch.nn.parallel.DistributedDataParallel.no_sync",
+    "#torch.nn.parallel.DistributedDataParallel.no_sync",
 }
 INLINE_CODE = re.compile(r"(?<![\[`])`([^`]+)`(?![`\]])")
 
@@ -116,8 +130,10 @@ def link_api(line: str, linked: set[str]) -> str:
         return f"[`{name}`]({TORCH_DOCS}{API_PAGES[name]})"
 
     parts = re.split(r"(\[[^\]]*\]\([^)]*\))", line)  # leave existing links alone
-    return "".join(part if part.startswith("[") and "](" in part else INLINE_CODE.sub(link, part)
-                   for part in parts)
+    return "".join(
+        part if part.startswith("[") and "](" in part else INLINE_CODE.sub(link, part)
+        for part in parts
+    )
 
 
 def link_recipes(line: str, page: Any, config: Any) -> str:

@@ -7,14 +7,18 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import base
 from .base import REPO_ROOT, MarkerError, escape, kib, number
 
 # The parts of a rank's model state, as results' memory_per_rank holds them, with their labels.
-PART_LABELS = {"param_bytes": "parameters", "grad_bytes": "gradients",
-               "optimizer_bytes": "optimizer state"}
+PART_LABELS = {
+    "param_bytes": "parameters",
+    "grad_bytes": "gradients",
+    "optimizer_bytes": "optimizer state",
+}
 
 
 def render_results(name: str, **_: Any) -> str:
@@ -42,15 +46,21 @@ def _gpu_runs(name: str) -> str:
     parts = []
     for path in sorted((base.RESULTS_DIR / "bench").glob(f"*-{name}.json")):
         data = json.loads(path.read_text())
-        rows = ["| run | ms/step | tokens/s | MFU (bf16 peak) | waiting for data |",
-                "|---|---|---|---|---|"]
+        rows = [
+            "| run | ms/step | tokens/s | MFU (bf16 peak) | waiting for data |",
+            "|---|---|---|---|---|",
+        ]
         for run, record in data["runs"].items():
             result = record["result"]
-            rows.append(f"| `{run}` | {1e3 * result['seconds_per_step']:.1f} | "
-                        f"{result['tokens_per_second']:,.0f} | {100 * result['mfu']:.1f}% | "
-                        f"{100 * result['data_wait_fraction']:.2f}% |")
-        parts.append(f"**On one {data['device']}** (torch {data['torch']}, {data['date']}): "
-                     f"{escape(data['what'])}.\n\n" + "\n".join(rows) + "\n\n")
+            rows.append(
+                f"| `{run}` | {1e3 * result['seconds_per_step']:.1f} | "
+                f"{result['tokens_per_second']:,.0f} | {100 * result['mfu']:.1f}% | "
+                f"{100 * result['data_wait_fraction']:.2f}% |"
+            )
+        parts.append(
+            f"**On one {data['device']}** (torch {data['torch']}, {data['date']}): "
+            f"{escape(data['what'])}.\n\n" + "\n".join(rows) + "\n\n"
+        )
     return "".join(parts)
 
 
@@ -84,18 +94,30 @@ def results_markdown(data: dict, name: str) -> str:
     timing_ok = on_gpu or load <= cores
     rows = [("Machine", f"{machine['description']}; load average {load:.1f} when the run started")]
     if {"world_size", "backend", "device"} <= result.keys():
-        rows.append(("World", f"{result['world_size']} rank(s), backend `{result['backend']}`, "
-                              f"device `{result['device']}`"))
+        rows.append(
+            (
+                "World",
+                f"{result['world_size']} rank(s), backend `{result['backend']}`, "
+                f"device `{result['device']}`",
+            )
+        )
     elif "world_size" in result:
         rows.append(("World size", str(result["world_size"])))
     losses = result.get("losses") or []
     # A CPU time taken while other jobs held the cores measures them, not the recipe: such a row is
     # left out (never a row that says why it is empty); the GPU table below has the real figure.
     if "seconds_per_step" in result and losses and timing_ok:
-        rows.append(("Time per step", f"{_milliseconds(result['seconds_per_step'])} "
-                                      "(rank 0, median over the steps after the first)"))
-    extras = {**{k: v for k, v in result.items() if k not in _SHOWN},
-              **(result.get("extras") or {})}
+        rows.append(
+            (
+                "Time per step",
+                f"{_milliseconds(result['seconds_per_step'])} "
+                "(rank 0, median over the steps after the first)",
+            )
+        )
+    extras = {
+        **{k: v for k, v in result.items() if k not in _SHOWN},
+        **(result.get("extras") or {}),
+    }
     memory = extras.pop("memory_per_rank", None)
     if memory:
         parts = memory[0]
@@ -104,16 +126,30 @@ def results_markdown(data: dict, name: str) -> str:
         versus = ""
         if ddp and name != "ddp_torchrun":
             versus = f", {total / ddp:.2f} x DDP's {kib(ddp)}"
-        rows.append(("Model state per rank", f"{kib(total)} on rank 0{versus}: parameters "
-                     f"{kib(parts['param_bytes'])}, gradients {kib(parts['grad_bytes'])}, "
-                     f"optimizer {kib(parts['optimizer_bytes'])} "
-                     "(`recipes.core.memory.model_state_bytes`)"))
+        rows.append(
+            (
+                "Model state per rank",
+                f"{kib(total)} on rank 0{versus}: parameters "
+                f"{kib(parts['param_bytes'])}, gradients {kib(parts['grad_bytes'])}, "
+                f"optimizer {kib(parts['optimizer_bytes'])} "
+                "(`recipes.core.memory.model_state_bytes`)",
+            )
+        )
     if "peak_memory_bytes" in result and on_gpu:
-        rows.append(("Peak memory per rank", _memory(result["peak_memory_bytes"],
-                                                     str(result.get("device", "")))))
+        rows.append(
+            (
+                "Peak memory per rank",
+                _memory(result["peak_memory_bytes"], str(result.get("device", ""))),
+            )
+        )
     if losses:
-        rows.append(("Loss", f"{number(losses[0])} at the first step, {number(losses[-1])} "
-                             f"after {len(losses)} steps"))
+        rows.append(
+            (
+                "Loss",
+                f"{number(losses[0])} at the first step, {number(losses[-1])} "
+                f"after {len(losses)} steps",
+            )
+        )
     if not timing_ok:  # the same for every timing in the extras and in their tables
         extras = _without_timings(extras)
     tables = []
@@ -132,20 +168,27 @@ def results_markdown(data: dict, name: str) -> str:
     date = datetime.datetime.fromisoformat(data["date"]).strftime("%Y-%m-%d")
     rows += [
         ("Command", f"`{data['command']}`"),
-        ("Measured", f"{date}, torch {data['torch']}, Python {data['python']}, "
-                     f"{data['wall_seconds']:.0f} s for the whole command"),
+        (
+            "Measured",
+            f"{date}, torch {data['torch']}, Python {data['python']}, "
+            f"{data['wall_seconds']:.0f} s for the whole command",
+        ),
     ]
     table = "| Figure | Value |\n|---|---|\n" + "\n".join(
-        f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows)
+        f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows
+    )
     # The GPU figure first, where one exists: it is the one that measures speed.
     gpu = _bench_rows(name)
     parts_md = [gpu, table, *tables] if gpu else [table, *tables]
     return "\n\n".join(parts_md) + (
-        f"\n\nReproduce them with `python scripts/collect_results.py {name}`.\n")
+        f"\n\nReproduce them with `python scripts/collect_results.py {name}`.\n"
+    )
 
 
-TIMING_KEY = re.compile(r"(_ms\b|_ms_|_us\b|seconds|per_second|_per_s\b|tflops|^mfu$|"
-                        r"idle_fraction_measured|timeline)")
+TIMING_KEY = re.compile(
+    r"(_ms\b|_ms_|_us\b|seconds|per_second|_per_s\b|tflops|^mfu$|"
+    r"idle_fraction_measured|timeline)"
+)
 
 
 def _without_timings(value: Any) -> Any:
@@ -161,17 +204,23 @@ def _memory_estimate_table(result: dict) -> str:
     """memory_estimate's whole table: one row per optimizer layout and strategy, in GB."""
     from recipes.memory_estimate import STAGES
 
-    lines = [f"**Per rank, {result['params']:.4g} parameters on {result['world_size']} ranks** "
-             "(GB = 10^9 bytes; offload moves the sharded parts to the host):", "",
-             "| Optimizer | Strategy | Parameters | Gradients | Optimizer state | On the GPU "
-             "| On the host |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**Per rank, {result['params']:.4g} parameters on {result['world_size']} ranks** "
+        "(GB = 10^9 bytes; offload moves the sharded parts to the host):",
+        "",
+        "| Optimizer | Strategy | Parameters | Gradients | Optimizer state | On the GPU "
+        "| On the host |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         device, host = row["device"], row["host"]
         label = STAGES[row["stage"]].label + (" + offload" if row["offload"] else "")
-        lines.append(f"| {row['optimizer']} | {escape(label)} | "
-                     f"{device['param_bytes'] / 1e9:,.2f} | {device['grad_bytes'] / 1e9:,.2f} | "
-                     f"{device['optimizer_bytes'] / 1e9:,.2f} | "
-                     f"**{device['total_bytes'] / 1e9:,.2f}** | {host['total_bytes'] / 1e9:,.2f} |")
+        lines.append(
+            f"| {row['optimizer']} | {escape(label)} | "
+            f"{device['param_bytes'] / 1e9:,.2f} | {device['grad_bytes'] / 1e9:,.2f} | "
+            f"{device['optimizer_bytes'] / 1e9:,.2f} | "
+            f"**{device['total_bytes'] / 1e9:,.2f}** | {host['total_bytes'] / 1e9:,.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -204,8 +253,13 @@ def _figures(extras: dict) -> list[tuple[str, str]]:
     tables, the rest a value."""
     shown = {k: v for k, v in extras.items() if not _useless(v)}
     out: list[tuple[str, str]] = []
-    scalar_dicts = {k: v for k, v in shown.items() if isinstance(v, dict) and len(v) > 3
-                    and all(not isinstance(x, (dict, list)) for x in v.values())}
+    scalar_dicts = {
+        k: v
+        for k, v in shown.items()
+        if isinstance(v, dict)
+        and len(v) > 3
+        and all(not isinstance(x, (dict, list)) for x in v.values())
+    }
     if scalar_dicts:
         keys = list(dict.fromkeys(k for d in scalar_dicts.values() for k in d))
         head = "| | " + " | ".join(f"`{k}`" for k in scalar_dicts) + " |"
@@ -233,8 +287,11 @@ def _raw_list(value: Any) -> bool:
         return any(_raw_list(v) for v in value.values())
     if not isinstance(value, (list, tuple)):
         return False
-    return len(value) > 8 or len(number(value)) > 80 or any(
-        isinstance(v, (list, tuple)) and _raw_list(v) for v in value)
+    return (
+        len(value) > 8
+        or len(number(value)) > 80
+        or any(isinstance(v, (list, tuple)) and _raw_list(v) for v in value)
+    )
 
 
 def _records_table(records: list[dict]) -> str:
@@ -247,10 +304,15 @@ def _records_table(records: list[dict]) -> str:
             elif not _useless(value) or key == "":
                 row[key] = value
         flat.append(row)
-    columns = [c for c in dict.fromkeys(k for row in flat for k in row)
-               if not any(_raw_list(row.get(c)) for row in flat)]
-    lines = ["| " + " | ".join(f"`{c}`" if c else "" for c in columns) + " |",
-             "|---" * len(columns) + "|"]
+    columns = [
+        c
+        for c in dict.fromkeys(k for row in flat for k in row)
+        if not any(_raw_list(row.get(c)) for row in flat)
+    ]
+    lines = [
+        "| " + " | ".join(f"`{c}`" if c else "" for c in columns) + " |",
+        "|---" * len(columns) + "|",
+    ]
     for row in flat[:60]:
         lines.append("| " + " | ".join(_cell(row.get(c, ""), c) for c in columns) + " |")
     return "\n".join(lines)
@@ -273,31 +335,45 @@ def _bench_rows(name: str) -> str:
             data = json.loads(path.read_text())
         except ValueError:
             continue
-        rows = [("recipes", row) for batch, group in (data.get("recipes") or {}).items()
-                for row in group if row.get("recipe") == name and row.get("ms_per_step")]
-        rows += [("ladder", row) for row in data.get("ladder") or []
-                 if row.get("recipe") == name and row.get("ms_per_step")]
+        rows = [
+            ("recipes", row)
+            for batch, group in (data.get("recipes") or {}).items()
+            for row in group
+            if row.get("recipe") == name and row.get("ms_per_step")
+        ]
+        rows += [
+            ("ladder", row)
+            for row in data.get("ladder") or []
+            if row.get("recipe") == name and row.get("ms_per_step")
+        ]
         if not rows:
             continue
         measured = data.get("measured") or {}
         dates = sorted({str(measured.get(part, data["date"]))[:10] for part, _ in rows})
-        lines = ["| Run | Global batch | Precision | Time per step | Tokens/s | MFU (bf16 peak) "
-                 "| Peak memory |", "|---|---|---|---|---|---|---|"]
+        lines = [
+            "| Run | Global batch | Precision | Time per step | Tokens/s | MFU (bf16 peak) "
+            "| Peak memory |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for _, row in rows:
             mfu = row.get("mfu_vs_bf16_peak")
-            lines.append(f"| {escape(row['label'])} | {row.get('batch', '')} | "
-                         f"{row.get('precision', '')} | {row['ms_per_step']:.1f} ms | "
-                         f"{row.get('tokens_per_second', 0):,.0f} | "
-                         f"{'' if mfu is None else f'{mfu:.0%}'} | "
-                         f"{row.get('peak_memory_gib', 0):.1f} GiB |")
+            lines.append(
+                f"| {escape(row['label'])} | {row.get('batch', '')} | "
+                f"{row.get('precision', '')} | {row['ms_per_step']:.1f} ms | "
+                f"{row.get('tokens_per_second', 0):,.0f} | "
+                f"{'' if mfu is None else f'{mfu:.0%}'} | "
+                f"{row.get('peak_memory_gib', 0):.1f} GiB |"
+            )
         # Every benchmark row is a world of 1: say what that measures, so that a DDP or FSDP row is
         # not read as a multi-GPU figure.
-        parts.append(f"**On a GPU: {escape(data['device'])}, torch {data['torch']}**, model "
-                     f"`{data['model']}`, measured {' and '.join(dates)} by "
-                     f"`python scripts/bench.py`. One process on one GPU (a world of 1): what "
-                     "this recipe's code costs against the bare loop, with nothing to "
-                     "communicate; multi-GPU speed is not measured here. All rows: "
-                     "[Performance](performance.md).\n\n" + "\n".join(lines))
+        parts.append(
+            f"**On a GPU: {escape(data['device'])}, torch {data['torch']}**, model "
+            f"`{data['model']}`, measured {' and '.join(dates)} by "
+            f"`python scripts/bench.py`. One process on one GPU (a world of 1): what "
+            "this recipe's code costs against the bare loop, with nothing to "
+            "communicate; multi-GPU speed is not measured here. All rows: "
+            "[Performance](performance.md).\n\n" + "\n".join(lines)
+        )
     return "\n\n".join(parts)
 
 
@@ -324,8 +400,11 @@ def render_bench(_: str | None = None, **__: Any) -> str:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
     # <device>.json: the benchmark; <device>-<recipe>.json: a recipe's own GPU runs (its page)
-    files = [path for path in sorted((base.RESULTS_DIR / "bench").glob("*.json"))
-             if "model" in json.loads(path.read_text())]
+    files = [
+        path
+        for path in sorted((base.RESULTS_DIR / "bench").glob("*.json"))
+        if "model" in json.loads(path.read_text())
+    ]
     if not files:
         return (
             '!!! note "Not measured on a GPU yet"\n    Run `python scripts/bench.py` on a GPU '

@@ -27,8 +27,14 @@ def _function_source(spec: str) -> list[str]:
         raise MarkerError(f"source: no file {path!r} or no function named in {spec!r}")
     source = file.read_text()
     tree = ast.parse(source)
-    node = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 and n.name == name), None)
+    node = next(
+        (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+        ),
+        None,
+    )
     if node is None:
         raise MarkerError(f"source: {path} has no function {name!r}")
     lines = source.splitlines()
@@ -37,8 +43,9 @@ def _function_source(spec: str) -> list[str]:
     if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant):
         skip = set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
     start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-    body = [lines[i - 1] for i in range(start, (node.end_lineno or node.lineno) + 1)
-            if i not in skip]
+    body = [
+        lines[i - 1] for i in range(start, (node.end_lineno or node.lineno) + 1) if i not in skip
+    ]
     return textwrap.dedent("\n".join(body)).splitlines()
 
 
@@ -65,13 +72,16 @@ def _test_index() -> dict[str, tuple[str, list[str]]]:
             checks = []
             for inner in ast.walk(node):
                 is_check = isinstance(inner, ast.Assert) or (
-                    isinstance(inner, ast.Expr) and isinstance(inner.value, ast.Call)
-                    and "assert" in ast.unparse(inner.value.func).lower())
+                    isinstance(inner, ast.Expr)
+                    and isinstance(inner.value, ast.Call)
+                    and "assert" in ast.unparse(inner.value.func).lower()
+                )
                 if is_check:
                     checks.append((inner.lineno, textwrap.dedent(_segment(lines, inner))))
             checks.sort()
-            index.setdefault(node.name, (str(path.relative_to(REPO_ROOT)),
-                                         [text for _, text in checks]))
+            index.setdefault(
+                node.name, (str(path.relative_to(REPO_ROOT)), [text for _, text in checks])
+            )
     return index
 
 
@@ -86,8 +96,13 @@ def _segment(lines: list[str], node: ast.AST) -> str:
     head = lines[first].encode()
     # padded: what stands before the node on its first line becomes spaces (tabs kept)
     padding = "".join(c if c in "\f\t" else " " for c in head[:start].decode())
-    return "".join([padding + head[start:].decode(), *lines[first + 1:last],
-                    lines[last].encode()[:end].decode()])
+    return "".join(
+        [
+            padding + head[start:].decode(),
+            *lines[first + 1 : last],
+            lines[last].encode()[:end].decode(),
+        ]
+    )
 
 
 def append_proofs(markdown: str) -> str:
@@ -106,18 +121,34 @@ def append_proofs(markdown: str) -> str:
         found = [n for n in TEST_NAME.findall(line) if n in _test_index()]
         if found:
             names += [n for n in found if n not in names]
-            lines[i] = TEST_NAME.sub(lambda m: f"[`{m.group(1)}`](#{m.group(1)})"
-                                     if m.group(1) in _test_index() else m.group(0), line)
+            lines[i] = TEST_NAME.sub(
+                lambda m: (
+                    f"[`{m.group(1)}`](#{m.group(1)})"
+                    if m.group(1) in _test_index()
+                    else m.group(0)
+                ),
+                line,
+            )
     if not names:
         return markdown
-    out = ["", "## Proven by", "",
-           "Each test this page names, with its assertions, included from the test file at "
-           "build time: open one to read them.", "", '<div class="proofs" markdown>', ""]
+    out = [
+        "",
+        "## Proven by",
+        "",
+        "Each test this page names, with its assertions, included from the test file at "
+        "build time: open one to read them.",
+        "",
+        '<div class="proofs" markdown>',
+        "",
+    ]
     for name in names:
         path, checks = _test_index()[name]
         # a collapsed block with the test's name as its id: the page's links land on it
-        out += [f'<details class="note" id="{name}" markdown>',
-                f'<summary><code>{name}</code> in <code>{path}</code></summary>', ""]
+        out += [
+            f'<details class="note" id="{name}" markdown>',
+            f"<summary><code>{name}</code> in <code>{path}</code></summary>",
+            "",
+        ]
         shown = checks[:6]
         if shown:
             out += ["```python", *"\n".join(shown).splitlines(), "```"]

@@ -13,7 +13,8 @@ import contextlib
 import io
 import sys
 import traceback
-from typing import Callable, Iterator, NoReturn, Sequence, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn, TypeVar
 
 from recipes.core.config import exit_with, is_user_error, parse_config
 from recipes.core.log import current_rank, get_logger
@@ -31,8 +32,12 @@ from recipes.core.world import (
 C = TypeVar("C")
 
 
-def run_cli(run: Callable[[C], RecipeResult | None], config_cls: type[C], doc: str | None,
-            argv: Sequence[str] | None = None) -> None:
+def run_cli(
+    run: Callable[[C], RecipeResult | None],
+    config_cls: type[C],
+    doc: str | None,
+    argv: Sequence[str] | None = None,
+) -> None:
     description = (doc or "").strip().split("\n\n")[0] or None
     cfg = parse_recording_errors(lambda: parse_config(config_cls, argv, description))
     try:
@@ -131,9 +136,11 @@ def _collective_failed(exc: BaseException) -> NoReturn:
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
     operation = collective_in_frames(frames[::-1]) or "a collective"
     cause = getattr(exc, "peer_report", None) or (
-        "another rank probably exited or hung - see its error above")
+        "another rank probably exited or hung - see its error above"
+    )
     report_and_exit(
         f"rank {current_rank()}: {operation} failed because {cause} "
         f"({first.strip()[:160]}); rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL for more",
-        1, echo=True,
+        1,
+        echo=True,
     )

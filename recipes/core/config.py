@@ -16,11 +16,22 @@ import math
 import operator
 import sys
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence, TypeVar
+from typing import Any, Literal, TypeVar
 
-__all__ = ["RecipeError", "is_user_error", "Config", "TrainConfig", "CompileOption", "parse_config",
-           "per_rank_batch_size", "check_step_reached", "opt", "range_text"]
+__all__ = [
+    "RecipeError",
+    "is_user_error",
+    "Config",
+    "TrainConfig",
+    "CompileOption",
+    "parse_config",
+    "per_rank_batch_size",
+    "check_step_reached",
+    "opt",
+    "range_text",
+]
 
 
 class RecipeError(ValueError):
@@ -42,12 +53,24 @@ def is_user_error(exc: BaseException) -> bool:
 
 
 # The bounds a number can declare, as opt's keywords, with how they read and how they are checked.
-_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt),
-           "le": ("<=", operator.le), "lt": ("<", operator.lt)}
+_BOUNDS = {
+    "ge": (">=", operator.ge),
+    "gt": (">", operator.gt),
+    "le": ("<=", operator.le),
+    "lt": ("<", operator.lt),
+}
 
 
-def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, lt: float | None = None, finite: bool = True) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    finite: bool = True,
+) -> Any:
     """A dataclass field with a help text for ``--help`` (and the docs' option tables) and, for a
     number, its range: ``ge``/``gt``/``le``/``lt`` are bounds (>=, >, <=, <); a float must also be
     finite (no nan or inf) unless ``finite=False``. ``Config.__post_init__`` checks every field."""
@@ -102,8 +125,9 @@ class Config:
             valid = _literal_choices(hints.get(f.name))
             value = getattr(self, f.name)
             if valid is not None and value not in valid:
-                raise RecipeError(f"unknown {f.name}={value!r}; "
-                                  f"valid values: {', '.join(map(str, valid))}")
+                raise RecipeError(
+                    f"unknown {f.name}={value!r}; valid values: {', '.join(map(str, valid))}"
+                )
             problem = _range_problem(f, hints.get(f.name), value)
             if problem:
                 raise RecipeError(problem)
@@ -183,8 +207,10 @@ def check_step_reached(name: str, step: int, steps: int) -> None:
     pass for one where it did: a RecipeError that names the steps there are."""
     if step >= steps:
         flag = "--" + name.replace("_", "-")
-        raise RecipeError(f"{name}={step} is never reached: the steps are 0 to {steps - 1}; use "
-                          f"{flag} {steps - 1} or less, or --steps {step + 1} or more")
+        raise RecipeError(
+            f"{name}={step} is never reached: the steps are 0 to {steps - 1}; use "
+            f"{flag} {steps - 1} or less, or --steps {step + 1} or more"
+        )
 
 
 C = TypeVar("C")
@@ -207,9 +233,7 @@ def parse_config(
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         default = (
-            f.default
-            if f.default is not dataclasses.MISSING
-            else f.default_factory()  # type: ignore[misc]
+            f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         )
         kwargs: dict[str, Any] = {"default": default, "help": _help(f, kind) or " ", "dest": f.name}
         choices = _literal_choices(kind)

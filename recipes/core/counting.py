@@ -25,9 +25,12 @@ class CollectiveCounter(TorchDispatchMode):
     """
 
     KINDS: ClassVar[dict[str, str]] = {
-        "allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
-        "reduce_scatter_": "reduce_scatter", "_allgather_base_": "all_gather",
-        "allgather_": "all_gather"}
+        "allreduce_": "all_reduce",
+        "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_": "reduce_scatter",
+        "_allgather_base_": "all_gather",
+        "allgather_": "all_gather",
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,6 +54,10 @@ class CollectiveCounter(TorchDispatchMode):
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{"reduce_scatter over 2": {"calls": 6, "bytes": ...}, ...}, JSON-ready."""
-        return {f"{kind} over {size}": {"calls": self.calls[(kind, size)],
-                                        "bytes": self.bytes[(kind, size)]}
-                for kind, size in sorted(self.calls, key=str)}
+        return {
+            f"{kind} over {size}": {
+                "calls": self.calls[(kind, size)],
+                "bytes": self.bytes[(kind, size)],
+            }
+            for kind, size in sorted(self.calls, key=str)
+        }

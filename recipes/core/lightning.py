@@ -28,8 +28,17 @@ from recipes.core.state import full_state_on_rank0
 
 __all__ = ["LightningObserver"]
 
-_TRAVELS = ("durations", "param_checksum", "output_dtype", "extras", "rank", "world_size",
-            "backend", "device", "final_state")
+_TRAVELS = (
+    "durations",
+    "param_checksum",
+    "output_dtype",
+    "extras",
+    "rank",
+    "world_size",
+    "backend",
+    "device",
+    "final_state",
+)
 
 
 class LightningObserver(Observer, L.Callback):
@@ -52,8 +61,14 @@ class LightningObserver(Observer, L.Callback):
         self.extras["lightning_precision"] = str(trainer.precision)
         self.model_ready(pl_module.model, trainer.optimizers[0])
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:  # an optimizer step ended
             loss = trainer.callback_metrics.get("train_loss", torch.tensor(float("nan")))
             self.step_end(trainer.global_step - 1, float(loss))
@@ -62,14 +77,16 @@ class LightningObserver(Observer, L.Callback):
         if step != self.steps - 1:
             return
         module = self._trainer.lightning_module
-        held = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
-                   for p in module.parameters())
+        held = sum(
+            (p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters()
+        )
         # every rank takes part in the gather (a collective); rank 0 gets the state
         state, self.param_checksum = full_state_on_rank0(self._trainer.strategy.model)
         state = {name.removeprefix("model."): t for name, t in state.items()}
         if self.rank == 0:
-            self.extras["param_fraction_per_rank"] = held / max(sum(t.numel()
-                                                                    for t in state.values()), 1)
+            self.extras["param_fraction_per_rank"] = held / max(
+                sum(t.numel() for t in state.values()), 1
+            )
             if self.keep_final_state:
                 self.final_state = state
         self.close()

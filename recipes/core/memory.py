@@ -40,15 +40,21 @@ torch that renames one undercounts that item instead of failing.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["model_state_bytes", "tensor_storage_bytes", "measure_last_forward",
-           "inject_inf_gradient", "SavedTensorBytes"]
+__all__ = [
+    "model_state_bytes",
+    "tensor_storage_bytes",
+    "measure_last_forward",
+    "inject_inf_gradient",
+    "SavedTensorBytes",
+]
 
 
 def tensor_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -160,11 +166,14 @@ def model_state_bytes(
         "grad_bytes": tensor_storage_bytes(grads + fsdp_grads),
         "optimizer_bytes": tensor_storage_bytes(_optimizer_tensors(optimizer)),
     }
+
+
 # --8<-- [end:model_state_bytes]
 
 
-def measure_last_forward(model: nn.Module, *, steps: int, micro_batches: int,
-                         extras: dict[str, Any]) -> list[Any]:
+def measure_last_forward(
+    model: nn.Module, *, steps: int, micro_batches: int, extras: dict[str, Any]
+) -> list[Any]:
     """Measure the run's last forward (the last step's last micro-batch) from hooks, so that the
     training loop carries none of it. Into ``extras`` go:
 
@@ -192,8 +201,10 @@ def measure_last_forward(model: nn.Module, *, steps: int, micro_batches: int,
 
     # prepend: before fully_shard's own pre-forward hook, which unshards the root's parameters
     # (their gradients then sit on sharded parameters that model.parameters() does not show).
-    return [model.register_forward_pre_hook(before, prepend=True),
-            model.register_forward_hook(after)]
+    return [
+        model.register_forward_pre_hook(before, prepend=True),
+        model.register_forward_hook(after),
+    ]
 
 
 def inject_inf_gradient(model: nn.Module) -> None:
@@ -254,8 +265,9 @@ class SavedTensorBytes(TorchDispatchMode):
         # -1 outside backward: the first op with a graph task is backward's first
         if self.total is None and torch._C._current_graph_task_id() != -1:
             self.total = self._alive_bytes(self._made)
-            self.input_bytes = {key: self._alive_bytes(notes)
-                                for key, notes in self._inputs.items()}
+            self.input_bytes = {
+                key: self._alive_bytes(notes) for key, notes in self._inputs.items()
+            }
             self._made, self._inputs = [], {}
         out = func(*args, **(kwargs or {}))
         if self.total is None:

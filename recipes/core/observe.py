@@ -38,7 +38,8 @@ import multiprocessing
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,21 @@ from recipes.core.throughput import Workload
 from recipes.core.workload import MODEL_PRESETS, Block, TransformerLM
 from recipes.core.world import _keep_groups_past_teardown
 
-__all__ = ["EXTRAS", "Observer", "ShardedObserver", "TensorParallelObserver", "HybridObserver",
-           "ContextParallelObserver", "SpawnedObserver", "CheckpointingObserver",
-           "MetaInitObserver", "CheckpointObserver", "HangObserver", "OBSERVERS", "prove"]
+__all__ = [
+    "EXTRAS",
+    "Observer",
+    "ShardedObserver",
+    "TensorParallelObserver",
+    "HybridObserver",
+    "ContextParallelObserver",
+    "SpawnedObserver",
+    "CheckpointingObserver",
+    "MetaInitObserver",
+    "CheckpointObserver",
+    "HangObserver",
+    "OBSERVERS",
+    "prove",
+]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -198,6 +211,7 @@ def _in_the_callers_world() -> Iterator[None]:
         dist.init_process_group = lambda *args, **kwargs: None
         dist.destroy_process_group = lambda *args, **kwargs: None
     else:
+
         def destroy(*args: Any, **kwargs: Any) -> None:
             _keep_groups_past_teardown()
             saved[1](*args, **kwargs)
@@ -209,8 +223,14 @@ def _in_the_callers_world() -> Iterator[None]:
         dist.init_process_group, dist.destroy_process_group = saved
 
 
-def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
-          keep_final_state: bool = False, observer: Observer | None = None) -> RecipeResult:
+def prove(
+    train_fn: Callable[..., Any],
+    cfg: Any,
+    *,
+    name: str,
+    keep_final_state: bool = False,
+    observer: Observer | None = None,
+) -> RecipeResult:
     """``train_fn(cfg, observer=...)`` measured from outside; the result every rank returns.
 
     ``cfg`` needs ``steps`` (unless its observer knows them: meta_init), ``model`` (a
@@ -224,8 +244,11 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
         with _in_the_callers_world():
             return PROBES[name](train_fn, cfg)
     if observer is None:
-        observer = (OBSERVERS[name](cfg, keep_final_state=keep_final_state) if name in OBSERVERS
-                    else Observer(cfg.steps, keep_final_state=keep_final_state))
+        observer = (
+            OBSERVERS[name](cfg, keep_final_state=keep_final_state)
+            if name in OBSERVERS
+            else Observer(cfg.steps, keep_final_state=keep_final_state)
+        )
     observer.keep_final_state = observer.keep_final_state or keep_final_state
     observer.extras_fn = EXTRAS.get(name)
     try:
@@ -240,17 +263,23 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
     else:
         losses = returned
     if observer.param_checksum is None:
-        raise RuntimeError(f"{name}: the recipe never called observer.step_end for its last step "
-                           f"({observer.steps - 1}); it ran {len(observer.durations)} step(s)")
+        raise RuntimeError(
+            f"{name}: the recipe never called observer.step_end for its last step "
+            f"({observer.steps - 1}); it ran {len(observer.durations)} step(s)"
+        )
     # the devices that computed: the ranks, or the GPUs one DataParallel process drives
-    devices = (observer.extras.get("gpus") or observer.world_size
-               if observer.device.type == "cuda" else 1)
+    devices = (
+        observer.extras.get("gpus") or observer.world_size if observer.device.type == "cuda" else 1
+    )
     # single_gpu: batch_size; meta_init trains nothing: no tokens per step (tokens/s and MFU 0)
     batch = getattr(cfg, "global_batch_size", None) or getattr(cfg, "batch_size", 0)
     # an observer's model_config: the FLOPs a token costs where the preset's are not them (MoE),
     # or the shapes of a model that is not a cookbook preset (a Hugging Face model)
-    workload = Workload(getattr(observer, "model_config", None) or MODEL_PRESETS[cfg.model],
-                        batch, observer.precision)
+    workload = Workload(
+        getattr(observer, "model_config", None) or MODEL_PRESETS[cfg.model],
+        batch,
+        observer.precision,
+    )
     speed = workload.measure(observer.seconds_per_step, observer.device, devices)
     if not getattr(observer, "counts_model_flops", True):  # the FLOPs formula does not fit it
         speed.update(model_tflops=0.0, mfu=None)
@@ -263,12 +292,13 @@ def prove(train_fn: Callable[..., Any], cfg: Any, *, name: str,
         param_checksum=observer.param_checksum,
         seconds_per_step=observer.seconds_per_step,
         peak_memory_bytes=peak_memory_bytes(observer.device),
-        extras={"memory_per_rank": observer.memory_per_rank, **observer.extras,
-                **returned_extras},
+        extras={"memory_per_rank": observer.memory_per_rank, **observer.extras, **returned_extras},
         final_state=observer.final_state,
-        **{**speed,
-           # where the forward's dtype is not the whole story (float8: bf16 outputs, bf16 peak)
-           **({"precision": observer.precision_label} if observer.precision_label else {})},
+        **{
+            **speed,
+            # where the forward's dtype is not the whole story (float8: bf16 outputs, bf16 peak)
+            **({"precision": observer.precision_label} if observer.precision_label else {}),
+        },
     )
 
 
@@ -296,8 +326,9 @@ class ShardedObserver(Observer):
 
     def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().model_ready(model, optimizer)
-        self._handles = measure_last_forward(model, steps=self.steps,
-                                             micro_batches=self.micro_batches, extras=self.extras)
+        self._handles = measure_last_forward(
+            model, steps=self.steps, micro_batches=self.micro_batches, extras=self.extras
+        )
         self._clip = torch.nn.utils.clip_grad_norm_
         torch.nn.utils.clip_grad_norm_ = self._record_clip  # what the recipe calls, by that name
 
@@ -308,8 +339,10 @@ class ShardedObserver(Observer):
 
     def measure(self, step: int) -> None:
         if self.count_skips:
-            taken = max((int(state["step"]) for state in self._optimizer.state.values()
-                         if "step" in state), default=0)
+            taken = max(
+                (int(state["step"]) for state in self._optimizer.state.values() if "step" in state),
+                default=0,
+            )
             if taken == self._steps_taken:  # no update: the scaler found an inf or a nan
                 self.skipped_steps.append(step)
             self._steps_taken = taken
@@ -350,15 +383,19 @@ class TensorParallelObserver(Observer):
         params = list(model.parameters())
         blocks = [m for m in model.modules() if isinstance(m, Block)]
         meshes = {p.device_mesh.size() for p in params if isinstance(p, DTensor)}
-        self.extras.update({
-            "tp_size": meshes.pop() if len(meshes) == 1 else None,
-            "param_bytes_unsplit": sum(p.numel() * p.element_size() for p in params),  # global
-            "compiled": all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks),
-        })
+        self.extras.update(
+            {
+                "tp_size": meshes.pop() if len(meshes) == 1 else None,
+                "param_bytes_unsplit": sum(p.numel() * p.element_size() for p in params),  # global
+                "compiled": all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks),
+            }
+        )
         # Registered after apply_tp's own hooks: these see the inputs as the split made them.
-        self._tp_hooks = [blocks[0].register_forward_pre_hook(self._record_residual),
-                          model.norm.register_forward_pre_hook(self._record_norm_input),
-                          model.register_forward_hook(self._record_logits)]
+        self._tp_hooks = [
+            blocks[0].register_forward_pre_hook(self._record_residual),
+            model.norm.register_forward_pre_hook(self._record_norm_input),
+            model.register_forward_hook(self._record_logits),
+        ]
 
     def measure(self, step: int) -> None:
         if step == 0:
@@ -366,10 +403,14 @@ class TensorParallelObserver(Observer):
         super().measure(step)
         if step == 0:  # memory_per_rank: measured by the step above
             mine = self.memory_per_rank[self.rank]
-            self.extras.update({
-                "param_bytes_per_rank": mine["param_bytes"],
-                "param_fraction_per_rank": mine["param_bytes"] / self.extras["param_bytes_unsplit"],
-                "optimizer_bytes_per_rank": mine["optimizer_bytes"]})
+            self.extras.update(
+                {
+                    "param_bytes_per_rank": mine["param_bytes"],
+                    "param_fraction_per_rank": mine["param_bytes"]
+                    / self.extras["param_bytes_unsplit"],
+                    "optimizer_bytes_per_rank": mine["optimizer_bytes"],
+                }
+            )
 
     def close_tp_hooks(self) -> None:
         for hook in self._tp_hooks:
@@ -385,12 +426,14 @@ class TensorParallelObserver(Observer):
         self.extras["residual_seq_len_per_rank"] = residual.shape[1]
 
     def _record_norm_input(self, module: nn.Module, args: Any) -> None:
-        self.extras["sequence_parallel"] = (isinstance(args[0], DTensor)
-                                            and args[0].placements == (Shard(1),))
+        self.extras["sequence_parallel"] = isinstance(args[0], DTensor) and args[0].placements == (
+            Shard(1),
+        )
 
     def _record_logits(self, module: nn.Module, args: Any, output: Any) -> None:
         self.extras["loss_parallel"] = isinstance(output, DTensor) and any(
-            isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements)
+            isinstance(p, Shard) and p.dim in (-1, output.ndim - 1) for p in output.placements
+        )
 
 
 class HybridObserver(Observer):
@@ -409,19 +452,29 @@ class HybridObserver(Observer):
         self.pipelined = cfg.pp > 1
         with torch.device("meta"):  # the sizes only
             whole = TransformerLM(MODEL_PRESETS[cfg.model])
-        self.extras.update({"sequence_parallel": False, "param_bytes_unsplit": sum(
-            p.numel() * p.element_size() for p in whole.parameters())})
+        self.extras.update(
+            {
+                "sequence_parallel": False,
+                "param_bytes_unsplit": sum(
+                    p.numel() * p.element_size() for p in whole.parameters()
+                ),
+            }
+        )
         self._norm_hooks: list[Any] = []
 
     def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().model_ready(model, optimizer)
         # Registered after TP's own input hooks: these see the inputs as the split made them.
-        self._norm_hooks = [m.register_forward_pre_hook(self._record_norm_input)
-                            for m in model.modules() if isinstance(m, nn.LayerNorm)]
+        self._norm_hooks = [
+            m.register_forward_pre_hook(self._record_norm_input)
+            for m in model.modules()
+            if isinstance(m, nn.LayerNorm)
+        ]
 
     def _record_norm_input(self, module: nn.Module, args: Any) -> None:
-        if isinstance(args[0], DTensor) and any(isinstance(p, Shard) and p.dim == 1
-                                                for p in args[0].placements):
+        if isinstance(args[0], DTensor) and any(
+            isinstance(p, Shard) and p.dim == 1 for p in args[0].placements
+        ):
             self.extras["sequence_parallel"] = True
 
     def measure(self, step: int) -> None:
@@ -430,9 +483,12 @@ class HybridObserver(Observer):
         super().measure(step)
         if step == 0:  # memory_per_rank: measured by the step above
             held = self.memory_per_rank[self.rank]["param_bytes"]
-            self.extras.update({
-                "param_bytes_per_rank": held,
-                "param_fraction_per_rank": held / self.extras["param_bytes_unsplit"]})
+            self.extras.update(
+                {
+                    "param_bytes_per_rank": held,
+                    "param_fraction_per_rank": held / self.extras["param_bytes_unsplit"],
+                }
+            )
 
     def gather_final_state(self) -> None:
         if not self.pipelined:
@@ -440,8 +496,10 @@ class HybridObserver(Observer):
         # Each stage's full state (TP x FSDP all-gathered inside it), then every rank's: a
         # collective of the world. Not cpu_offload: rank 0 does not hold every stage.
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-        local = {name: t.detach().cpu().clone()
-                 for name, t in get_model_state_dict(self._model, options=options).items()}
+        local = {
+            name: t.detach().cpu().clone()
+            for name, t in get_model_state_dict(self._model, options=options).items()
+        }
         state: dict[str, torch.Tensor] = {}
         for piece in all_ranks(local):  # a stage's dp x tp ranks hold the same state
             for name, tensor in piece.items():
@@ -490,10 +548,13 @@ class ContextParallelObserver(Observer):
         if step == self.steps - 1:  # a collective: every rank's positions, in rank order
             layout = all_ranks(self._positions)
             self.extras.update(
-                cp_size=self.world_size, positions_per_rank=len(self._positions),
+                cp_size=self.world_size,
+                positions_per_rank=len(self._positions),
                 score_entries_per_rank=[
                     sum(int((queries[:, None] >= keys[None, :]).sum()) for keys in layout)
-                    for queries in layout])
+                    for queries in layout
+                ],
+            )
         super().measure(step)
 
     def close(self) -> None:
@@ -534,8 +595,17 @@ class SpawnedObserver(Observer):
             self.__dict__.update(self._queue.get())
 
 
-_TRAVELS = ("durations", "memory_per_rank", "param_checksum", "output_dtype", "extras", "rank",
-            "world_size", "backend", "device")
+_TRAVELS = (
+    "durations",
+    "memory_per_rank",
+    "param_checksum",
+    "output_dtype",
+    "extras",
+    "rank",
+    "world_size",
+    "backend",
+    "device",
+)
 
 
 class CheckpointingObserver(Observer):
@@ -573,17 +643,24 @@ class CheckpointingObserver(Observer):
         compiled = all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)
         self.extras["compiled"] = compiled
         if compiled:
-            self.extras.update(saved_bytes=None, checkpoint_input_bytes=None,
-                               checkpointed_blocks=None)
+            self.extras.update(
+                saved_bytes=None, checkpoint_input_bytes=None, checkpointed_blocks=None
+            )
             return
         self._saved = SavedTensorBytes(model)
         self._ac_hooks = [model.register_forward_pre_hook(self._start)]
         for index, block in enumerate(blocks):
-            self._ac_hooks.append(block.register_forward_pre_hook(
-                lambda _module, args, index=index: self._saved.note_input(index, args[0])))
+            self._ac_hooks.append(
+                block.register_forward_pre_hook(
+                    lambda _module, args, index=index: self._saved.note_input(index, args[0])
+                )
+            )
             for sub in block.modules():  # a checkpointed block's replay skips its own hooks
-                self._ac_hooks.append(sub.register_forward_pre_hook(
-                    lambda *_, index=index: self._note_recompute(index)))
+                self._ac_hooks.append(
+                    sub.register_forward_pre_hook(
+                        lambda *_, index=index: self._note_recompute(index)
+                    )
+                )
 
     def _start(self, module: nn.Module, args: Any) -> None:
         if not self._entered:  # the first forward: step 0's
@@ -599,11 +676,19 @@ class CheckpointingObserver(Observer):
         if step == 0 and self._saved is not None:
             self._stop()
             replayed = self._recomputed
-            starts = sorted({index for k, index in enumerate(replayed)
-                             if k == 0 or replayed[k - 1] != index - 1})
+            starts = sorted(
+                {
+                    index
+                    for k, index in enumerate(replayed)
+                    if k == 0 or replayed[k - 1] != index - 1
+                }
+            )
             inputs = self._saved.input_bytes
-            self.extras.update(saved_bytes=self._saved.total, checkpointed_blocks=starts,
-                               checkpoint_input_bytes=sum(inputs.get(i, 0) for i in starts))
+            self.extras.update(
+                saved_bytes=self._saved.total,
+                checkpointed_blocks=starts,
+                checkpoint_input_bytes=sum(inputs.get(i, 0) for i in starts),
+            )
         super().measure(step)
 
     def _stop(self) -> None:
@@ -637,7 +722,8 @@ class MetaInitObserver(Observer):
         self.memory_per_rank = all_ranks(held)
         self.extras.update(
             full_model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            param_bytes_per_rank=[m["param_bytes"] for m in self.memory_per_rank])
+            param_bytes_per_rank=[m["param_bytes"] for m in self.memory_per_rank],
+        )
         state, self.param_checksum = full_state_on_rank0(model)  # a collective: every rank
         if self.keep_final_state and self.rank == 0:
             self.final_state = state
@@ -672,11 +758,15 @@ class CheckpointObserver(Observer):
 # The recipes whose proof measures more than Observer does: name -> its observer's class, made
 # as ``cls(cfg, keep_final_state=...)``.
 OBSERVERS: dict[str, Callable[..., Observer]] = {
-    "fsdp2": ShardedObserver, "tensor_parallel": TensorParallelObserver,
-    "hybrid_parallel": HybridObserver, "ddp_spawn": SpawnedObserver,
+    "fsdp2": ShardedObserver,
+    "tensor_parallel": TensorParallelObserver,
+    "hybrid_parallel": HybridObserver,
+    "ddp_spawn": SpawnedObserver,
     "context_parallel": ContextParallelObserver,
-    "activation_checkpointing": CheckpointingObserver, "meta_init": MetaInitObserver,
-    "sharded_checkpoint": CheckpointObserver}
+    "activation_checkpointing": CheckpointingObserver,
+    "meta_init": MetaInitObserver,
+    "sharded_checkpoint": CheckpointObserver,
+}
 
 
 def _probe_collectives(run_fn: Callable[..., Any], cfg: Any) -> RecipeResult:
@@ -704,6 +794,7 @@ def _probe_collectives(run_fn: Callable[..., Any], cfg: Any) -> RecipeResult:
             sync(ctx.device)
             op_ms[name] = round((time.perf_counter() - start) * 1e3, 3)
             return note
+
         return run_op
 
     def recording_check(ctx: Any, actual: Any, expected: Any) -> None:
@@ -720,16 +811,23 @@ def _probe_collectives(run_fn: Callable[..., Any], cfg: Any) -> RecipeResult:
         module.Ctx.check = check
     device = seen["device"]
     return RecipeResult(
-        recipe="collectives", world_size=seen["world_size"], backend=seen["backend"],
-        device=str(device), losses=[], param_checksum=param_checksum(received),
-        seconds_per_step=sum(op_ms.values()) / 1e3, peak_memory_bytes=peak_memory_bytes(device),
-        extras={"ops": report, "op_ms": op_ms})
+        recipe="collectives",
+        world_size=seen["world_size"],
+        backend=seen["backend"],
+        device=str(device),
+        losses=[],
+        param_checksum=param_checksum(received),
+        seconds_per_step=sum(op_ms.values()) / 1e3,
+        peak_memory_bytes=peak_memory_bytes(device),
+        extras={"ops": report, "op_ms": op_ms},
+    )
 
 
 # The recipes that train nothing: name -> fn(recipe's function, cfg) -> RecipeResult, which
 # ``prove`` calls instead of observing steps.
 PROBES: dict[str, Callable[[Callable[..., Any], Any], RecipeResult]] = {
-    "collectives": _probe_collectives}
+    "collectives": _probe_collectives
+}
 
 
 class HangObserver(Observer):
@@ -749,6 +847,8 @@ class HangObserver(Observer):
 
 
 OBSERVERS["hang_diagnosis"] = HangObserver
+
+
 class ClippingObserver(Observer):
     """recipes/grad_clipping.py: the total norm each rank clipped with, recorded from outside
     (into ``extras``) by wrapping what the recipe calls, by those names, from ``model_ready`` to
@@ -781,11 +881,13 @@ class ClippingObserver(Observer):
         torch.nn.utils.clip_grads_with_norm_ = self._record_total
         torch.nn.utils.clip_grad_norm_ = self._record_returned
 
-    def _record_total(self, parameters: Any, max_norm: float, total_norm: torch.Tensor,
-                      *args: Any, **kwargs: Any) -> None:
+    def _record_total(
+        self, parameters: Any, max_norm: float, total_norm: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> None:
         self._norm = float(total_norm)
-        return self._wrapped["clip_grads_with_norm_"](parameters, max_norm, total_norm, *args,
-                                                      **kwargs)
+        return self._wrapped["clip_grads_with_norm_"](
+            parameters, max_norm, total_norm, *args, **kwargs
+        )
 
     def _record_returned(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         norm = self._wrapped["clip_grad_norm_"](*args, **kwargs)
@@ -795,14 +897,20 @@ class ClippingObserver(Observer):
     def measure(self, step: int) -> None:
         self.grad_norms.append(self._norm)
         if step == self.steps - 1:  # a collective: every rank's norms, in rank order
-            self.extras.update(grad_norms=list(self.grad_norms), grad_norms_per_rank=[
-                list(per_step) for per_step in zip(*all_ranks(self.grad_norms))])
+            self.extras.update(
+                grad_norms=list(self.grad_norms),
+                grad_norms_per_rank=[
+                    list(per_step) for per_step in zip(*all_ranks(self.grad_norms))
+                ],
+            )
         super().measure(step)
 
     def gather_final_state(self) -> None:
         module = getattr(self._model, "module", self._model)  # DDP's model, unwrapped
-        local = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-                 for name, p in module.named_parameters()}
+        local = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in module.named_parameters()
+        }
         state: dict[str, torch.Tensor] = {}
         for piece in all_ranks(local):  # a collective: the stages hold different parameters
             state.update(piece)
@@ -853,7 +961,8 @@ class AccumulationObserver(Observer):
         self.extras.update(
             fsdp_groups=sum(1 for m in model.modules() if isinstance(m, FSDPModule)),
             grad_bytes_unsharded=sum(p.numel() * p.element_size() for p in params),
-            mesh=list(mesh.shape))
+            mesh=list(mesh.shape),
+        )
         self._pre_hook = model.register_forward_pre_hook(self._record_held, prepend=True)
         self._start_counting()
 
@@ -883,8 +992,10 @@ class AccumulationObserver(Observer):
 
     def measure(self, step: int) -> None:
         if step == self.steps - 1:
-            self.extras.update(collectives_per_step=list(self.per_step),
-                               grad_bytes_between_micro_batches=max(self.held, default=0))
+            self.extras.update(
+                collectives_per_step=list(self.per_step),
+                grad_bytes_between_micro_batches=max(self.held, default=0),
+            )
         super().measure(step)
 
     def close(self) -> None:
@@ -962,11 +1073,13 @@ class Float8Observer(Observer):
     def measure(self, step: int) -> None:
         super().measure(step)
         if step == self.steps - 1 and self.runs == 2:
-            bf16 = Workload(MODEL_PRESETS[self.model_name], self.global_batch_size,
-                            self.precision).measure(self.bf16_seconds_per_step, self.device,
-                                                    self.world_size)
-            self.extras.update(bf16_tokens_per_second=bf16["tokens_per_second"],
-                               speedup_vs_bf16=self.bf16_seconds_per_step / self.seconds_per_step)
+            bf16 = Workload(
+                MODEL_PRESETS[self.model_name], self.global_batch_size, self.precision
+            ).measure(self.bf16_seconds_per_step, self.device, self.world_size)
+            self.extras.update(
+                bf16_tokens_per_second=bf16["tokens_per_second"],
+                speedup_vs_bf16=self.bf16_seconds_per_step / self.seconds_per_step,
+            )
             self.precision_label = "float8"
 
 
@@ -983,10 +1096,14 @@ class PerformanceObserver(Observer):
     def __init__(self, cfg: Any, *, keep_final_state: bool = False):
         super().__init__(cfg.steps, keep_final_state=keep_final_state)
         self.extras.update(
-            optimizer=cfg.optimizer, compiled=cfg.compile, zero_grad=cfg.zero_grad,
+            optimizer=cfg.optimizer,
+            compiled=cfg.compile,
+            zero_grad=cfg.zero_grad,
             compile_scope=cfg.compile_scope if cfg.compile else None,
             compile_mode=cfg.compile_mode if cfg.compile else None,
-            sdpa_backend_allowed=cfg.sdpa_backend, pin_memory=cfg.pin_memory)
+            sdpa_backend_allowed=cfg.sdpa_backend,
+            pin_memory=cfg.pin_memory,
+        )
 
     def measure(self, step: int) -> None:
         if step == self.steps - 1:
@@ -994,13 +1111,16 @@ class PerformanceObserver(Observer):
                 "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                 "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
                 "cuda.matmul.allow_bf16_reduced_precision_reduction": (
-                    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+                    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+                ),
                 "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "sdp: flash / mem_efficient / cudnn / math": [
                     torch.backends.cuda.flash_sdp_enabled(),
                     torch.backends.cuda.mem_efficient_sdp_enabled(),
                     torch.backends.cuda.cudnn_sdp_enabled(),
-                    torch.backends.cuda.math_sdp_enabled()]}
+                    torch.backends.cuda.math_sdp_enabled(),
+                ],
+            }
         super().measure(step)
 
 
@@ -1026,13 +1146,16 @@ class ExpertParallelObserver(Observer):
 
     def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().model_ready(model, optimizer)
-        self._moes = [m for m in model.modules() if hasattr(m, "ep_group")
-                      and hasattr(m, "num_experts")]
+        self._moes = [
+            m for m in model.modules() if hasattr(m, "ep_group") and hasattr(m, "num_experts")
+        ]
         moe = self._moes[0]
         self.extras.update(
             ep_size=dist.get_world_size(moe.ep_group) if moe.ep_group is not None else 1,
-            experts_per_rank=moe.w_in.shape[0], top_k=moe.top_k,
-            capacity_factor=moe.capacity_factor if moe.capacity_factor < float("inf") else None)
+            experts_per_rank=moe.w_in.shape[0],
+            top_k=moe.top_k,
+            capacity_factor=moe.capacity_factor if moe.capacity_factor < float("inf") else None,
+        )
 
     def gather_final_state(self) -> None:
         sliced = {id(p): moe.ep_group for moe in self._moes for p in (moe.w_in, moe.w_out)}
@@ -1109,10 +1232,10 @@ class PipelineObserver(Observer):
 
         if self._saved:
             return
-        for cls, name in [(stage._PipelineStageBase, m) for m in (
-                "forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")] + [
-                (schedules.PipelineScheduleSingle, "step"), (schedules.PipelineScheduleMulti,
-                                                             "step")]:
+        for cls, name in [
+            (stage._PipelineStageBase, m)
+            for m in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+        ] + [(schedules.PipelineScheduleSingle, "step"), (schedules.PipelineScheduleMulti, "step")]:
             original = cls.__dict__[name]
             self._saved.append((cls, name, original))
             wrap = self._timed_step if name == "step" else self._timed_action
@@ -1139,6 +1262,7 @@ class PipelineObserver(Observer):
                     observer._window = time.perf_counter() - observer._began
                     busy = sum(end - start for *_, start, end in observer._actions)
                     observer._idle.append(1.0 - busy / observer._window)
+
         return step
 
     def _timed_action(self, original: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -1156,9 +1280,16 @@ class PipelineObserver(Observer):
                 if kind is None:  # backward_one_chunk(chunk, loss, full_backward, ...)
                     full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
                     kind = "B" if full else "I"
-                observer._actions.append((kind, stage.stage_index, chunk,
-                                          start - observer._began,
-                                          time.perf_counter() - observer._began))
+                observer._actions.append(
+                    (
+                        kind,
+                        stage.stage_index,
+                        chunk,
+                        start - observer._began,
+                        time.perf_counter() - observer._began,
+                    )
+                )
+
         return timed
 
     def step_end(self, step: int, loss: float) -> None:
@@ -1175,33 +1306,55 @@ class PipelineObserver(Observer):
     def _end_run(self) -> None:
         """The run's figures, from every rank (collectives: every rank ends every run)."""
         steady = self._idle[1:] or self._idle  # after the first (warm-up) step
-        actions = [[kind, s, mb, round(a * 1e3, 3), round(b * 1e3, 3)]
-                   for kind, s, mb, a, b in self._actions]
+        actions = [
+            [kind, s, mb, round(a * 1e3, 3), round(b * 1e3, 3)]
+            for kind, s, mb, a, b in self._actions
+        ]
         stages = sorted(self._stage_ids)
         pp_size = dist.get_world_size()
         timings = statistics.median(self._run_durations[1:] or self._run_durations)
         # one collective for every per-rank figure: (idle, actions, stage ids, window) per rank
-        idle, timeline, stage_ids, windows = map(list, zip(*all_ranks(
-            (sum(steady) / len(steady), actions, stages, round(self._window * 1e3, 3)))))
-        row = {"schedule": self._schedule, "stages_per_rank": len(stages),
-               "bubble_fraction_theory": _bubble(pp_size, self.cfg.microbatches, len(stages)),
-               "idle_fraction_measured_per_rank": idle, "timeline_per_rank": timeline,
-               "seconds_per_step": timings}
+        idle, timeline, stage_ids, windows = map(
+            list,
+            zip(
+                *all_ranks(
+                    (sum(steady) / len(steady), actions, stages, round(self._window * 1e3, 3))
+                )
+            ),
+        )
+        row = {
+            "schedule": self._schedule,
+            "stages_per_rank": len(stages),
+            "bubble_fraction_theory": _bubble(pp_size, self.cfg.microbatches, len(stages)),
+            "idle_fraction_measured_per_rank": idle,
+            "timeline_per_rank": timeline,
+            "seconds_per_step": timings,
+        }
         self.rows[self._schedule] = row
         if self._runs == 1:
             split_points = self._recipe.even_split(
-                _meta_model(self.model_config), self._recipe.TRANSFORMER_LM, self._num_stages)
+                _meta_model(self.model_config), self._recipe.TRANSFORMER_LM, self._num_stages
+            )
             self.extras.update(
-                schedule=self._schedule, split=self.cfg.split, pp_size=pp_size,
-                num_stages=self._num_stages, stages_per_rank=len(stages),
-                microbatches=self.cfg.microbatches, n_layers=self.model_config.n_layers,
-                split_points=split_points, stage_ids_per_rank=stage_ids,
+                schedule=self._schedule,
+                split=self.cfg.split,
+                pp_size=pp_size,
+                num_stages=self._num_stages,
+                stages_per_rank=len(stages),
+                microbatches=self.cfg.microbatches,
+                n_layers=self.model_config.n_layers,
+                split_points=split_points,
+                stage_ids_per_rank=stage_ids,
                 bubble_fraction_theory=row["bubble_fraction_theory"],
-                idle_fraction_measured_per_rank=idle, step_window_ms_per_rank=windows,
-                timeline_per_rank=timeline)
+                idle_fraction_measured_per_rank=idle,
+                step_window_ms_per_rank=windows,
+                timeline_per_rank=timeline,
+            )
         if self.cfg.compare:
-            self.extras["schedule_table"] = [self.rows.get(name) or self._refused(name, pp_size)
-                                             for name in self._recipe.SCHEDULES]
+            self.extras["schedule_table"] = [
+                self.rows.get(name) or self._refused(name, pp_size)
+                for name in self._recipe.SCHEDULES
+            ]
             self.extras["schedule_table"] = [r for r in self.extras["schedule_table"] if r]
 
     def _refused(self, name: str, pp_size: int) -> dict[str, Any] | None:
@@ -1215,9 +1368,13 @@ class PipelineObserver(Observer):
 
     def gather_final_state(self) -> None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)  # not every stage on 0
-        local = {self._index_of[id(m)]: {n: t.detach().cpu().clone() for n, t in
-                                          get_model_state_dict(m, options=options).items()}
-                 for m in self._model}
+        local = {
+            self._index_of[id(m)]: {
+                n: t.detach().cpu().clone()
+                for n, t in get_model_state_dict(m, options=options).items()
+            }
+            for m in self._model
+        }
         pieces = {index: state for piece in all_ranks(local) for index, state in piece.items()}
         state = {n: t for index in sorted(pieces) for n, t in pieces[index].items()}
         self.param_checksum = param_checksum(state.values())
@@ -1283,8 +1440,10 @@ class GradAccumulationObserver(Observer):
         self._backward_ended()  # the step's last backward
         self.rounds_per_step.append(self._rounds)
         self._rounds = 0
-        self.extras.update(allreduce_rounds_per_step=list(self.rounds_per_step),
-                           bucket_allreduces=self.bucket_allreduces)
+        self.extras.update(
+            allreduce_rounds_per_step=list(self.rounds_per_step),
+            bucket_allreduces=self.bucket_allreduces,
+        )
         super().measure(step)
 
     def close(self) -> None:
@@ -1311,13 +1470,15 @@ class HFCheckpointObserver(Observer):
         from recipes.core.workload import ModelConfig
 
         super().__init__(cfg.steps, keep_final_state=keep_final_state)
-        self.model_config = ModelConfig(vocab_size=128, seq_len=16, dim=64, n_layers=2,
-                                          n_heads=4)  # only seq_len counts: tokens per sequence
+        self.model_config = ModelConfig(
+            vocab_size=128, seq_len=16, dim=64, n_layers=2, n_heads=4
+        )  # only seq_len counts: tokens per sequence
 
     def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().model_ready(model, optimizer)
         self.extras["param_bytes_per_rank"] = all_ranks(
-            sum(p.to_local().nbytes for p in model.parameters()))
+            sum(p.to_local().nbytes for p in model.parameters())
+        )
         if self.steps == 0:
             self.gather_final_state()
         self._restart_clock()
@@ -1358,8 +1519,7 @@ class FinetuneObserver(Observer):
 
         super().__init__(cfg.steps, keep_final_state=keep_final_state)
         self.cfg = cfg
-        self.model_config = (MODEL_PRESETS[cfg.model] if cfg.arch == "cookbook"
-                               else finetune.HF_DATA)
+        self.model_config = MODEL_PRESETS[cfg.model] if cfg.arch == "cookbook" else finetune.HF_DATA
         self.extras.update(mode=cfg.mode, strategy=cfg.strategy, arch=cfg.arch)
         self._full_bytes: dict[str, int] | None = None
         self._reduced: dict[str, int] | None = None
@@ -1370,8 +1530,11 @@ class FinetuneObserver(Observer):
         trainable = sum(p.numel() for p in params if p.requires_grad)
         total = sum(p.numel() for p in params)
         self.extras.update(
-            trainable_params=trainable, total_params=total, trainable_fraction=trainable / total,
-            trainable_names=[n for n, p in base.named_parameters() if p.requires_grad])
+            trainable_params=trainable,
+            total_params=total,
+            trainable_fraction=trainable / total,
+            trainable_names=[n for n, p in base.named_parameters() if p.requires_grad],
+        )
         if self.cfg.mode != "full":  # before the clock starts: not the run's time
             self._full_bytes = self._full_finetune_bytes(base)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -1397,14 +1560,23 @@ class FinetuneObserver(Observer):
         precision = finetune.resolve_precision(cfg.precision, device)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         model, _ = finetune.adapt(cfg, "full")
-        wrapped = finetune.wrap(model, cfg.strategy, mesh=getattr(first, "device_mesh", None),
-                                device=device, low=low,
-                                block_types=finetune.ready_made_targets(cfg.arch).block_types)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      fused=True if device.type == "cuda" else None)
+        wrapped = finetune.wrap(
+            model,
+            cfg.strategy,
+            mesh=getattr(first, "device_mesh", None),
+            device=device,
+            low=low,
+            block_types=finetune.ready_made_targets(cfg.arch).block_types,
+        )
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, fused=True if device.type == "cuda" else None
+        )
         per_rank = cfg.global_batch_size // (dist.get_world_size() if dist.is_initialized() else 1)
-        tokens = finetune.make_dataset(self.model_config, cfg.global_batch_size,
-                                       seed=cfg.seed).tokens[:per_rank].to(device)
+        tokens = (
+            finetune.make_dataset(self.model_config, cfg.global_batch_size, seed=cfg.seed)
+            .tokens[:per_rank]
+            .to(device)
+        )
         autocast = low is not None and cfg.strategy == "ddp"
         with torch.autocast(device.type, dtype=low or torch.float32, enabled=autocast):
             loss = finetune.lm_loss(finetune.logits_of(wrapped(tokens[:, :-1])), tokens[:, 1:])
@@ -1426,11 +1598,14 @@ class FinetuneObserver(Observer):
                 full_finetune_memory_per_rank=all_ranks(full),
                 bytes_saved_per_rank=all_ranks(sum(full.values()) - sum(own.values())),
                 frozen_grads_none_per_rank=all_ranks(
-                    all(p.grad is None for p in base.parameters() if not p.requires_grad)),
+                    all(p.grad is None for p in base.parameters() if not p.requires_grad)
+                ),
                 optimizer_tensors=sum(len(g["params"]) for g in self._optimizer.param_groups),
                 optimizer_state_tensors=len(self._optimizer.state),
-                reduced_bytes_per_step=(self._reduced["bytes"] / self.steps
-                                        if self._reduced else None))
+                reduced_bytes_per_step=(
+                    self._reduced["bytes"] / self.steps if self._reduced else None
+                ),
+            )
             super().measure(step)
             self.memory_per_rank = all_ranks(own)  # after the last step, as full's was read
         else:

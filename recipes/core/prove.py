@@ -22,30 +22,53 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from recipes.core.cli import parse_recording_errors, record_unexpected
 from recipes.core.config import exit_with
 from recipes.core.log import current_rank, get_logger
 from recipes.core.observe import prove
-from recipes.core.world import (JoinError, guard_recipe_world, report_and_exit,
-                                write_torchrun_error_file)
+from recipes.core.world import (
+    JoinError,
+    guard_recipe_world,
+    report_and_exit,
+    write_torchrun_error_file,
+)
 
 __all__ = ["PROVABLE", "main", "prove_command"]
 
 # The copyable recipes whose function takes an observer (model_ready, step_end), or that a probe
 # measures from outside (recipes.core.observe.PROBES: collectives trains nothing).
-PROVABLE = ("ddp_torchrun", "single_gpu", "tensor_parallel", "fsdp2", "amp", "data_parallel",
-            "zero", "hybrid_parallel", "ddp_spawn", "context_parallel", "activation_checkpointing",
-            "meta_init", "sharded_checkpoint",
-            "collectives", "hang_diagnosis",
-            "grad_clipping", "sharded_accumulation",
-            "profiling",
-            "fsdp", "float8", "performance",
-            "expert_parallel", "pipeline_parallel",
-            "grad_accumulation",
-            "hf_checkpoint", "finetune",
-            "lightning_fabric", "lightning_trainer")
+PROVABLE = (
+    "ddp_torchrun",
+    "single_gpu",
+    "tensor_parallel",
+    "fsdp2",
+    "amp",
+    "data_parallel",
+    "zero",
+    "hybrid_parallel",
+    "ddp_spawn",
+    "context_parallel",
+    "activation_checkpointing",
+    "meta_init",
+    "sharded_checkpoint",
+    "collectives",
+    "hang_diagnosis",
+    "grad_clipping",
+    "sharded_accumulation",
+    "profiling",
+    "fsdp",
+    "float8",
+    "performance",
+    "expert_parallel",
+    "pipeline_parallel",
+    "grad_accumulation",
+    "hf_checkpoint",
+    "finetune",
+    "lightning_fabric",
+    "lightning_trainer",
+)
 
 
 def prove_command(command: str, name: str) -> str:
@@ -57,8 +80,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in PROVABLE:
         given = repr(argv[0]) if argv else "no recipe"
-        exit_with(f"python -m recipes.core.prove: {given}; name one of {', '.join(PROVABLE)} "
-                  "first, then its options", 2)
+        exit_with(
+            f"python -m recipes.core.prove: {given}; name one of {', '.join(PROVABLE)} "
+            "first, then its options",
+            2,
+        )
     name, options = argv[0], argv[1:]
     module = importlib.import_module(f"recipes.{name}")
     parser = module.make_parser()
@@ -94,9 +120,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     get_logger("recipes").info(
         "done: %d steps on %d rank(s) (%s, %s, %s): loss %.4f -> %.4f, %.1f ms/step, "
         "%.0f tokens/s, MFU %s, peak memory %.0f MiB",
-        len(result.losses), result.world_size, result.backend, result.device, result.precision,
-        result.losses[0], result.losses[-1], result.seconds_per_step * 1e3,
-        result.tokens_per_second, mfu, result.peak_memory_bytes / 2**20,
+        len(result.losses),
+        result.world_size,
+        result.backend,
+        result.device,
+        result.precision,
+        result.losses[0],
+        result.losses[-1],
+        result.seconds_per_step * 1e3,
+        result.tokens_per_second,
+        mfu,
+        result.peak_memory_bytes / 2**20,
     )
     print(result.to_json(), flush=True)
 

@@ -8,8 +8,9 @@ import math
 import resource
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -85,7 +86,7 @@ class StepTimer:
         self.durations: list[float] = []
         self._start = 0.0
 
-    def __enter__(self) -> "StepTimer":
+    def __enter__(self) -> StepTimer:
         self._sync()
         self._start = time.perf_counter()
         return self

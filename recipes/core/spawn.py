@@ -23,16 +23,24 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from recipes.core.config import RecipeError, is_user_error
-from recipes.core.world import (RankError, WorldTimeoutError, _first_line, _write_atomically,
-                                collective_in_frames, release_ended_groups)
+from recipes.core.world import (
+    RankError,
+    WorldTimeoutError,
+    _first_line,
+    _write_atomically,
+    collective_in_frames,
+    release_ended_groups,
+)
 
 __all__ = ["check_port_free", "free_port", "spawn_world"]
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
@@ -80,13 +88,21 @@ def spawn_world(
     try:
         for rank in range(world_size):
             rank_env = {  # the whole environment: a forked rank inherits the server's, not ours
-                **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-                "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world_size),
-                "RECIPES_LAUNCHER": "spawn", **(env or {}),
+                "RECIPES_LAUNCHER": "spawn",
+                **(env or {}),
             }
-            proc = ctx.Process(target=_rank_main, name=f"rank{rank}",
-                               args=(fn, rank, rank_env, workdir, args, kwargs))
+            proc = ctx.Process(
+                target=_rank_main,
+                name=f"rank{rank}",
+                args=(fn, rank, rank_env, workdir, args, kwargs),
+            )
             proc.start()
             processes.append(proc)
         return _supervise(processes, workdir, deadline_s)
@@ -102,9 +118,17 @@ def spawn_world(
 # Imported once by the fork server, so that a rank starts in a fraction of a second instead of
 # about 2 s of imports per rank (which, on 2 cores, was most of the test suite's time).
 _PRELOAD = [
-    "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
-    "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.nn.parallel",
-    "recipes.core.world", "recipes.core.spawn", "recipes.core.cli", "recipes.core.workload",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "torch.nn.parallel",
+    "recipes.core.world",
+    "recipes.core.spawn",
+    "recipes.core.cli",
+    "recipes.core.workload",
     "recipes.core.result",
 ]
 
@@ -146,9 +170,11 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
         report = {
-            "time": getattr(exc, "failed_at", time.time()), "type": type(exc).__name__,
+            "time": getattr(exc, "failed_at", time.time()),
+            "type": type(exc).__name__,
             "message": _first_line(str(exc)),
-            "traceback": traceback.format_exc(), "operation": collective_in_frames(frames[::-1]),
+            "traceback": traceback.format_exc(),
+            "operation": collective_in_frames(frames[::-1]),
             "is_recipe_error": is_user_error(exc),
         }
         _write_atomically(os.path.join(workdir, f"error{rank}.pkl"), pickle.dumps(report))
@@ -168,8 +194,9 @@ def _supervise(processes, workdir: str, deadline_s: float) -> Any:
         if failed:
             # Let the other ranks report: the first failure is the cause, not the echoes.
             time.sleep(0.5)
-            _raise_first_failure([proc.exitcode for proc in processes],
-                                 _read_errors(workdir, len(processes)))
+            _raise_first_failure(
+                [proc.exitcode for proc in processes], _read_errors(workdir, len(processes))
+            )
         if all(code == 0 for code in codes):
             with open(os.path.join(workdir, "result.pkl"), "rb") as f:
                 return pickle.load(f)
@@ -190,21 +217,26 @@ def _read_errors(workdir: str, world_size: int) -> dict[int, dict]:
 
 def _raise_first_failure(codes: list[int | None], errors: dict[int, dict]) -> None:
     # A rank that died without raising (killed, os._exit, segfault) caused the others' errors.
-    silent = [rank for rank, code in enumerate(codes)
-              if code not in (None, 0) and rank not in errors]
+    silent = [
+        rank for rank, code in enumerate(codes) if code not in (None, 0) and rank not in errors
+    ]
     if silent:
         rank, code = silent[0], codes[silent[0]]
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        raise RankError(f"rank {rank} {how} without raising an error; the other ranks were stopped",
-                        rank=rank, operation=None)
+        raise RankError(
+            f"rank {rank} {how} without raising an error; the other ranks were stopped",
+            rank=rank,
+            operation=None,
+        )
     rank = min(errors, key=lambda r: errors[r]["time"])
     report = errors[rank]
     where = f" in {report['operation']}" if report["operation"] else ""
     message = f"rank {rank} failed{where}: {report['type']}: {report['message']}"
     if report["is_recipe_error"]:
         raise RecipeError(f"rank {rank}: {report['message']}")
-    raise RankError(message, rank=rank, operation=report["operation"],
-                    remote_traceback=report["traceback"])
+    raise RankError(
+        message, rank=rank, operation=report["operation"], remote_traceback=report["traceback"]
+    )
 
 
 def _raise_timeout(processes, workdir: str, deadline_s: float) -> None:
@@ -222,11 +254,19 @@ def _raise_timeout(processes, workdir: str, deadline_s: float) -> None:
             stack = f.read()
         frames = re.findall(r'File "(.+?)", line (\d+) in (\S+)', stack)
         operation = collective_in_frames([(name, int(line), func) for name, line, func in frames])
-        user = next((f"{func} ({os.path.basename(name)}:{line})" for name, line, func in frames
-                     if "/torch/" not in name and "multiprocessing" not in name), "unknown code")
+        user = next(
+            (
+                f"{func} ({os.path.basename(name)}:{line})"
+                for name, line, func in frames
+                if "/torch/" not in name and "multiprocessing" not in name
+            ),
+            "unknown code",
+        )
         places.append(f"rank {rank} waiting in {operation or 'no collective'} called from {user}")
         stacks.append(f"rank {rank}:\n{stack}")
     raise WorldTimeoutError(
         f"world of {len(processes)} did not finish within {deadline_s:.0f}s: " + "; ".join(places),
-        rank=0, operation=None, remote_traceback="\n".join(stacks),
+        rank=0,
+        operation=None,
+        remote_traceback="\n".join(stacks),
     )

@@ -14,8 +14,13 @@ import torch.nn as nn
 
 from recipes.core.memory import model_state_bytes
 
-__all__ = ["full_state_on_rank0", "full_state_on_cpu", "all_ranks", "mean_over_ranks",
-           "sharded_run_extras"]
+__all__ = [
+    "full_state_on_rank0",
+    "full_state_on_cpu",
+    "all_ranks",
+    "mean_over_ranks",
+    "sharded_run_extras",
+]
 
 
 # --8<-- [start:full_state]
@@ -40,7 +45,8 @@ def full_state_on_rank0(model: nn.Module) -> tuple[dict[str, torch.Tensor], floa
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     classic_fsdp_on_host = next(model.parameters()).device.type == "cpu" and any(
-        isinstance(module, FullyShardedDataParallel) for module in model.modules())
+        isinstance(module, FullyShardedDataParallel) for module in model.modules()
+    )
     options = StateDictOptions(full_state_dict=True, cpu_offload=not classic_fsdp_on_host)
     # fully_shard over tensor-parallel shards reaches rank 0 in two all-gathers per tensor, which
     # torch logs as suboptimal on every rank: true, and irrelevant for a one-off gather at the end.
@@ -57,6 +63,8 @@ def full_state_on_rank0(model: nn.Module) -> tuple[dict[str, torch.Tensor], floa
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(checksum, src=0)
     return state, checksum[0]
+
+
 # --8<-- [end:full_state]
 
 
@@ -86,9 +94,14 @@ def all_ranks(value: Any) -> list[Any]:
     return gathered
 
 
-def sharded_run_extras(model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                       grad_norms: list[float], scaler: Any,
-                       skipped_steps: list[int]) -> dict[str, Any]:
+def sharded_run_extras(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    grad_norms: list[float],
+    scaler: Any,
+    skipped_steps: list[int],
+) -> dict[str, Any]:
     """What the sharded recipes report after their last step (call it after ``optimizer.step()``,
     before ``zero_grad``: gradients present): every rank's bytes (``model_state_bytes``), the
     clipped norms if any, and with an fp16 scaler the steps each rank skipped and its final
@@ -100,4 +113,3 @@ def sharded_run_extras(model: nn.Module, optimizer: torch.optim.Optimizer, *,
         extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
         extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
     return extras
-

@@ -20,8 +20,16 @@ from recipes.toy import (  # noqa: F401  (re-exported: the older recipes import 
 )
 
 __all__ = [
-    "ModelConfig", "MODEL_PRESETS", "TransformerLM", "Block", "build_model", "lm_loss",
-    "SyntheticTokens", "make_dataset", "distributed_loader", "iterate_steps",
+    "ModelConfig",
+    "MODEL_PRESETS",
+    "TransformerLM",
+    "Block",
+    "build_model",
+    "lm_loss",
+    "SyntheticTokens",
+    "make_dataset",
+    "distributed_loader",
+    "iterate_steps",
 ]
 
 
@@ -70,4 +78,6 @@ def iterate_steps(loader: DataLoader, sampler: DistributedSampler, num_steps: in
             yield step, batch
             step += 1
         epoch += 1
+
+
 # --8<-- [end:distributed_loader]

@@ -36,8 +36,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -80,8 +81,9 @@ class World:
 class RankError(RuntimeError):
     """A rank of a spawned world failed; ``str()`` is one line, ``remote_traceback`` the details."""
 
-    def __init__(self, message: str, *, rank: int, operation: str | None,
-                 remote_traceback: str = ""):
+    def __init__(
+        self, message: str, *, rank: int, operation: str | None, remote_traceback: str = ""
+    ):
         super().__init__(message)
         self.rank = rank
         self.operation = operation
@@ -169,7 +171,11 @@ def join_world(backend: str = "auto", *, timeout_s: float = 300.0) -> Iterator[W
             try:
                 store = _attempt_store(rank, world_size, timeout)
                 dist.init_process_group(
-                    backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                    backend,
+                    store=store,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
                     device_id=device if device.type == "cuda" else None,
                 )
             except dist.DistError as exc:  # a store or a peer that never answered: one line
@@ -209,7 +215,8 @@ def _join_failed(rank: int, world_size: int, exc: BaseException) -> JoinError:
     return JoinError(
         f"rank {rank}: joining the world of {world_size} via {_store_address()} failed "
         f"({_first_line(str(exc))[:200]}); check that every rank was started with the same "
-        "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and can reach that address")
+        "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and can reach that address"
+    )
 
 
 def _name_the_lost_peer(liveness: Liveness, rank: int, exc: BaseException) -> None:
@@ -218,9 +225,12 @@ def _name_the_lost_peer(liveness: Liveness, rank: int, exc: BaseException) -> No
     unnamed = (
         f"rank {rank}: a collective failed ({_first_line(str(exc))[:160]}) and the store "
         f"at {_store_address()} stopped answering while naming the lost rank: a host is "
-        "unreachable (network down, or the node of rank 0 / of torchrun's agent is gone)")
-    with _deadline(12.0, lambda: report_and_exit(unnamed, 1, echo=True)), \
-            contextlib.suppress(AttributeError, TypeError):
+        "unreachable (network down, or the node of rank 0 / of torchrun's agent is gone)"
+    )
+    with (
+        _deadline(12.0, lambda: report_and_exit(unnamed, 1, echo=True)),
+        contextlib.suppress(AttributeError, TypeError),
+    ):
         exc.peer_report = liveness.explain()
 
 
@@ -280,7 +290,8 @@ def _port_in_use(exc: BaseException) -> RecipeError | None:
     if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
         return RecipeError(
             f"MASTER_PORT {os.environ.get('MASTER_PORT')} is already in use on this host; pick "
-            "a free one (MASTER_PORT=<port>, or torchrun --standalone / --master-port)")
+            "a free one (MASTER_PORT=<port>, or torchrun --standalone / --master-port)"
+        )
     return None
 
 
@@ -290,11 +301,15 @@ def _init_deadline(rank: int, timeout_s: float) -> Iterator[None]:
     specific timeout wins when it fires). ``init_process_group`` can wait past its ``timeout``
     (a peer that connected and then stalled, a store host that accepts but never answers), and a
     call blocked in C++ cannot be interrupted from Python: a timer thread is the only bound."""
-    with _deadline(timeout_s + 2.0, lambda: report_and_exit(
-        f"rank {rank}: joining the world (init_process_group via {_store_address()}) did not "
-        f"finish within {timeout_s:g}s; a rank did not start or cannot reach the others - check "
-        "that every rank was launched with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE", 1,
-    )):
+    with _deadline(
+        timeout_s + 2.0,
+        lambda: report_and_exit(
+            f"rank {rank}: joining the world (init_process_group via {_store_address()}) did not "
+            f"finish within {timeout_s:g}s; a rank did not start or cannot reach the others - check "
+            "that every rank was launched with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE",
+            1,
+        ),
+    ):
         yield
 
 
@@ -346,8 +361,15 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(word in str(exc) for word in COLLECTIVE_WORDS)
 
 
-COLLECTIVE_WORDS = ("gloo", "Gloo", "Connection closed", "Connection reset", "Timed out", "NCCL",
-                    "mismatch between collectives")
+COLLECTIVE_WORDS = (
+    "gloo",
+    "Gloo",
+    "Connection closed",
+    "Connection reset",
+    "Timed out",
+    "NCCL",
+    "mismatch between collectives",
+)
 
 
 class Liveness:
@@ -378,8 +400,12 @@ class Liveness:
 
     def _own_connection(self) -> dist.Store | None:
         try:
-            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                   is_master=False, timeout=datetime.timedelta(seconds=5))
+            client = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=5),
+            )
         except (KeyError, ValueError, RuntimeError):
             return None  # no heartbeat; the other signs still work
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -427,8 +453,11 @@ class Liveness:
         moment to leave, and its sockets close before it does)."""
         deadline = time.monotonic() + wait_s
         while True:
-            gone = [r for r, p in procs.items() if r != self.rank and p["host"] == self.host
-                    and not _running(p["pid"])]
+            gone = [
+                r
+                for r, p in procs.items()
+                if r != self.rank and p["host"] == self.host and not _running(p["pid"])
+            ]
             if gone or time.monotonic() >= deadline:
                 return gone
             time.sleep(0.1)
@@ -436,12 +465,14 @@ class Liveness:
     def _explain(self, probe: dist.Store, wait_s: float = 3.0) -> str:
         peers = [r for r in range(self.world_size) if r != self.rank]
         try:
-            failed = {r: probe.get(f"exit/{r}").decode() for r in peers
-                      if probe.check([f"exit/{r}"])}
+            failed = {
+                r: probe.get(f"exit/{r}").decode() for r in peers if probe.check([f"exit/{r}"])
+            }
             if failed:
                 return "; ".join(f"rank {r} failed first: {line}" for r, line in failed.items())
-            procs = self.procs or {r: json.loads(probe.get(f"proc/{r}")) for r in peers
-                                   if probe.check([f"proc/{r}"])}
+            procs = self.procs or {
+                r: json.loads(probe.get(f"proc/{r}")) for r in peers if probe.check([f"proc/{r}"])
+            }
             gone = self._dead_here(procs)
             # The first survivor's verdict wins over /proc, read AFTER it: a survivor publishes,
             # then exits, so one that exited before the look above has published by now, and
@@ -464,15 +495,21 @@ class Liveness:
                 return self.verdict
             gone = self._dead_here(self.procs, wait_s=0)
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            return (_no_longer_running(gone, self.procs) + f" and the store at {where} is gone"
-                    if gone else f"the store at {where} is unreachable too: the host of rank 0 "
-                    "(or of torchrun's agent) is gone")
+            return (
+                _no_longer_running(gone, self.procs) + f" and the store at {where} is gone"
+                if gone
+                else f"the store at {where} is unreachable too: the host of rank 0 "
+                "(or of torchrun's agent) is gone"
+            )
 
 
 def _no_longer_running(ranks: list[int], procs: dict[int, dict]) -> str:
     named = ", ".join(f"rank {r} (pid {procs[r]['pid']})" for r in ranks)
-    return named + (" is" if len(ranks) == 1 else " are") + \
-        " no longer running (killed, or exited without an error)"
+    return (
+        named
+        + (" is" if len(ranks) == 1 else " are")
+        + " no longer running (killed, or exited without an error)"
+    )
 
 
 def _count(store: dist.Store, rank: int) -> int:
@@ -492,9 +529,15 @@ def _current_world() -> World:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = _env_int("LOCAL_RANK", rank)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    return World(rank, world_size, local_rank, _env_int("LOCAL_WORLD_SIZE", world_size), backend,
-                 device,
-                 os.environ.get("RECIPES_LAUNCHER", "torchrun"))
+    return World(
+        rank,
+        world_size,
+        local_rank,
+        _env_int("LOCAL_WORLD_SIZE", world_size),
+        backend,
+        device,
+        os.environ.get("RECIPES_LAUNCHER", "torchrun"),
+    )
 
 
 def collective_in_frames(frames_innermost_first: list[tuple[str, int, str]]) -> str | None:
@@ -556,8 +599,13 @@ def guard_recipe_world(timeout_s: float = 300.0) -> Iterator[None]:
         joined.append(True)
         if dist.get_world_size() > 1 and "MASTER_ADDR" in env:
             with contextlib.suppress(RuntimeError, ValueError):  # no heartbeat: no names
-                lives.append(Liveness(_liveness_store(dist.get_world_size()), dist.get_rank(),
-                                      dist.get_world_size()))
+                lives.append(
+                    Liveness(
+                        _liveness_store(dist.get_world_size()),
+                        dist.get_rank(),
+                        dist.get_world_size(),
+                    )
+                )
 
     def guarded_destroy(*args, **kwargs):
         exc = sys.exc_info()[1]  # what propagates through the recipe's finally, if anything
@@ -590,6 +638,10 @@ def guard_recipe_world(timeout_s: float = 300.0) -> Iterator[None]:
 def _liveness_store(world_size: int) -> dist.Store:
     """The launcher's store, in the namespace ``Liveness`` keeps its own connection in."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           is_master=False, timeout=datetime.timedelta(seconds=30))
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=30),
+    )
     return dist.PrefixStore(f"recipes/attempt{attempt}/world{world_size}", client)
