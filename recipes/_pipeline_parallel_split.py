@@ -125,7 +125,8 @@ def _units(model: nn.Module, points: Sequence[str], wiring: StageWiring) -> list
 
 
 def stage_modules(model: nn.Module, split: Sequence, wiring: StageWiring) -> list[list[str]]:
-    """Per stage, the module names it owns in execution order; checks the split against the model."""
+    """Per stage, the module names it owns in execution order; checks the split against the
+    model."""
     if all(isinstance(s, str) for s in split):  # split points; none: one stage
         for name in split:
             _module(model, name)

@@ -20,11 +20,6 @@ that skips one leaves the others waiting until the timeout - ``--skip-on-rank`` 
 option, not a test's, because watching the timeout fire is the lesson); ``new_group`` must be
 called by *all* ranks, members or not; a ring of blocking send/recv can deadlock unless half the
 ranks receive first; ``src``/``dst`` are global ranks.
-
-Length: about 480 lines, over the cookbook's ~300, because it is a catalogue: each of
-its 17 collectives is a short function with the value every rank must hold afterwards, read on its
-own; the shared part (the config, the context and its check, ``run``, the command line) is around
-them.
 """
 
 from __future__ import annotations

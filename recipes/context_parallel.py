@@ -32,10 +32,6 @@ Proven by tests/test_context_parallel.py: outputs and q/k/v gradients equal
 ``F.scaled_dot_product_attention`` on the whole sequence (causal or not, balanced or not, 2 and 4
 ranks), a tiny HF Llama on sequence shards equals it whole, and training equals single-process
 training (gloo/CPU, torch 2.13). The ``torch`` path needs CUDA: it was not run on CPU.
-
-Length: about 390 lines, over the cookbook's ~300: the ring (an autograd Function whose backward
-is a second ring, ~100 lines) is the lesson, and the training and command line that prove it on
-a model come with it; splitting them would send a reader to two files for one idea.
 """
 
 from __future__ import annotations

@@ -19,9 +19,6 @@ Copy with it: recipes/toy.py (the model you replace) and recipes/dist_setup.py (
   the middle of an epoch, with workers, continues with exactly the next batch.
 - Uneven inputs: DDP's ``Join``, or (what works under fully_shard too) ``all_ranks_have``: every
   step the ranks agree, with an all-reduce MIN, whether each has a batch, and stop together.
-
-Length: about 380 lines: preparing, loading, saving the position and stopping together are the one
-data pipeline a training job copies whole; each part is a section a page includes on its own.
 """
 
 from __future__ import annotations

@@ -28,10 +28,6 @@ DDP options, and when to touch them:
 The checkpoint: rank 0 saves, a barrier, every rank loads it with ``weights_only=True`` and
 ``map_location``. tests/test_ddp_spawn.py asserts that every option trains like one process and
 that every rank holds exactly the saved weights afterwards.
-
-Length: about 335 lines, over the cookbook's ~300: the parent's side (checks, the rendezvous,
-``mp.spawn``, a child's failure) comes on top of ddp_torchrun's loop, and DDP's four options on
-top of its command line.
 """
 
 from __future__ import annotations

@@ -37,11 +37,6 @@ caveats). The fake backend exists since torch 2.1 (``torch.testing._internal``, 
 Copy with it: recipes/toy.py (the model you replace with yours), recipes/parallelize.py (apply_tp,
 apply_fully_shard: the layout under test), recipes/memory_estimate.py (the arithmetic each stage
 is checked against: its model_state_per_rank, composed here, not reimplemented).
-
-Length: about 360 lines, over the cookbook's 300: the layout check, building and parallelizing
-one stage, counting its collectives, probing real ranks in forked children, printing the table and
-the command line that refuses a layout in one line are the steps of one plan; none is useful
-without the others.
 """
 
 from __future__ import annotations

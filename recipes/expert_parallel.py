@@ -35,10 +35,6 @@ to each expert of each layer, over the whole batch, before any drop) and ``dropp
 prints one line per step. Proven by tests/test_expert_parallel.py on gloo (torch 2.13): outputs,
 input, router and expert gradients and the token counts equal the one-process MoE; training
 equals one process.
-
-Length: about 400 lines, over the cookbook's ~300: the MoE layer, its all-to-all dispatch and
-``apply_ep`` copy together, with the refusals that keep them exact, and the training loop that
-sums the replicated gradients itself (no DDP: the experts must not be averaged).
 """
 
 from __future__ import annotations

@@ -23,10 +23,6 @@ full fine-tuning's, the bytes DDP all-reduces) is measured from outside, by the 
 harness. ``--checkpoint-dir`` writes, on rank 0, the trained parameters alone (``trainable.pt``:
 the adapters for LoRA) and, for LoRA, ``merged.pt``, a plain state dict of the merged model that
 the un-adapted model class loads.
-
-Length: about 480 lines, over the cookbook's ~300: besides the training loop it carries the pieces
-a user copies (LoRA, add_lora, merge_lora, freeze_for, the ready-made targets, the checkpoint) and
-the command line; splitting them apart would hide the lesson.
 """
 
 from __future__ import annotations

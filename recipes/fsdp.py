@@ -32,9 +32,6 @@ training code uses, so its options and pitfalls are shown here. Pitfalls named w
 needs ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds unsharded gradients;
 the optimizer is built after wrapping; activation checkpointing goes inside the FSDP unit
 (``apply_fsdp``).
-
-Length: about 340 lines, over the cookbook's ~300: each of the wrapper's options (the reason this
-recipe exists) is a line of the command line and its one-line check.
 """
 
 from __future__ import annotations

@@ -39,9 +39,6 @@ A model too big for one host's memory is built under ``torch.device("meta")`` in
 sharded, then materialised with ``model.to_empty(device=...)`` and initialised or loaded from a
 sharded checkpoint (recipes/meta_init.py, recipes/sharded_checkpoint.py).
 
-Length: about 320 lines, over the cookbook's ~300: each of fully_shard's options is a line of the
-command line and its one-line check, and the GPU measurements above stay beside the code.
-
 | fully_shard (this recipe)                         | classic FSDP (recipes/fsdp.py)            |
 |---------------------------------------------------|-------------------------------------------|
 | ``reshard_after_forward=True``                    | ``FULL_SHARD`` (ZeRO-3)                   |

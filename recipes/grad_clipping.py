@@ -35,11 +35,6 @@ The pitfalls, each shown by a test:
 - ``--clip local_shards``: ``clip_grad_norm_`` on this rank's shards as plain tensors (code that
   unwraps DTensors, or a hand-sharded model) gets a local norm, different on every rank
   (pytorch#170862): each rank clips by its own factor.
-
-Length: about 390 lines, over the cookbook's ~300, because the lesson is one clipping
-function across six layouts (DDP, FSDP, HSDP, TP, PP, 2-D/3-D meshes): each layout's few lines of
-set-up sit next to the others so that the one total norm can be compared across them, and each
-option is a line of the command line with its one-line check.
 """
 
 from __future__ import annotations

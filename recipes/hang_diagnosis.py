@@ -32,9 +32,6 @@ shown here, find out why:
 The process group is created here in the open, not by a shared helper: its timeout and what must be
 set before it exists (the recorder's variables, the DETAIL level) are the lesson. ``train`` returns
 a ``HangRun``: the losses of a clean run (equal to one process's), else the error and the finding.
-
-Length: about 400 lines, over the cookbook's ~300: three tools, each with the code that reads its
-output, around one loop; the process group made in the open and the command line take the rest.
 """
 
 from __future__ import annotations

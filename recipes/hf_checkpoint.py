@@ -30,11 +30,6 @@ model's is refused before anything is read, in one line naming the missing and u
 ``train`` prints one line per step from rank 0 and, after the export, how far the logits of
 ``from_pretrained(out_dir/hf)`` are from the trained model's; it returns an ``HFCheckpointRun``:
 the global loss of each step, the files exported, that difference and which reader ran.
-
-Length: about 460 lines, over the cookbook's ~300: a user's folder is checked before any rank reads
-it (a file in its place, a config.json that is not one, a missing or truncated safetensors file,
-an output folder under a file), so that bad input is one line naming the file, not a crash on one
-rank and a hang on the others; and the command line checks each option's value in one line.
 """
 
 from __future__ import annotations
@@ -356,7 +351,7 @@ def check_out_dir(out_dir: str) -> None:
         raise HFCheckpointError(
             f"--out-dir {out_dir}: cannot write in {existing} "
             f"({exc.strerror or exc}); name a directory you can write to"
-        )
+        ) from None
 
 
 # --8<-- [start:train]

@@ -29,10 +29,6 @@ giving 2-D DTensors), then the optimizer; a pipeline stage is cut before both. L
 equal single-process training (tests/test_hybrid_parallel.py). Runs on gloo/CPU (checked with torch
 2.13). ``train`` returns a ``HybridRun``: the global batch's loss of each step and the layout it
 ran on (the mesh's dims, its rank grid, this rank's group along each dim).
-
-Length: about 330 lines, over the cookbook's ~300: the pipeline variant cuts, wraps and steps its
-stage here (``cut_stage``, ``build_pipeline``, ``pipeline_step``: 60 lines), so that the file copies
-with nothing but the files named above.
 """
 
 from __future__ import annotations

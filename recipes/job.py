@@ -19,10 +19,6 @@ checkpoint stood: the weights, AdamW, the schedule, each rank's data position, t
 
 Configuration: the defaults below < a YAML file (``--config``) < flags (``--lr 3e-4``). An unknown
 key, a wrong type, a layout the world cannot hold, a missing data folder: one line, exit 2.
-
-Length: about 560 lines with the checkpoint part in recipes/_job_checkpoint.py: the
-configuration, the layouts, the data order and the loop are one job, each a section the page
-includes on its own.
 """
 
 from __future__ import annotations

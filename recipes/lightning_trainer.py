@@ -33,11 +33,6 @@ Speed: on one H200 (100m, bf16, batch 64, torch 2.11) a step ran 70.6 ms against
 bare loop (+4.8%; scripts/bench.py): the Trainer wraps even one device in DDP, and logging
 ``train_loss`` with ``sync_dist`` synchronises the host with the GPU 5 times a step. Log less often
 (``log_every_n_steps``) where the step is short.
-
-Length: about 650 lines, over the cookbook's ~300, on purpose: one LightningModule and DataModule
-serve four strategies and two command lines (the flags and LightningCLI's YAML). The workarounds
-around Lightning and torch (FSDP on CPU, HYBRID_SHARD with one rank per node, gloo teardown,
-warnings) live in recipes/_lightning_trainer_workarounds.py.
 """
 
 from __future__ import annotations

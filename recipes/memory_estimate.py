@@ -54,9 +54,6 @@ measured on a real 2-rank world.
 
 Copy with it: nothing. Pure arithmetic on the standard library: no torch, no world. The last
 stdout line is the same figures as one JSON object.
-
-Length: about 470 lines, over the 300 of one idea: the stage table and the per-GPU figure share
-the config, the layouts and the stage rule; docs/assets/memory-calculator.js ports this one file.
 """
 
 from __future__ import annotations
@@ -412,9 +409,9 @@ def format_table(result: dict[str, Any], unit: str = "GB") -> str:
     scale = UNITS[unit]
     lines = [
         (
-            f"Model-state memory per rank: {result['params']:.4g} parameters, {result['world_size']} "
-            "data-parallel "
-            f"ranks, in {unit} ({scale:.0f} bytes). Activations and buffers come on top."
+            f"Model-state memory per rank: {result['params']:.4g} parameters, "
+            f"{result['world_size']} data-parallel ranks, in {unit} ({scale:.0f} bytes). "
+            "Activations and buffers come on top."
         )
     ]
     header = f"{'strategy':<28}{'params':>9}{'grads':>9}{'optim':>9}{'device':>10}{'host':>9}"

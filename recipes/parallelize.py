@@ -711,7 +711,8 @@ def transformer_lm_plan(
                 "layers.*.mlp_norm": SequenceParallel(),
                 "norm": SequenceParallel(),
                 # ...but attention and the MLP need whole sequences: all-gather them on the way in.
-                # Pitfall: without these, q/k/v see a sequence shard and attention is silently wrong.
+                # Pitfall: without these, q/k/v see a sequence shard and attention is silently
+                # wrong.
                 "layers.*.attn": PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                 ),

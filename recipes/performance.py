@@ -35,9 +35,6 @@ loss and the attention kernel that ran. Timing, tokens/s and MFU come from the h
 (``python -m recipes.core.prove performance``), which also reports the ``torch.backends`` flags that
 decide these (TF32, the SDPA backends, bf16 reductions): a measured number always comes with the
 settings it was measured with.
-
-Length: about 305 lines, over the cookbook's ~300: each switch is an option with its one-line
-check, and the GPU measurements above stay beside the code.
 """
 
 from __future__ import annotations

@@ -31,9 +31,6 @@ The schedule divides the summed per-micro-batch gradients by m (``scale_grads``)
 loss a step equals the whole-batch step (tests/test_pipeline_parallel.py: every schedule, split).
 ``train`` returns the loss of each step of ``--schedule`` (the same on every rank); rank 0 prints
 one line per step.
-
-Length: about 390 lines, over the cookbook's ~300: the split by module names, the step, the
-checks each schedule's layout must pass and the comparison of every schedule are one lesson.
 """
 
 from __future__ import annotations

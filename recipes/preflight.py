@@ -15,9 +15,6 @@ its value. Rank 0 prints a row per host (ranks, device, free memory, torch / CUD
 distributed variables set there. Every verdict reaches every rank (``all_gather_object``): if one
 failed, all exit 1 and rank 0 names host, rank and check. A rank that never arrives, or a check
 that hangs, ends every waiting rank after ``--timeout-s`` naming the ranks that never got there.
-
-Length: about 310 lines, over 300 because naming who is missing (stage marks in the store, a
-watchdog thread) is the point of a preflight, not an extra.
 """
 
 from __future__ import annotations

@@ -26,10 +26,6 @@ out:
 ``train`` returns a ``ProfileRun``: each step's loss averaged over the ranks, and those figures.
 The profiler costs time: compare speeds with the recipes that do not profile. ``--trace-dir``
 defaults to a fresh temporary directory that rank 0 names for all.
-
-Length: about 400 lines, over the 300 of one idea: the profiled loop is useless without what it is
-for, the communication and top-ops figures read off its events and, on CUDA, the memory window
-whose snapshot is checked against the allocator's own counters.
 """
 
 from __future__ import annotations

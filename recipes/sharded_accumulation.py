@@ -37,10 +37,6 @@ a mean of means: a token in a short sample weighs more (transformers PR #35207, 
 ``--loss-normalisation tokens`` counts the real tokens of the whole step, over every micro-batch and
 every data-parallel rank (one all-reduce of one number per step), and divides each micro-batch's
 *summed* loss by that count: equal to the single process, asserted.
-
-Length: about 350 lines, over the cookbook's ~300: four ways to accumulate and two loss
-normalisations share one loop, the ragged data that shows the second pitfall is made here, and
-each option is a line of the command line with its one-line check.
 """
 
 from __future__ import annotations

@@ -33,11 +33,6 @@ checkpoint (optimizer included) to one torch.save file.
 ``train`` returns a ``CheckpointRun``: the global loss of each step trained, and what the resume
 and the saves did (the step it started from, who saved what it loaded, the steps it saved, how long
 each save held training up, the last checkpoint's bytes). It prints one line per step from rank 0.
-
-Length: about 500 lines, over the cookbook's ~300, because everything a resume must carry (model,
-optimizer, data position, RNG streams, resharding) and the export are one lesson: a user copies
-them together or not at all. The crash-safe folder (save, publish, find, verify, load) is the part
-a team swaps whole, so it lives beside this file.
 """
 
 from __future__ import annotations

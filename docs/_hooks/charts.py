@@ -531,4 +531,6 @@ def render_chart(kind: str, **_: Any) -> str:
     try:
         return CHARTS[kind]()
     except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
-        raise MarkerError(f"chart {kind}: the data cannot be drawn ({type(exc).__name__}: {exc})")
+        raise MarkerError(
+            f"chart {kind}: the data cannot be drawn ({type(exc).__name__}: {exc})"
+        ) from None

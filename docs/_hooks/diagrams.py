@@ -140,10 +140,11 @@ def chart_pipeline() -> str:
                     svg,
                     (
                         f"<strong>{escape(schedule)}</strong>, measured on {where} (load average "
-                        f"{load:.1f} when the run started), {ranks} ranks: the last training step's "
-                        "forward (F), backward (B) and weight-gradient (W) actions of each rank, "
-                        "labelled with their micro-batch, in milliseconds; grey is idle, the bubble. "
-                        f"From results/pipeline_parallel.json (<code>{escape(data['command'])}</code>)."
+                        f"{load:.1f} when the run started), {ranks} ranks: the last training "
+                        "step's forward (F), backward (B) and weight-gradient (W) actions of each "
+                        "rank, labelled with their micro-batch, in milliseconds; grey is idle, the "
+                        "bubble. From results/pipeline_parallel.json "
+                        f"(<code>{escape(data['command'])}</code>)."
                     ),
                     "pipeline",
                 )
@@ -166,11 +167,11 @@ def chart_pipeline() -> str:
                 draw.figure(
                     svg,
                     (
-                        f"<strong>{schedule}</strong> on {pp} ranks with {micro} micro-batches (the "
-                        "measured run's shape), computed from the schedule, not timed: forward = 1 "
-                        "time unit, backward = 2, each rank running its actions in the schedule's "
-                        f"order. Grey is the bubble: {1 - busy / (end * pp):.0%} of the ranks' time "
-                        f"here.{measured if schedule == '1f1b' else ''}"
+                        f"<strong>{schedule}</strong> on {pp} ranks with {micro} micro-batches "
+                        "(the measured run's shape), computed from the schedule, not timed: "
+                        "forward = 1 time unit, backward = 2, each rank running its actions in the "
+                        f"schedule's order. Grey is the bubble: {1 - busy / (end * pp):.0%} of the "
+                        f"ranks' time here.{measured if schedule == '1f1b' else ''}"
                     ),
                     "pipeline",
                 )
@@ -210,7 +211,7 @@ def chart_fsdp_units(world_size: int = 2) -> str:
         body.append(draw.text(left + (i + 0.5) * cell_w, y + 24, name, anchor="middle", size=10))
     y += 32
     held = []
-    for unit, nbytes in units:
+    for unit, _nbytes in units:
         body.append(draw.text(left - 8, y + 16, unit, anchor="end", size=11))
         for i, phase in enumerate(phases):
             _, _, name = phase.partition(" ")

@@ -28,7 +28,7 @@ def render_recipe_index(_: str, *, page: Any, config: Any) -> str:
         if not entries:
             continue
         rows = []
-        for name, path in entries:
+        for _name, path in entries:
             module = Path(path).stem
             link = (
                 f"[{module}]({os.path.relpath(path, here)})"

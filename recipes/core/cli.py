@@ -53,7 +53,7 @@ def run_cli(
         write_torchrun_error_file(str(exc))
         if current_rank() == 0:
             exit_with(str(exc), 2)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     except JoinError as exc:
         report_and_exit(str(exc), 1)
     except RankError as exc:  # a spawned world lost a rank: its traceback (if it raised), one line

@@ -305,8 +305,9 @@ def _init_deadline(rank: int, timeout_s: float) -> Iterator[None]:
         timeout_s + 2.0,
         lambda: report_and_exit(
             f"rank {rank}: joining the world (init_process_group via {_store_address()}) did not "
-            f"finish within {timeout_s:g}s; a rank did not start or cannot reach the others - check "
-            "that every rank was launched with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE",
+            f"finish within {timeout_s:g}s; a rank did not start or cannot reach the others - "
+            "check that every rank was launched with the same MASTER_ADDR/MASTER_PORT and "
+            "WORLD_SIZE",
             1,
         ),
     ):
