@@ -27,6 +27,7 @@ the docs page of recipes.performance renders every file there.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import datetime
 import gc
@@ -35,6 +36,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import traceback
@@ -61,6 +63,19 @@ from recipes.core.observe import prove  # noqa: E402
 from recipes.core.throughput import peak_flops  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("RECIPES_BACKEND") != "gloo"
+
+
+def lightning_output_dir() -> str:
+    """A temporary folder for the Lightning rows' logs and checkpoints, removed when the bench
+    process exits (not when a process forked from it does): it used to stay in /tmp."""
+    out, owner = tempfile.mkdtemp(prefix="bench-lightning-"), os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:
+            shutil.rmtree(out, ignore_errors=True)
+
+    atexit.register(remove)
+    return out
 
 
 def ladder(model: str, batch: int, steps: int, compile_backend: str) -> list[tuple[str, object]]:
@@ -99,7 +114,7 @@ def recipes_at_world_1(
 ) -> list[tuple[str, object, object]]:
     """Every training recipe at world 1; with ``compile_backend``: those with --compile, compiled"""
     common = dict(model=model, global_batch_size=batch, steps=steps, precision="auto")
-    out = tempfile.mkdtemp(prefix="bench-lightning-")
+    out = lightning_output_dir()
     rows = [
         ("bare loop (performance)", proven, performance_config(**common)),
         ("ddp_torchrun", ddp_torchrun_proven, ddp_config(**common)),
@@ -158,7 +173,7 @@ def gap_rows(model: str, batch: int, steps: int, compile_backend: str) -> dict[s
     common = dict(model=model, steps=steps, precision="auto")
     compiled = dict(compile=True, compile_backend=compile_backend)
     perf, ac = performance_config, ac_config
-    out = tempfile.mkdtemp(prefix="bench-lightning-")
+    out = lightning_output_dir()
     b64, b32 = dict(common, global_batch_size=2 * batch), dict(common, global_batch_size=batch)
     return {
         str(2 * batch): [
@@ -560,7 +575,7 @@ def main(argv=None) -> int:
     if "profile" in parts:
         batch32 = dict(model=args.model, steps=7, precision="auto", global_batch_size=args.batch)
         batch64 = dict(batch32, global_batch_size=2 * batch32["global_batch_size"])
-        out = tempfile.mkdtemp(prefix="bench-lightning-")
+        out = lightning_output_dir()
         runs = [
             ("bare loop", performance.train, performance_config(**batch32)),
             ("fsdp2", fsdp2.train, fsdp2_config(**batch32)),
