@@ -1,8 +1,12 @@
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+from tests import deadlines
 
 # Spawned ranks inherit this: one thread per rank keeps a 2-core machine from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,6 +44,61 @@ LONG_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: order for order, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+    # Every test's hard timeout (the ini's, or its own mark's) times the run's factor
+    # (tests/deadlines.py): the limit catches a hang on a slow machine without failing a slow pass.
+    factor = deadlines.time_factor()
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        base = float(marker.args[0]) if marker and marker.args else default
+        if base > 0:
+            item.add_marker(pytest.mark.timeout(base * factor), append=False)
+
+
+def pytest_report_header(config):
+    return f"deadlines: x{deadlines.time_factor():.2f} ({deadlines.ENV}; tests/deadlines.py)"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's tmp_path set-up, whose root must stay in /tmp
+def pytest_configure(config):
+    """The factor is settled (measured, or read and checked) before the workers start, so that
+    they and every process they start share it. A bad value is one line and exit 4."""
+    try:
+        deadlines.time_factor()
+    except deadlines.TimeFactorError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if not hasattr(config, "workerinput"):  # the controller (or the one process without xdist)
+        _private_temp_folder(config)
+
+
+# Every temporary file of the run goes into one folder of its own, removed when the run ends:
+# what tests, recipes, torchrun (torchelastic_*, pytorch-errorfile-*), multiprocessing (pymp-*)
+# and the compiler (torchinductor_*) put in the temporary folder. Before, one run left a dozen
+# such entries in /tmp. pytest's own tmp_path folders stay where pytest keeps them (its last 3
+# runs, for a look after a failure): their root is settled before TMPDIR changes.
+TEMP_PREFIX = "recipes-tests-"
+
+
+def _private_temp_folder(config) -> None:
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None:
+        factory.getbasetemp()
+    folder = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+    config._recipes_temp_folder = (folder, os.environ.get("TMPDIR"))
+    os.environ["TMPDIR"] = folder  # the workers and every process below them inherit it
+    tempfile.tempdir = None  # re-read from TMPDIR by this process too
+
+
+def pytest_unconfigure(config):
+    folder, before = getattr(config, "_recipes_temp_folder", (None, None))
+    if folder is None:
+        return
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_finish(session):
@@ -78,4 +137,9 @@ def _restore_world_variables():
 
 
 # CPU seconds per test file, printed at the end of the run (tests/cpu_accounting.py).
-from tests.cpu_accounting import pytest_addoption, pytest_configure  # noqa: E402, F401
+from tests.cpu_accounting import pytest_addoption  # noqa: E402, F401
+from tests.cpu_accounting import pytest_configure as _register_cpu_accounting  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    _register_cpu_accounting(session.config)

@@ -17,9 +17,9 @@ import traceback
 import pytest
 import torch
 
-from recipes.core import spawn
-from recipes.core.spawn import spawn_world
+from recipes.core import spawn as _spawn
 from recipes.core.world import join_world
+from tests.deadlines import scaled
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_DEVICES = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -39,6 +39,12 @@ def require_world(backend: str, world_size: int) -> None:
         pytest.skip(
             f"NCCL with {world_size} ranks needs {world_size} CUDA devices, found {CUDA_DEVICES}"
         )
+
+
+def spawn_world(fn, world_size: int, *args, deadline_s: float = 120.0, **kwargs):
+    """``recipes.core.spawn.spawn_world`` with its deadline times the run's factor
+    (tests/deadlines.py): the deadline catches a hung world, it does not time the machine."""
+    return _spawn.spawn_world(fn, world_size, *args, deadline_s=scaled(deadline_s), **kwargs)
 
 
 def in_one_world(train_fn, configs, backend: str = "gloo", timeout_s: float = 60.0):
@@ -179,7 +185,8 @@ def assert_losses_close(actual, expected, *, atol: float) -> None:
 def run_cli(
     args: list[str], *, timeout_s: float = 120.0, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """Run a command from the repo root the way a user would; never waits longer than ``timeout_s``.
+    """Run a command from the repo root the way a user would; never waits longer than
+    ``timeout_s`` times the run's factor (tests/deadlines.py).
 
     ``python -m recipes.<name> ...`` and ``python scripts/<name>.py ...`` run in a process forked
     from a server that has already imported torch (the one spawn_world starts ranks from): the
@@ -190,6 +197,7 @@ def run_cli(
     fresh interpreters, so what a user's ranks import and run is still tested from scratch.
     Every other command starts as it is.
     """
+    timeout_s = scaled(timeout_s)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("RANK", None)
     if len(args) >= 3 and args[:2] == [PYTHON, "-m"] and args[2].startswith("recipes."):
@@ -216,7 +224,7 @@ def _run_module_forked(
     args: list[str], target: tuple[str, str], argv: list[str], timeout_s: float, env: dict
 ) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="recipes-cli-") as out:
-        proc = spawn._rank_context().Process(target=_module_main, args=(target, argv, env, out))
+        proc = _spawn._rank_context().Process(target=_module_main, args=(target, argv, env, out))
         proc.start()
         proc.join(timeout_s)
         if proc.exitcode is None:
@@ -233,7 +241,7 @@ def _run_module_forked(
 def _module_main(target: tuple[str, str], argv: list[str], env: dict, out: str) -> None:
     """What ``python -m module *argv`` (target ("module", name)) or ``python path *argv``
     (("path", path)) does, in a process that has imported torch already."""
-    spawn.freeze_inherited_objects()
+    _spawn.freeze_inherited_objects()
     os.chdir(REPO_ROOT)
     os.environ.clear()
     os.environ.update(env)
@@ -327,11 +335,11 @@ def plain_training_loop(
     return losses, full_state_on_cpu(lm)
 
 
-# Why "about": FSDP pads each flat parameter (classic) or each parameter's dim 0 (fully_shard) to a
-# multiple of N, and AdamW keeps a 4-byte scalar `step` per parameter tensor on every rank that holds a
-# piece of it; fully_shard's optimizer state follows the unpadded shard, so a last rank can hold a row
-# less. On the tiny model these stay far inside 10% + 4 KiB; a real bug (a full copy kept, a shard not
-# freed) is off by a factor of N.
+# Why "about": FSDP pads each flat parameter (classic) or each parameter's dim 0 (fully_shard) to
+# a multiple of N, and AdamW keeps a 4-byte scalar `step` per parameter tensor on every rank that
+# holds a piece of it; fully_shard's optimizer state follows the unpadded shard, so a last rank
+# can hold a row less. On the tiny model these stay far inside 10% + 4 KiB; a real bug (a full
+# copy kept, a shard not freed) is off by a factor of N.
 SLACK_BYTES = 4096
 
 
@@ -344,14 +352,15 @@ def assert_about_fraction(actual: int, ddp: int, n: int, what: str) -> None:
 
 
 def run_pair(pair):
-    """Lets one spawned world run several recipes: in_one_world calls this with each (train, config)."""
+    """Lets one spawned world run several recipes: in_one_world calls this with each
+    (train, config)."""
     train, cfg = pair
     return train(cfg)
 
 
 def expected_tp_param_fraction(tp_size: int) -> float:
-    """The cookbook's tiny model under transformer_lm_plan: norms and row-wise biases are replicated on
-    every rank; every other parameter is split tp_size ways."""
+    """The cookbook's tiny model under transformer_lm_plan: norms and row-wise biases are
+    replicated on every rank; every other parameter is split tp_size ways."""
     from recipes.core.workload import build_model
 
     model = build_model("tiny")
@@ -437,3 +446,21 @@ def assert_sharded_run_claims(results: dict, ddp_memory: dict, reference) -> Non
     assert_losses_close(
         results["fp16"].losses[:until], reference.losses[:until], atol=SHARDED_BF16_ATOL
     )
+
+
+# The token shards tests/test_data.py and tests/test_evaluation.py read: a corpus of a few hundred
+# KB (the stdlib's first sources), a small vocab, small shards (several per split).
+SMALL_SHARDS = dict(max_bytes=200_000, vocab_size=300, shard_tokens=20_000)
+
+
+def small_shards(tmp_path_factory) -> str:
+    """The folder of SMALL_SHARDS, prepared once per run (tests/once.py)."""
+    from recipes import data
+    from tests.once import once_per_run
+
+    def prepare(folder) -> str:
+        cfg = data.DataConfig(data_dir=str(folder / "shards"), **SMALL_SHARDS)
+        data.prepare_shards(cfg)
+        return cfg.data_dir
+
+    return once_per_run(tmp_path_factory, "small-shards", prepare)

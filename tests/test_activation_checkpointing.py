@@ -8,6 +8,7 @@ checkpointed regions' inputs, and which blocks backward ran again.
 import collections
 import functools
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from tests.helpers import (
     run_cli,
     with_fields,
 )
+from tests.once import once_per_run
 
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
 # --dist loadgroup), so the fixtures run once rather than once per worker.
@@ -40,9 +42,13 @@ FLOAT_BYTES = 4
 TOKENS = CFG.global_batch_size * MODEL.seq_len  # per step
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return {mode: recipe_result(with_fields(CFG, mode=mode)) for mode in MODES}
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+
+    def build(folder: Path):
+        return {mode: recipe_result(with_fields(CFG, mode=mode)) for mode in MODES}
+
+    return once_per_run(tmp_path_factory, "activation-checkpointing-runs", build)
 
 
 def one_batch(batch_size=4):

@@ -1,4 +1,5 @@
-"""amp: fp32 is the plain loop exactly; bf16/fp16 track it; an fp16 overflow is skipped and halves the scale.
+"""amp: fp32 is the plain loop exactly; bf16/fp16 track it; an fp16 overflow is skipped and halves
+the scale.
 
 The recipe is measured from outside (``recipe_result``: the harness's ``prove``); the overflow is
 injected by this test's own observer, not by an option of the recipe.
@@ -24,9 +25,10 @@ from tests.helpers import (
 CFG = amp.AMPConfig(steps=6, device="cpu", precision="fp32")
 
 # How far a 16-bit run's per-step losses may drift from fp32's on the tiny model over 6 steps.
-# bf16 keeps 8 significant bits (relative rounding 2**-9 ~ 2e-3 per op), fp16 keeps 11 (2**-12 ~ 2.4e-4);
-# the rounding errors of many products average out, and we measured 3e-4 (bf16) and 4e-5 (fp16) on a
-# loss of ~4.3. The bounds leave ~10x room and still fail if a run trains on a different trajectory.
+# bf16 keeps 8 significant bits (relative rounding 2**-9 ~ 2e-3 per op), fp16 keeps 11 (2**-12 ~
+# 2.4e-4); the rounding errors of many products average out, and we measured 3e-4 (bf16) and 4e-5
+# (fp16) on a loss of ~4.3. The bounds leave ~10x room and still fail if a run trains on a different
+# trajectory.
 LOSS_ATOL = {"bf16": 3e-3, "fp16": 5e-4}
 
 DEVICES = [
@@ -66,7 +68,8 @@ class OverflowAt(Observer):
 
 
 def plain_fp32_loop(cfg: amp.AMPConfig):
-    """The textbook loop, no autocast and no scaler: what --precision fp32 must equal bit for bit."""
+    """The textbook loop, no autocast and no scaler: what --precision fp32 must equal bit for
+    bit."""
     return plain_training_loop(
         cfg.model,
         steps=cfg.steps,
@@ -94,12 +97,14 @@ def test_bf16_and_fp16_losses_track_fp32(device):
     for name, result in (("bf16", bf16), ("fp16", fp16)):
         assert result.device.startswith(device) and result.precision == name
         assert_losses_close(result.losses, fp32.losses, atol=LOSS_ATOL[name])
-        # ...but not equal: autocast really computed in 16 bits (an unsupported dtype silently disables it).
+        # ...but not equal: autocast really computed in 16 bits (an unsupported dtype silently
+        # disables it).
         assert result.losses != fp32.losses, (
             f"{name} gave fp32's exact losses: autocast did not run"
         )
         assert result.losses[-1] < result.losses[0]
-    # fp16 is closer to fp32 than bf16 is: more mantissa bits (the range is not exercised by this model).
+    # fp16 is closer to fp32 than bf16 is: more mantissa bits (the range is not exercised by this
+    # model).
     fp32_losses = torch.tensor(fp32.losses)
     assert (torch.tensor(fp16.losses) - fp32_losses).abs().max() < (
         torch.tensor(bf16.losses) - fp32_losses
@@ -126,7 +131,8 @@ def test_injected_overflow_is_skipped_leaves_parameters_unchanged_and_halves_the
     # Step k ran forward and backward but changed no parameter (nor the optimizer's step count):
     # the state after steps 0..k equals the state after steps 0..k-1.
     assert overflowed.losses[:k] == before.losses
-    # CUDA's embedding backward accumulates with atomics (order varies run to run), so allow float noise there.
+    # CUDA's embedding backward accumulates with atomics (order varies run to run), so allow float
+    # noise there.
     assert_states_close(
         overflowed.final_state, before.final_state, atol=0.0 if device == "cpu" else 1e-5
     )

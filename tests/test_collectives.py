@@ -1,5 +1,6 @@
-"""collectives: every op's result matches the value computed from the rank numbers, on worlds of 1, 2 and 3;
-the checks can fail; a rank that skips a collective makes the others time out naming it, never hang."""
+"""collectives: every op's result matches the value computed from the rank numbers, on worlds of 1,
+2 and 3; the checks can fail; a rank that skips a collective makes the others time out naming it,
+never hang."""
 
 import time
 
@@ -8,9 +9,16 @@ import torch
 
 from recipes import collectives
 from recipes.core.observe import prove
-from recipes.core.spawn import spawn_world
 from recipes.core.world import RankError
-from tests.helpers import BACKENDS, last_json, run_alone, run_cli, run_world, with_fields
+from tests.helpers import (
+    BACKENDS,
+    last_json,
+    run_alone,
+    run_cli,
+    run_world,
+    spawn_world,
+    with_fields,
+)
 
 CFG = collectives.CollectivesConfig(timeout_s=60)
 FALLBACK_OPS = {"all_reduce_avg", "reduce_scatter_single", "all_to_all_single"}
@@ -95,8 +103,8 @@ def test_a_wrong_expectation_is_caught(op, shown, monkeypatch):
 
 
 def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it():
-    # 8 s: short enough for a quick test, long enough that the ranks' start-up skew (the same timeout
-    # bounds the rendezvous) cannot fail the world before the collective does.
+    # 8 s: short enough for a quick test, long enough that the ranks' start-up skew (the same
+    # timeout bounds the rendezvous) cannot fail the world before the collective does.
     # gloo raises the timeout in the waiting call; NCCL's watchdog aborts the process instead.
     cfg = with_fields(CFG, skip_on_rank=1, timeout_s=8, backend="gloo")
     start = time.monotonic()

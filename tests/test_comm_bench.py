@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from recipes import comm_bench
-from recipes.core.spawn import spawn_world
-from tests.helpers import last_json, run_cli
+from tests.helpers import last_json, run_cli, spawn_world
 
 
 def test_algbw_and_busbw_follow_nccl_tests():

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from recipes import context_parallel, ddp_torchrun
 from recipes.core.observe import prove
-from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from tests.helpers import (
     CUDA_DEVICES,
@@ -21,6 +20,7 @@ from tests.helpers import (
     last_json,
     run_alone,
     run_cli,
+    spawn_world,
     with_fields,
 )
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from recipes.__main__ import recipe_modules
+from tests.deadlines import scaled
 from tests.helpers import (
     PYTHON,
     REPO_ROOT,
@@ -32,6 +33,7 @@ from tests.helpers import (
     assert_losses_close,
     single_process_reference,
 )
+from tests.once import once_per_run
 
 RECIPES = Path(REPO_ROOT, "recipes")
 
@@ -259,7 +261,9 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     for name in names:
         project = make_copy(name, where / name)
         args = [arg.format(repo=REPO_ROOT) for arg in RUNS[name][1]]
-        copies.append({"name": name, "project": str(project), "args": args, "timeout_s": 120})
+        copies.append(
+            {"name": name, "project": str(project), "args": args, "timeout_s": scaled(120)}
+        )
     plan = where / "plan.json"
     # the Lightning recipes' copies import it: once per launched process, not once per copy
     preimport = ["lightning"] if any(name.startswith("lightning") for name in names) else []
@@ -270,7 +274,7 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     shutil.copy(Path(REPO_ROOT, "tests", "copy_launcher.py"), launcher)
     env = users_environment(where / "launcher")
     env["PYTHONPATH"] = str(where / "without_the_cookbook")
-    timeout_s = sum(copy["timeout_s"] for copy in copies) + 60
+    timeout_s = sum(copy["timeout_s"] for copy in copies) + scaled(60)
     if torchrun:  # torchrun's agent forked with torch imported; the ranks start fresh, as users'
         argv = ["--standalone", "--nproc_per_node=2", str(launcher), str(plan)]
         proc = _run_module_forked(
@@ -313,14 +317,18 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def launched_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The copies a user runs under torchrun (2 gloo ranks), from one torchrun launch, and those
-    a user runs with plain python, from one python launch."""
-    return {
-        **launch_copies(TORCHRUN_COPIES, tmp_path_factory.mktemp("torchrun"), torchrun=True),
-        **launch_copies(PYTHON_COPIES, tmp_path_factory.mktemp("python"), torchrun=False),
-    }
+    a user runs with plain python, from one python launch: once per run (tests/once.py)."""
+
+    def launch(folder: Path) -> dict[str, subprocess.CompletedProcess]:
+        return {
+            **launch_copies(TORCHRUN_COPIES, folder / "torchrun", torchrun=True),
+            **launch_copies(PYTHON_COPIES, folder / "python", torchrun=False),
+        }
+
+    return once_per_run(tmp_path_factory, "copies", launch)
 
 
 # The first test to ask for ``launched_copies`` pays for the one launch of every copy (each its
@@ -338,7 +346,7 @@ def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, launched_cop
         env=users_environment(project),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert probe.returncode != 0 and "No module named 'recipes.core'" in probe.stderr
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -14,19 +14,24 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes import data
-from recipes.core.spawn import spawn_world
-from tests.helpers import PYTHON, last_json, run_cli, run_world
+from tests.helpers import (
+    PYTHON,
+    SMALL_SHARDS,
+    last_json,
+    run_cli,
+    run_world,
+    small_shards,
+    spawn_world,
+)
 
 # A corpus of a few hundred KB (the stdlib's first sources), a small vocab, small shards: several
 # shards per split, prepared in well under a second.
-TINY = dict(max_bytes=200_000, vocab_size=300, shard_tokens=20_000, seq_len=16, batch_size=4)
+TINY = dict(**SMALL_SHARDS, seq_len=16, batch_size=4)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards(tmp_path_factory) -> data.DataConfig:
-    cfg = data.DataConfig(data_dir=str(tmp_path_factory.mktemp("shards")), **TINY)
-    data.prepare_shards(cfg)
-    return cfg
+    return data.DataConfig(data_dir=small_shards(tmp_path_factory), **TINY)
 
 
 class Indexed(Dataset):

@@ -1,4 +1,5 @@
-"""data_parallel: nn.DataParallel trains exactly like the plain model (on CPU: one device, and it says so)."""
+"""data_parallel: nn.DataParallel trains exactly like the plain model (on CPU: one device, and it
+says so)."""
 
 import re
 

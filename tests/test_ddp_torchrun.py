@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from recipes import ddp_torchrun
-from recipes.core.spawn import spawn_world
 from recipes.toy import build_model
 from tests.helpers import (
     BACKENDS,
@@ -27,6 +26,7 @@ from tests.helpers import (
     run_alone,
     run_cli,
     single_process_reference,
+    spawn_world,
 )
 
 CFG = ddp_torchrun.DDPConfig(steps=4, precision="fp32", timeout_s=60)

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from recipes import dist_setup
-from recipes.core.spawn import spawn_world
+from tests.helpers import spawn_world
 
 
 def test_alone_it_is_a_world_of_one_and_cleanup_destroys_it(monkeypatch):

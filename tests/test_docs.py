@@ -28,7 +28,9 @@ import pytest
 
 from recipes.__main__ import recipe_modules
 from recipes.core.config import TrainConfig, opt
+from tests.deadlines import scaled
 from tests.helpers import PYTHON, REPO_ROOT, docs_hooks
+from tests.once import once_per_run
 
 ROOT = Path(REPO_ROOT)
 # A GPU image (torch 2.11 + CUDA) often has no mkdocs: the site cannot be built there, so say so
@@ -61,17 +63,21 @@ def mkdocs_build(
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=timeout_s,
+        timeout=scaled(timeout_s),
         env={**os.environ, **QUIET},
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def site(tmp_path_factory) -> Path:
-    site_dir = tmp_path_factory.mktemp("site")
-    proc = mkdocs_build(ROOT / "mkdocs.yml", site_dir)
-    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-4000:]}"
-    return site_dir
+    """The site, built once per run (tests/once.py), whichever worker asks first."""
+
+    def build(folder: Path) -> Path:
+        proc = mkdocs_build(ROOT / "mkdocs.yml", folder / "site")
+        assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-4000:]}"
+        return folder / "site"
+
+    return once_per_run(tmp_path_factory, "docs-site", build)
 
 
 hooks = docs_hooks
@@ -149,7 +155,8 @@ MAX_LINE = 100
 
 
 def test_every_source_line_fits_the_docs_column():
-    """recipes/, scripts/ and the docs hooks (docs/**/*.py) stay within 100 characters (ruff's E501 says the same).
+    """recipes/, scripts/ and the docs hooks (docs/**/*.py) stay within 100 characters (ruff's
+    E501 says the same).
 
     Until every branch's reflow is merged this fails and lists the lines still too long: that list
     is the work left, not a flaky test.
@@ -606,7 +613,7 @@ class Chromium:
         if session:
             message["sessionId"] = session
         os.write(self._to_browser, json.dumps(message).encode() + b"\0")
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
             reply = self._receive(deadline)
             if reply.get("id") == self._last_id:
@@ -695,7 +702,7 @@ def texts(node: dict) -> str:
 def wait_for_diagrams(browser: Chromium, session: str, expected: int, timeout_s: float = 90) -> int:
     """Wait until the page has loaded and mkdocs-material has replaced its `expected` mermaid
     blocks."""
-    deadline, rendered = time.monotonic() + timeout_s, 0
+    deadline, rendered = time.monotonic() + scaled(timeout_s), 0
     while time.monotonic() < deadline:
         # -1 until the page has loaded: a page without diagrams must not count as done before then
         rendered = browser.evaluate(
@@ -1197,7 +1204,7 @@ def test_the_memory_calculator_shows_what_recipes_memory_estimate_computes(
     browser = Chromium(chromium_binary, tmp_path / "profile")
     try:
         session = browser.open(url)
-        deadline, shown = time.monotonic() + 60, None
+        deadline, shown = time.monotonic() + scaled(60), None
         while shown is None and time.monotonic() < deadline and not script_errors(browser):
             shown = browser.evaluate(session, "window.memoryCalculatorCheck || null")
             time.sleep(0.1)

@@ -24,6 +24,7 @@ import pytest
 
 from recipes import sharded_checkpoint
 from recipes.core.spawn import free_port
+from tests.deadlines import scaled
 from tests.helpers import (
     CUDA_DEVICES,
     PYTHON,
@@ -100,7 +101,7 @@ def run_with_kills(
     with open(out_path, "w") as out, open(err_path, "w") as err:
         launcher = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=err, env=env)
         try:
-            start = time.monotonic()
+            start, deadline_s = time.monotonic(), scaled(deadline_s)
             for attempt, rank in enumerate(kills):
                 pid, seen = None, None
                 while launcher.poll() is None and time.monotonic() - start < deadline_s:
@@ -219,7 +220,7 @@ def test_survivors_name_the_rank_that_died_and_exit_cleanly():
             first = procs[0].stdout.readline()
         assert first, procs[0].stderr.read()[-3000:]
         os.kill(procs[1].pid, signal.SIGKILL)  # as the OOM killer would
-        outputs = [proc.communicate(timeout=90) for proc in procs]
+        outputs = [proc.communicate(timeout=scaled(90)) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -271,7 +272,7 @@ def test_torchrun_root_cause_is_the_killed_rank_and_bad_input_keeps_exit_code_2(
                 line = launcher.stdout.readline()
             assert line, err_path.read_text()[-3000:]
             os.kill(worker_pid(launcher.pid, 1), signal.SIGKILL)
-            launcher.communicate(timeout=90)
+            launcher.communicate(timeout=scaled(90))
         finally:
             if launcher.poll() is None:
                 launcher.kill()
@@ -300,7 +301,7 @@ def test_joining_is_bounded_when_a_rank_never_comes(tmp_path):
     (proc,) = launch_plain_ranks(2, [*PAYLOAD, "--timeout-s", "5"], ranks=[0])
     try:
         started = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=scaled(60))
         took = time.monotonic() - started
     finally:
         if proc.poll() is None:
@@ -308,7 +309,7 @@ def test_joining_is_bounded_when_a_rank_never_comes(tmp_path):
     assert proc.returncode not in (0, None), err[-3000:]
     # The join must end soon after --timeout-s; 45 s covers starting python and torch on a
     # loaded 2-core machine (observed: 20-35 s for the whole test under a load average of 30).
-    assert took < 5 + 2 + 45, f"took {took:.0f}s"
+    assert took < 5 + 2 + scaled(45), f"took {took:.0f}s"
     last = err.strip().splitlines()[-1]
     assert re.match(r"error: rank 0: joining the world .* (did not finish|failed)", last), err
     assert "Traceback" not in err, err[-3000:]

@@ -10,25 +10,17 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 from recipes import data, evaluation
-from recipes.core.spawn import spawn_world
 from recipes.toy import ModelConfig, build_model
-from tests.helpers import PYTHON, last_json, run_cli
+from tests.helpers import PYTHON, last_json, run_cli, small_shards, spawn_world
 
 WINDOWS = 37  # 2 ranks: 19 and 18 windows; DistributedSampler pads rank 1 with window 0
 BATCH = 3  # 7 batches on rank 0, 6 on rank 1
 SEQ_LEN = 16
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards(tmp_path_factory) -> str:
-    cfg = data.DataConfig(
-        data_dir=str(tmp_path_factory.mktemp("shards")),
-        max_bytes=200_000,
-        vocab_size=300,
-        shard_tokens=20_000,
-    )
-    data.prepare_shards(cfg)
-    return cfg.data_dir
+    return small_shards(tmp_path_factory)
 
 
 def model_and_windows(data_dir: str):

@@ -12,7 +12,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from recipes import expert_parallel
 from recipes.core import cli
 from recipes.core.config import TrainConfig
-from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from tests.helpers import (
     assert_losses_close,
@@ -21,6 +20,7 @@ from tests.helpers import (
     recipe_result,
     run_alone,
     run_cli,
+    spawn_world,
     with_fields,
 )
 
@@ -159,7 +159,8 @@ def test_torchrun_launch_equals_one_process():
             "error: top_k=5 > num_experts=4: a token needs top_k different experts; "
             "use --top-k 4 or less",
         ),
-        # 0 reads as "no capacity" to some and as "room for no token" to others: refused, naming both.
+        # 0 reads as "no capacity" to some and as "room for no token" to others: refused, naming
+        # both.
         (
             ["--capacity-factor", "0"],
             "error: capacity_factor must be > 0, got 0: an expert would take "

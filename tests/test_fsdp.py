@@ -150,7 +150,8 @@ FP32_EXACT = [
 
 
 def sync_module_states_check(_cfg):
-    """Each rank builds a DIFFERENT model (seed = rank): apply_fsdp must leave everyone with rank 0's."""
+    """Each rank builds a DIFFERENT model (seed = rank): apply_fsdp must leave everyone with rank
+    0's."""
     with join_world("gloo") as world:
         model = fsdp.apply_fsdp(
             build_model("tiny", seed=world.rank),
@@ -185,7 +186,8 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
     results = dict(zip(runs, outputs))
     reference = single_process_reference(steps=STEPS)
 
-    # Parity: every fp32 strategy, wrap policy, prefetch setting and accumulation mode is DDP's training.
+    # Parity: every fp32 strategy, wrap policy, prefetch setting and accumulation mode is DDP's
+    # training.
     for name in exact:
         assert_losses_close(results[name].losses, reference.losses, atol=1e-5)
         assert_states_close(results[name].final_state, reference.final_state, atol=1e-5)
@@ -202,7 +204,8 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
         atol=0.0,
     )
 
-    # Memory on 2 ranks, against DDP's bytes (tests/test_memory.py does 4 ranks and explains the slack).
+    # Memory on 2 ranks, against DDP's bytes (tests/test_memory.py does 4 ranks and explains the
+    # slack).
     ddp_memory = ddp.extras["memory_per_rank"][0]
     for name in ("full", "shard_grad_op"):
         for memory in results[name].extras["memory_per_rank"]:
@@ -255,7 +258,8 @@ def test_cpu_offload_on_a_cpu_only_world_says_why_it_cannot_run():
 
 @pytest.mark.slow
 def test_three_ranks_uneven_shards_equal_ddp():
-    """3 ranks: flat parameters do not divide by 3, so shards are padded; the training is still DDP's."""
+    """3 ranks: flat parameters do not divide by 3, so shards are padded; the training is still
+    DDP's."""
     reference = single_process_reference(steps=STEPS)
     configs = [
         CFG,

@@ -1,4 +1,5 @@
-"""fsdp2: fully_shard trains like DDP with every option; its pitfalls (fp16, clipping, no_sync) are guarded.
+"""fsdp2: fully_shard trains like DDP with every option; its pitfalls (fp16, clipping, no_sync) are
+guarded.
 
 The recipe is copyable (torch, recipes/toy.py, dist_setup.py and parallelize.py) and returns its
 losses; the harness (``prove``, through ``tests.helpers.fsdp2_result``) measures the rest from
@@ -93,7 +94,8 @@ def fp16_with_an_inf_on_one_rank(cfg):
 RUNS = {
     "default": CFG,
     "no_reshard": with_fields(CFG, reshard_after_forward=False),
-    # CPU offload on a CPU world runs the offload code path (its tensors already live in host memory).
+    # CPU offload on a CPU world runs the offload code path (its tensors already live in host
+    # memory).
     "prefetch_offload": with_fields(CFG, explicit_prefetch=True, cpu_offload=True),
     "accumulate_sync": with_fields(CFG, micro_batches=3),
     "accumulate_no_sync": with_fields(CFG, micro_batches=3, accumulation="no_sync"),
@@ -158,7 +160,8 @@ def test_bad_options_fail_in_one_line():
 
 @pytest.mark.slow
 def test_three_ranks_uneven_shards_equal_ddp():
-    """3 ranks: dim 0 of most parameters does not divide by 3, so shards are padded; still DDP's training."""
+    """3 ranks: dim 0 of most parameters does not divide by 3, so shards are padded; still DDP's
+    training."""
     reference = single_process_reference(steps=STEPS)
     for result in run_world(
         fsdp2_result, 3, [CFG, with_fields(CFG, explicit_prefetch=True)], deadline_s=300

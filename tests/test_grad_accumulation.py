@@ -9,7 +9,6 @@ import io
 import pytest
 
 from recipes import ddp_torchrun, grad_accumulation
-from recipes.core.spawn import spawn_world
 from tests.helpers import (
     BACKENDS,
     assert_losses_close,
@@ -18,6 +17,7 @@ from tests.helpers import (
     recipe_result,
     run_alone,
     run_world,
+    spawn_world,
 )
 
 STEPS = 4

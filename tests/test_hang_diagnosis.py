@@ -14,8 +14,8 @@ import torch
 from recipes import hang_diagnosis
 from recipes.core.observe import prove
 from recipes.core.result import RecipeResult
-from recipes.core.spawn import spawn_world
-from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, plain_training_loop
+from tests.deadlines import scaled
+from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, plain_training_loop, spawn_world
 
 # Long enough for a slow step on a loaded 2-core machine, short enough to wait for once.
 TIMEOUT_S = 8.0
@@ -52,7 +52,7 @@ def test_flight_recorder_names_the_rank_that_skipped_and_the_collective(tmp_path
         "rank_",
     ]
     proc = subprocess.run(
-        fr_trace, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+        fr_trace, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=scaled(120)
     )
     report = proc.stdout + proc.stderr
     if "gloo != 'nccl' or 'xccl'" in report:

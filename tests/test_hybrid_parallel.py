@@ -1,5 +1,6 @@
-"""hybrid_parallel: fully_shard x tensor parallel (4 ranks) and pipeline x fully_shard x TP (8 ranks) equal
-single-process training; groups come from the mesh; the rank layout is printed as a grid."""
+"""hybrid_parallel: fully_shard x tensor parallel (4 ranks) and pipeline x fully_shard x TP (8
+ranks) equal single-process training; groups come from the mesh; the rank layout is printed as a
+grid."""
 
 import types
 import warnings
@@ -8,7 +9,6 @@ import pytest
 from torch.distributed.tensor import DTensor
 
 from recipes import hybrid_parallel
-from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from recipes.parallelize import apply_tp_and_fsdp, transformer_lm_plan
 from recipes.toy import Block, build_model, lm_loss, make_dataset
@@ -22,6 +22,7 @@ from tests.helpers import (
     require_world,
     run_cli,
     single_process_reference,
+    spawn_world,
     with_fields,
 )
 
@@ -34,7 +35,8 @@ def reference():
 
 
 def gradient_difference(world, cfg) -> float:
-    """One step of the hybrid layout on the whole batch; largest |full gradient - unsplit gradient|."""
+    """One step of the hybrid layout on the whole batch; largest |full gradient - unsplit
+    gradient|."""
     mesh = hybrid_parallel.build_mesh(world, pp=cfg.pp, tp=cfg.tp)
     plan = transformer_lm_plan(sequence_parallel=cfg.sequence_parallel)
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
@@ -101,8 +103,8 @@ def check_against_reference(configs, differences, results):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_shard_x_tensor_parallel_on_a_2d_mesh_and_a_4_rank_pipeline(backend):
     require_world(backend, 4)
-    # dp 2 x tp 2, without and with sequence parallel; then pp 2 x dp 1 x tp 2: the 3-D code path on 4
-    # ranks (the full pp 2 x dp 2 x tp 2 on 8 ranks is the slow test below).
+    # dp 2 x tp 2, without and with sequence parallel; then pp 2 x dp 1 x tp 2: the 3-D code path on
+    # 4 ranks (the full pp 2 x dp 2 x tp 2 on 8 ranks is the slow test below).
     configs = [with_fields(CFG, backend=backend, sequence_parallel=sp) for sp in (False, True)]
     configs.append(with_fields(CFG, backend=backend, pp=2, sequence_parallel=True))
     differences, results = spawn_world(hybrid_world, 4, configs, backend, deadline_s=300)
@@ -111,7 +113,8 @@ def test_fully_shard_x_tensor_parallel_on_a_2d_mesh_and_a_4_rank_pipeline(backen
     assert (extras["mesh_dim_names"], extras["mesh_shape"]) == (["dp", "tp"], [2, 2])
     assert extras["rank_grid"] == [[0, 1], [2, 3]]
     assert extras["groups_of_this_rank"] == {"dp": [0, 2], "tp": [0, 1]}  # rank 0's column and row
-    # TP splits the weights 2 ways (norms and row-wise biases stay whole), fully_shard splits everything 2 ways.
+    # TP splits the weights 2 ways (norms and row-wise biases stay whole), fully_shard splits
+    # everything 2 ways.
     assert extras["param_fraction_per_rank"] == pytest.approx(expected_tp_param_fraction(2) / 2)
     extras = results[2].extras
     assert (extras["mesh_dim_names"], extras["mesh_shape"]) == (["pp", "dp", "tp"], [2, 1, 2])
@@ -123,7 +126,8 @@ def test_fully_shard_x_tensor_parallel_on_a_2d_mesh_and_a_4_rank_pipeline(backen
 def test_pipeline_x_fully_shard_x_tensor_parallel_on_a_3d_mesh(backend):
     require_world(backend, 8)
     # One world of 8 on the tiniest model: 2 stages of 1 block, dp 2, tp 2 with sequence parallel.
-    # Slow: 8 processes on a 2-core machine take ~40 s of CPU; the 4-rank test above runs the same code.
+    # Slow: 8 processes on a 2-core machine take ~40 s of CPU; the 4-rank test above runs the same
+    # code.
     configs = [with_fields(CFG, backend=backend, pp=2, sequence_parallel=True)]
     differences, results = spawn_world(hybrid_world, 8, configs, backend, deadline_s=420)
     check_against_reference(configs, differences, results)

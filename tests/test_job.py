@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from recipes import _job_checkpoint, job
-from recipes.core.spawn import spawn_world
-from tests.helpers import PYTHON, REPO_ROOT
+from tests.deadlines import scaled
+from tests.helpers import PYTHON, REPO_ROOT, spawn_world
+from tests.once import once_per_run
 
 STEPS = 8
 # 12 windows a step: 6 per rank on 2 ranks, 4 on 3, 12 on 1; 2 micro-batches each. The corpus
@@ -70,21 +71,27 @@ if os.environ.get("JOB_KILL_AT_STEP") and os.environ.get("RANK") == os.environ["
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards(tmp_path_factory) -> Path:
+    """The job's small shards, prepared once per run (tests/once.py)."""
     from recipes.data import DataConfig, prepare_shards
 
-    where = tmp_path_factory.mktemp("job")
-    corpus = where / "corpus"
-    corpus.mkdir()
-    text = Path(job.__file__).read_text()[:1500]  # 1425 train tokens (bytes): 89 windows of 16
-    (corpus / "text.txt").write_text(text)
-    prepare_shards(
-        DataConfig(
-            corpus=str(corpus), data_dir=str(where / "shards"), max_bytes=10_000, vocab_size=256
+    def prepare(where: Path) -> Path:
+        corpus = where / "corpus"
+        corpus.mkdir()
+        text = Path(job.__file__).read_text()[:1500]  # 1425 train tokens (bytes): 89 windows of 16
+        (corpus / "text.txt").write_text(text)
+        prepare_shards(
+            DataConfig(
+                corpus=str(corpus),
+                data_dir=str(where / "shards"),
+                max_bytes=10_000,
+                vocab_size=256,
+            )
         )
-    )
-    return where / "shards"
+        return where / "shards"
+
+    return once_per_run(tmp_path_factory, "job-shards", prepare)
 
 
 def launch(
@@ -123,11 +130,11 @@ def launch(
         start_new_session=True,
     )
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        stdout, stderr = proc.communicate(timeout=scaled(timeout_s))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"recipes.job did not finish in {timeout_s} s: {stderr[-3000:]}")
+        pytest.fail(f"recipes.job did not finish in {scaled(timeout_s)} s: {stderr[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
@@ -163,14 +170,16 @@ def losses_by_step(out: Path) -> dict[int, list[float]]:
     return seen
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(shards, tmp_path_factory) -> dict:
-    """The uninterrupted run on 2 ranks, every checkpoint kept."""
-    out = tmp_path_factory.mktemp("reference")
-    result = in_a_world(
-        2, [*ARGS, "--data-dir", str(shards), "--out-dir", str(out), "--keep", "100"]
-    )
-    return {"result": result, "out": out}
+    """The uninterrupted run on 2 ranks, every checkpoint kept: once per run (tests/once.py).
+    Tests read its folder and copy from it; none writes there."""
+
+    def run(out: Path) -> dict:
+        args = [*ARGS, "--data-dir", str(shards), "--out-dir", str(out), "--keep", "100"]
+        return {"result": in_a_world(2, args), "out": out}
+
+    return once_per_run(tmp_path_factory, "job-reference", run)
 
 
 def test_the_reference_run_learns_logs_and_checkpoints(reference):
@@ -234,8 +243,11 @@ def kill_and_restart(reference, shards, where: Path, *, at: int, rank: int, by: 
 def test_killed_at_a_random_step_and_restarted_by_torchrun_equals_the_uninterrupted_run(
     reference, shards, tmp_path
 ):
-    at, rank = random.randint(1, STEPS - 1), random.randint(0, 1)
-    print(f"killing rank {rank} after step {at}")
+    # seeded, and said: RECIPES_TEST_SEED=N reruns the same kill, another N another one
+    seed = int(os.environ.get("RECIPES_TEST_SEED", "0"))
+    rng = random.Random(seed)
+    at, rank = rng.randint(1, STEPS - 1), rng.randint(0, 1)
+    print(f"killing rank {rank} after step {at} (RECIPES_TEST_SEED={seed})")
     kill_and_restart(reference, shards, tmp_path, at=at, rank=rank, by="torchrun")
 
 

@@ -6,22 +6,18 @@ final weights, the first step a resumed run trained (``recipes.core.observe.Resu
 and here, through an observer of the test's own, the gradient all-reduces DDP ran."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-# Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
-# --dist loadgroup), so the fixtures run once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("lightning_fabric")
-
-L = pytest.importorskip(
+pytest.importorskip(
     "lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]"
 )
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from recipes import ddp_torchrun, lightning_fabric
 from recipes.core.observe import ResumableObserver
-from recipes.core.spawn import spawn_world
 from tests.helpers import (
     CUDA_DEVICES,
     assert_losses_close,
@@ -32,7 +28,13 @@ from tests.helpers import (
     recipe_result,
     run_alone,
     run_cli,
+    spawn_world,
 )
+from tests.once import once_per_run
+
+# Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
+# --dist loadgroup), so the fixtures run once rather than once per worker.
+pytestmark = pytest.mark.xdist_group("lightning_fabric")
 
 STEPS = 6
 REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
@@ -68,19 +70,23 @@ def _run_phase(phase):
     return recipe_result(cfg)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world(tmp_path_factory):
     """Rank 0's results of every phase, run in order in one gloo world of 2."""
-    ckpt_dir = str(tmp_path_factory.mktemp("fabric_checkpoints"))
-    phases = [
-        ("raw_ddp", REFERENCE),
-        ("fabric", fabric_cfg(checkpoint_every_n_steps=3, checkpoint_dir=ckpt_dir)),
-        ("fabric_resumed", fabric_cfg(resume_from=os.path.join(ckpt_dir, "step-3.ckpt"))),
-        ("count_accumulate", fabric_cfg(accumulate_grad_batches=3)),
-        ("count_plain", fabric_cfg()),
-    ]
-    results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, deadline_s=300)
-    return {name: result for (name, _), result in zip(phases, results)} | {"ckpt_dir": ckpt_dir}
+
+    def build(folder: Path):
+        ckpt_dir = str(folder)
+        phases = [
+            ("raw_ddp", REFERENCE),
+            ("fabric", fabric_cfg(checkpoint_every_n_steps=3, checkpoint_dir=ckpt_dir)),
+            ("fabric_resumed", fabric_cfg(resume_from=os.path.join(ckpt_dir, "step-3.ckpt"))),
+            ("count_accumulate", fabric_cfg(accumulate_grad_batches=3)),
+            ("count_plain", fabric_cfg()),
+        ]
+        results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, deadline_s=300)
+        return {name: result for (name, _), result in zip(phases, results)} | {"ckpt_dir": ckpt_dir}
+
+    return once_per_run(tmp_path_factory, "lightning-fabric-world", build)
 
 
 def test_fabric_ddp_equals_raw_ddp(world):
@@ -107,7 +113,8 @@ def test_accumulation_with_no_backward_sync_equals_one_big_batch_and_syncs_once_
     accumulated, plain = world["count_accumulate"], world["count_plain"]
     assert_losses_close(accumulated.losses, world["raw_ddp"].losses, atol=1e-5)
     assert_states_close(accumulated.final_state, world["raw_ddp"].final_state, atol=1e-5)
-    # 3 backwards per step, one gradient sync: as many all-reduces as the plain run's one backward per step.
+    # 3 backwards per step, one gradient sync: as many all-reduces as the plain run's one backward
+    # per step.
     assert plain.extras["grad_syncs"] >= STEPS
     assert accumulated.extras["grad_syncs"] == plain.extras["grad_syncs"]
 
@@ -157,7 +164,8 @@ def test_global_batch_that_does_not_divide_into_micro_batches_is_rejected():
 
 
 def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path, capsys):
-    # a save cut short (a full disk, a killed job): refused as bad input, not fabric.load's traceback
+    # a save cut short (a full disk, a killed job): refused as bad input, not fabric.load's
+    # traceback
     truncated = tmp_path / "step-3.ckpt"
     truncated.write_bytes(b"PK\x03\x04 not a whole checkpoint")
     with pytest.raises(SystemExit) as exit_info:

@@ -1,18 +1,21 @@
-"""lightning_trainer: Lightning's Trainer (DDP, ddp_spawn, FSDP, ModelParallel) equals the raw DDP recipe.
+"""lightning_trainer: Lightning's Trainer (DDP, ddp_spawn, FSDP, ModelParallel) equals the raw DDP
+recipe.
 
-One spawned world of 2 runs every in-world phase (Lightning imports cost seconds per process): the module
-fixture ``world`` returns rank 0's results by name, and each test asserts one claim about them.
+One spawned world of 2 runs every in-world phase (Lightning imports cost seconds per process): the
+module fixture ``world`` returns rank 0's results by name, and each test asserts one claim about
+them.
 
 The recipe is copyable and returns its losses, its last step, its checkpoints and its CSV file; the
-harness (``prove``, through ``tests.helpers.recipe_result``) measures the rest from outside, through a
-Lightning Callback it adds to the Trainer (``recipes.core.lightning.LightningObserver``): the final
-weights gathered to rank 0 and the fraction of them each rank holds.
+harness (``prove``, through ``tests.helpers.recipe_result``) measures the rest from outside, through
+a Lightning Callback it adds to the Trainer (``recipes.core.lightning.LightningObserver``): the
+final weights gathered to rank 0 and the fraction of them each rank holds.
 """
 
 import glob
 import importlib.util
 import os
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -24,7 +27,6 @@ pytest.importorskip(
 from torch.utils.data import DataLoader
 
 from recipes import ddp_torchrun, fsdp, lightning_fabric, lightning_trainer
-from recipes.core.spawn import spawn_world
 from recipes.toy import build_model
 from tests.helpers import (
     CUDA_DEVICES,
@@ -38,7 +40,9 @@ from tests.helpers import (
     recipe_result,
     run_alone,
     run_cli,
+    spawn_world,
 )
+from tests.once import once_per_run
 
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
 # --dist loadgroup), so the fixtures run once rather than once per worker.
@@ -49,7 +53,10 @@ TENSORBOARD = lightning_trainer.tensorboard_available()
 # LightningCLI needs jsonargparse, which lightning's base install does not bring.
 needs_jsonargparse = pytest.mark.skipif(
     importlib.util.find_spec("jsonargparse") is None,
-    reason="LightningCLI needs jsonargparse: pip install 'jsonargparse[signatures]' (or lightning[pytorch-extra])",
+    reason=(
+        "LightningCLI needs jsonargparse: pip install 'jsonargparse[signatures]' "
+        "(or lightning[pytorch-extra])"
+    ),
 )
 REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 
@@ -66,7 +73,8 @@ def lightning_cfg(out: str, **changes) -> lightning_trainer.LightningConfig:
 
 
 def _train_with_plain_loader(cfg):
-    """The pitfall: the same resume with a plain DataLoader, which Lightning cannot resume mid-epoch."""
+    """The pitfall: the same resume with a plain DataLoader, which Lightning cannot resume
+    mid-epoch."""
     with mock.patch.object(lightning_trainer, "ResumableLoader", DataLoader):
         return recipe_result(cfg)
 
@@ -128,64 +136,69 @@ def _run_phase(phase):
     return recipe_result(cfg)  # lightning_trainer's phases, and fabric_clip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world(tmp_path_factory):
     """Rank 0's results of every phase, run in order in one gloo world of 2."""
-    out = str(tmp_path_factory.mktemp("lightning_world"))
-    ckpt = os.path.join(out, "ddp", "checkpoints", "step=3.ckpt")
-    fsdp_ckpt = os.path.join(out, "fsdp", "checkpoints", "step=3.ckpt")
-    phases = [
-        ("raw_ddp", REFERENCE),
-        ("ddp", lightning_cfg(f"{out}/ddp", logger="csv", checkpoint_every_n_steps=3)),
-        # The resumed runs keep the ModelCheckpoint callback, as Lightning asks when resuming.
-        (
-            "ddp_resumed",
-            lightning_cfg(f"{out}/ddp_resumed", resume_from=ckpt, checkpoint_every_n_steps=3),
-        ),
-        # A plain DataLoader's checkpoint has no loader state (Lightning refuses to mix the two): its own run.
-        ("plain_loader", lightning_cfg(f"{out}/plain", checkpoint_every_n_steps=3)),
-        (
-            "plain_loader_resumed",
-            lightning_cfg(
-                f"{out}/plain_resumed",
-                checkpoint_every_n_steps=3,
-                resume_from=os.path.join(out, "plain", "checkpoints", "step=3.ckpt"),
+
+    def build(folder: Path):
+        out = str(folder)
+        ckpt = os.path.join(out, "ddp", "checkpoints", "step=3.ckpt")
+        fsdp_ckpt = os.path.join(out, "fsdp", "checkpoints", "step=3.ckpt")
+        phases = [
+            ("raw_ddp", REFERENCE),
+            ("ddp", lightning_cfg(f"{out}/ddp", logger="csv", checkpoint_every_n_steps=3)),
+            # The resumed runs keep the ModelCheckpoint callback, as Lightning asks when resuming.
+            (
+                "ddp_resumed",
+                lightning_cfg(f"{out}/ddp_resumed", resume_from=ckpt, checkpoint_every_n_steps=3),
             ),
-        ),
-        ("ddp_accumulate", lightning_cfg(f"{out}/acc", accumulate_grad_batches=3)),
-        (
-            "ddp_clip",
-            lightning_cfg(
-                f"{out}/clip",
-                gradient_clip_val=0.05,
-                logger="tensorboard" if TENSORBOARD else "none",
+            # A plain DataLoader's checkpoint has no loader state (Lightning refuses to mix the
+            # two): its own run.
+            ("plain_loader", lightning_cfg(f"{out}/plain", checkpoint_every_n_steps=3)),
+            (
+                "plain_loader_resumed",
+                lightning_cfg(
+                    f"{out}/plain_resumed",
+                    checkpoint_every_n_steps=3,
+                    resume_from=os.path.join(out, "plain", "checkpoints", "step=3.ckpt"),
+                ),
             ),
-        ),
-        (
-            "fabric_clip",
-            lightning_fabric.FabricConfig(steps=STEPS, timeout_s=120, gradient_clip_val=0.05),
-        ),
-        ("fsdp", lightning_cfg(f"{out}/fsdp", strategy="fsdp", checkpoint_every_n_steps=3)),
-        (
-            "fsdp_resumed",
-            lightning_cfg(
-                f"{out}/fsdp_resumed",
-                strategy="fsdp",
-                resume_from=fsdp_ckpt,
-                checkpoint_every_n_steps=3,
+            ("ddp_accumulate", lightning_cfg(f"{out}/acc", accumulate_grad_batches=3)),
+            (
+                "ddp_clip",
+                lightning_cfg(
+                    f"{out}/clip",
+                    gradient_clip_val=0.05,
+                    logger="tensorboard" if TENSORBOARD else "none",
+                ),
             ),
-        ),
-        ("model_parallel", lightning_cfg(f"{out}/tp", strategy="model_parallel")),
-        # Two "nodes" of one rank each: HYBRID_SHARD is replication there, and must equal DDP.
-        (
-            "fsdp_hybrid_one_rank_per_node",
-            lightning_cfg(f"{out}/hybrid1", strategy="fsdp", sharding_strategy="HYBRID_SHARD"),
-        ),
-        ("torch_hybrid_one_rank_per_node", None),
-        ("bf16", lightning_cfg(f"{out}/bf16", precision="bf16-mixed")),
-    ]
-    results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, deadline_s=400)
-    return {name: result for (name, _), result in zip(phases, results)} | {"out": out}
+            (
+                "fabric_clip",
+                lightning_fabric.FabricConfig(steps=STEPS, timeout_s=120, gradient_clip_val=0.05),
+            ),
+            ("fsdp", lightning_cfg(f"{out}/fsdp", strategy="fsdp", checkpoint_every_n_steps=3)),
+            (
+                "fsdp_resumed",
+                lightning_cfg(
+                    f"{out}/fsdp_resumed",
+                    strategy="fsdp",
+                    resume_from=fsdp_ckpt,
+                    checkpoint_every_n_steps=3,
+                ),
+            ),
+            ("model_parallel", lightning_cfg(f"{out}/tp", strategy="model_parallel")),
+            # Two "nodes" of one rank each: HYBRID_SHARD is replication there, and must equal DDP.
+            (
+                "fsdp_hybrid_one_rank_per_node",
+                lightning_cfg(f"{out}/hybrid1", strategy="fsdp", sharding_strategy="HYBRID_SHARD"),
+            ),
+            ("torch_hybrid_one_rank_per_node", None),
+            ("bf16", lightning_cfg(f"{out}/bf16", precision="bf16-mixed")),
+        ]
+        results = spawn_world(in_one_world, 2, _run_phase, phases, "gloo", 120, deadline_s=400)
+        return {name: result for (name, _), result in zip(phases, results)} | {"out": out}
+
+    return once_per_run(tmp_path_factory, "lightning-trainer-world", build)
 
 
 def test_lightning_ddp_equals_raw_ddp(world):
@@ -198,7 +211,8 @@ def test_lightning_ddp_equals_raw_ddp(world):
 
 
 def test_logged_loss_is_synced_over_ranks(world):
-    """self.log(sync_dist=True): the CSV holds the global batch's loss at every step, not rank 0's own."""
+    """self.log(sync_dist=True): the CSV holds the global batch's loss at every step, not rank 0's
+    own."""
     import csv
 
     with open(world["ddp"].extras["metrics_file"]) as f:
@@ -243,7 +257,8 @@ def test_resume_from_mid_epoch_checkpoint_equals_uninterrupted_run(world):
 
 
 def test_plain_dataloader_repeats_batches_after_mid_epoch_resume(world):
-    """The pitfall ResumableLoader guards against: resumed at step 3, a plain DataLoader starts its epoch over."""
+    """The pitfall ResumableLoader guards against: resumed at step 3, a plain DataLoader starts its
+    epoch over."""
     full, plain = world["plain_loader"], world["plain_loader_resumed"]
     assert_losses_close(
         full.losses, world["raw_ddp"].losses, atol=1e-5
@@ -304,7 +319,8 @@ def test_torch_fsdp1_hybrid_shard_with_one_rank_per_node_does_not_reduce_across_
 @pytest.mark.timeout(600)
 def test_hybrid_shard_on_two_nodes_of_two_equals_ddp(tmp_path):
     """2 nodes x 2 ranks (torchrun's variables set per rank): Lightning's HYBRID_SHARD and the
-    classic fsdp recipe's hybrid mode both equal DDP, and shard each weight over a node's 2 ranks."""
+    classic fsdp recipe's hybrid mode both equal DDP, and shard each weight over a node's 2
+    ranks."""
     phases = [
         ("raw_ddp", REFERENCE),
         ("fsdp", lightning_cfg(str(tmp_path), strategy="fsdp", sharding_strategy="HYBRID_SHARD")),
@@ -339,7 +355,8 @@ def test_fsdp_sharded_checkpoint_is_a_folder_of_shards_and_reloads(world):
 
 
 def test_model_parallel_strategy_runs_tensor_parallel_on_cpu(world):
-    """ModelParallelStrategy needs no CUDA: TP over 2 gloo ranks equals DDP up to float summation order."""
+    """ModelParallelStrategy needs no CUDA: TP over 2 gloo ranks equals DDP up to float summation
+    order."""
     tp = world["model_parallel"]
     assert_losses_close(tp.losses, world["raw_ddp"].losses, atol=1e-5)
     assert_states_close(tp.final_state, world["raw_ddp"].final_state, atol=1e-5)
@@ -372,7 +389,8 @@ def test_bf16_mixed_trains_close_to_fp32(world):
 @pytest.mark.slow
 def test_ddp_spawn_starts_its_own_processes_and_equals_raw_ddp(tmp_path):
     reference = run_alone(ddp_result, REFERENCE)
-    # ddp_spawn sets MASTER_PORT & co. in this process: restore the environment for the tests after it.
+    # ddp_spawn sets MASTER_PORT & co. in this process: restore the environment for the tests after
+    # it.
     with mock.patch.dict(os.environ):
         result = recipe_result(lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2))
     assert (result.world_size, result.extras["strategy"]) == (2, "ddp_spawn")
@@ -403,7 +421,8 @@ def test_torchrun_launch_prints_readable_logs_and_the_result(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert_losses_close(result["losses"], run_alone(ddp_result, REFERENCE).losses, atol=1e-5)
-    # One log line per step, from rank 0 only; no progress-bar carriage returns in a non-terminal log.
+    # One log line per step, from rank 0 only; no progress-bar carriage returns in a non-terminal
+    # log.
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == STEPS and "[rank1]" not in proc.stdout and "\r" not in proc.stdout
     # No warnings: the known-harmless ones are filtered in the recipe, each with its reason.
@@ -413,7 +432,8 @@ def test_torchrun_launch_prints_readable_logs_and_the_result(tmp_path):
 
 @needs_jsonargparse
 def test_lightning_cli_yaml_config_runs_ddp_with_lightnings_launcher(tmp_path):
-    """``fit --config configs/lightning/ddp.yaml``: Lightning starts the 2nd process; same losses as raw DDP."""
+    """``fit --config configs/lightning/ddp.yaml``: Lightning starts the 2nd process; same losses as
+    raw DDP."""
     import csv
 
     proc = run_cli(
@@ -526,13 +546,17 @@ def test_fp16_mixed_on_cpu_is_an_error_not_a_silent_bf16_run(tmp_path):
     [
         (
             {"devices": 3},
-            r"the launcher started 1 node\(s\) x 1 process\(es\); --devices 3 --num-nodes 0 disagree",
+            (
+                r"the launcher started 1 node\(s\) x 1 process\(es\); "
+                r"--devices 3 --num-nodes 0 disagree"
+            ),
         ),
         (
             {"strategy": "model_parallel", "tensor_parallel_size": 2},
             "tensor_parallel_size=2 does not divide the world of 1",
         ),
-        # FSDP features that torch 2.13 only gets right on GPUs (each found by running it on CPU): refused up front.
+        # FSDP features that torch 2.13 only gets right on GPUs (each found by running it on CPU):
+        # refused up front.
         ({"strategy": "fsdp", "cpu_offload": True}, "on a CPU world they are there already"),
         ({"strategy": "fsdp", "state_dict_type": "full"}, "use --state-dict-type sharded on CPU"),
     ],
@@ -567,7 +591,10 @@ def test_help_names_both_command_lines(capsys):
         ),
         (
             {"accumulate_grad_batches": 2, "global_batch_size": 6},
-            r"global_batch_size=6 does not divide across 2 ranks x 2 micro-batches; use a multiple of 4",
+            (
+                r"global_batch_size=6 does not divide across 2 ranks x 2 micro-batches; "
+                r"use a multiple of 4"
+            ),
         ),
     ],
 )

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from recipes import loss_compare
+from tests.deadlines import scaled
 from tests.helpers import REPO_ROOT
 
 LOSSES = [4.3398470878601074, 4.2211, 4.1002, 3.9876]
@@ -114,8 +115,8 @@ def test_a_nan_parts_unless_both_runs_have_it():
         (
             "nothing to see here\n",
             "error: {path}: no losses found; expected a recipe's JSON result "
-            "(\"losses\"), log lines like 'step 3 loss 2.3456', a CSV with columns step,loss, or JSON "
-            'lines {{"step", "loss"}}',
+            "(\"losses\"), log lines like 'step 3 loss 2.3456', a CSV with columns step,loss, "
+            'or JSON lines {{"step", "loss"}}',
         ),
         (
             "step,loss\n0,4.3\n1,oops\n",
@@ -167,7 +168,7 @@ def test_the_command_line_compares_two_committed_results_files():
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["common_steps"] >= 2
@@ -186,7 +187,7 @@ def test_a_copy_runs_alone_outside_the_package(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["equal"] is True

@@ -1,8 +1,9 @@
-"""core/memory.py counts what a rank holds; on 4 ranks every sharding recipe holds its claimed share of DDP's bytes.
+"""core/memory.py counts what a rank holds; on 4 ranks every sharding recipe holds its claimed share
+of DDP's bytes.
 
-The 4-rank world is the expensive one on a 2-core machine, so ONE world runs every strategy of the three
-recipes (plus the DDP baseline they are compared with) and each run is checked for both claims: the
-memory fraction, and the same training as the single-process reference.
+The 4-rank world is the expensive one on a 2-core machine, so ONE world runs every strategy of the
+three recipes (plus the DDP baseline they are compared with) and each run is checked for both
+claims: the memory fraction, and the same training as the single-process reference.
 """
 
 import pytest
@@ -71,7 +72,8 @@ def test_plain_module_before_and_after_a_step():
     lm_loss(model(tokens), tokens).backward()
     optimizer.step()
     n_tensors = len(list(model.parameters()))
-    # AdamW: exp_avg and exp_avg_sq (fp32, one each per element) plus a 4-byte scalar step per tensor.
+    # AdamW: exp_avg and exp_avg_sq (fp32, one each per element) plus a 4-byte scalar step per
+    # tensor.
     assert model_state_bytes(model, optimizer) == {
         "param_bytes": 4 * numel,
         "grad_bytes": 4 * numel,
@@ -155,9 +157,9 @@ def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
             and memory["grad_bytes"] == ddp["grad_bytes"]
         )
         assert memory["optimizer_bytes"] == pytest.approx(ddp["optimizer_bytes"], abs=SLACK_BYTES)
-    # ZeRO-1: parameters and gradients replicated; optimizer state partitioned by whole parameters, so
-    # every state lives on exactly one rank (the sum is DDP's) and a rank holds at most 1/N plus the
-    # state of one parameter (greedy largest-first partition onto the least-loaded rank).
+    # ZeRO-1: parameters and gradients replicated; optimizer state partitioned by whole parameters,
+    # so every state lives on exactly one rank (the sum is DDP's) and a rank holds at most 1/N plus
+    # the state of one parameter (greedy largest-first partition onto the least-loaded rank).
     zero_memory = results["zero1"].extras["memory_per_rank"]
     largest_state = 8 * max(p.numel() for p in build_model("tiny").parameters()) + 4
     assert sum(m["optimizer_bytes"] for m in zero_memory) == ddp["optimizer_bytes"]

@@ -1,4 +1,5 @@
-"""memory_estimate: the ZeRO paper's formulas, its own example, and bytes measured on a real 2-rank world."""
+"""memory_estimate: the ZeRO paper's formulas, its own example, and bytes measured on a real 2-rank
+world."""
 
 import json
 
@@ -11,7 +12,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recipes.core.memory import model_state_bytes
-from recipes.core.spawn import spawn_world
 from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world
 from recipes.fsdp import apply_fsdp
@@ -27,7 +27,7 @@ from recipes.memory_estimate import (
     model_state_per_rank,
 )
 from recipes.parallelize import apply_fully_shard
-from tests.helpers import PYTHON, last_json, run_cli
+from tests.helpers import PYTHON, last_json, run_cli, spawn_world
 
 GB = 1e9
 
@@ -144,12 +144,14 @@ def test_cli_prints_the_table_and_the_same_figures_as_json_last():
     assert bad.stderr.strip().splitlines() == ["error: params must be a finite number > 0, got nan"]
 
 
-# ----------------------------------------------------------------------------------------------------
-# The estimate against bytes measured on the real tiny model (fp32 AdamW, one optimizer step, 2 ranks).
+# --------------------------------------------------------------------------------------------------
+# The estimate against bytes measured on the real tiny model (fp32 AdamW, one optimizer step, 2
+# ranks).
 
 
 def _wrap(strategy, model, world):
-    """The model and optimizer of each strategy, as the recipes build them (recipes.zero, .fsdp, .fsdp2)."""
+    """The model and optimizer of each strategy, as the recipes build them (recipes.zero, .fsdp,
+    .fsdp2)."""
     if strategy == "ddp":
         wrapped = DDP(model)
         return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
@@ -170,7 +172,8 @@ def _wrap(strategy, model, world):
 
 
 def measure_per_rank_bytes(strategies):
-    """Every rank's model_state_bytes after one optimizer step, per strategy (runs in the spawned world)."""
+    """Every rank's model_state_bytes after one optimizer step, per strategy (runs in the spawned
+    world)."""
     with join_world("gloo", timeout_s=120) as world:
         rows = make_dataset("tiny", 12).tokens[
             6 * world.rank : 6 * world.rank + 6
@@ -180,7 +183,8 @@ def measure_per_rank_bytes(strategies):
         for strategy in strategies:
             wrapped, optimizer = _wrap(strategy, build_model("tiny", seed=0), world)
             lm_loss(wrapped(inputs), targets).backward()
-            optimizer.step()  # measured now: after step(), before zero_grad(), gradients still present
+            # measured now: after step(), before zero_grad(), gradients still present
+            optimizer.step()
             per_rank = [None] * world.world_size
             dist.all_gather_object(per_rank, model_state_bytes(wrapped, optimizer))
             measured[strategy] = per_rank
@@ -244,7 +248,7 @@ def test_estimate_matches_bytes_measured_on_a_real_world_of_2():
             assert per_rank["param_bytes"] <= measured["ddp"][0]["param_bytes"] / 2 + pad_bytes
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One strategy's bytes per GPU (gpu_memory, the docs' calculator): TP/PP, HSDP, activations.
 
 

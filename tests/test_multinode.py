@@ -29,6 +29,7 @@ import uuid
 import pytest
 
 from recipes import ddp_torchrun
+from tests.deadlines import scaled
 from tests.helpers import REPO_ROOT, assert_losses_close, ddp_result
 
 STEPS, GLOBAL_BATCH = 4, 8
@@ -158,6 +159,7 @@ def stop(nodes: list[subprocess.Popen], pids: list[int]) -> None:
 
 def wait_all(nodes: list[subprocess.Popen], tmp_path, timeout_s: float) -> None:
     """Wait for every node; on a hang, fail with what each one printed."""
+    timeout_s = scaled(timeout_s)
     deadline = time.monotonic() + timeout_s
     try:
         for node in nodes:
@@ -215,7 +217,7 @@ def test_a_host_that_vanishes_ends_the_other_with_a_clear_error(two_hosts, tmp_p
     ]
     vanished: list[int] = []
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + scaled(180)
         while "step 0 loss" not in read(tmp_path, 0, "out"):  # the recipe's line, from rank 0
             assert time.monotonic() < deadline and nodes[0].poll() is None, read(
                 tmp_path, 0, "err"
@@ -230,14 +232,14 @@ def test_a_host_that_vanishes_ends_the_other_with_a_clear_error(two_hosts, tmp_p
         ip("-n", namespace, "link", "set", interface, "down")
         ip("netns", "del", namespace)
         cut = time.monotonic()
-        nodes[0].wait(timeout=timeout_s + 60)
+        nodes[0].wait(timeout=timeout_s + scaled(60))
         took = time.monotonic() - cut
     finally:
         stop(nodes, pids_in(two_hosts) + vanished)
     err = read(tmp_path, 0, "err")
     assert nodes[0].returncode not in (0, None)
     # Within the collective timeout, plus the time to name the lost ranks and stop.
-    assert took < timeout_s + 30, f"node 0 took {took:.0f}s to end"
+    assert took < timeout_s + scaled(30), f"node 0 took {took:.0f}s to end"
     lines = [line for line in err.splitlines() if line.startswith("error: rank ")]
     assert lines, err[-4000:]
     for line in lines:  # each survivor names the ranks of the lost node

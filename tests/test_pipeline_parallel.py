@@ -17,7 +17,6 @@ from recipes._pipeline_parallel_split import (
     even_split,
     stage_modules,
 )
-from recipes.core.spawn import spawn_world
 from recipes.core.state import all_ranks
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import join_world
@@ -30,6 +29,7 @@ from tests.helpers import (
     recipe_result,
     require_world,
     run_cli,
+    spawn_world,
     with_fields,
 )
 

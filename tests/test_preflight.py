@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from recipes import preflight
-from recipes.core.spawn import free_port, spawn_world
-from tests.helpers import PYTHON, REPO_ROOT, run_cli
+from recipes.core.spawn import free_port
+from tests.deadlines import scaled
+from tests.helpers import PYTHON, REPO_ROOT, run_cli, spawn_world
 
 HOST = socket.gethostname()
 
@@ -121,7 +122,7 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout():
     ), proc.stderr
     # the line itself says the watchdog fired at 3 s (torch's own timeout, 5 s later, words it
     # otherwise); the wall time adds start-up, which on 2 shared cores under load can take long
-    assert elapsed < 3 + 30, f"took {elapsed:.1f} s"
+    assert elapsed < 3 + scaled(30), f"took {elapsed:.1f} s"
 
 
 def test_bad_input_is_one_line_and_exit_2():
@@ -167,7 +168,9 @@ def test_a_check_that_hangs_is_named_with_the_ranks_that_never_got_past_it(tmp_p
             "PYTHONPATH": REPO_ROOT,
         }
         env.pop("RANK", None)
-        procs[rank] = _run_module_forked([PYTHON, str(script)], ("path", str(script)), [], 60, env)
+        procs[rank] = _run_module_forked(
+            [PYTHON, str(script)], ("path", str(script)), [], scaled(60), env
+        )
 
     start = time.monotonic()
     threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in (0, 1)]
@@ -187,4 +190,4 @@ def test_a_check_that_hangs_is_named_with_the_ranks_that_never_got_past_it(tmp_p
     )
     # the line itself says the watchdog fired at 3 s (torch's own timeout, 5 s later, words it
     # otherwise); the wall time adds start-up, which on 2 shared cores under load can take long
-    assert elapsed < 8 + 30, f"took {elapsed:.1f} s"
+    assert elapsed < 8 + scaled(30), f"took {elapsed:.1f} s"

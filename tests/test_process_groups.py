@@ -1,4 +1,5 @@
-"""process_groups: a DeviceMesh's dimensions are the row and column groups new_group builds by hand."""
+"""process_groups: a DeviceMesh's dimensions are the row and column groups new_group builds by
+hand."""
 
 import dataclasses
 
@@ -6,10 +7,9 @@ import pytest
 import torch
 
 from recipes import process_groups
-from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from recipes.parallelize import rank_grid
-from tests.helpers import BACKENDS, last_json, require_world, run_cli
+from tests.helpers import BACKENDS, last_json, require_world, run_cli, spawn_world
 
 
 def groups_world(configs, backend):
@@ -18,7 +18,8 @@ def groups_world(configs, backend):
 
 
 def expected_groups(dp: int, tp: int) -> list[dict]:
-    """Per rank of a row-major dp x tp grid: its row (tp group), its column (dp group), and their sums."""
+    """Per rank of a row-major dp x tp grid: its row (tp group), its column (dp group), and their
+    sums."""
     groups = []
     for rank in range(dp * tp):
         d, t = divmod(rank, tp)
@@ -51,8 +52,9 @@ def test_mesh_groups_equal_the_groups_built_by_hand(backend):
         report = dataclasses.asdict(result)  # the GroupsReport run returns
         assert report["mesh_shape"] == [dp, cfg.tp]
         assert report["rank_grid"] == torch.arange(4).reshape(dp, cfg.tp).tolist()
-        # Every rank's mesh["tp"] / mesh["dp"] group holds the ranks of its hand-built row / column, and an
-        # all-reduce over either sums rank+1 over exactly those ranks (the recipe raises on any mismatch).
+        # Every rank's mesh["tp"] / mesh["dp"] group holds the ranks of its hand-built row / column,
+        # and an all-reduce over either sums rank+1 over exactly those ranks (the recipe raises on
+        # any mismatch).
         assert report["groups_per_rank"] == expected_groups(dp, cfg.tp)
         assert report["tp_groups"] == [[d * cfg.tp + t for t in range(cfg.tp)] for d in range(dp)]
         assert report["dp_groups"] == [[d * cfg.tp + t for d in range(dp)] for t in range(cfg.tp)]

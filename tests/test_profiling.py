@@ -27,8 +27,9 @@ from tests.helpers import (
 CFG = profiling.ProfilingConfig(
     steps=4, wait=1, warmup=1, active=2, precision="fp32", backend="gloo", timeout_s=60
 )
-# DDP's gradient all-reduce on gloo, as torch records it: launched on the training thread, then run on
-# one of gloo's worker threads. The tiny model's gradients fit in one bucket: one of each per step.
+# DDP's gradient all-reduce on gloo, as torch records it: launched on the training thread, then run
+# on one of gloo's worker threads. The tiny model's gradients fit in one bucket: one of each per
+# step.
 GLOO_ALL_REDUCE = ("c10d::allreduce_", "gloo:all_reduce")
 
 
@@ -69,8 +70,8 @@ def test_two_ranks_trace_the_gradient_all_reduce_and_train_as_one_process(tmp_pa
             "one file per rank, named by rank"
         )
 
-    # Every collective in the profiled steps is DDP's gradient all-reduce: one per step, nothing else
-    # (the logged loss is averaged once after the loop, not by an all-reduce inside each step).
+    # Every collective in the profiled steps is DDP's gradient all-reduce: one per step, nothing
+    # else (the logged loss is averaged once after the loop, not by an all-reduce inside each step).
     assert extras["communication_events"] == {name: cfg.active for name in GLOO_ALL_REDUCE}
     assert 0 < extras["communication_ms_per_step"] < extras["profiled_step_ms"]
 

@@ -2,7 +2,6 @@
 
 import contextlib
 import io
-import re
 import runpy
 import sys
 
@@ -120,24 +119,3 @@ def is_copyable(tree) -> bool:
         )
         for node in ast.walk(tree)
     )
-
-
-def test_a_recipe_over_300_lines_says_why_in_its_docstring():
-    """CONVENTIONS: a recipe reads top to bottom in about 300 lines, or its docstring says why."""
-    import ast
-    from pathlib import Path
-
-    for name in recipe_modules():
-        source = Path(REPO_ROOT, "recipes", f"{name}.py").read_text()
-        lines = source.count("\n")
-        if lines > 300:
-            doc = ast.get_docstring(ast.parse(source)) or ""
-            stated = re.search(r"Length: about (\d+) lines", doc)
-            assert stated, (
-                f"recipes/{name}.py has {lines} lines: split the second idea out, or say why in "
-                "its docstring ('Length: about N lines, ...')"
-            )
-            # the stated length follows the file: within 10%
-            assert abs(int(stated[1]) - lines) <= 0.1 * lines, (
-                f"recipes/{name}.py says about {stated[1]} lines and has {lines}"
-            )

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -30,7 +31,6 @@ from recipes._sharded_checkpoint_store import (
     save_checkpoint,
     verify_checkpoint,
 )
-from recipes.core.spawn import spawn_world
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import RankError, join_world
@@ -46,8 +46,10 @@ from tests.helpers import (
     run_alone,
     run_cli,
     run_world,
+    spawn_world,
     with_fields,
 )
+from tests.once import once_per_run
 
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
 # --dist loadgroup), so the fixtures run once rather than once per worker.
@@ -69,41 +71,45 @@ def read_latest(root) -> str:
         return f.read().strip()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def saved(tmp_path_factory):
     """One world of 2: per strategy, 6 uninterrupted steps, and 3 steps that save and export; one
     async run."""
-    root = tmp_path_factory.mktemp("checkpoints")
-    configs = []
-    for strategy in STRATEGIES:
-        configs += [
-            with_fields(BASE, strategy=strategy),
+
+    def build(folder: Path):
+        root = folder
+        configs = []
+        for strategy in STRATEGIES:
+            configs += [
+                with_fields(BASE, strategy=strategy),
+                with_fields(
+                    BASE,
+                    strategy=strategy,
+                    steps=3,
+                    save_every=3,
+                    checkpoint_dir=str(root / strategy),
+                    export_to=str(root / f"{strategy}.pt"),
+                ),
+            ]
+        configs.append(
             with_fields(
                 BASE,
-                strategy=strategy,
-                steps=3,
-                save_every=3,
-                checkpoint_dir=str(root / strategy),
-                export_to=str(root / f"{strategy}.pt"),
-            ),
-        ]
-    configs.append(
-        with_fields(
-            BASE,
-            strategy="fsdp2",
-            save_every=2,
-            async_save=True,
-            keep_last=2,
-            checkpoint_dir=str(root / "async"),
+                strategy="fsdp2",
+                save_every=2,
+                async_save=True,
+                keep_last=2,
+                checkpoint_dir=str(root / "async"),
+            )
         )
-    )
-    results = run_world(recipe_result, 2, configs, deadline_s=240)
-    return SimpleNamespace(
-        root=root,
-        async_run=results[-1],
-        straight={s: results[2 * i] for i, s in enumerate(STRATEGIES)},
-        first_half={s: results[2 * i + 1] for i, s in enumerate(STRATEGIES)},
-    )
+        results = run_world(recipe_result, 2, configs, deadline_s=240)
+        return SimpleNamespace(
+            root=root,
+            async_run=results[-1],
+            straight={s: results[2 * i] for i, s in enumerate(STRATEGIES)},
+            first_half={s: results[2 * i + 1] for i, s in enumerate(STRATEGIES)},
+        )
+
+    return once_per_run(tmp_path_factory, "sharded-checkpoint-saved", build)
 
 
 def resume_import_and_rng(configs, exported_file, rng_dir):
@@ -140,34 +146,40 @@ def resume_import_and_rng(configs, exported_file, rng_dir):
         return results, imported, draws
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def resumed(saved, tmp_path_factory):
     """A new world of 2 resumes each strategy's step-3 checkpoint, and the async run's step 4."""
-    configs = [
-        with_fields(BASE, strategy=s, resume_from="latest", checkpoint_dir=str(saved.root / s))
-        for s in STRATEGIES
-    ]
-    configs.append(
-        with_fields(BASE, strategy="fsdp2", resume_from=str(saved.root / "async" / "step_00000004"))
-    )
-    configs.append(
-        with_fields(BASE, strategy="fsdp", steps=1, init_from=str(saved.root / "ddp.pt"))
-    )
-    results, imported, draws = spawn_world(
-        resume_import_and_rng,
-        2,
-        configs,
-        str(saved.root / "ddp.pt"),
-        str(tmp_path_factory.mktemp("rng")),
-        deadline_s=240,
-    )
-    return SimpleNamespace(
-        by_strategy=dict(zip(STRATEGIES, results)),
-        async_resume=results[3],
-        init_from=results[4],
-        imported=imported,
-        draws=draws,
-    )
+
+    def build(folder: Path):
+        configs = [
+            with_fields(BASE, strategy=s, resume_from="latest", checkpoint_dir=str(saved.root / s))
+            for s in STRATEGIES
+        ]
+        configs.append(
+            with_fields(
+                BASE, strategy="fsdp2", resume_from=str(saved.root / "async" / "step_00000004")
+            )
+        )
+        configs.append(
+            with_fields(BASE, strategy="fsdp", steps=1, init_from=str(saved.root / "ddp.pt"))
+        )
+        results, imported, draws = spawn_world(
+            resume_import_and_rng,
+            2,
+            configs,
+            str(saved.root / "ddp.pt"),
+            str(folder),
+            deadline_s=240,
+        )
+        return SimpleNamespace(
+            by_strategy=dict(zip(STRATEGIES, results)),
+            async_resume=results[3],
+            init_from=results[4],
+            imported=imported,
+            draws=draws,
+        )
+
+    return once_per_run(tmp_path_factory, "sharded-checkpoint-resumed", build)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -208,7 +220,7 @@ def test_checkpoint_of_2_ranks_resumes_on_1_3_and_4_ranks(saved, world_size):
         results = [run_alone(recipe_result, cfg) for cfg in configs]
     else:
         results = run_world(recipe_result, world_size, configs, deadline_s=240)
-    for (saved_by, loaded_as), result in zip(pairs, results):
+    for (saved_by, _loaded_as), result in zip(pairs, results):
         straight = saved.straight[saved_by]
         assert (result.world_size, result.extras["saved_by_world_size"]) == (world_size, 2)
         assert_losses_close(result.losses, straight.losses[3:], atol=RESHARDED_ATOL)

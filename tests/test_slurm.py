@@ -34,6 +34,7 @@ import uuid
 import pytest
 
 from recipes import dist_setup
+from tests.deadlines import scaled
 from tests.helpers import REPO_ROOT, assert_losses_close, single_process_reference
 
 STEPS = 6  # configs/lightning/ddp.yaml's max_steps; its global batch is the recipes' default 12
@@ -92,7 +93,7 @@ pytestmark = [
 
 
 def run(*command: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, **kwargs)
+    return subprocess.run(command, capture_output=True, text=True, timeout=scaled(60), **kwargs)
 
 
 class Cluster:
@@ -172,7 +173,7 @@ class Cluster:
         self._on_node(1, ["slurmctld", "-D", "-i"], "slurmctld")
         for n in (1, 2):
             self._on_node(n, ["slurmd", "-D", "-N", f"node{n}"], f"slurmd-node{n}")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while time.monotonic() < deadline:
             states = self.on_node1("sinfo", "-h", "-N", "-o", "%N %t").stdout.split()
             if states.count("idle") == 2:
@@ -231,7 +232,7 @@ class Cluster:
 
     def wait(self, job: str, timeout_s: float) -> dict:
         """The job's fields once it ended (scontrol keeps ended jobs for MinJobAge)."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
             shown = self.on_node1("scontrol", "show", "job", "-o", job).stdout
             fields = dict(re.findall(r"(\w+)=(\S*)", shown))

@@ -52,7 +52,8 @@ def test_mfu_is_null_on_cpu_and_uses_the_device_peak_on_a_gpu(monkeypatch):
 
 
 def test_a_result_reports_tokens_per_second_from_its_step_time():
-    # gloo: on CPU, where no peak is known, on every machine (an H200 has an fp32 peak: MFU is a number)
+    # gloo: on CPU, where no peak is known, on every machine (an H200 has an fp32 peak: MFU is a
+    # number)
     cfg = ddp_torchrun.DDPConfig(steps=3, precision="fp32", backend="gloo")
     result = run_alone(ddp_result, cfg)
     tokens_per_step = 12 * MODEL_PRESETS["tiny"].seq_len  # the default global batch, 12 sequences
@@ -96,8 +97,9 @@ def train_with(recipe_and_config):
 # (test_compile_scopes_and_checkpointing_under_compile_keep_training_equal).
 @pytest.mark.slow
 def test_compile_keeps_sharded_training_equal_on_fsdp2_and_tp():
-    # Two ranks, where compiling meets the sharding: fully_shard's hooks around the compiled forward,
-    # and DTensor ops traced inside it. (DDP and amp compile in one process below: cheaper.)
+    # Two ranks, where compiling meets the sharding: fully_shard's hooks around the compiled
+    # forward, and DTensor ops traced inside it. (DDP and amp compile in one process below:
+    # cheaper.)
     configs = []
     # fsdp2 and tensor_parallel are copyable: the harness keeps their final state
     # (fsdp2_result, tp_result), not their configs

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.deadlines import scaled
 from tests.helpers import REPO_ROOT
 
 # Each copyable function, with the ready-made values beside it: label -> (module, names). Those in
@@ -356,7 +357,7 @@ def test_extracted_functions_run_alone(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=scaled(150),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     messages = json.loads(proc.stdout.strip().splitlines()[-1])

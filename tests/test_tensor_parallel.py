@@ -1,4 +1,5 @@
-"""tensor_parallel: the split model computes what the unsplit one does (outputs, gradients, training).
+"""tensor_parallel: the split model computes what the unsplit one does (outputs, gradients,
+training).
 
 The recipe is copyable and returns its losses; the harness (``tests.helpers.tp_result``: ``prove``
 with ``recipes.core.observe.TensorParallelObserver``) measures the rest from outside: the final
@@ -14,7 +15,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from recipes import tensor_parallel
-from recipes.core.spawn import spawn_world
 from recipes.core.world import join_world
 from recipes.parallelize import TPPlanError, apply_tp, check_tp_fits, transformer_lm_plan
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
@@ -25,6 +25,7 @@ from tests.helpers import (
     expected_tp_param_fraction,
     require_world,
     single_process_reference,
+    spawn_world,
     tp_result,
     with_fields,
 )
@@ -39,7 +40,8 @@ OPTIONS = [
 
 
 def forward_backward_differences(world, options: list[dict]) -> list[dict[str, float]]:
-    """On every rank: largest |TP - unsplit| of the logits and of each full gradient, per option set."""
+    """On every rank: largest |TP - unsplit| of the logits and of each full gradient, per option
+    set."""
     mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("tp",))
     device = world.device
     dataset = make_dataset("tiny", 8, seed=1)
@@ -67,15 +69,16 @@ def forward_backward_differences(world, options: list[dict]) -> list[dict[str, f
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             diffs[name] = (grad - ref_p.grad).abs().max().item()
         differences.append(diffs)
-        # Every parameter is a DTensor (norms included), so the foreach AdamW that GPUs default to works.
+        # Every parameter is a DTensor (norms included), so the foreach AdamW that GPUs default to
+        # works.
         assert all(isinstance(p, DTensor) for p in model.parameters()), "a plain parameter is left"
         torch.optim.AdamW(model.parameters(), foreach=True).step()
     return differences
 
 
 def tp_world(configs, backend):
-    """One spawned world: the forward/backward comparison, then a training run per config (the recipe
-    joins this world: setup_distributed finds it)."""
+    """One spawned world: the forward/backward comparison, then a training run per config (the
+    recipe joins this world: setup_distributed finds it)."""
     with join_world(backend, timeout_s=120) as world:
         return forward_backward_differences(world, OPTIONS), [tp_result(cfg) for cfg in configs]
 
@@ -83,22 +86,25 @@ def tp_world(configs, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tp_equals_unsplit_model(world_size, backend):
-    # Training runs every option set on 2 ranks; on 4, both options at once (the forward/backward check
-    # runs every set on both world sizes).
+    # Training runs every option set on 2 ranks; on 4, both options at once (the forward/backward
+    # check runs every set on both world sizes).
     trained = OPTIONS if world_size == 2 else OPTIONS[-1:]
     configs = [with_fields(CFG, **opts) for opts in trained]
     require_world(backend, world_size)
     differences, results = spawn_world(tp_world, world_size, configs, backend, deadline_s=240)
-    # 1. One forward + backward: the same logits and the same (all-gathered) gradient for every parameter.
+    # 1. One forward + backward: the same logits and the same (all-gathered) gradient for every
+    # parameter.
     for opts, diffs in zip(OPTIONS, differences):
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < 1e-5, f"{opts}: {worst} differs by {diffs[worst]:.2e}"
-    # 2. Training: the losses and final weights of single-process training (the DDP recipe on 1 process).
+    # 2. Training: the losses and final weights of single-process training (the DDP recipe on 1
+    # process).
     reference = single_process_reference(steps=STEPS)
     seq_len = MODEL_PRESETS[CFG.model].seq_len
     for opts, result in zip(trained, results):
         assert result.extras["tp_size"] == world_size and result.backend == backend
-        # Measured on the model: the final norm's input is sequence-split, the logits vocabulary-split.
+        # Measured on the model: the final norm's input is sequence-split, the logits
+        # vocabulary-split.
         assert (result.extras["sequence_parallel"], result.extras["loss_parallel"]) == tuple(
             opts.values()
         )
@@ -111,7 +117,8 @@ def test_tp_equals_unsplit_model(world_size, backend):
         assert result.extras["param_fraction_per_rank"] == pytest.approx(
             expected_tp_param_fraction(world_size)
         )
-        # AdamW keeps two moments per parameter, shaped like its shard: the optimizer state is split too.
+        # AdamW keeps two moments per parameter, shaped like its shard: the optimizer state is split
+        # too.
         assert result.extras["optimizer_bytes_per_rank"] == pytest.approx(
             2 * result.extras["param_bytes_per_rank"], rel=0.01
         )

@@ -18,7 +18,6 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recipes.core.memory import model_state_bytes
-from recipes.core.spawn import spawn_world
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import Block, lm_loss
 from recipes.core.world import join_world
@@ -36,7 +35,14 @@ from recipes.parallelize import (
     transformer_lm_plan,
 )
 from tests import third_party
-from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, assert_states_close, run_cli
+from tests.helpers import (
+    PYTHON,
+    REPO_ROOT,
+    assert_losses_close,
+    assert_states_close,
+    run_cli,
+    spawn_world,
+)
 
 STEPS, GLOBAL_BATCH, LR = 3, 4, 0.1
 # Strategies per model. GPT-2 has no TP entry: its fused q/k/v is a Conv1D, which torch's
@@ -99,7 +105,8 @@ def parallelize(kind: str, strategy: str, world):
 
 
 def gathered_while_a_block_runs(model, blocks) -> list[int]:
-    """Parameter bytes this rank holds beyond its shards, measured as each block's forward starts."""
+    """Parameter bytes this rank holds beyond its shards, measured as each block's forward
+    starts."""
     shards = model_state_bytes(model)["param_bytes"]
     held: list[int] = []
     for block in (m for m in model.modules() if isinstance(m, blocks)):
@@ -344,7 +351,9 @@ def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
         calls = [0]
         for module in model.modules():  # inside the blocks: the replay calls them again
             if isinstance(module, T5LayerFF):
-                module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+                module.register_forward_pre_hook(
+                    lambda *_, calls=calls: calls.__setitem__(0, calls[0] + 1)
+                )
         model(input_ids=inputs, labels=labels).loss.backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
         feed_forwards.append(calls[0])

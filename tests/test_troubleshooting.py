@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recipes.core.spawn import free_port, spawn_world
+from recipes.core.spawn import free_port
 from recipes.core.world import RankError
-from tests.helpers import REPO_ROOT
+from tests.deadlines import scaled
+from tests.helpers import REPO_ROOT, spawn_world
+from tests.once import once_per_run
 
 PAGE = os.path.join(REPO_ROOT, "docs", "troubleshooting.md")
 
@@ -217,22 +219,27 @@ def stale_store_in_a_world_of_two() -> dict:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def world() -> dict:
+@pytest.fixture(scope="session")
+def world(tmp_path_factory) -> dict:
     """What rank 0 saw, entry by entry. The stale-store entry runs in a world of its own, started
     again once if its first, healthy group fails to connect: under a full suite on 2 cores that
     connect failed 3 times in about 10 runs ("Gloo connectFullMesh failed ... Connection closed by
     peer", with a 2 s and with a 30 s timeout), a flake of the setup, not of what the entry shows;
-    in the shared world it took the four other entries down with it."""
-    seen = spawn_world(in_a_world_of_two, 2, deadline_s=120)
-    for attempt in (1, 2):
-        try:
-            seen["mesh"] = spawn_world(stale_store_in_a_world_of_two, 2, deadline_s=60)
-            break
-        except RankError as exc:
-            if attempt == 2 or "connectFullMesh" not in str(exc) or "job/attempt1" in str(exc):
-                raise
-    return seen
+    in the shared world it took the four other entries down with it. Once per run
+    (tests/once.py): the module's tests are not grouped on one worker."""
+
+    def build(folder) -> dict:
+        seen = spawn_world(in_a_world_of_two, 2, deadline_s=120)
+        for attempt in (1, 2):
+            try:
+                seen["mesh"] = spawn_world(stale_store_in_a_world_of_two, 2, deadline_s=60)
+                break
+            except RankError as exc:
+                if attempt == 2 or "connectFullMesh" not in str(exc) or "job/attempt1" in str(exc):
+                    raise
+        return seen
+
+    return once_per_run(tmp_path_factory, "troubleshooting-world", build)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -391,7 +398,7 @@ def test_child_failed_error_hides_the_traceback_until_record(tmp_path):
             ["torchrun", *argv],
             ("module", "torch.distributed.run"),
             argv,
-            120,
+            scaled(120),
             {**os.environ, "OMP_NUM_THREADS": "1"},
         )
         assert proc.returncode == 1, proc.stderr[-2000:]

@@ -1,4 +1,5 @@
-"""The world harness: three ways in, backend choice, and failures that become clear errors, never hangs."""
+"""The world harness: three ways in, backend choice, and failures that become clear errors, never
+hangs."""
 
 import datetime
 import os
@@ -10,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 from recipes.core.config import RecipeError, TrainConfig, config_table, parse_config
-from recipes.core.spawn import spawn_world
 from recipes.core.world import RankError, WorldTimeoutError, join_world, resolve_backend
-from tests.helpers import PYTHON, run_cli
+from tests.helpers import PYTHON, run_cli, spawn_world
 
 
 # Module-level functions: spawned ranks import them by name.

@@ -1,4 +1,5 @@
-"""zero: DDP + ZeroRedundancyOptimizer trains exactly like DDP and keeps 1/N of AdamW's state per rank.
+"""zero: DDP + ZeroRedundancyOptimizer trains exactly like DDP and keeps 1/N of AdamW's state per
+rank.
 
 The recipe returns its losses; the harness measures the rest from outside (``recipe_result``:
 bytes per rank, each rank's optimizer partition, the norms clip_grad_norm_ returned)."""
