@@ -83,8 +83,10 @@ def tp_world(configs, backend):
         return forward_backward_differences(world, OPTIONS), [tp_result(cfg) for cfg in configs]
 
 
+# 4 ranks in the slow set (issue 30): the split is proven at 2 ranks in the default run, and 4
+# repeats it with a larger world for ~13 s of CPU (DTensor's collectives on CPU are slow).
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_equals_unsplit_model(world_size, backend):
     # Training runs every option set on 2 ranks; on 4, both options at once (the forward/backward
     # check runs every set on both world sizes).

@@ -232,9 +232,8 @@ def parse_config(
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
-        default = (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        )
+        missing = f.default is dataclasses.MISSING
+        default = f.default_factory() if missing else f.default  # type: ignore[misc]
         kwargs: dict[str, Any] = {"default": default, "help": _help(f, kind) or " ", "dest": f.name}
         choices = _literal_choices(kind)
         if choices is not None:
