@@ -37,6 +37,9 @@ from tests.once import once_per_run
 
 RECIPES = Path(REPO_ROOT, "recipes")
 
+# One worker runs this module, so that the torchrun launch all the copies share runs once.
+pytestmark = pytest.mark.xdist_group("copy_recipes")
+
 
 def is_copyable(name: str) -> bool:
     tree = ast.parse((RECIPES / f"{name}.py").read_text())
@@ -324,49 +327,30 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     return results
 
 
-# Two launches, each built once per run by the first test of its group (tests/once.py), on two
-# workers at once: one launch of every copy was the run's longest chain (279 s of wall time on 2
-# cores under load, for 86 s of CPU), as each copy runs after the one before. Each launch runs
-# half of the torchrun copies; the second also starts the plain-python ones.
-LAUNCHES = {
-    "copies-1": {"torchrun": TORCHRUN_COPIES[0::2], "python": []},
-    "copies-2": {"torchrun": TORCHRUN_COPIES[1::2], "python": PYTHON_COPIES},
-}
-LAUNCH_OF = {
-    name: launch for launch, kinds in LAUNCHES.items() for names in kinds.values() for name in names
-}
-
-
 @pytest.fixture(scope="session")
-def launched_copies(tmp_path_factory):
-    """``launched(name)``: what the copy ``name`` printed, from the launch that ran it."""
+def launched_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The copies a user runs under torchrun (2 gloo ranks), from one torchrun launch, and those
+    a user runs with plain python, from one python launch: once per run (tests/once.py)."""
 
-    def launched(name: str) -> subprocess.CompletedProcess:
-        kinds = LAUNCHES[LAUNCH_OF[name]]
+    def launch(folder: Path) -> dict[str, subprocess.CompletedProcess]:
+        return {
+            **launch_copies(TORCHRUN_COPIES, folder / "torchrun", torchrun=True),
+            **launch_copies(PYTHON_COPIES, folder / "python", torchrun=False),
+        }
 
-        def launch(folder: Path) -> dict[str, subprocess.CompletedProcess]:
-            runs = {}
-            if kinds["torchrun"]:
-                runs |= launch_copies(kinds["torchrun"], folder / "torchrun", torchrun=True)
-            if kinds["python"]:
-                runs |= launch_copies(kinds["python"], folder / "python", torchrun=False)
-            return runs
-
-        return once_per_run(tmp_path_factory, LAUNCH_OF[name], launch)[name]
-
-    return launched
+    return once_per_run(tmp_path_factory, "copies", launch)
 
 
-# The first test of each group pays for its launch (each copy its own world); each copy's own
-# run is bounded, at 120 s times the run's factor, by the launcher.
+# The first test to ask for ``launched_copies`` pays for the one launch of every copy (each its
+# own world): 150-280 s of wall time on 2 cores shared with other work. Two launches on two
+# workers were tried: on 2 saturated cores they cost ~25 s more CPU (a second torchrun, two more
+# ranks importing torch) for no shorter run. Each copy's own run is bounded, at 120 s times the
+# run's factor, by the launcher.
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(name, marks=pytest.mark.xdist_group(LAUNCH_OF[name])) for name in COPYABLE],
-)
+@pytest.mark.parametrize("name", COPYABLE)
 def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, launched_copies):
     project = make_copy(name, tmp_path)  # as the fixture made the one that ran
-    proc = launched_copies(name)
+    proc = launched_copies[name]
     # The cookbook is not importable there: only what was copied is.
     probe = subprocess.run(
         [PYTHON, "-c", "import recipes.core"],

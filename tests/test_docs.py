@@ -877,6 +877,11 @@ def mermaid_text_px(browser: Chromium, session: str, svgs: list[dict]) -> list[f
     return sizes
 
 
+# Slow (issue 30): every page at two widths costs ~80 s of the machine's CPU, two thirds of it in
+# Chromium's own processes, ~10% of the default run. The default run still loads pages in the
+# browser (test_a_browser_shows_navigation_code_and_diagrams_offline: navigation, included code,
+# diagrams, offline); CI runs this sweep of every page in the slow set.
+@pytest.mark.slow
 def test_every_page_in_a_browser_at_1280_and_390_px(served_site, site, chromium_binary, tmp_path):
     """Every page of the built site, loaded once in one browser and laid out at 1280 px, then at
     390 px (a phone). At 1280: no code block, table or chart scrolls sideways, every mermaid diagram
