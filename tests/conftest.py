@@ -1,4 +1,5 @@
 import gc
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -83,6 +84,9 @@ def _private_temp_folder(config) -> None:
     factory = getattr(config, "_tmp_path_factory", None)
     if factory is not None:
         factory.getbasetemp()
+    # This process's own multiprocessing folder (pymp-*) stays where it is: multiprocessing
+    # removes it at exit, after this folder is gone (without xdist, this process runs the tests).
+    multiprocessing.util.get_temp_dir()
     folder = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     config._recipes_temp_folder = (folder, os.environ.get("TMPDIR"))
     os.environ["TMPDIR"] = folder  # the workers and every process below them inherit it

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import types
 
 import pytest
 import torch
@@ -464,3 +465,26 @@ def small_shards(tmp_path_factory) -> str:
         return cfg.data_dir
 
     return once_per_run(tmp_path_factory, "small-shards", prepare)
+
+
+class LazyModule(types.ModuleType):
+    """A module imported on first use: collecting the Lightning test modules imported lightning
+    (with transformers and torchmetrics: ~8 s of CPU) in every xdist worker, although only the
+    worker that runs them needs it."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__dict__["_lazy_name"] = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(importlib.import_module(self.__dict__["_lazy_name"]), attribute)
+
+
+def lightning_missing() -> bool:
+    """Whether the Lightning recipes cannot run here (found without importing lightning)."""
+    return importlib.util.find_spec("lightning") is None
+
+
+NEEDS_LIGHTNING = pytest.mark.skipif(
+    lightning_missing(), reason="the Lightning recipes need lightning: pip install -e .[lightning]"
+)

@@ -5,21 +5,21 @@ the harness (``prove``, through ``tests.helpers.recipe_result``) measures the re
 final weights, the first step a resumed run trained (``recipes.core.observe.ResumableObserver``),
 and here, through an observer of the test's own, the gradient all-reduces DDP ran."""
 
+from __future__ import annotations
+
 import os
 from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip(
-    "lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]"
-)
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from recipes import ddp_torchrun, lightning_fabric
+from recipes import ddp_torchrun
 from recipes.core.observe import ResumableObserver
 from tests.helpers import (
     CUDA_DEVICES,
+    NEEDS_LIGHTNING,
+    LazyModule,
     assert_losses_close,
     assert_states_close,
     ddp_result,
@@ -32,9 +32,11 @@ from tests.helpers import (
 )
 from tests.once import once_per_run
 
+lightning_fabric = LazyModule("recipes.lightning_fabric")  # imported when first used
+
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
 # --dist loadgroup), so the fixtures run once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("lightning_fabric")
+pytestmark = [NEEDS_LIGHTNING, pytest.mark.xdist_group("lightning_fabric")]
 
 STEPS = 6
 REFERENCE = ddp_torchrun.DDPConfig(steps=STEPS, precision="fp32", timeout_s=120)

@@ -11,6 +11,8 @@ a Lightning Callback it adds to the Trainer (``recipes.core.lightning.LightningO
 final weights gathered to rank 0 and the fraction of them each rank holds.
 """
 
+from __future__ import annotations
+
 import glob
 import importlib.util
 import os
@@ -20,18 +22,16 @@ from unittest import mock
 
 import pytest
 import torch
-
-pytest.importorskip(
-    "lightning", reason="the Lightning recipes need lightning: pip install -e .[lightning]"
-)
 from torch.utils.data import DataLoader
 
-from recipes import ddp_torchrun, fsdp, lightning_fabric, lightning_trainer
+from recipes import ddp_torchrun, fsdp
 from recipes.toy import build_model
 from tests.helpers import (
     CUDA_DEVICES,
+    NEEDS_LIGHTNING,
     PYTHON,
     REPO_ROOT,
+    LazyModule,
     assert_losses_close,
     assert_states_close,
     ddp_result,
@@ -44,12 +44,15 @@ from tests.helpers import (
 )
 from tests.once import once_per_run
 
+lightning_fabric = LazyModule("recipes.lightning_fabric")  # imported when first used
+lightning_trainer = LazyModule("recipes.lightning_trainer")  # imported when first used
+
 # Its tests share module fixtures that run whole worlds: one worker runs them all (pyproject:
 # --dist loadgroup), so the fixtures run once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("lightning_trainer")
+pytestmark = [NEEDS_LIGHTNING, pytest.mark.xdist_group("lightning_trainer")]
 
 STEPS = 6
-TENSORBOARD = lightning_trainer.tensorboard_available()
+TENSORBOARD = any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX"))
 # LightningCLI needs jsonargparse, which lightning's base install does not bring.
 needs_jsonargparse = pytest.mark.skipif(
     importlib.util.find_spec("jsonargparse") is None,
@@ -75,7 +78,8 @@ def lightning_cfg(out: str, **changes) -> lightning_trainer.LightningConfig:
 def _train_with_plain_loader(cfg):
     """The pitfall: the same resume with a plain DataLoader, which Lightning cannot resume
     mid-epoch."""
-    with mock.patch.object(lightning_trainer, "ResumableLoader", DataLoader):
+    # by name: lightning_trainer here is a LazyModule, and patching it would miss the module
+    with mock.patch("recipes.lightning_trainer.ResumableLoader", DataLoader):
         return recipe_result(cfg)
 
 
@@ -601,7 +605,7 @@ def test_help_names_both_command_lines(capsys):
 def test_ddp_spawn_checks_the_batch_in_the_parent_before_spawning(tmp_path, changes, message):
     # Once a 70-line ProcessRaisedException from every spawned process; now one line, no spawn.
     cfg = lightning_cfg(str(tmp_path), strategy="ddp_spawn", devices=2, **changes)
-    with mock.patch.object(lightning_trainer, "_fit", side_effect=AssertionError("spawned")):
+    with mock.patch("recipes.lightning_trainer._fit", side_effect=AssertionError("spawned")):
         with pytest.raises(ValueError, match=message):
             lightning_trainer.train(cfg)
 
@@ -641,7 +645,7 @@ def test_bad_yaml_values_are_one_line_and_exit_2(tmp_path, capsys, old, new, mes
 
 def test_ddp_spawn_batch_from_the_command_line_is_one_line_and_exit_2(capsys):
     argv = ["--strategy", "ddp_spawn", "--devices", "2", "--global-batch-size", "9"]
-    with mock.patch.object(lightning_trainer, "_fit", side_effect=AssertionError("spawned")):
+    with mock.patch("recipes.lightning_trainer._fit", side_effect=AssertionError("spawned")):
         with pytest.raises(SystemExit) as exit_info:
             lightning_trainer.main(argv)
     assert exit_info.value.code == 2
