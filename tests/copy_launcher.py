@@ -99,36 +99,49 @@ def main() -> None:
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             is_master=False,
-            timeout=datetime.timedelta(seconds=300),
+            # rank 1 waits here for rank 0 to start each copy, at most a copy's whole run
+            timeout=datetime.timedelta(seconds=60 + max(c["timeout_s"] for c in plan["copies"])),
         )
-    for copy in plan["copies"]:
-        out_dir = os.path.join(plan["out"], copy["name"])
-        if under_torchrun:
-            key = f"copy_launcher/port/{copy['name']}"
-            if rank == 0:
-                store.set(key, str(free_port()))
-            copy = {**copy, "port": int(store.get(key))}
-        started = time.monotonic()
-        # Out of the collector's reach before forking: a collection in the copy would otherwise
-        # write to every inherited object and duplicate this process's heap (~0.3 s a process).
-        gc.freeze()
-        pid = os.fork()
-        if pid == 0:
-            run_copy(copy, rank, out_dir)
-        deadline = started + copy["timeout_s"]
-        while True:
+    # ``concurrent`` copies at a time (each its own world on its own port): copy i runs in slot
+    # i % concurrent, after the copy before it in that slot, on every rank alike.
+    slots = max(1, int(plan.get("concurrent", 1)))
+    pending = [list(plan["copies"][slot::slots]) for slot in range(slots)]
+    running = {}  # slot -> (pid, copy, started)
+    while running or any(pending):
+        for slot in range(slots):
+            if slot in running or not pending[slot]:
+                continue
+            copy = pending[slot].pop(0)
+            if under_torchrun:
+                key = f"copy_launcher/port/{copy['name']}"
+                if rank == 0:
+                    store.set(key, str(free_port()))
+                copy = {**copy, "port": int(store.get(key))}  # waits for rank 0 to start it
+            started = time.monotonic()
+            # Out of the collector's reach before forking: a collection in the copy would
+            # otherwise write to every inherited object and duplicate this process's heap
+            # (~0.3 s a process).
+            gc.freeze()
+            pid = os.fork()
+            if pid == 0:
+                run_copy(copy, rank, os.path.join(plan["out"], copy["name"]))
+            running[slot] = (pid, copy, started)
+        for slot, (pid, copy, started) in list(running.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 code = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:  # a hung copy: killed, reported, the next one runs
+            elif time.monotonic() > started + copy["timeout_s"]:  # hung: killed, reported
                 os.kill(pid, 9)
                 os.waitpid(pid, 0)
                 code = "timeout"
-                break
-            time.sleep(0.05)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump({"exit": code, "seconds": round(time.monotonic() - started, 2)}, f)
+            else:
+                continue
+            out_dir = os.path.join(plan["out"], copy["name"])
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+                json.dump({"exit": code, "seconds": round(time.monotonic() - started, 2)}, f)
+            del running[slot]
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -260,6 +260,12 @@ TORCHRUN_COPIES = [name for name in COPYABLE if RUNS.get(name, ("",))[0] == "tor
 PYTHON_COPIES = [name for name in COPYABLE if RUNS.get(name, ("",))[0] == "python"]
 
 
+# Copies run two at a time in each launch: one after the other, the launch was the run's longest
+# chain (~280 s of wall time on 2 cores under load, for ~60-86 CPU s); a second launch on another
+# worker cost ~25 CPU s more (a torchrun, ranks importing torch) where this costs none.
+CONCURRENT = 2
+
+
 def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     """Every copy in ``names``, each in its own project, from ONE launch: tests/copy_launcher.py
     forks each copy's process from the one the launcher started (under torchrun: each rank's), so
@@ -278,13 +284,20 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     # the Lightning recipes' copies import it: once per launched process, not once per copy
     preimport = ["lightning"] if any(name.startswith("lightning") for name in names) else []
     plan.write_text(
-        json.dumps({"copies": copies, "out": str(where / "out"), "preimport": preimport})
+        json.dumps(
+            {
+                "copies": copies,
+                "out": str(where / "out"),
+                "preimport": preimport,
+                "concurrent": CONCURRENT,
+            }
+        )
     )
     launcher = where / "copy_launcher.py"  # beside no cookbook: it imports none of it
     shutil.copy(Path(REPO_ROOT, "tests", "copy_launcher.py"), launcher)
     env = users_environment(where / "launcher")
     env["PYTHONPATH"] = str(where / "without_the_cookbook")
-    timeout_s = sum(copy["timeout_s"] for copy in copies) + scaled(60)
+    timeout_s = sum(copy["timeout_s"] for copy in copies) / CONCURRENT + scaled(120)
     if torchrun:  # torchrun's agent forked with torch imported; the ranks start fresh, as users'
         argv = ["--standalone", "--nproc_per_node=2", str(launcher), str(plan)]
         proc = _run_module_forked(

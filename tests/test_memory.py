@@ -110,6 +110,11 @@ FOUR_RANK_RUNS = {
 }
 
 
+# Slow (issue 30): 5 strategies on a world of 4, ~12 s of CPU. The default run asserts the 1/N
+# shares at N=2 in each strategy's own tests (test_fsdp, test_fsdp2, test_zero) and HSDP's parity
+# on 4 ranks in test_grad_clipping; CI runs this one, with HSDP's and reshard_after_forward=2's
+# shares, in the slow set.
+@pytest.mark.slow
 def test_four_ranks_every_strategy_trains_like_ddp_and_holds_its_share():
     n = 4
     reference = single_process_reference(steps=3)
