@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from recipes.core.config import RecipeError, TrainConfig, config_table, parse_config
 from recipes.core.world import RankError, WorldTimeoutError, join_world, resolve_backend
+from tests.deadlines import scaled
 from tests.helpers import PYTHON, run_cli, spawn_world
 
 
@@ -137,7 +138,8 @@ def test_a_stuck_world_is_killed_at_its_deadline_with_where_each_rank_waited():
         # barrier long before the deadline even on a loaded 2-core machine.
         spawn_world(wait_forever_in_barrier, 2, deadline_s=10)
     message = str(info.value).splitlines()[0]
-    assert "did not finish within 10s" in message
+    # the deadline the world got: 10 s times the run's factor (tests/deadlines.py)
+    assert f"did not finish within {scaled(10):.0f}s" in message
     assert "rank 0 waiting in barrier called from wait_forever_in_barrier" in message
     assert "rank 1 waiting in no collective" in message
     assert time.monotonic() - started < 45
