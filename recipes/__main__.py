@@ -9,9 +9,9 @@ from pathlib import Path
 
 import recipes
 
-# What recipes share and a user copies with them: the toy model/data, the world set-up and the
-# functions that parallelize a model.
-SHARED_MODULES = ("toy", "dist_setup", "parallelize")
+# What recipes share and a user copies with them: the toy model/data, the world set-up, the
+# functions that parallelize a model and the command line derived from a config.
+SHARED_MODULES = ("toy", "dist_setup", "parallelize", "options")
 
 
 def recipe_modules() -> list[str]:

@@ -4,7 +4,8 @@
     python -m recipes.ddp_torchrun                      # a world of 1: no torchrun needed
     python -m recipes.ddp_torchrun --model 100m --global-batch-size 64 --compile   # on a GPU: fast
 
-Copy with it: recipes/toy.py (the model and data you replace).
+Copy with it: recipes/toy.py (the model and data you replace), recipes/options.py (the command
+line, from the config).
 
 Multi-node: run the same command on every node; they meet at node 0's address.
 
@@ -35,32 +36,53 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class DDPConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    compile: bool = False
-    compile_backend: str = "inductor"
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
-    save_path: str | None = None  # rank 0 saves the trained weights here
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+        choices=["auto", "fp32", "bf16"],
+    )
+    compile: bool = option(False, "torch.compile each transformer block (and the loss)")
+    compile_backend: str = option(
+        "inductor", "torch.compile's backend", choices=["inductor", "aot_eager", "eager"]
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+    save_path: str | None = option(None, "rank 0 saves the trained weights here (torch.save)")
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError(
+                "backend nccl needs a CUDA device per rank and there is none; "
+                "use backend gloo (or auto)"
+            )
 
 
 # --8<-- [start:train]
@@ -177,104 +199,15 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = DDPConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.ddp_torchrun",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "bf16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
-    )
-    add(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compile,
-        help="torch.compile each transformer block (and the loss) before DDP",
-    )
-    add(
-        "--compile-backend",
-        choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend,
-        help="torch.compile's backend; inductor is the fast one",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    add(
-        "--save-path",
-        default=defaults.save_path,
-        help="rank 0 saves the trained model's state_dict here (torch.save)",
-    )
-    return parser
+    return config_parser(DDPConfig, prog="python -m recipes.ddp_torchrun", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = DDPConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), DDPConfig, argv)
+    with exit_on_bad_input():  # a batch that does not divide: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a batch that does not divide)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -57,6 +57,11 @@ def setup_distributed(backend: str = "auto", *, timeout_s: float = 300.0) -> Dis
         backend = "nccl" if 0 < local_world_size <= gpus else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: use 'auto', 'gloo' or 'nccl'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "backend nccl needs a CUDA device for each local rank and this machine has none; "
+            "use backend gloo (or auto)"
+        )
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         # Pitfall: without set_device every rank's NCCL work lands on cuda:0
