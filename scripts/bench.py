@@ -58,7 +58,7 @@ from recipes import (
     tensor_parallel,
     zero,
 )
-from recipes.core.config import is_user_error  # noqa: E402
+from recipes.core.errors import is_user_error  # noqa: E402
 from recipes.core.observe import prove  # noqa: E402
 from recipes.core.throughput import peak_flops  # noqa: E402
 
@@ -287,10 +287,7 @@ def profile(label: str, train, cfg, limit: int = 15) -> str:
         activities=activities, schedule=schedule(wait=2, warmup=1, active=active)
     ) as prof:
         handler = StepMarks(prof)
-        loggers = [
-            logging.getLogger(name)
-            for name in ("recipes", f"recipes.{cfg_recipe(cfg)}", "recipes.core.lightning")
-        ]
+        loggers = [logging.getLogger(name) for name in ("recipes", f"recipes.{cfg_recipe(cfg)}")]
         for logger in loggers:
             logger.addHandler(handler)
         try:
@@ -484,7 +481,7 @@ def main(argv=None) -> int:
         "--only", default="", help="comma-separated label prefixes: run only those rows"
     )
     args = parser.parse_args(argv)
-    if args.device == "cpu":  # every recipe's join_world then picks gloo, whose device is the CPU
+    if args.device == "cpu":  # every row's config then names gloo (or the CPU) instead of auto
         os.environ["RECIPES_BACKEND"], ON_GPU = "gloo", False
     if args.steps < 2 or args.batch < 1:
         parser.exit(2, "error: --steps must be >= 2 (the first is warm-up) and --batch >= 1\n")

@@ -14,7 +14,7 @@ Each recipe runs the command its module docstring opens with (the one `python -m
 its page shows: the default config on a small world, e.g. `torchrun --standalone --nproc_per_node=2
 -m recipes.X`), under a timeout, in a fresh temporary directory with the repository on PYTHONPATH: a
 recipe that writes checkpoints or logs starts from nothing (no resuming an earlier run) and leaves
-nothing behind. Its last stdout line is its result as JSON (run_cli prints it on rank 0); this
+nothing behind. Its last stdout line is its result as JSON (printed on rank 0); this
 script stores it with what is needed to judge and reproduce it: the command, the date, the torch and
 Python versions, the machine (CPU model and cores, GPUs) and the load average when the run started
 (times measured on a busy machine are slower).

@@ -179,7 +179,7 @@ def test_elastic_restart_loop(tmp_path, trial):
 # Failures name their cause: the dead rank, and the one line of a bad input under torchrun.
 # The payload: a copyable recipe that joins the world itself (through recipes/dist_setup.py), run
 # by the harness, which gives it the heartbeat, the bounded join and torchrun's error file
-# (recipes.core.world.guard_recipe_world); the recipe prints one line per step from rank 0.
+# (recipes.core.world.recipe_world); the recipe prints one line per step from rank 0.
 PAYLOAD = ("recipes.core.prove", "grad_accumulation")
 
 

@@ -71,7 +71,7 @@ def two_hosts():
 
 # What the nodes run: the canonical recipe measured by the harness (its JSON result), or, for the
 # failure tests, grad_accumulation under the same harness runner, whose heartbeat names a lost
-# peer (recipes.core.world.guard_recipe_world).
+# peer (recipes.core.world.recipe_world).
 PROVE_DDP = ("recipes.core.prove", "ddp_torchrun")
 HARNESS_DDP = ("recipes.core.prove", "grad_accumulation")
 

@@ -339,7 +339,7 @@ def test_a_package_import_is_found():
     # the harness's check_port_free raises RecipeError (recipes/fsdp.py's hybrid_mesh did, until
     # fsdp became copyable: no recipe imports the harness now, so the example is the harness's)
     extraction = extract("recipes.core.spawn", ("check_port_free",))
-    assert extraction.package_uses == ["recipes.core.spawn: RecipeError from recipes.core.config"]
+    assert extraction.package_uses == ["recipes.core.spawn: RecipeError from recipes.core.errors"]
 
 
 @pytest.mark.timeout(180)

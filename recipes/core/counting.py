@@ -1,8 +1,8 @@
 """Count the collectives a recipe runs, from outside: a dispatch mode the harness enters.
 
-recipes/sharded_accumulation.py's proof: ``AccumulationObserver`` (recipes/core/observe.py) runs
-each of its steps under a ``CollectiveCounter``, and tests/test_sharded_accumulation.py asserts
-the counts and bytes exactly.
+recipes/sharded_accumulation.py's proof: ``AccumulationObserver`` (recipes/core/observe/sharding.py)
+runs each of its steps under a ``CollectiveCounter``, and tests/test_sharded_accumulation.py
+asserts the counts and bytes exactly.
 """
 
 from __future__ import annotations

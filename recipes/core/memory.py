@@ -39,7 +39,6 @@ torch that renames one undercounts that item instead of failing.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -52,7 +51,6 @@ __all__ = [
     "model_state_bytes",
     "tensor_storage_bytes",
     "measure_last_forward",
-    "inject_inf_gradient",
     "SavedTensorBytes",
 ]
 
@@ -207,35 +205,22 @@ def measure_last_forward(
     ]
 
 
-def inject_inf_gradient(model: nn.Module) -> None:
-    """Put an inf into this rank's first non-empty gradient shard: the overflow one rank sees in
-    fp16, for showing that every rank then skips the step (the scaler's found_inf is reduced)."""
-    from torch.distributed.tensor import DTensor
-
-    for p in model.parameters():
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        if grad is not None and grad.numel():
-            grad.view(-1)[0] = math.inf
-            return
-
-
 class SavedTensorBytes(TorchDispatchMode):
     """Bytes a forward pass (and its loss) leaves alive for backward, counted once per storage.
 
-    Enter it just before the forward (recipes.core.observe.CheckpointingObserver does, from a
-    forward pre-hook on the model) and leave it after backward. Whatever keeps a tensor for
-    backward - autograd's saved tensors, checkpoint's copy of a region's input, the cache where
-    selective checkpointing keeps what its policy saves - keeps its storage alive after the
-    forward. So the mode notes a weak reference to the storage of every tensor an op produces (it
-    sees every op, inside checkpointed regions too) and, at backward's first op (before any node
-    has run and freed what it saved), counts those still alive: ``total``. Pitfall:
-    ``saved_tensors_hooks`` alone misses selective checkpointing's cache (it holds no saved
-    tensors) and would report op_selective as small as per_block. Parameters and views of them are
-    excluded (they exist anyway), and so is the batch (made before the forward). Autocast's cache
-    of low-precision weights is freed when autocast exits, before backward: not counted.
-    ``note_input(key, tensor)``: a tensor to count apart too (a checkpointed region's input);
-    ``input_bytes[key]``: the bytes of those still alive at the count.
-    """
+    Enter it just before the forward (``CheckpointingObserver`` in recipes/core/observe/training.py
+    does, from a forward pre-hook on the model) and leave it after backward. Whatever keeps a tensor
+    for backward - autograd's saved tensors, checkpoint's copy of a region's input, the cache where
+    selective checkpointing keeps what its policy saves - keeps its storage alive after the forward.
+    So the mode notes a weak reference to the storage of every tensor an op produces (it sees every
+    op, inside checkpointed regions too) and, at backward's first op (before any node has run and
+    freed what it saved), counts those still alive: ``total``. Pitfall: ``saved_tensors_hooks``
+    alone misses selective checkpointing's cache (it holds no saved tensors) and would report
+    op_selective as small as per_block. Parameters and views of them are excluded (they exist
+    anyway), and so is the batch (made before the forward). Autocast's cache of low-precision
+    weights is freed when autocast exits, before backward: not counted. ``note_input(key, tensor)``:
+    a tensor to count apart too (a checkpointed region's input); ``input_bytes[key]``: the bytes of
+    those still alive at the count."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

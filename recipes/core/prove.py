@@ -4,41 +4,41 @@
     python -m recipes.core.prove ddp_torchrun --steps 20        # a world of 1
 
 The recipe's own command line (its ``make_parser()``) follows its name; its function runs with an
-``Observer`` (``recipes.core.observe``), and the last stdout line is the same ``RecipeResult`` JSON
-that ``run_cli`` prints for the harness-built recipes: what ``scripts/collect_results.py`` stores
-in results/. The recipe's own output (one line per step from rank 0) comes first, unchanged.
+``Observer`` (``recipes.core.observe``), and the last stdout line is the ``RecipeResult`` as JSON:
+what ``scripts/collect_results.py`` stores in results/. The recipe's own output (one line per step
+from rank 0) comes first, unchanged.
 
-It gives the recipe the robustness ``run_cli`` gives the harness-built ones, which no recipe a
-user copies carries (``recipes.core.world.guard_recipe_world``): a join that never completes ends
-in one line within ``--timeout-s``; a survivor of a rank that died names it in one line
-("error: rank 0: ... failed because rank 1 (pid ...) is no longer running ...") and exits
-1 without tearing the broken group down; bad input, from argparse or the recipe's ``ValueError``,
-is one line and exit 2. Under torchrun each of those lines also goes into torchrun's error file,
-which its "Root Cause" summary prints.
+It gives the recipe a robustness no recipe a user copies carries
+(``recipes.core.world.recipe_world``): a join that never completes ends in one line within
+``--timeout-s``; a survivor of a rank that died names it in one line ("error: rank 0: ... failed
+because rank 1 (pid ...) is no longer running ...") and exits 1 without tearing the broken group
+down; bad input, from argparse or the recipe's ``ValueError``, is one line and exit 2. Under
+torchrun each of those lines also goes into torchrun's error file, which its "Root Cause" summary
+prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn, TypeVar
 
-from recipes.core.cli import parse_recording_errors, record_unexpected
-from recipes.core.config import exit_with
+from recipes.core.errors import exit_with, report_and_exit, write_torchrun_error_file
 from recipes.core.log import current_rank, get_logger
 from recipes.core.observe import prove
-from recipes.core.world import (
-    JoinError,
-    guard_recipe_world,
-    report_and_exit,
-    write_torchrun_error_file,
-)
+from recipes.core.world import JoinError, collective_in_frames, is_collective_failure
 
 __all__ = ["PROVABLE", "main", "prove_command"]
 
+C = TypeVar("C")
+
 # The copyable recipes whose function takes an observer (model_ready, step_end), or that a probe
-# measures from outside (recipes.core.observe.PROBES: collectives trains nothing).
+# measures from outside (recipes.core.observe.registry.PROBES: collectives trains nothing).
 PROVABLE = (
     "ddp_torchrun",
     "single_gpu",
@@ -97,10 +97,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         # a config that checks itself refuses here (hang_diagnosis: a skip past the last step)
         cfg = config_cls(**vars(args))
-        # run_cli's robustness for a recipe that joins the world itself: a bounded join, and a
-        # heartbeat that lets a survivor name the rank that died (recipes.core.world)
-        with guard_recipe_world(getattr(cfg, "timeout_s", 300.0)):
-            result = prove(function, cfg, name=name)
+        # a bounded join, and a heartbeat that lets a survivor name the rank that died
+        # (prove runs the recipe inside recipes.core.world.recipe_world)
+        result = prove(function, cfg, name=name)
     except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
         write_torchrun_error_file(str(exc))
         if current_rank() == 0:
@@ -133,6 +132,66 @@ def main(argv: Sequence[str] | None = None) -> None:
         result.peak_memory_bytes / 2**20,
     )
     print(result.to_json(), flush=True)
+
+
+def parse_recording_errors(parse: Callable[[], C]) -> C:
+    """``parse()``; where argparse refuses the command line (it printed the line and exits), the
+    line goes into torchrun's error file too (``python -m recipes.core.prove`` parses this way)."""
+    captured = io.StringIO()
+    try:
+        with _tee_stderr(captured):
+            return parse()
+    except SystemExit as exc:  # a bad option or value: argparse printed the line; record it too
+        if exc.code not in (0, None):
+            lines = [line for line in captured.getvalue().splitlines() if "error:" in line]
+            line = lines[-1].split("error: ", 1)[-1] if lines else f"bad command line ({exc.code})"
+            write_torchrun_error_file(line)
+        raise
+
+
+@contextlib.contextmanager
+def _tee_stderr(copy: io.StringIO) -> Iterator[None]:
+    """What is written to stderr also goes into ``copy`` (argparse prints its errors itself)."""
+    real = sys.stderr
+
+    class Tee(io.TextIOBase):
+        def write(self, text: str) -> int:
+            copy.write(text)
+            return real.write(text)
+
+        def flush(self) -> None:
+            real.flush()
+
+    sys.stderr = Tee()
+    try:
+        yield
+    finally:
+        sys.stderr = real
+
+
+def record_unexpected(exc: BaseException) -> None:
+    """A failure that is not bad input: a broken collective ends the process with one line naming
+    the peer; anything else goes into torchrun's error file, and the caller re-raises it."""
+    if is_collective_failure(exc):
+        _collective_failed(exc)
+    write_torchrun_error_file(f"{type(exc).__name__}: {exc}")
+
+
+def _collective_failed(exc: BaseException) -> NoReturn:
+    """A collective broke: this rank's one line names the peer that died
+    (``recipes.core.liveness``), then the process ends without tearing the broken group down."""
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    operation = collective_in_frames(frames[::-1]) or "a collective"
+    cause = getattr(exc, "peer_report", None) or (
+        "another rank probably exited or hung - see its error above"
+    )
+    report_and_exit(
+        f"rank {current_rank()}: {operation} failed because {cause} "
+        f"({first.strip()[:160]}); rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL for more",
+        1,
+        echo=True,
+    )
 
 
 if __name__ == "__main__":

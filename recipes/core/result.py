@@ -1,4 +1,4 @@
-"""The one result type every recipe returns, and the measurements that fill it."""
+"""The result ``prove`` returns for a recipe (``RecipeResult``), and the measurements in it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import dataclasses
 import json
 import math
 import resource
-import statistics
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,14 +16,12 @@ __all__ = [
     "RecipeResult",
     "param_checksum",
     "peak_memory_bytes",
-    "StepTimer",
-    "make_result",
 ]
 
 
 @dataclass
 class RecipeResult:
-    """What a run produced. On rank 0 a recipe's CLI prints it as its last stdout line
+    """What a run produced. On rank 0 ``python -m recipes.core.prove`` prints it as its last line
     (``to_json``)."""
 
     recipe: str
@@ -75,68 +71,3 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-class StepTimer:
-    """Wall time per step; synchronises CUDA so that queued kernels are counted in their own
-    step."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.durations: list[float] = []
-        self._start = 0.0
-
-    def __enter__(self) -> StepTimer:
-        self._sync()
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._sync()
-        self.durations.append(time.perf_counter() - self._start)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @property
-    def seconds_per_step(self) -> float:
-        steady = self.durations[1:] or self.durations
-        return statistics.median(steady) if steady else 0.0
-
-
-def make_result(
-    recipe: str,
-    world: Any,
-    losses: list[float],
-    params: Iterable[torch.Tensor] | float,
-    timer: StepTimer,
-    *,
-    keep_final_state: dict[str, torch.Tensor] | None = None,
-    workload: Any = None,
-    **extras: Any,
-) -> RecipeResult:
-    """Fill a RecipeResult from what every training recipe has at its end.
-
-    ``params``: the final parameters, or their checksum where no rank holds them all (a sharded
-    model: ``full_state_on_rank0`` returns the checksum on every rank).
-    ``workload`` (a ``recipes.core.throughput.Workload``) turns the step time into tokens/s and MFU.
-    """
-    checksum = params if isinstance(params, float) else param_checksum(params)
-    speed = {}
-    if workload is not None:
-        devices = world.world_size if world.device.type == "cuda" else 1
-        speed = workload.measure(timer.seconds_per_step, world.device, devices)
-    return RecipeResult(
-        recipe=recipe,
-        world_size=world.world_size,
-        backend=world.backend,
-        device=str(world.device),
-        losses=losses,
-        param_checksum=checksum,
-        seconds_per_step=timer.seconds_per_step,
-        peak_memory_bytes=peak_memory_bytes(world.device),
-        extras=extras,
-        final_state=keep_final_state,
-        **speed,
-    )

@@ -2,10 +2,10 @@
 failures re-raised with the rank and collective, and a world that outlives its deadline killed
 with a report of where each rank was waiting.
 
-For the tests and for running a recipe's function on N processes from Python; a recipe itself only
-joins a world (``recipes.core.world.join_world``), however it was started. Two limits, two names:
-``deadline_s`` here bounds the whole spawned world; the ``timeout_s`` a recipe passes to
-``join_world`` bounds each collective.
+For the tests: a rank's function joins the world the torchrun variables describe, as a recipe does
+(``setup_distributed``; ``recipes.core.world.join_world`` in a with-block). Two limits, two names:
+``deadline_s`` here bounds the whole spawned world; the ``timeout_s`` of the join bounds each
+collective.
 """
 
 from __future__ import annotations
@@ -29,12 +29,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recipes.core.config import RecipeError, is_user_error
+from recipes.core.errors import RecipeError, first_line, is_user_error, write_atomically
 from recipes.core.world import (
     RankError,
     WorldTimeoutError,
-    _first_line,
-    _write_atomically,
     collective_in_frames,
     release_ended_groups,
 )
@@ -73,10 +71,10 @@ def spawn_world(
     value.
 
     ``fn`` must be importable (a module-level function), as with any spawn. Each rank sees the
-    torchrun variables, so ``fn`` joins the world with ``join_world``. The first rank to fail stops
-    the world and its exception comes back as ``RankError`` (or ``RecipeError`` for bad input).
-    A world still running after ``deadline_s`` is killed (``WorldTimeoutError``, naming where each
-    rank waited).
+    torchrun variables, so ``fn`` joins the world with ``join_world`` (``setup_distributed``).
+    The first rank to fail stops the world and its exception comes back as ``RankError`` (or
+    ``RecipeError`` for bad input). A world still running after ``deadline_s`` is killed
+    (``WorldTimeoutError``, naming where each rank waited).
     """
     if master_port is None:
         from_env = os.environ.get("MASTER_PORT")
@@ -95,7 +93,6 @@ def spawn_world(
                 "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world_size),
-                "RECIPES_LAUNCHER": "spawn",
                 **(env or {}),
             }
             proc = ctx.Process(
@@ -127,7 +124,8 @@ _PRELOAD = [
     "torch.nn.parallel",
     "recipes.core.world",
     "recipes.core.spawn",
-    "recipes.core.cli",
+    "recipes.dist_setup",
+    "recipes.core.observe",
     "recipes.core.workload",
     "recipes.core.result",
 ]
@@ -166,18 +164,18 @@ def _rank_main(fn, rank, rank_env, workdir, args, kwargs) -> None:
         result = fn(*args, **kwargs)
         release_ended_groups()
         if rank == 0:
-            _write_atomically(os.path.join(workdir, "result.pkl"), pickle.dumps(result))
+            write_atomically(os.path.join(workdir, "result.pkl"), pickle.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
         report = {
             "time": getattr(exc, "failed_at", time.time()),
             "type": type(exc).__name__,
-            "message": _first_line(str(exc)),
+            "message": first_line(str(exc)),
             "traceback": traceback.format_exc(),
             "operation": collective_in_frames(frames[::-1]),
             "is_recipe_error": is_user_error(exc),
         }
-        _write_atomically(os.path.join(workdir, f"error{rank}.pkl"), pickle.dumps(report))
+        write_atomically(os.path.join(workdir, f"error{rank}.pkl"), pickle.dumps(report))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # skip teardown: a process group whose peer is gone can block in its destructor

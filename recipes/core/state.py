@@ -1,7 +1,6 @@
 """Gathering what the ranks hold, each in one place: a model's full state (sharded:
-``full_state_on_rank0``; unsharded: ``full_state_on_cpu``), one value from every rank
-(``all_ranks``), a scalar's mean over the ranks (``mean_over_ranks``), and what the sharded recipes
-report after their last step (``sharded_run_extras``)."""
+``full_state_on_rank0``; unsharded: ``full_state_on_cpu``), and one value from every rank
+(``all_ranks``)."""
 
 from __future__ import annotations
 
@@ -12,14 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from recipes.core.memory import model_state_bytes
-
 __all__ = [
     "full_state_on_rank0",
     "full_state_on_cpu",
     "all_ranks",
-    "mean_over_ranks",
-    "sharded_run_extras",
 ]
 
 
@@ -75,16 +70,6 @@ def full_state_on_cpu(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """The average of a scalar over all ranks (for logging a global loss); every rank gets the same
-    float."""
-    value = value.detach().float().reshape(1).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
-    return float(value.item())
-
-
 def all_ranks(value: Any) -> list[Any]:
     """Every rank's value, in rank order: how rank 0's result reports what each rank measured."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -92,24 +77,3 @@ def all_ranks(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
-
-
-def sharded_run_extras(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    grad_norms: list[float],
-    scaler: Any,
-    skipped_steps: list[int],
-) -> dict[str, Any]:
-    """What the sharded recipes report after their last step (call it after ``optimizer.step()``,
-    before ``zero_grad``: gradients present): every rank's bytes (``model_state_bytes``), the
-    clipped norms if any, and with an fp16 scaler the steps each rank skipped and its final
-    scale (a right sharded scaler makes them equal on every rank). A collective: every rank."""
-    extras: dict[str, Any] = {"memory_per_rank": all_ranks(model_state_bytes(model, optimizer))}
-    if grad_norms:
-        extras["grad_norms"] = grad_norms
-    if scaler is not None:
-        extras["skipped_steps_per_rank"] = all_ranks(skipped_steps)
-        extras["loss_scale_per_rank"] = all_ranks(scaler.get_scale())
-    return extras

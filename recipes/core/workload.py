@@ -1,4 +1,4 @@
-"""The data-loading helpers the older recipes share; the model and data live in ``recipes.toy``.
+"""The data-loading helpers the tests share; the model and data live in ``recipes.toy``.
 
 ``distributed_loader`` and ``iterate_steps`` give each rank a disjoint share of every epoch; the
 model, the dataset and the loss are re-exported from ``recipes.toy``, the module a user copies.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from recipes.toy import (  # noqa: F401  (re-exported: the older recipes import them from here)
+from recipes.toy import (  # noqa: F401  (re-exported: the tests import them from here)
     MODEL_PRESETS,
     Block,
     ModelConfig,

@@ -23,7 +23,7 @@ import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
-from recipes.core.observe import Observer
+from recipes.core.observe.base import Observer
 from recipes.core.state import full_state_on_rank0
 
 __all__ = ["LightningObserver"]
