@@ -7,7 +7,8 @@
     python -m recipes.activation_checkpointing --mode none             # the baseline
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/parallelize.py
-(``apply_activation_checkpointing``, and ``apply_compile`` for --compile).
+(``apply_activation_checkpointing``, and ``apply_compile`` for --compile), recipes/options.py (the
+command line, from the config).
 
 Backward needs tensors that forward computed (a linear layer's input, a GELU's input, attention's
 q/k/v...); autograd keeps them alive from forward until backward, and for a transformer they
@@ -46,37 +47,74 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint_sequential
 from torch.utils.data import DataLoader, RandomSampler
 
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import apply_activation_checkpointing, apply_compile
 from recipes.toy import MODEL_PRESETS, Block, TransformerLM, build_model, lm_loss, make_dataset
 
 aten = torch.ops.aten
-LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("none", "per_block", "selective", "sequential", "op_selective")
 
 
 @dataclass
 class ACConfig:
-    model: str = "small"  # a key of MODEL_PRESETS; small has 4 blocks, enough to compare modes
-    mode: str = "per_block"  # one of MODES
-    every_k: int = 2  # selective: checkpoint blocks 0, k, 2k, ...
-    segments: int = 2  # sequential: segments of the blocks; all but the last are checkpointed
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step (one device: all of them)
-    lr: float = 1e-3
-    seed: int = 0
-    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU; fp16 adds a loss scaler
-    device: str = "auto"  # auto: cuda if a GPU is visible, else cpu
-    compile: bool = False
-    compile_backend: str = "inductor"
+    model: str = option(
+        "small",
+        "model size; small has 4 blocks, enough to compare modes",
+        choices=sorted(MODEL_PRESETS),
+    )
+    mode: str = option(
+        "per_block",
+        "none | per_block: checkpoint every block | selective: every k-th block | "
+        "sequential: checkpoint_sequential over the blocks | op_selective: every block, keeping "
+        "the matmul outputs and recomputing the rest",
+        choices=list(MODES),
+    )
+    every_k: int = option(2, "selective: checkpoint blocks 0, k, 2k, ...", at_least=1)
+    segments: int = option(
+        2, "sequential: segments of the blocks; all but the last are checkpointed", at_least=1
+    )
+    steps: int = option(6, "optimizer steps", at_least=1)
+    # one device: the whole global batch
+    global_batch_size: int = option(12, "sequences per optimizer step", at_least=1)
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+        choices=["auto", "fp32", "bf16"],
+    )
+    device: str = option(
+        "auto",
+        "where to train; auto: cuda if a GPU is visible, else cpu",
+        choices=["auto", "cpu", "cuda"],
+    )
+    compile: bool = option(
+        False, "torch.compile each transformer block (after checkpointing) and the loss"
+    )
+    compile_backend: str = option(
+        "inductor",
+        "torch.compile's backend; inductor is the fast one",
+        choices=["inductor", "aot_eager", "eager"],
+    )
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        n_blocks = MODEL_PRESETS[self.model].n_layers
+        if self.segments > n_blocks:
+            raise ValueError(
+                f"segments must be between 1 and the model's {n_blocks} blocks, got {self.segments}"
+            )
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "device cuda needs a CUDA GPU and none is visible; use device cpu (or auto)"
+            )
 
 
 # --8<-- [start:policy]
@@ -135,48 +173,6 @@ def sequential_segment_starts(n_blocks: int, segments: int) -> list[int]:
 # --8<-- [end:sequential]
 
 
-def pick_device(requested: str) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)"
-        )
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if requested == "cuda"
-        else torch.device("cpu")
-    )
-
-
-def pick_precision(requested: str, device: torch.device) -> str:
-    """Resolve ``auto``, refuse what this device cannot do, and set the fp32 matmul mode."""
-    on_cuda = device.type == "cuda"
-    if requested == "auto":
-        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if requested == "tf32" and not on_cuda:
-        raise ValueError(
-            f"--precision tf32 is a CUDA matmul mode and this run is on "
-            f"{device.type}; use --precision fp32 (or bf16)"
-        )
-    if on_cuda:  # a process-wide switch: set it for every precision, never inherit it
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32"
-        )
-    dtype = LOW_PRECISION.get(requested)
-    if dtype is not None:
-        # Pitfall: autocast to a dtype the device cannot do is no error: torch warns and runs
-        # fp32. A matmul probe tells the truth.
-        probe = torch.ones(2, 2, device=device)
-        with torch.autocast(device.type, dtype=dtype):
-            if (probe @ probe).dtype != dtype:
-                raise ValueError(
-                    f"torch {torch.__version__} cannot autocast to {requested} on "
-                    f"{device.type}; use --precision bf16, or a GPU"
-                )
-    return requested
-
-
 # --8<-- [start:train]
 def train(cfg: ACConfig, observer=None) -> list[float]:
     """Train on one device with ``cfg.mode``'s checkpointing; returns the loss of each step."""
@@ -186,17 +182,13 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
             f"of {os.environ['WORLD_SIZE']}; run `python -m "
             "recipes.activation_checkpointing`"
         )
-    n_blocks = MODEL_PRESETS[cfg.model].n_layers
-    if not 1 <= cfg.segments <= n_blocks:
-        raise ValueError(
-            f"segments must be between 1 and the model's {n_blocks} blocks, got {cfg.segments}"
-        )
-    if cfg.every_k < 1:
-        raise ValueError(f"every_k must be >= 1, got {cfg.every_k}")
-    device = pick_device(cfg.device)
-    use_cuda = device.type == "cuda"
-    precision = pick_precision(cfg.precision, device)  # auto: bf16 on a GPU, else fp32
-    dtype = LOW_PRECISION.get(precision)  # None: no autocast (fp32, tf32)
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda") if use_cuda else torch.device("cpu")
+    bf16 = cfg.precision == "bf16" or (
+        cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+    )
+    if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     # --8<-- [start:loop]
     model = build_model(cfg.model, seed=cfg.seed, device=device)
     blocks = list(model.layers.values())
@@ -220,10 +212,9 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
     )  # one kernel on CUDA
-    # fp16 only; a disabled scaler (bf16, fp32) passes scale() and step() through unchanged
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     if observer:
         observer.model_ready(model, optimizer)
+    precision = "bf16" if bf16 else "fp32"
     print(f"mode {cfg.mode} ({precision}): blocks {checkpointed} checkpointed", flush=True)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
@@ -245,14 +236,11 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
                 break
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            with torch.autocast(
-                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-            ):  # forward and loss only
-                loss = loss_fn(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()  # checkpointed blocks run their forward again here
-            scaler.step(optimizer)
-            scaler.update()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(model(inputs), targets)
+            loss.backward()  # checkpointed blocks run their forward again here
+            optimizer.step()
             losses.append(loss.item())
             print(f"step {step} loss {losses[-1]:.4f}", flush=True)
             if observer:
@@ -266,108 +254,14 @@ def train(cfg: ACConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = ACConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.activation_checkpointing",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add(
-        "--model",
-        choices=sorted(MODEL_PRESETS),
-        default=defaults.model,
-        help="model size; small has 4 blocks, enough to compare modes",
-    )
-    add(
-        "--mode",
-        choices=MODES,
-        default=defaults.mode,
-        help="none | per_block: checkpoint every block | selective: every k-th block | "
-        "sequential: checkpoint_sequential over the blocks | op_selective: every block, keeping "
-        "the matmul outputs and recomputing the rest",
-    )
-    add(
-        "--every-k",
-        type=_number(int, at_least=1),
-        default=defaults.every_k,
-        help="selective: checkpoint blocks 0, k, 2k, ...",
-    )
-    add(
-        "--segments",
-        type=_number(int, at_least=1),
-        default=defaults.segments,
-        help="sequential: segments of the blocks; all but the last are checkpointed",
-    )
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: autocast (fp16 with a loss scaler)",
-    )
-    add(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default=defaults.device,
-        help="where to train; auto: cuda if a GPU is visible, else cpu",
-    )
-    add(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compile,
-        help="torch.compile each transformer block (after checkpointing) and the loss",
-    )
-    add(
-        "--compile-backend",
-        choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend,
-        help="torch.compile's backend; inductor is the fast one",
-    )
-    return parser
+    return config_parser(ACConfig, prog="python -m recipes.activation_checkpointing", doc=__doc__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = ACConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), ACConfig, argv)
+    with exit_on_bad_input():  # a launcher's world it cannot use: one line, exit 2
         train(cfg)
-    except ValueError as exc:  # a device, precision, segment count or world it cannot use
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

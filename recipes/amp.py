@@ -4,7 +4,8 @@
     python -m recipes.amp --precision fp16               # autocast fp16 + GradScaler
     python -m recipes.amp --precision fp32 --device cpu  # the plain fp32 loop, for comparison
 
-Copy with it: recipes/toy.py (the model and data you replace).
+Copy with it: recipes/toy.py (the model and data you replace), recipes/options.py (the command
+line, from the config).
 
 Autocast runs matmuls (and other ops that tolerate it) in a 16-bit type while the parameters, the
 optimizer state and precision-sensitive ops (softmax, layer norm, the loss) stay in fp32. The two
@@ -35,14 +36,13 @@ precision.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,16 +50,43 @@ LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class AMPConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step (one device: all of them)
-    lr: float = 1e-3
-    seed: int = 0
-    precision: str = "bf16"  # bf16 | fp16 | fp32 | tf32 | auto (bf16 on a GPU, fp32 on CPU)
-    device: str = "auto"  # auto: cuda if a GPU is visible, else cpu
-    init_scale: float = 2.0**16  # fp16: the GradScaler's first loss scale
-    compile: bool = False
-    compile_backend: str = "inductor"
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    # one device: the whole global batch
+    global_batch_size: int = option(12, "sequences per optimizer step", at_least=1)
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "bf16",
+        "bf16: autocast, no scaler; fp16: autocast + GradScaler; fp32: no autocast (the "
+        "reference); tf32: fp32 with TF32 matmuls (CUDA); auto: bf16 on a GPU, fp32 on CPU",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    )
+    device: str = option(
+        "auto",
+        "where to train; auto: cuda if a GPU is visible, else cpu",
+        choices=["auto", "cpu", "cuda"],
+    )
+    init_scale: float = option(2.0**16, "fp16: the GradScaler's initial loss scale", above=0)
+    compile: bool = option(False, "torch.compile each transformer block (and the loss)")
+    compile_backend: str = option(
+        "inductor",
+        "torch.compile's backend; inductor is the fast one",
+        choices=["inductor", "aot_eager", "eager"],
+    )
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "device cuda needs a CUDA GPU and none is visible; use device cpu (or auto)"
+            )
+        on_cpu = self.device == "cpu" or not torch.cuda.is_available()
+        if self.precision == "tf32" and on_cpu:
+            raise ValueError(
+                "precision tf32 is a CUDA matmul mode and this run is on cpu; "
+                "use precision fp32 (or bf16)"
+            )
 
 
 @dataclass
@@ -70,10 +97,6 @@ class AMPRun:
 
 
 def pick_device(requested: str) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "--device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)"
-        )
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     return (
@@ -88,15 +111,10 @@ def pick_precision(requested: str, device: torch.device) -> str:
     on_cuda = device.type == "cuda"
     if requested == "auto":
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if requested == "tf32" and not on_cuda:
-        raise ValueError(
-            f"--precision tf32 is a CUDA matmul mode and this run is on "
-            f"{device.type}; use --precision fp32 (or bf16)"
-        )
     if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
         raise ValueError(
             f"{torch.cuda.get_device_name(device)} has no bf16 support; use "
-            "--precision fp16 (with its loss scaler) or tf32"
+            "precision fp16 (with its loss scaler) or tf32"
         )
     if on_cuda:  # a process-wide switch: set it for every precision, never inherit it
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
@@ -112,7 +130,7 @@ def pick_precision(requested: str, device: torch.device) -> str:
                 raise ValueError(
                     f"torch {torch.__version__} cannot autocast to {requested} on "
                     f"{device.type} (needs torch >= 2.3 for cpu fp16); use "
-                    "--precision bf16, or a GPU"
+                    "precision bf16, or a GPU"
                 )
     return requested
 
@@ -147,7 +165,7 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
     if precision == "fp16" and not scaler.is_enabled():  # it disables itself where unsupported
         raise ValueError(
             f"torch.amp.GradScaler is unavailable on {device.type} in this torch "
-            "build; use --precision bf16 (no scaler needed)"
+            "build; use precision bf16 (no scaler needed)"
         )
     if observer:
         observer.model_ready(model, optimizer)
@@ -171,13 +189,13 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
                 break
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
             # Only the forward (and the loss) runs under autocast; backward reuses the dtypes
             # the forward chose. lm_loss computes the cross entropy in fp32 either way.
             with torch.autocast(
                 device.type, dtype=dtype or torch.float32, enabled=dtype is not None
             ):
                 loss = loss_fn(model(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # fp16: loss * scale, so small gradients survive
             scale_before = scaler.get_scale()
             scaler.step(optimizer)  # unscales the grads; skips optimizer.step() on inf/nan
@@ -204,89 +222,14 @@ def train(cfg: AMPConfig, observer=None) -> AMPRun:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = AMPConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.amp",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="bf16: autocast, no scaler; fp16: autocast + GradScaler; fp32: no autocast (the "
-        "reference); tf32: fp32 with TF32 matmuls (CUDA); auto: bf16 on a GPU, fp32 on CPU",
-    )
-    add(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default=defaults.device,
-        help="where to train; auto: cuda if a GPU is visible, else cpu",
-    )
-    add(
-        "--init-scale",
-        type=_number(float, above=0),
-        default=defaults.init_scale,
-        help="fp16: the GradScaler's initial loss scale",
-    )
-    add(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compile,
-        help="torch.compile each transformer block (and the loss)",
-    )
-    add(
-        "--compile-backend",
-        choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend,
-        help="torch.compile's backend; inductor is the fast one",
-    )
-    return parser
+    return config_parser(AMPConfig, prog="python -m recipes.amp", doc=__doc__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = AMPConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), AMPConfig, argv)
+    with exit_on_bad_input():  # a precision this device cannot do: one line, exit 2
         train(cfg)
-    except ValueError as exc:  # a device or precision this machine cannot do
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     torchrun --standalone --nproc_per_node=3 -m recipes.collectives --portable-only  # fallbacks
     python -m recipes.collectives                          # a world of 1: point-to-point is skipped
 
-Copy with it: recipes/dist_setup.py (joining and leaving the world).
+Copy with it: recipes/dist_setup.py (joining and leaving the world), recipes/options.py (the
+command line, from the config).
 
 Every rank contributes a tensor that any rank can compute from the contributor's rank number
 (``contribution(rank)``: integers, so sums are exact in any order). Each call's result is compared
@@ -26,9 +27,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +34,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipes.dist_setup import DistInfo, cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names still
 # work, with a FutureWarning); torch 2.11 has only the old names. Use the new name where it exists.
@@ -49,12 +49,35 @@ dist_reduce_scatter_single = (
 
 @dataclass
 class CollectivesConfig:
-    seed: int = 0  # of the values each rank contributes (any rank can recompute any other's)
-    numel: int = 4  # elements in each rank's tensor
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 60.0  # a rank left waiting in a collective errors out instead of hanging
-    portable_only: bool = False  # the portable fallbacks even where the backend has the op
-    skip_on_rank: int = -1  # this rank does not call the first all_reduce; -1: none
+    seed: int = option(
+        0,
+        "seed of the values each rank contributes (any rank can recompute any other's)",
+        at_least=0,
+    )
+    numel: int = option(4, "elements in each rank's tensor", at_least=1)
+    backend: str = option(
+        "auto",
+        "process-group backend; auto: nccl with a GPU per local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(
+        60.0,
+        "collective timeout in seconds: a rank left waiting errors out instead of hanging",
+        above=0,
+    )
+    portable_only: bool = option(
+        False, "use the portable fallbacks even where the backend has the op"
+    )
+    skip_on_rank: int = option(
+        -1,
+        "this rank does not call the first all_reduce, to watch the others time out in it "
+        "(after --timeout-s) instead of hanging; -1 = none",
+        at_least=-1,
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)  # the ranges and choices above: one line each
+        # (a skip_on_rank outside the world is checked in run(): it needs the world's size)
 
 
 class CollectiveMismatch(RuntimeError):
@@ -466,91 +489,15 @@ def run(cfg: CollectivesConfig) -> dict[str, str]:
 # --8<-- [end:run]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = CollectivesConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.collectives",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="seed of the values each rank contributes (any rank can recompute any other's)",
-    )
-    add(
-        "--numel",
-        type=_number(int, at_least=1),
-        default=defaults.numel,
-        help="elements in each rank's tensor",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="collective timeout in seconds: a rank left waiting errors out instead of hanging",
-    )
-    add(
-        "--portable-only",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.portable_only,
-        help="use the portable fallbacks even where the backend has the op",
-    )
-    add(
-        "--skip-on-rank",
-        type=_number(int, at_least=-1),
-        default=defaults.skip_on_rank,
-        help="this rank does not call the first all_reduce, to watch the others time out in it "
-        "(after --timeout-s) instead of hanging; -1 = none",
-    )
-    return parser
+    return config_parser(CollectivesConfig, prog="python -m recipes.collectives", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = CollectivesConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), CollectivesConfig, argv)
+    with exit_on_bad_input():  # a skip_on_rank outside the world: one line from rank 0, exit 2
         run(cfg)
-    except ValueError as exc:  # bad input every rank sees (a --skip-on-rank outside the world)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

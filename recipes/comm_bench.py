@@ -4,8 +4,8 @@ sizes, each result checked, with time, algbw and busbw as nccl-tests define them
     torchrun --standalone --nproc_per_node=2 -m recipes.comm_bench
     torchrun --standalone --nproc_per_node=8 -m recipes.comm_bench --min-bytes 1M --max-bytes 1G
 
-Copy with it: recipes/dist_setup.py (setup_distributed/cleanup_distributed). It imports torch and
-nothing else of ours.
+Copy with it: recipes/dist_setup.py (setup_distributed/cleanup_distributed) and recipes/options.py
+(the command line, from the config). It imports torch and nothing else of ours.
 
 Run it on a new machine before training on it: busbw of a large all-reduce should be near the
 link's published bandwidth (the docs page lists them); far below means a misconfigured link (NCCL
@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DTYPES = {
@@ -40,15 +42,53 @@ DTYPES = {
 
 @dataclass
 class CommBenchConfig:
-    ops: tuple[str, ...] = OPS
-    min_bytes: int = 1024  # 1 KiB .. 4 MiB: a few seconds on CPU gloo; use up to 1G+ on GPUs
-    max_bytes: int = 4 * 2**20
-    factor: int = 2  # size multiplier between rows, as nccl-tests' -f
-    dtype: str = "float32"
-    warmup_iters: int = 5
-    iters: int = 20
-    backend: str = "auto"  # NCCL when there is a GPU per local rank, else gloo
-    json_path: str | None = None
+    # --ops all_reduce,all_gather (comma-separated, as before) or --ops all_reduce all_gather
+    ops: tuple[str, ...] = option(OPS, "collectives to run, of " + ", ".join(OPS))
+    # 1 KiB .. 4 MiB: a few seconds on CPU gloo; use up to 1G+ on GPUs
+    min_bytes: int = option(
+        1024, "smallest buffer (the nccl-tests size: the whole buffer), e.g. 1K", at_least=1
+    )
+    max_bytes: int = option(
+        4 * 2**20, "largest buffer, e.g. 4M; 1G or more to reach a GPU link's peak", at_least=1
+    )
+    factor: int = option(2, "size multiplier between rows (nccl-tests' -f)", at_least=2)
+    dtype: str = option("float32", "element type of the buffers", choices=sorted(DTYPES))
+    warmup_iters: int = option(5, "untimed calls per op and size (connection set-up)", at_least=0)
+    iters: int = option(20, "timed calls per op and size", at_least=1)
+    backend: str = option(
+        "auto",
+        "auto: NCCL with a GPU per local rank, else gloo",
+        choices=["auto", "gloo", "nccl"],
+    )
+    json_path: str | None = option(None, "write the rows to this JSON file (rank 0)")
+
+    def __post_init__(self) -> None:
+        check_options(self)  # the ranges and choices above: one line each
+        names = [self.ops] if isinstance(self.ops, str) else self.ops
+        self.ops = tuple(op.strip() for name in names for op in name.split(",") if op.strip())
+        unknown = [op for op in self.ops if op not in OPS]
+        if unknown or not self.ops:
+            raise ValueError(
+                f"ops: unknown op(s) {', '.join(unknown) or '(none given)'}; "
+                f"use any of {','.join(OPS)}"
+            )
+        if self.min_bytes > self.max_bytes:
+            raise ValueError(
+                f"min_bytes {self.min_bytes} must be at most max_bytes {self.max_bytes}; "
+                "raise --max-bytes or lower --min-bytes"
+            )
+        if self.json_path is not None and os.path.isdir(self.json_path):
+            raise ValueError(
+                f"json_path {self.json_path} is a folder; name a file, e.g. "
+                f"{os.path.join(self.json_path, 'comm_bench.json')}"
+            )
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if self.backend == "nccl" and gpus < local_ranks:
+            raise ValueError(
+                f"backend nccl needs a GPU per rank: {local_ranks} rank(s) on this node, "
+                f"{gpus} GPU(s); use --backend gloo (or auto)"
+            )
 
 
 # --8<-- [start:bandwidth]
@@ -263,99 +303,21 @@ def parse_bytes(text: str) -> int:
     return int(match[1]) * 1024 ** " kmg".index(match[2].lower() or " ")
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad input ends in one line on stderr and exit code 2 (argparse would print the usage
-    first): under torchrun every rank prints it, and one line per rank stays readable."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
-
-
 def make_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(
-        prog="python -m recipes.comm_bench", description=__doc__.split("\n\n")[0]
-    )
+    parser = config_parser(CommBenchConfig, prog="python -m recipes.comm_bench", doc=__doc__)
+    for flag in ("--min-bytes", "--max-bytes"):  # 1K, 4M, 1G: nccl-tests' sizes
+        parser._option_string_actions[flag].type = parse_bytes
     parser.add_argument(
-        "--ops",
-        default=",".join(OPS),
-        help="comma-separated collectives to run, of " + ", ".join(OPS),
-    )
-    parser.add_argument(
-        "--min-bytes",
-        type=parse_bytes,
-        default="1K",
-        help="smallest buffer (the nccl-tests size: the whole buffer), e.g. 1K",
-    )
-    parser.add_argument(
-        "--max-bytes",
-        type=parse_bytes,
-        default="4M",
-        help="largest buffer, e.g. 4M; 1G or more to reach a GPU link's peak",
-    )
-    parser.add_argument("--factor", type=int, default=2, help="size multiplier between rows")
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="element type of the buffers"
-    )
-    parser.add_argument(
-        "--warmup-iters",
-        type=int,
-        default=5,
-        help="untimed calls per op and size (connection set-up)",
-    )
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per op and size")
-    parser.add_argument(
-        "--backend",
-        choices=("auto", "gloo", "nccl"),
-        default="auto",
-        help="auto: NCCL with a GPU per local rank, else gloo",
-    )
-    parser.add_argument(
-        "--json", dest="json_path", metavar="PATH", help="write the rows to this JSON file (rank 0)"
+        "--json", dest="json_path", default=argparse.SUPPRESS, help="the same as --json-path"
     )
     return parser
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> dict:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
-    unknown = [op for op in ops if op not in OPS]
-    if unknown or not ops:
-        parser.error(
-            f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; "
-            f"use any of {','.join(OPS)}"
-        )
-    if args.min_bytes <= 0 or args.min_bytes > args.max_bytes:
-        parser.error(
-            f"--min-bytes {args.min_bytes} must be positive and at most --max-bytes "
-            f"{args.max_bytes}"
-        )
-    for flag, value, least in (
-        ("--iters", args.iters, 1),
-        ("--warmup-iters", args.warmup_iters, 0),
-        ("--factor", args.factor, 2),
-    ):
-        if value < least:
-            parser.error(f"{flag} {value}: use {least} or more")
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if args.backend == "nccl" and gpus < local_ranks:
-        parser.error(
-            f"--backend nccl needs a GPU per rank: {local_ranks} rank(s) on this node, "
-            f"{gpus} GPU(s); use --backend gloo (or auto)"
-        )
-    cfg = CommBenchConfig(
-        ops=ops,
-        min_bytes=args.min_bytes,
-        max_bytes=args.max_bytes,
-        factor=args.factor,
-        dtype=args.dtype,
-        warmup_iters=args.warmup_iters,
-        iters=args.iters,
-        backend=args.backend,
-        json_path=args.json_path,
-    )
-    result = run(cfg)
+    cfg = parse_config(make_parser(), CommBenchConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
+        result = run(cfg)
     if os.environ.get("RANK", "0") == "0":  # the result as the last line, as recipes print it
         print(json.dumps({**result, "config": asdict(cfg)}), flush=True)
     wrong = [f"{r['op']} {r['size_bytes']} B" for r in result["rows"] if r["wrong_elements"]]

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.context_parallel
     python -m recipes.context_parallel --impl torch     # torch's context_parallel API: needs CUDA
 
-Copy with it: recipes/toy.py, recipes/dist_setup.py.
+Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/options.py (the command line, from
+the config).
 
 Long sequences run out of memory in the activations. Context parallelism (CP) splits every
 sequence across the ranks of a group: embeddings, norms, the MLP and the loss are per-token and
@@ -31,40 +32,68 @@ averaged after backward (torchtitan folds the CP dimension into FSDP's).
 Proven by tests/test_context_parallel.py: outputs and q/k/v gradients equal
 ``F.scaled_dot_product_attention`` on the whole sequence (causal or not, balanced or not, 2 and 4
 ranks), a tiny HF Llama on sequence shards equals it whole, and training equals single-process
-training (gloo/CPU, torch 2.13). The ``torch`` path needs CUDA: it was not run on CPU.
+training (gloo/CPU). The ``torch`` path needs CUDA: it was not run on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class CPConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step: every CP rank reads all of them
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
-    impl: str = "ring"  # ring: RingAttention below (any backend); torch: torch's API (CUDA)
-    load_balance: bool = True  # rank i holds chunks i and 2N-1-i: the same causal work each
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step; every CP rank holds a slice of each", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA)",
+        choices=["auto", "fp32", "tf32", "bf16"],
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+    impl: str = option(
+        "ring",
+        "ring: this recipe's ring attention over send/recv (any backend); torch: "
+        "torch.distributed.tensor.experimental.context_parallel (CUDA only)",
+        choices=["ring", "torch"],
+    )
+    load_balance: bool = option(
+        True,
+        "rank i holds chunks i and 2N-1-i of every sequence, so that causal attention "
+        "costs every rank the same",
+    )
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.impl == "torch" and not self.load_balance:
+            raise ValueError(
+                "load_balance off (--no-load-balance) applies to impl ring; torch's "
+                "context_parallel picks its own (head-tail) load balancer: drop it or use ring"
+            )
 
 
 def check_cp_fits(seq_len: int, cp_size: int, load_balance: bool) -> None:
@@ -272,11 +301,6 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
                 "--impl torch needs CUDA: torch's context_parallel has no CPU sharding rule for "
                 "SDPA; use --impl ring (any backend, gloo included)"
             )
-        if cfg.impl == "torch" and not cfg.load_balance:
-            raise ValueError(
-                "--no-load-balance applies to --impl ring; torch's context_parallel "
-                "picks its own (head-tail) load balancer"
-            )
         dtype = autocast_dtype(cfg.precision, device)
         mesh = init_device_mesh(device.type, (cp_size,), mesh_dim_names=("cp",))
         group = mesh.get_group()
@@ -293,8 +317,6 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
-        # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         if observer:
             observer.model_ready(model, optimizer)
 
@@ -344,13 +366,12 @@ def train(cfg: CPConfig, observer=None) -> list[float]:
                     # Each rank's mean over its tokens; ranks hold as many, so their mean is the
                     # global mean. Backward inside: torch's CP must see the SDPA backward too.
                     loss = lm_loss(logits, targets)
-                    scaler.scale(loss).backward()
+                    loss.backward()
                 # Each rank has the gradient of its tokens' loss: average them over the CP group
                 for p in model.parameters():
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
                     p.grad /= cp_size
-                scaler.step(optimizer)
-                scaler.update()
+                optimizer.step()
                 global_loss = loss.detach().float().clone()  # this rank's tokens' mean
                 dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
                 losses.append(global_loss.item())
@@ -383,105 +404,18 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
             precision == "tf32"
         )
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-
-
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
+    return {"bf16": torch.bfloat16}.get(precision)
 
 
 def make_parser() -> argparse.ArgumentParser:
-    defaults = CPConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.context_parallel",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step; every CP rank holds a slice of each",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA); fp16: autocast with a loss scaler",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    add(
-        "--impl",
-        choices=["ring", "torch"],
-        default=defaults.impl,
-        help="ring: this recipe's ring attention over send/recv (any backend); torch: "
-        "torch.distributed.tensor.experimental.context_parallel (CUDA only)",
-    )
-    add(
-        "--load-balance",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.load_balance,
-        help="rank i holds chunks i and 2N-1-i of every sequence, so that causal attention "
-        "costs every rank the same",
-    )
-    return parser
+    return config_parser(CPConfig, prog="python -m recipes.context_parallel", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = CPConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), CPConfig, argv)
+    with exit_on_bad_input():  # a size that does not split: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a size that does not split)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ position is part of the checkpoint.
     torchrun --standalone --nproc_per_node=2 -m recipes.data --loader stream   # streaming
     python -m recipes.data --corpus ~/my_texts --vocab-size 1024 --steps 50
 
-Copy with it: recipes/toy.py (the model you replace) and recipes/dist_setup.py (the world). It needs
+Copy with it: recipes/toy.py (the model you replace), recipes/dist_setup.py (the world) and
+recipes/options.py (the command line, from the config). It needs
 ``tokenizers`` (a byte-level BPE trained here, on your text) and ``torchdata`` (StatefulDataLoader).
 
 - Prepare (``prepare_shards``): text files -> a BPE tokenizer -> np.uint16 token shards
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import math
 import os
 import sys
 import sysconfig
@@ -38,30 +38,64 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import ModelConfig, build_model, lm_loss
 
 
 @dataclass
 class DataConfig:
-    corpus: str | None = None  # a folder of text files; None: the standard library's *.py
-    data_dir: str = "data/shards"
-    max_bytes: int = 2_000_000  # of text read from the corpus (deterministic file order)
-    vocab_size: int = 512  # 256: plain bytes, no tokenizer
-    val_fraction: float = 0.05
-    shard_tokens: int = 1 << 20
-    loader: str = "map"  # "map" (windows + DistributedSampler) or "stream" (IterableDataset)
-    seq_len: int = 64
-    batch_size: int = 8  # per rank
-    num_workers: int = 2
-    steps: int = 20
-    lr: float = 1e-3
-    seed: int = 0
-    checkpoint: str | None = None  # a folder: resume from it when it holds one, save at the end
+    corpus: str | None = option(None, "folder of text files (default: Python's stdlib sources)")
+    data_dir: str = option("data/shards", "where the shards and index.json go")
+    # of text read from the corpus, in a deterministic file order
+    max_bytes: int = option(2_000_000, "text read from the corpus", at_least=1)
+    # 65535 is np.uint16's largest value: half the disk of int32, and every vocab here fits
+    vocab_size: int = option(
+        512, "BPE vocabulary (256 = plain bytes, no tokenizer)", at_least=256, at_most=65536
+    )
+    val_fraction: float = option(0.05, "tokens held out (below 1)", above=0)
+    shard_tokens: int = option(1 << 20, "tokens per .bin shard", at_least=2)
+    loader: str = option(
+        "map",
+        "map: windows + DistributedSampler; stream: IterableDataset split by rank and worker",
+        choices=["map", "stream"],
+    )
+    seq_len: int = option(64, "tokens per training window", at_least=1)
+    batch_size: int = option(8, "windows per rank per step", at_least=1)
+    num_workers: int = option(2, "DataLoader worker processes", at_least=0)
+    steps: int = option(
+        20,
+        "optimizer steps in all, counting those before a resume; 0: prepare the shards only",
+        at_least=0,
+    )
+    lr: float = option(1e-3, "AdamW learning rate", above=0)
+    seed: int = option(0, "model init and shuffle seed", at_least=0)
+    checkpoint: str | None = option(None, "folder: resume from it if it holds one, save at end")
+
+    def __post_init__(self) -> None:
+        check_options(self)  # the ranges and choices above: one line each
+        if self.corpus is not None and not Path(self.corpus).is_dir():
+            raise ValueError(f"corpus {self.corpus}: not a folder; name a folder of text files")
+        if self.corpus is not None and not any(p.is_file() for p in Path(self.corpus).rglob("*")):
+            raise ValueError(f"corpus {self.corpus}: holds no files; name a folder of text files")
+        for name in ("data_dir", "checkpoint"):
+            path = getattr(self, name)
+            if path is not None and Path(path).exists() and not Path(path).is_dir():
+                raise ValueError(f"{name} {path} is a file; name a folder (created if missing)")
+        if self.val_fraction >= 1:
+            raise ValueError(
+                f"val_fraction={self.val_fraction} leaves no training tokens; use less than 1"
+            )
+        if self.shard_tokens <= self.seq_len:  # a window never crosses a shard's end
+            raise ValueError(
+                f"shard_tokens={self.shard_tokens} holds no window of seq_len={self.seq_len}; "
+                f"use shard_tokens above {self.seq_len}"
+            )
 
 
 # --8<-- [start:prepare]
@@ -120,9 +154,6 @@ def prepare_shards(cfg: DataConfig) -> dict:
         index = json.loads((out / "index.json").read_text())
         if index["settings"] == settings:
             return index
-    # 65535 is np.uint16's largest value: half the disk of int32, and every vocab here fits
-    if not 256 <= cfg.vocab_size <= 65536:
-        raise ValueError(f"vocab_size={cfg.vocab_size}: use 256 (bytes) to 65536 (uint16 shards)")
     texts = read_texts(corpus_files(cfg.corpus, max_bytes=cfg.max_bytes))
     if not texts:
         raise ValueError(f"corpus {cfg.corpus}: no UTF-8 text files found; name a folder of text")
@@ -312,11 +343,28 @@ def run(cfg: DataConfig) -> dict:
     from the loader, resuming from and saving to ``cfg.checkpoint``. Returns plain values."""
     world = setup_distributed()
     try:
+        refused = [None]
         if world.rank == 0:
-            prepare_shards(cfg)
-        dist.barrier()  # the others read the files rank 0 wrote
+            try:
+                prepare_shards(cfg)
+            except ValueError as exc:  # a corpus of no text: every rank refuses, not only rank 0
+                refused = [str(exc)]
+        dist.broadcast_object_list(refused, src=0)  # and a barrier: the others read the files
+        if refused[0]:
+            raise ValueError(refused[0])
         index = json.loads((Path(cfg.data_dir) / "index.json").read_text())
         windows = TokenWindows(cfg.data_dir, "train", cfg.seq_len)
+        # a rank without one batch would stop every rank's epoch at once, and start the next
+        # forever: too little data is refused on every rank alike
+        needed = world.world_size * (
+            cfg.batch_size if cfg.loader == "map" else max(cfg.num_workers, 1)
+        )
+        if cfg.steps and len(windows) < needed:
+            raise ValueError(
+                f"the train split holds {len(windows)} windows of seq_len={cfg.seq_len}; the "
+                f"{cfg.loader} loader needs {needed} on {world.world_size} rank(s): lower "
+                "seq_len or batch_size, or read more text (max_bytes)"
+            )
         loader, sampler = build_loader(
             windows,
             kind=cfg.loader,
@@ -386,63 +434,14 @@ def run(cfg: DataConfig) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.data",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    defaults = DataConfig()
-    add = parser.add_argument
-    add("--corpus", default=None, help="folder of text files (default: Python's stdlib sources)")
-    add("--data-dir", default=defaults.data_dir, help="where the shards and index.json go")
-    add("--max-bytes", type=int, default=defaults.max_bytes, help="text read from the corpus")
-    add(
-        "--vocab-size",
-        type=int,
-        default=defaults.vocab_size,
-        help="BPE vocabulary (256 = plain bytes, no tokenizer)",
-    )
-    add("--val-fraction", type=float, default=defaults.val_fraction, help="tokens held out")
-    add("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per .bin shard")
-    add(
-        "--loader",
-        choices=("map", "stream"),
-        default=defaults.loader,
-        help="map: windows + DistributedSampler; stream: IterableDataset split by rank and worker",
-    )
-    add("--seq-len", type=int, default=defaults.seq_len, help="tokens per training window")
-    add("--batch-size", type=int, default=defaults.batch_size, help="windows per rank per step")
-    add("--num-workers", type=int, default=defaults.num_workers, help="DataLoader worker processes")
-    add(
-        "--steps",
-        type=int,
-        default=defaults.steps,
-        help="optimizer steps in all, counting those before a resume; 0: prepare the shards only",
-    )
-    add("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
-    add("--seed", type=int, default=defaults.seed, help="model init and shuffle seed")
-    add("--checkpoint", default=None, help="folder: resume from it if it holds one, save at end")
-    return parser
+    return config_parser(DataConfig, prog="python -m recipes.data", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser()
-    cfg = DataConfig(**{k.replace("-", "_"): v for k, v in vars(parser.parse_args(argv)).items()})
-    if cfg.corpus is not None and not Path(cfg.corpus).is_dir():
-        parser.exit(2, f"error: --corpus {cfg.corpus}: not a folder; name a folder of text files\n")
-    for name in ("max_bytes", "seq_len", "batch_size", "shard_tokens"):
-        if getattr(cfg, name) < 1:
-            parser.exit(2, f"error: --{name.replace('_', '-')} must be at least 1\n")
-    if cfg.steps < 0 or cfg.num_workers < 0:
-        parser.exit(2, "error: --steps and --num-workers must be at least 0\n")
-    if not 256 <= cfg.vocab_size <= 65536 or not 0 < cfg.val_fraction < 1:
-        parser.exit(2, "error: --vocab-size must be 256..65536 and --val-fraction in (0, 1)\n")
-    if not math.isfinite(cfg.lr) or cfg.lr <= 0:  # nan fails no comparison: finite first
-        parser.exit(2, f"error: --lr must be a finite number > 0, got {cfg.lr}\n")
-    try:
+    cfg = parse_config(make_parser(), DataConfig, argv)
+    with exit_on_bad_input():  # a corpus of no text, too little data: one line from rank 0
         result = run(cfg)
-    except ValueError as exc:  # an input the checks above could not see (an empty corpus)
-        parser.exit(2, f"error: {exc}\n")
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"config": asdict(cfg), **result}))
 

@@ -3,7 +3,8 @@
     python -m recipes.data_parallel
     CUDA_VISIBLE_DEVICES=0,1 python -m recipes.data_parallel --global-batch-size 16
 
-Copy with it: recipes/toy.py (the model and data you replace).
+Copy with it: recipes/toy.py (the model and data you replace), recipes/options.py (the command
+line, from the config).
 
 Each forward, ``nn.DataParallel`` splits the batch along dim 0 across the GPUs, copies the module to
 each of them, runs the replicas in threads of this one process, and gathers the outputs on GPU 0;
@@ -24,26 +25,34 @@ loss equals single-device training. It prints one line per step: the step and th
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, RandomSampler
 
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class DataParallelConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, split across the GPUs
-    lr: float = 1e-3
-    seed: int = 0
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    save_path: str | None = None  # the trained weights are saved here
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, split across the GPUs", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+        choices=["auto", "fp32", "bf16"],
+    )
+    save_path: str | None = option(None, "save the trained model's state_dict here (torch.save)")
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
 
 
 # --8<-- [start:train]
@@ -119,69 +128,14 @@ def train(cfg: DataParallelConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = DataParallelConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.data_parallel",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, split across the GPUs",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "bf16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
-    )
-    add(
-        "--save-path",
-        default=defaults.save_path,
-        help="save the trained model's state_dict here (torch.save)",
-    )
-    return parser
+    return config_parser(DataParallelConfig, prog="python -m recipes.data_parallel", doc=__doc__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = DataParallelConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), DataParallelConfig, argv)
+    with exit_on_bad_input():  # a batch that does not split across the GPUs: one line, exit 2
         train(cfg)
-    except ValueError as exc:  # a batch that does not split across the GPUs
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ checkpoint every rank loads.
     python -m recipes.ddp_spawn --nprocs 2
     python -m recipes.ddp_spawn --nprocs 3 --static-graph --bucket-cap-mb 1
 
-Copy with it: recipes/toy.py (the model and data you replace).
+Copy with it: recipes/toy.py (the model and data you replace), recipes/options.py (the command
+line, from the config).
 
 ``mp.spawn`` starts ``nprocs`` copies of ``worker`` on this machine, each with its rank as the
 first argument; the parent picks the rendezvous (MASTER_ADDR/MASTER_PORT) that torchrun would set.
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import math
 import os
 import socket
 import sys
@@ -49,33 +49,82 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class DDPSpawnConfig:
-    nprocs: int = 2  # processes (ranks) to start on this machine
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    backend: str = "auto"  # auto: nccl with a GPU for each rank, else gloo
-    timeout_s: float = 300.0
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    bucket_cap_mb: float = 25.0
-    checkpoint_path: str = ""  # where rank 0 saves; empty: a file in a new temporary folder
+    nprocs: int = option(2, "processes (ranks) to start on this machine", at_least=1)
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+        choices=["auto", "fp32", "bf16"],
+    )
+    backend: str = option(
+        "auto",
+        "process-group backend; auto: nccl with a GPU per process, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+    find_unused_parameters: bool = option(
+        False, "walk the graph for parameters without gradients (costs time)"
+    )
+    gradient_as_bucket_view: bool = option(
+        True, "let gradients alias DDP's all-reduce buckets (saves memory)"
+    )
+    static_graph: bool = option(False, "promise DDP the graph never changes between steps")
+    bucket_cap_mb: float = option(
+        25.0, "gradient bucket size in MiB for the overlapped all-reduce", above=0
+    )
+    checkpoint_path: str = option("", "where rank 0 saves the checkpoint; empty: a temporary file")
+
+    def __post_init__(self):
+        """What every child would find wrong, found once, here (ValueError, one line): the
+        parent builds the config, the children get it as it is."""
+        check_options(self)  # the ranges and choices above: one line each
+        if self.global_batch_size % self.nprocs:
+            lower = max(self.nprocs, self.global_batch_size - self.global_batch_size % self.nprocs)
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not divide across "
+                f"{self.nprocs} ranks; use a multiple of {self.nprocs}, e.g. {lower} or "
+                f"{lower + self.nprocs}"
+            )
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if self.backend == "nccl" and gpus < self.nprocs:
+            raise ValueError(
+                f"backend nccl needs one CUDA device per process: {self.nprocs} "
+                f"processes, {gpus} device(s); use backend gloo or fewer nprocs"
+            )
+        path = self.checkpoint_path
+        existing = os.path.dirname(os.path.abspath(path))
+        if path and os.path.isdir(path):  # found only after training otherwise
+            raise ValueError(
+                f"checkpoint_path {path} is a directory; name a file, e.g. "
+                f"{os.path.join(path, 'model.pt')}"
+            )
+        while path and not os.path.exists(existing):  # what makedirs would create goes in here
+            existing = os.path.dirname(existing)
+        if path and not os.path.isdir(existing):
+            raise ValueError(
+                f"checkpoint_path {path}: {existing} is a file, so nothing can be "
+                "created under it; name a file in a directory you can write to"
+            )
 
 
 # --8<-- [start:launch]
 def train(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     """Start ``cfg.nprocs`` training processes, wait for them; returns rank 0's losses (the
-    global batch's, one per step). Raises ValueError before starting any of them on bad input."""
-    # Checked in the parent: a bad config fails once, here, not once in every child
-    check_config(cfg)
+    global batch's, one per step). Raises ValueError before starting any of them on bad input
+    (the config checked its own values when the parent built it: once, not once per child)."""
     # The rendezvous torchrun would set: rank 0 listens on this port, the others connect to it
     port = master_port()
     if not cfg.checkpoint_path:  # every rank must load the same file: the parent names it
@@ -130,7 +179,11 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dtype = autocast_dtype(cfg.precision, device)
+    bf16 = cfg.precision == "bf16" or (
+        cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+    )
+    if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
     # --8<-- [start:loop]
     # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
@@ -147,8 +200,6 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     optimizer = torch.optim.AdamW(
         ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
     )  # one kernel on CUDA
-    # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     if observer:
         observer.model_ready(ddp_model, optimizer)
 
@@ -176,14 +227,10 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(
-                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-            ):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
-            # DDP all-reduces the gradients in buckets, overlapped with the backward
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)  # skipped if fp16 overflowed (on every rank alike)
-            scaler.update()
+            loss.backward()  # DDP all-reduces the gradients in buckets, overlapped with backward
+            optimizer.step()  # every rank applies the same averaged gradient
             # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
             global_loss = loss.detach().float().clone()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -237,54 +284,6 @@ def load_checkpoint(path: str, model_name: str, device: torch.device) -> nn.Modu
 # --8<-- [end:checkpoint]
 
 
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The forward's autocast dtype (None: fp32), after setting the fp32 matmul mode."""
-    if precision == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        precision = "bf16" if cuda_bf16 else "fp32"
-    if precision == "tf32" and device.type != "cuda":
-        raise ValueError(
-            f"--precision tf32 is a CUDA matmul mode and this run is on "
-            f"{device.type}; use --precision fp32 (or bf16)"
-        )
-    if device.type == "cuda":  # a process-wide switch: set it every run, never inherit it
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            precision == "tf32"
-        )
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-
-
-def check_config(cfg: DDPSpawnConfig) -> None:
-    """What every child would find wrong, found once in the parent (ValueError, one line)."""
-    if cfg.global_batch_size % cfg.nprocs:
-        lower = max(cfg.nprocs, cfg.global_batch_size - cfg.global_batch_size % cfg.nprocs)
-        raise ValueError(
-            f"global_batch_size={cfg.global_batch_size} does not divide across {cfg.nprocs} "
-            f"ranks; use a multiple of {cfg.nprocs}, e.g. {lower} or {lower + cfg.nprocs}"
-        )
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.backend == "nccl" and gpus < cfg.nprocs:
-        raise ValueError(
-            f"backend 'nccl' needs one CUDA device per process: {cfg.nprocs} "
-            f"processes, {gpus} device(s); use --backend gloo or fewer --nprocs"
-        )
-    if cfg.precision == "tf32" and (cfg.backend == "gloo" or gpus < cfg.nprocs):
-        autocast_dtype("tf32", torch.device("cpu"))  # its one line, once, before any child
-    path, existing = cfg.checkpoint_path, os.path.dirname(os.path.abspath(cfg.checkpoint_path))
-    if path and os.path.isdir(path):  # found only after training otherwise
-        raise ValueError(
-            f"--checkpoint-path {path} is a directory; name a file, e.g. "
-            f"{os.path.join(path, 'model.pt')}"
-        )
-    while path and not os.path.exists(existing):  # what makedirs would create goes in here
-        existing = os.path.dirname(existing)
-    if path and not os.path.isdir(existing):
-        raise ValueError(
-            f"--checkpoint-path {path}: {existing} is a file, so nothing can be "
-            "created under it; name a file in a directory you can write to"
-        )
-
-
 def master_port() -> int:
     """``MASTER_PORT`` if it is set and free, else a free port the OS picks (another process
     could take it before rank 0 listens: a small window)."""
@@ -300,113 +299,15 @@ def master_port() -> int:
         return sock.getsockname()[1]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = DDPSpawnConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.ddp_spawn",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add(
-        "--nprocs",
-        type=_number(int, at_least=1),
-        default=defaults.nprocs,
-        help="processes (ranks) to start on this machine",
-    )
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA); fp16: autocast with a loss scaler",
-    )
-    add(
-        "--backend",
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per process, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    switch = argparse.BooleanOptionalAction  # --static-graph / --no-static-graph
-    add(
-        "--find-unused-parameters",
-        action=switch,
-        default=defaults.find_unused_parameters,
-        help="walk the graph for parameters without gradients (costs time)",
-    )
-    add(
-        "--gradient-as-bucket-view",
-        action=switch,
-        default=defaults.gradient_as_bucket_view,
-        help="let gradients alias DDP's all-reduce buckets (saves memory)",
-    )
-    add(
-        "--static-graph",
-        action=switch,
-        default=defaults.static_graph,
-        help="promise DDP the graph never changes between steps",
-    )
-    add(
-        "--bucket-cap-mb",
-        type=_number(float, above=0),
-        default=defaults.bucket_cap_mb,
-        help="gradient bucket size in MiB for the overlapped all-reduce",
-    )
-    add(
-        "--checkpoint-path",
-        default=defaults.checkpoint_path,
-        help="where rank 0 saves the checkpoint; empty: a temporary file",
-    )
-    return parser
+    return config_parser(DDPSpawnConfig, prog="python -m recipes.ddp_spawn", doc=__doc__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = DDPSpawnConfig(**vars(make_parser().parse_args(argv)))
+    cfg = parse_config(make_parser(), DDPSpawnConfig, argv)
     try:
-        train(cfg)
-    except ValueError as exc:  # bad input, found before any process started
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        with exit_on_bad_input():  # found in the parent, before any process started: one line
+            train(cfg)
     except mp.ProcessRaisedException as exc:  # a child raised: its traceback, then one line
         print(exc.msg.rstrip(), file=sys.stderr)
         print(

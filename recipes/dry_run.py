@@ -36,14 +36,14 @@ caveats). The fake backend exists since torch 2.1 (``torch.testing._internal``, 
 
 Copy with it: recipes/toy.py (the model you replace with yours), recipes/parallelize.py (apply_tp,
 apply_fully_shard: the layout under test), recipes/memory_estimate.py (the arithmetic each stage
-is checked against: its model_state_per_rank, composed here, not reimplemented).
+is checked against: its model_state_per_rank, composed here, not reimplemented),
+recipes/options.py (the command line, from the config).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import warnings
 from collections import Counter
@@ -52,8 +52,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipes.memory_estimate import LAYOUTS, model_state_per_rank
+from recipes.options import check_options, config_parser, option, parse_config
 from recipes.parallelize import apply_fully_shard, apply_tp, check_tp_fits, transformer_lm_plan
 from recipes.toy import MODEL_PRESETS, Block, ModelConfig, TransformerLM
 
@@ -72,25 +74,23 @@ class LayoutError(ValueError):
 
 @dataclass
 class DryRunConfig:
-    model: str = "7b"  # a key of PRESETS
-    world_size: int = 512  # pp x dp x tp must equal it
-    pp: int = 8  # pipeline stages (must divide the layers)
-    dp: int = 8  # data-parallel ranks that fully_shard each stage over
-    tp: int = 8  # tensor-parallel ranks (must divide heads, MLP width, vocab, seq)
-    check_every_rank: bool = False  # build every rank's shard and assert it equals its probe
-    probe_timeout_s: float = 300.0  # deadline for each stage's probe process
+    model: str = option("7b", "model shape preset", choices=list(PRESETS))
+    world_size: int = option(512, "ranks in the world (pp x dp x tp must equal it)", at_least=1)
+    pp: int = option(8, "pipeline stages (must divide the layers)", at_least=1)
+    dp: int = option(8, "data-parallel ranks that fully_shard each stage over", at_least=1)
+    tp: int = option(
+        8, "tensor-parallel ranks (must divide heads, MLP width, vocab, seq)", at_least=1
+    )
+    check_every_rank: bool = option(
+        False, "build every rank's shard (meta) and assert it equals its stage's probe"
+    )
+    probe_timeout_s: float = option(
+        300.0, "deadline in seconds for each stage's probe process", above=0
+    )
 
     def __post_init__(self) -> None:
+        check_options(self)  # the ranges and choices above: one line each
         # Checked before any probe starts: a layout that cannot exist costs no fork.
-        if self.model not in PRESETS:
-            raise LayoutError(f"unknown model={self.model!r}; valid values: {', '.join(PRESETS)}")
-        for name in ("world_size", "pp", "dp", "tp"):
-            if getattr(self, name) < 1:
-                raise LayoutError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.probe_timeout_s) and self.probe_timeout_s > 0):
-            raise LayoutError(
-                f"probe_timeout_s must be a finite number > 0, got {self.probe_timeout_s:g}"
-            )
         check_layout(PRESETS[self.model], self.world_size, self.pp, self.dp, self.tp)
 
 
@@ -389,58 +389,13 @@ def format_table(cfg: DryRunConfig, stages: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad input ends in one line on stderr and exit code 2, without argparse's usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
-
-
 def make_parser() -> argparse.ArgumentParser:
-    d = DryRunConfig()
-    parser = OneLineErrorParser(
-        prog="python -m recipes.dry_run",
-        allow_abbrev=False,
-        description=(__doc__ or "").split("\n")[0],
-    )
-    add = parser.add_argument
-    add("--model", choices=list(PRESETS), default=d.model, help="model shape preset")
-    add(
-        "--world-size",
-        type=int,
-        default=d.world_size,
-        help="ranks in the world (pp x dp x tp must equal it)",
-    )
-    add("--pp", type=int, default=d.pp, help="pipeline stages (must divide the layers)")
-    add("--dp", type=int, default=d.dp, help="data-parallel ranks that fully_shard each stage over")
-    add(
-        "--tp",
-        type=int,
-        default=d.tp,
-        help="tensor-parallel ranks (must divide heads, MLP width, vocab, seq)",
-    )
-    add(
-        "--check-every-rank",
-        action=argparse.BooleanOptionalAction,
-        default=d.check_every_rank,
-        help="build every rank's shard (meta) and assert it equals its stage's probe",
-    )
-    add(
-        "--probe-timeout-s",
-        type=float,
-        default=d.probe_timeout_s,
-        help="deadline in seconds for each stage's probe process",
-    )
-    return parser
+    return config_parser(DryRunConfig, prog="python -m recipes.dry_run", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    try:
-        cfg = DryRunConfig(**vars(args))
-    except ValueError as exc:  # LayoutError, or tensor parallel's TPPlanError
-        parser.error(str(exc))
+    cfg = parse_config(make_parser(), DryRunConfig, argv)  # LayoutError, TPPlanError: exit 2
     report = run(cfg)
     print(format_table(cfg, report["stages"]))
     print(json.dumps(report), flush=True)  # the last stdout line: the report, for scripts

@@ -4,9 +4,9 @@ repeats, no hang when ranks hold different numbers of batches.
     torchrun --standalone --nproc_per_node=2 -m recipes.evaluation
     torchrun --standalone --nproc_per_node=2 -m recipes.evaluation --sharded   # under fully_shard
 
-Copy with it: recipes/data.py (the shards and ``TokenWindows``), recipes/toy.py and
-recipes/dist_setup.py. ``torchmetrics`` is optional: ``evaluate_with_torchmetrics`` is the same sum
-with its ``MeanMetric``.
+Copy with it: recipes/data.py (the shards and ``TokenWindows``), recipes/toy.py,
+recipes/dist_setup.py and recipes/options.py (the command line, from the config). ``torchmetrics``
+is optional: ``evaluate_with_torchmetrics`` is the same sum with its ``MeanMetric``.
 
 Three ways a distributed evaluation gives the wrong number, each shown by the result:
 
@@ -31,23 +31,36 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from recipes.data import DataConfig, TokenWindows, prepare_shards
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import ModelConfig, build_model
 
 
 @dataclass
 class EvalConfig:
-    data_dir: str = "data/shards"  # prepared here first (recipes/data.py's defaults) if absent
-    vocab_size: int = 512
-    seq_len: int = 64
-    batch_size: int = 8
-    max_windows: int = 301  # of the val split: odd, so 2 ranks hold uneven shards
-    sharded: bool = False  # evaluate under fully_shard (forward is a collective)
-    torchmetrics: bool = False  # also with torchmetrics' MeanMetric (its import takes ~2 s)
-    seed: int = 0
+    data_dir: str = option(
+        "data/shards", "token shards (prepared with recipes.data's defaults when absent)"
+    )
+    vocab_size: int = option(512, "BPE vocabulary when preparing", at_least=256, at_most=65536)
+    seq_len: int = option(64, "tokens per window", at_least=1)
+    batch_size: int = option(8, "windows per batch", at_least=1)
+    # odd, so that 2 ranks hold uneven shards
+    max_windows: int = option(301, "val windows evaluated", at_least=1)
+    sharded: bool = option(False, "evaluate under fully_shard (lockstep loop)")
+    # its import takes about 2 s: only when asked
+    torchmetrics: bool = option(False, "also evaluate with torchmetrics' MeanMetric")
+    seed: int = option(0, "model init seed", at_least=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)  # the ranges above: one line each
+        if Path(self.data_dir).exists() and not Path(self.data_dir).is_dir():
+            raise ValueError(
+                f"data_dir {self.data_dir} is a file; name the folder of the shards (index.json)"
+            )
 
 
 # --8<-- [start:evaluate]
@@ -151,6 +164,11 @@ def run(cfg: EvalConfig) -> dict:
         dist.barrier()
         index = json.loads((Path(cfg.data_dir) / "index.json").read_text())
         windows = TokenWindows(cfg.data_dir, "val", cfg.seq_len)
+        if len(windows) < world.world_size:  # every rank reads the same index: all refuse
+            raise ValueError(
+                f"the val split holds {len(windows)} windows of seq_len={cfg.seq_len}; "
+                f"{world.world_size} rank(s) need one each: lower seq_len, or use fewer ranks"
+            )
         windows = Subset(windows, range(min(cfg.max_windows, len(windows))))
         model = build_model(
             ModelConfig(
@@ -195,38 +213,14 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.evaluation",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    defaults = EvalConfig()
-    add = parser.add_argument
-    add(
-        "--data-dir",
-        default=defaults.data_dir,
-        help="token shards (prepared with recipes.data's defaults when absent)",
-    )
-    add("--vocab-size", type=int, default=defaults.vocab_size, help="BPE vocabulary when preparing")
-    add("--seq-len", type=int, default=defaults.seq_len, help="tokens per window")
-    add("--batch-size", type=int, default=defaults.batch_size, help="windows per batch")
-    add("--max-windows", type=int, default=defaults.max_windows, help="val windows evaluated")
-    add("--sharded", action="store_true", help="evaluate under fully_shard (lockstep loop)")
-    add("--torchmetrics", action="store_true", help="also evaluate with torchmetrics' MeanMetric")
-    add("--seed", type=int, default=defaults.seed, help="model init seed")
-    return parser
+    return config_parser(EvalConfig, prog="python -m recipes.evaluation", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser()
-    cfg = EvalConfig(**vars(parser.parse_args(argv)))
-    for name in ("seq_len", "batch_size", "max_windows"):
-        if getattr(cfg, name) < 1:
-            parser.exit(2, f"error: --{name.replace('_', '-')} must be at least 1\n")
-    try:
+    cfg = parse_config(make_parser(), EvalConfig, argv)
+    with exit_on_bad_input():  # a val split too short for the ranks: one line from rank 0
         result = run(cfg)
-    except ValueError as exc:  # e.g. fewer windows than ranks under --sharded
-        parser.exit(2, f"error: {exc}\n")
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"config": asdict(cfg), **result}))
 

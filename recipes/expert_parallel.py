@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.expert_parallel
     python -m recipes.expert_parallel                   # a world of 1: every expert on one rank
 
-Copy with it: recipes/toy.py, recipes/dist_setup.py
+Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/options.py (the command line, from
+the config).
 
 Every block's MLP becomes a mixture of experts (MoE): a router scores each token against E experts
 (each an MLP), the token goes to its top-k, and their outputs are summed with the router's
@@ -32,7 +33,7 @@ MoE output is zero, the residual carries them) and counted in ``dropped_tokens``
 ``train`` returns an ``EPRun``: the loss of each step (the global batch's, aux loss included), the
 aux loss of each step, and of the last step ``tokens_per_expert`` (the assignments the router sent
 to each expert of each layer, over the whole batch, before any drop) and ``dropped_tokens``. Rank 0
-prints one line per step. Proven by tests/test_expert_parallel.py on gloo (torch 2.13): outputs,
+prints one line per step. Proven by tests/test_expert_parallel.py on gloo: outputs,
 input, router and expert gradients and the token counts equal the one-process MoE; training
 equals one process.
 """
@@ -41,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -50,26 +49,59 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class EPConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    num_experts: int = 4  # experts per MoE layer, placed evenly on the ranks
-    top_k: int = 2  # experts each token is routed to
-    capacity_factor: float = math.inf  # inf: no token is dropped (exact parity)
-    aux_loss_coef: float = 0.01  # weight of the load-balancing loss
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA)",
+        choices=["auto", "fp32", "tf32", "bf16"],
+    )
+    num_experts: int = option(4, "experts per MoE layer, placed evenly on the ranks", at_least=1)
+    top_k: int = option(2, "experts each token is routed to", at_least=1)
+    # inf on purpose: no token is dropped, so EP is exactly the one-process MoE
+    capacity_factor: float = option(
+        math.inf,
+        "inf: no token is dropped (exact parity); c > 0: an expert takes at most "
+        "ceil(c * tokens * top_k / experts) of a rank's tokens",
+        above=0,
+        finite=False,
+    )
+    aux_loss_coef: float = option(
+        0.01, "weight of the load-balancing loss E * sum_e f_e * P_e", at_least=0
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        if not self.capacity_factor > 0:  # nan too; first, with why 0 is refused
+            raise ExpertParallelError(capacity_problem(self.capacity_factor))
+        check_options(self)  # the ranges and choices above: one line each
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} > num_experts={self.num_experts}: a token needs "
+                f"top_k different experts; use --top-k {self.num_experts} or less"
+            )
 
 
 @dataclass
@@ -251,14 +283,6 @@ def build_moe_model(cfg: EPConfig, device: torch.device) -> nn.Module:
 # --8<-- [start:train]
 def train(cfg: EPConfig, observer=None) -> EPRun:
     """Train on this process's rank; returns the losses (every rank) and the router's counts."""
-    # Checked before joining: every rank refuses at once, with one line
-    if not cfg.capacity_factor > 0:  # nan too
-        raise ExpertParallelError(capacity_problem(cfg.capacity_factor))
-    if cfg.top_k > cfg.num_experts:
-        raise ValueError(
-            f"top_k={cfg.top_k} > num_experts={cfg.num_experts}: a token needs "
-            f"top_k different experts; use --top-k {cfg.num_experts} or less"
-        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
         device, rank, world_size = world.device, world.rank, world.world_size
@@ -368,114 +392,15 @@ def train(cfg: EPConfig, observer=None) -> EPRun:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = EPConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.expert_parallel",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA)",
-    )
-    add(
-        "--num-experts",
-        type=_number(int, at_least=1),
-        default=defaults.num_experts,
-        help="experts per MoE layer, placed evenly on the ranks",
-    )
-    add(
-        "--top-k",
-        type=_number(int, at_least=1),
-        default=defaults.top_k,
-        help="experts each token is routed to",
-    )
-    # a float, inf included: the check (> 0, with why 0 is refused) is train's, in one line
-    add(
-        "--capacity-factor",
-        type=float,
-        default=defaults.capacity_factor,
-        help="inf: no token is dropped (exact parity); c > 0: an expert takes at most "
-        "ceil(c * tokens * top_k / experts) of a rank's tokens",
-    )
-    add(
-        "--aux-loss-coef",
-        type=_number(float, at_least=0),
-        default=defaults.aux_loss_coef,
-        help="weight of the load-balancing loss E * sum_e f_e * P_e",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(EPConfig, prog="python -m recipes.expert_parallel", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = EPConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), EPConfig, argv)
+    with exit_on_bad_input():  # experts that do not split evenly: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (experts that do not split evenly)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

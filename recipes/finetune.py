@@ -5,7 +5,8 @@
     python -m recipes.finetune --arch gpt2 --mode lora --lora-rank 8   # tiny Hugging Face GPT-2
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
-leave the world), recipes/parallelize.py (``apply_fully_shard``).
+leave the world), recipes/parallelize.py (``apply_fully_shard``), recipes/options.py (the command
+line, from the config).
 
 The functions to copy take YOUR model and are told what they need: ``add_lora(model, targets=...,
 rank=..., alpha=...)`` wraps the modules whose names match the patterns (or a predicate) in a
@@ -31,7 +32,6 @@ import argparse
 import fnmatch
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,11 +41,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import apply_fully_shard
 from recipes.toy import MODEL_PRESETS, Block, ModelConfig, build_model, lm_loss, make_dataset
 
@@ -60,44 +62,64 @@ class TuningError(ValueError):
 
 @dataclass
 class FinetuneConfig:
-    arch: str = "cookbook"  # cookbook (recipes/toy.py's model, size: model) | gpt2 | llama
-    model: str = "tiny"  # a key of MODEL_PRESETS, for arch cookbook
-    mode: str = "lora"  # what trains: full | head | partial (last_k blocks + head) | lora
-    strategy: str = "ddp"  # ddp | fully_shard
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights, adapters and data order on every rank
-    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU; fp32 | tf32 | bf16 | fp16
-    last_k: int = 1  # partial: how many of the last blocks train (with the head)
-    lora_rank: int = 4  # LoRA: the rank r of each adapter (A: r x in, B: out x r)
-    lora_alpha: float = 8.0  # LoRA: the update is scaled by alpha / rank
-    lora_targets: str = ""  # comma-separated fnmatch patterns; "": the ready-made ones for arch
-    checkpoint_dir: str = ""  # rank 0 writes trainable.pt (and merged.pt for LoRA) here
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    arch: str = option(
+        "cookbook",
+        "cookbook = recipes/toy.py's TransformerLM (size: --model); gpt2 / llama = tiny "
+        "Hugging Face models built from config (needs transformers)",
+        choices=["cookbook", "gpt2", "llama"],
+    )
+    model: str = option("tiny", "model size, for --arch cookbook", choices=sorted(MODEL_PRESETS))
+    mode: str = option(
+        "lora",
+        "what trains: everything, the head, the last --last-k blocks + head, or adapters",
+        choices=MODES,
+    )
+    strategy: str = option("ddp", "how the ranks share the work", choices=["ddp", "fully_shard"])
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights, adapters and data order on every rank
+    seed: int = option(
+        0, "model init, adapters and data order; the same losses on any world size", at_least=0
+    )
+    # no fp16: its loss scaler is recipes/amp.py's lesson
+    precision: str = option(
+        "auto",
+        "auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 matmuls (CUDA); "
+        "bf16: mixed precision",
+        choices=["auto", "fp32", "tf32", "bf16"],
+    )
+    last_k: int = option(
+        1, "partial: how many of the last blocks train (with the head)", at_least=1
+    )
+    lora_rank: int = option(
+        4, "LoRA: the rank r of each adapter (A: r x in, B: out x r)", at_least=1
+    )
+    lora_alpha: float = option(8.0, "LoRA: the update is scaled by alpha / rank", above=0)
+    lora_targets: str = option(
+        "",
+        "LoRA: comma-separated fnmatch patterns of module names, e.g. '*.attn.wq,*.attn.wv'; "
+        "empty = the ready-made ones for --arch",
+    )
+    checkpoint_dir: str = option("", "rank 0 writes trainable.pt (and merged.pt for LoRA) here")
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
 
     def __post_init__(self) -> None:  # built from Python too: refused here, before any work
-        for name, least in (
-            ("steps", 1),
-            ("global_batch_size", 1),
-            ("last_k", 1),
-            ("lora_rank", 1),
-            ("seed", 0),
-        ):
-            if getattr(self, name) < least:
-                raise TuningError(f"{name} must be >= {least}, got {getattr(self, name)}")
-        for name, valid in (
-            ("arch", ("cookbook", "gpt2", "llama")),
-            ("mode", MODES),
-            ("strategy", ("ddp", "fully_shard")),
-            ("precision", ("auto", "fp32", "tf32", "bf16", "fp16")),
-        ):
-            if getattr(self, name) not in valid:
-                raise TuningError(f"{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
-        for name in ("lr", "lora_alpha", "timeout_s"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise TuningError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        check_options(self)  # the ranges and choices above: one line each
+        if self.lora_targets and self.mode != "lora":
+            raise TuningError(
+                f"lora_targets={self.lora_targets!r} applies to mode lora, and mode is "
+                f"{self.mode}; drop --lora-targets or use --mode lora"
+            )
+        if self.checkpoint_dir:  # a file in the way fails now, not in makedirs after training
+            check_checkpoint_dir(self.checkpoint_dir)
 
 
 # --8<-- [start:targets]
@@ -408,8 +430,6 @@ def check_checkpoint_dir(path: str) -> None:
 # --8<-- [start:train]
 def train(cfg: FinetuneConfig, observer=None) -> list[float]:
     """Fine-tune on this process's rank; returns the global batch's loss of each step."""
-    if cfg.checkpoint_dir:  # before joining: every rank refuses at once
-        check_checkpoint_dir(cfg.checkpoint_dir)
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
         rank, world_size, device = world.rank, world.world_size, world.device
@@ -420,7 +440,7 @@ def train(cfg: FinetuneConfig, observer=None) -> list[float]:
             )
         per_rank_batch = cfg.global_batch_size // world_size
         precision = resolve_precision(cfg.precision, device)
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        low = {"bf16": torch.bfloat16}.get(precision)
         mesh = (
             init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
             if cfg.strategy == "fully_shard"
@@ -460,8 +480,6 @@ def train(cfg: FinetuneConfig, observer=None) -> list[float]:
             dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
         )
         loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
-        # fp16 only: a loss scaler (5 exponent bits flush small gradients to zero)
-        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         autocast = low is not None and cfg.strategy == "ddp"  # fully_shard casts by its policy
 
         losses, step, epoch = [], 0, 0
@@ -476,9 +494,8 @@ def train(cfg: FinetuneConfig, observer=None) -> list[float]:
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=low or torch.float32, enabled=autocast):
                     loss = lm_loss(logits_of(wrapped(inputs)), targets)  # this rank's mean
-                scaler.scale(loss).backward()  # frozen parameters: no gradient, no reduction
-                scaler.step(optimizer)  # only the trainable parameters move
-                scaler.update()
+                loss.backward()  # frozen parameters: no gradient, no reduction
+                optimizer.step()  # only the trainable parameters move
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
                 global_loss = loss.detach().float().clone()
                 dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -526,123 +543,15 @@ def save_checkpoint(cfg: FinetuneConfig, state: dict[str, torch.Tensor], trainab
 # --8<-- [end:save]
 
 
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = FinetuneConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.finetune",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add(
-        "--arch",
-        choices=["cookbook", "gpt2", "llama"],
-        default=defaults.arch,
-        help="cookbook = recipes/toy.py's TransformerLM (size: --model); gpt2 / llama = tiny "
-        "Hugging Face models built from config (needs transformers)",
-    )
-    add(
-        "--model",
-        choices=sorted(MODEL_PRESETS),
-        default=defaults.model,
-        help="model size, for --arch cookbook",
-    )
-    add(
-        "--mode",
-        choices=MODES,
-        default=defaults.mode,
-        help="what trains: everything, the head, the last --last-k blocks + head, or adapters",
-    )
-    add(
-        "--strategy",
-        choices=["ddp", "fully_shard"],
-        default=defaults.strategy,
-        help="how the ranks share the work",
-    )
-    add("--steps", type=int, default=defaults.steps, help="optimizer steps (>= 1)")
-    add(
-        "--global-batch-size",
-        type=int,
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=float, default=defaults.lr, help="AdamW's (> 0)")
-    add(
-        "--seed",
-        type=int,
-        default=defaults.seed,
-        help="model init, adapters and data order; the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: mixed precision (fp16 with a loss scaler)",
-    )
-    add(
-        "--last-k",
-        type=int,
-        default=defaults.last_k,
-        help="partial: how many of the last blocks train (with the head)",
-    )
-    add(
-        "--lora-rank",
-        type=int,
-        default=defaults.lora_rank,
-        help="LoRA: the rank r of each adapter (A: r x in, B: out x r)",
-    )
-    add(
-        "--lora-alpha",
-        type=float,
-        default=defaults.lora_alpha,
-        help="LoRA: the update is scaled by alpha / rank",
-    )
-    add(
-        "--lora-targets",
-        default=defaults.lora_targets,
-        help="LoRA: comma-separated fnmatch patterns of module names, e.g. '*.attn.wq,*.attn.wv'; "
-        "empty = the ready-made ones for --arch",
-    )
-    add(
-        "--checkpoint-dir",
-        default=defaults.checkpoint_dir,
-        help="rank 0 writes trainable.pt (and merged.pt for LoRA) here",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=float,
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(FinetuneConfig, prog="python -m recipes.finetune", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
-    try:
-        train(FinetuneConfig(**vars(args)))
-    except ValueError as exc:  # bad input every rank sees (a target that matches nothing)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg = parse_config(make_parser(), FinetuneConfig, argv)
+    with exit_on_bad_input():  # a target that matches nothing: one line from rank 0, exit 2
+        train(cfg)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     torchrun --standalone --nproc_per_node=8 -m recipes.float8 --model 100m --steps 20 --compile
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
-leave the world), recipes/parallelize.py (``apply_fully_shard``, the part that shards).
+leave the world), recipes/parallelize.py (``apply_fully_shard``, the part that shards),
+recipes/options.py (the command line, from the config).
 
 Needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell: float8 tensor
 cores) and torchao (``pip install -e ".[float8]"``). Anywhere else it refuses in one line
@@ -52,19 +53,18 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import DistInfo, cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import apply_fully_shard
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
@@ -76,16 +76,32 @@ MIN_TORCHAO = (0, 10)
 class Float8Config:
     # 100m: dims that are multiples of 16 (the tiny preset's 32-wide linears are too small for
     # float8 to pay off, and a speed comparison on them would measure launch overhead).
-    model: str = "100m"  # a key of MODEL_PRESETS
-    steps: int = 10  # optimizer steps of each run (bf16, then float8)
-    global_batch_size: int = 16  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order in both runs, on every rank
-    loss_rtol: float = 0.05  # float8's loss must be within this fraction of bf16's, each step
-    compile: bool = False
-    compile_backend: str = "inductor"
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank (float8 needs it)
-    timeout_s: float = 300.0
+    model: str = option("100m", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(10, "optimizer steps of each run (bf16, then float8)", at_least=2)
+    global_batch_size: int = option(
+        16, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order in both runs, on every rank
+    seed: int = option(0, "model init and data order, the same in both runs", at_least=0)
+    loss_rtol: float = option(
+        0.05, "float8 loss must be within this fraction of bf16's, each step", above=0
+    )
+    compile: bool = option(
+        False, "torch.compile each transformer block before sharding (fuses float8's scaling)"
+    )
+    compile_backend: str = option(
+        "inductor", "torch.compile's backend", choices=["inductor", "aot_eager", "eager"]
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank (float8 needs nccl)",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
 
 
 @dataclass
@@ -254,94 +270,15 @@ def train(cfg: Float8Config, observer=None) -> Float8Run:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = Float8Config()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.float8",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add(
-        "--steps",
-        type=_number(int, at_least=2),
-        default=defaults.steps,
-        help="optimizer steps of each run (bf16, then float8)",
-    )
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order, the same in both runs",
-    )
-    add(
-        "--loss-rtol",
-        type=_number(float, above=0),
-        default=defaults.loss_rtol,
-        help="float8 loss must be within this fraction of bf16's, each step",
-    )
-    add(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compile,
-        help="torch.compile each transformer block before sharding (fuses float8's scaling)",
-    )
-    add(
-        "--compile-backend",
-        choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend,
-        help="torch.compile's backend; inductor is the fast one",
-    )
-    add(
-        "--backend",
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank (float8 needs nccl)",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(Float8Config, prog="python -m recipes.float8", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = Float8Config(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), Float8Config, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # float8 cannot run here, or bad input every rank sees
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ r"""Classic FSDP (FullyShardedDataParallel): ZeRO-3, ZeRO-2, DDP-like, hybrid; e
     python -m recipes.fsdp                              # a world of 1: no torchrun needed
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
-leave the world), recipes/parallelize.py (``apply_fsdp``, the part that wraps).
+leave the world), recipes/parallelize.py (``check_units``, ``tied_modules``: the wrap policy's
+checks), recipes/options.py (the command line, from the config). recipes/parallelize.py's
+``apply_fsdp`` makes the same ``FullyShardedDataParallel`` call for code that composes.
 
 Each rank keeps 1/N of the parameters, gradients and AdamW state (``full``); FSDP all-gathers a
 wrapped unit's parameters just before its forward and backward and reduce-scatters its gradients
@@ -22,16 +24,12 @@ NO_SHARD (DDP-like, deprecated by torch in favour of DDP); ``hybrid`` = HYBRID_S
 node, replicate across nodes: a 2-D mesh ("replicate", "shard") of nodes x ``--ranks-per-node``).
 
 Speed: ``--precision auto`` (bf16 on a GPU) is FSDP's own ``MixedPrecision`` (bf16 compute and
-buffers, fp32 reduction), AdamW is fused on CUDA. On one H200 (100m, torch 2.11, a world of 1, where
-FSDP switches itself to NO_SHARD) a step ran 62.9 ms at batch 64 against the bare bf16 loop's 67.4,
-and 65.5 against 37.1 ms at batch 32 (scripts/bench.py), where issuing a step took ~72 ms of CPU in
-a profiled probe.
+buffers, fp32 reduction), AdamW is fused on CUDA (results/bench/ has the measured steps).
 
 New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing
 training code uses, so its options and pitfalls are shown here. Pitfalls named where they bite: fp16
 needs ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds unsharded gradients;
-the optimizer is built after wrapping; activation checkpointing goes inside the FSDP unit
-(``apply_fsdp``).
+the optimizer is built after wrapping; activation checkpointing goes inside the FSDP unit.
 """
 
 from __future__ import annotations
@@ -39,52 +37,131 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
-from recipes.parallelize import FSDPWrapError, apply_fsdp  # noqa: F401  (FSDPWrapError: re-export)
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
+from recipes.parallelize import check_units, tied_modules
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class FSDPConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU; fp16 adds a loss scaler
-    sharding_strategy: str = "full"  # full, shard_grad_op, no_shard, hybrid (see STRATEGIES)
-    ranks_per_node: int = 0  # hybrid: size of each shard group; 0 = LOCAL_WORLD_SIZE
-    wrap_policy: str = "block"  # block, size, module, none (see wrap_policy_for)
-    min_num_params: int = 10_000  # the size policy's threshold
-    cpu_offload: bool = False  # sharded parameters and gradients in host memory (needs a GPU)
-    backward_prefetch: str = "pre"  # pre, post, none (see PREFETCH)
-    forward_prefetch: bool = False
-    limit_all_gathers: bool = True
-    sync_module_states: bool = True  # broadcast rank 0's parameters at wrap time
-    activation_checkpointing: bool = False
-    micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step
-    accumulation: str = "sync"  # sync: reduce-scatter every micro-batch; no_sync: the last only
-    max_grad_norm: float = 0.0  # clip the total gradient norm to this (0: no clipping)
-    grad_scaler: str = "sharded"  # fp16: sharded (right) or amp (the pitfall, kept to show it)
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 matmuls (CUDA); "
+        "bf16/fp16: FSDP's MixedPrecision (fp16 with a scaler)",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    )
+    sharding_strategy: str = option(
+        "full",
+        "full = ZeRO-3, shard_grad_op = ZeRO-2, no_shard = DDP-like, hybrid = shard inside a "
+        "node, replicate across nodes",
+        choices=["full", "shard_grad_op", "no_shard", "hybrid"],
+    )
+    ranks_per_node: int = option(
+        0, "hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE", at_least=0
+    )
+    wrap_policy: str = option(
+        "block",
+        "FSDP units: block = one per transformer Block, size = by --min-num-params, module = "
+        "Blocks and Embeddings, none = the whole model is one unit (no overlap, full-size "
+        "all-gathers)",
+        choices=["block", "size", "module", "none"],
+    )
+    min_num_params: int = option(
+        10_000,
+        "size policy: wrap a submodule once it has at least this many parameters",
+        at_least=1,
+    )
+    cpu_offload: bool = option(
+        False, "keep the sharded parameters and gradients in host memory; AdamW runs on CPU"
+    )
+    backward_prefetch: str = option(
+        "pre",
+        "when to all-gather the next unit in backward: pre = before this unit's gradient "
+        "(most overlap)",
+        choices=["pre", "post", "none"],
+    )
+    forward_prefetch: bool = option(
+        False, "all-gather the next unit before this one's forward (CPU-bound models)"
+    )
+    limit_all_gathers: bool = option(
+        True, "rate-limit all-gathers so prefetching cannot grow GPU memory unbounded"
+    )
+    sync_module_states: bool = option(
+        True, "broadcast rank 0's parameters at wrap time (ranks need not init equally)"
+    )
+    activation_checkpointing: bool = option(
+        False, "recompute each Block's activations in backward (non-reentrant)"
+    )
+    micro_batches: int = option(
+        1, "gradient accumulation: micro-batches per optimizer step", at_least=1
+    )
+    accumulation: str = option(
+        "sync",
+        "sync = reduce-scatter every micro-batch (gradients stay sharded); no_sync = "
+        "communicate on the last one only (every rank holds unsharded gradients: N x the memory)",
+        choices=["sync", "no_sync"],
+    )
+    max_grad_norm: float = option(
+        0.0, "clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)", at_least=0
+    )
+    grad_scaler: str = option(
+        "sharded",
+        "fp16 only: sharded = ShardedGradScaler (right); amp = torch.amp.GradScaler (wrong "
+        "under FSDP: an inf in one rank's shard is not seen by the others; kept to show the "
+        "pitfall)",
+        choices=["sharded", "amp"],
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.cpu_offload and not torch.cuda.is_available():
+            raise ValueError(
+                "cpu_offload needs a GPU: FSDP pins host memory for the copies to and from the "
+                "device; on a CPU-only world the parameters already live in host memory: drop "
+                "--cpu-offload"
+            )
 
 
-# The command line's names for torch's enums; apply_fsdp itself takes the enums.
+# The command line's names for torch's enums.
 STRATEGIES = {
     "full": ShardingStrategy.FULL_SHARD,
     "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
@@ -153,8 +230,6 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
     policy = wrap_policy_for(
         cfg.wrap_policy, block_types=(Block,), min_num_params=cfg.min_num_params
     )
-    if cfg.micro_batches < 1:  # before joining: every rank refuses alike
-        raise ValueError(f"micro_batches={cfg.micro_batches}: use 1 or more")
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         device, parts = world.device, world.world_size * cfg.micro_batches
@@ -166,11 +241,14 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
                 f"{world.world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
                 f"{lower + parts}"
             )
-        mesh = (
-            hybrid_mesh(world.world_size, cfg.ranks_per_node, device.type)
-            if cfg.sharding_strategy == "hybrid"
-            else None
-        )
+        strategy, mesh = STRATEGIES[cfg.sharding_strategy], None
+        if cfg.sharding_strategy == "hybrid":
+            mesh = hybrid_mesh(world.world_size, cfg.ranks_per_node, device.type)
+            if mesh.size(1) == 1:
+                # Pitfall (torch's FSDP, seen on 2.13): with one rank per shard group FSDP clamps
+                # the group to NO_SHARD and never all-reduces across the replicas: each rank
+                # trains on its own gradient. One rank per node is NO_SHARD over the whole world.
+                strategy, mesh = ShardingStrategy.NO_SHARD, None
         precision = resolve_precision(cfg.precision, device)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         rank, world_size, use_cuda = world.rank, world.world_size, device.type == "cuda"
@@ -185,10 +263,17 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
 
         # --8<-- [start:loop]
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        model = apply_fsdp(
+        if cfg.sync_module_states and not use_cuda:
+            # FSDP's own sync_module_states broadcasts on the accelerator and refuses CPU
+            # tensors: on a CPU-only world, broadcast rank 0's parameters and buffers by hand.
+            with torch.no_grad():
+                for tensor in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(tensor, src=0)
+        tied = tied_modules(model)  # before wrapping: FSDP flattens them away
+        model = FullyShardedDataParallel(
             model,
-            auto_wrap_policy=policy,
-            sharding_strategy=STRATEGIES[cfg.sharding_strategy],
+            sharding_strategy=strategy,
+            auto_wrap_policy=policy,  # one FSDP unit per module it picks, the root takes the rest
             # bf16/fp16: compute (and keep buffers) in it, reduce gradients in fp32: a sum over
             # many ranks in bf16 loses bits. fp32: None, everything in the parameters' fp32.
             mixed_precision=MixedPrecision(
@@ -200,11 +285,25 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
             backward_prefetch=PREFETCH[cfg.backward_prefetch],
             forward_prefetch=cfg.forward_prefetch,
             limit_all_gathers=cfg.limit_all_gathers,
-            sync_module_states=cfg.sync_module_states,
-            checkpoint_block_types=(Block,) if cfg.activation_checkpointing else (),
-            device=device,
-            mesh=mesh,
+            sync_module_states=cfg.sync_module_states and use_cuda,
+            # use_orig_params: parameters keep their names and shapes for the optimizer and for
+            # torch.compile; gradients are views into the flat shard.
+            use_orig_params=True,
+            device_id=device,  # Pitfall: without it FSDP refuses a CPU-only host
+            device_mesh=mesh,
         )
+        check_units(model, policy, tied)  # a policy that wraps nothing, or splits a tied weight
+        if cfg.activation_checkpointing:
+            # Order: wrap with FSDP FIRST, then checkpoint, so each unit is
+            # FSDP(CheckpointWrapper(Block)): the recomputation runs inside the unit while its
+            # parameters are all-gathered. Non-reentrant: FSDP's hooks expect no nested backward.
+            apply_activation_checkpointing(
+                model,
+                check_fn=lambda module: isinstance(module, Block),
+                checkpoint_wrapper_fn=functools.partial(
+                    checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+                ),
+            )
         # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the
         # originals.
         optimizer = torch.optim.AdamW(
@@ -285,180 +384,15 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = FSDPConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.fsdp",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    flag = argparse.BooleanOptionalAction
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: FSDP's MixedPrecision (fp16 with a scaler)",
-    )
-    add(
-        "--sharding-strategy",
-        choices=list(STRATEGIES),
-        default=defaults.sharding_strategy,
-        help="full = ZeRO-3, shard_grad_op = ZeRO-2, no_shard = DDP-like, hybrid = shard inside "
-        "a node, replicate across nodes",
-    )
-    add(
-        "--ranks-per-node",
-        type=_number(int, at_least=0),
-        default=defaults.ranks_per_node,
-        help="hybrid: size of each shard group (a 'node'); 0 = LOCAL_WORLD_SIZE",
-    )
-    add(
-        "--wrap-policy",
-        choices=WRAP_POLICIES,
-        default=defaults.wrap_policy,
-        help="FSDP units: block = one per transformer Block, size = by --min-num-params, "
-        "module = Blocks and Embeddings, none = the whole model is one unit (no overlap, "
-        "full-size all-gathers)",
-    )
-    add(
-        "--min-num-params",
-        type=_number(int, at_least=1),
-        default=defaults.min_num_params,
-        help="size policy: wrap a submodule once it has at least this many parameters",
-    )
-    add(
-        "--cpu-offload",
-        action=flag,
-        default=defaults.cpu_offload,
-        help="keep the sharded parameters and gradients in host memory; AdamW runs on CPU",
-    )
-    add(
-        "--backward-prefetch",
-        choices=list(PREFETCH),
-        default=defaults.backward_prefetch,
-        help="when to all-gather the next unit in backward: pre = before this unit's gradient "
-        "(most overlap)",
-    )
-    add(
-        "--forward-prefetch",
-        action=flag,
-        default=defaults.forward_prefetch,
-        help="all-gather the next unit before this one's forward (CPU-bound models)",
-    )
-    add(
-        "--limit-all-gathers",
-        action=flag,
-        default=defaults.limit_all_gathers,
-        help="rate-limit all-gathers so prefetching cannot grow GPU memory unbounded",
-    )
-    add(
-        "--sync-module-states",
-        action=flag,
-        default=defaults.sync_module_states,
-        help="broadcast rank 0's parameters at wrap time (ranks need not init equally)",
-    )
-    add(
-        "--activation-checkpointing",
-        action=flag,
-        default=defaults.activation_checkpointing,
-        help="recompute each Block's activations in backward (non-reentrant)",
-    )
-    add(
-        "--micro-batches",
-        type=_number(int, at_least=1),
-        default=defaults.micro_batches,
-        help="gradient accumulation: micro-batches per optimizer step",
-    )
-    add(
-        "--accumulation",
-        choices=["sync", "no_sync"],
-        default=defaults.accumulation,
-        help="sync = reduce-scatter every micro-batch (gradients stay sharded); no_sync = "
-        "communicate on the last one only (every rank holds unsharded gradients: N x the memory)",
-    )
-    add(
-        "--max-grad-norm",
-        type=_number(float, at_least=0),
-        default=defaults.max_grad_norm,
-        help="clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)",
-    )
-    add(
-        "--grad-scaler",
-        choices=["sharded", "amp"],
-        default=defaults.grad_scaler,
-        help="fp16 only: sharded = ShardedGradScaler (right); amp = torch.amp.GradScaler (wrong "
-        "under FSDP: an inf in one rank's shard is not seen by the others; kept to show the "
-        "pitfall)",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(FSDPConfig, prog="python -m recipes.fsdp", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = FSDPConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), FSDPConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a mesh or batch that does not divide)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

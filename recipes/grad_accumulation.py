@@ -4,7 +4,7 @@
     python -m recipes.grad_accumulation --no-use-no-sync     # the naive loop: k all-reduces a step
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
-leave the world).
+leave the world), recipes/options.py (the command line, from the config).
 
 Each rank runs ``micro_batches`` forward/backward passes of
 global_batch_size / (world_size * micro_batches) sequences and then one optimizer step. DDP
@@ -32,58 +32,54 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import os
-import re
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class GradAccumulationConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    micro_batches: int = 2  # forward/backward passes per optimizer step on each rank
-    use_no_sync: bool = True  # the point of this recipe; False: the naive loop
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks and micro-batches", at_least=1
+    )
+    micro_batches: int = option(
+        2, "forward/backward passes per optimizer step on each rank", at_least=1
+    )
+    use_no_sync: bool = option(
+        True, "skip the all-reduce on all but the last micro-batch (the point of this recipe)"
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+        choices=["auto", "fp32", "bf16"],
+    )
+    backend: str = option(
+        "auto",
+        "process-group backend; auto: nccl with a GPU per local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
 
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """auto -> bf16 on a GPU that has it, else fp32. Sets the fp32 matmul mode on CUDA: TF32 for
-    ``tf32`` only (a process-wide switch: set on every run, never inherited from an earlier one)."""
-    on_cuda = device.type == "cuda"
-    if requested == "auto":
-        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if requested == "tf32" and not on_cuda:
-        raise ValueError(
-            f"--precision tf32 is a CUDA matmul mode and this run is on "
-            f"{device.type}; use --precision fp32 (or bf16)"
-        )
-    if on_cuda:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32"
-        )
-    return requested
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
 
 
 # --8<-- [start:train]
 def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
-    if cfg.micro_batches < 1:  # before joining: no rank waits for one that refused
-        raise ValueError(f"micro_batches must be >= 1, got {cfg.micro_batches}")
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         rank, world_size, device = world.rank, world.world_size, world.device
@@ -98,8 +94,11 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
                 f"{lower + parts}"
             )
         micro_batch = cfg.global_batch_size // parts
-        precision = resolve_precision(cfg.precision, device)
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        bf16 = cfg.precision == "bf16" or (
+            cfg.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported()
+        )
+        if use_cuda and not bf16:  # fp32 means fp32: no TF32 matmuls (a process-wide switch)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
         # --8<-- [start:loop]
         # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
@@ -111,9 +110,6 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
         )  # one kernel on CUDA
         if observer:
             observer.model_ready(ddp_model, optimizer)
-        # fp16: scale every micro-batch's loss, unscale and step once (a disabled one passes
-        # everything through)
-        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -152,16 +148,13 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
                         else contextlib.nullcontext()
                     )
                     with sync:
-                        with torch.autocast(
-                            device.type, dtype=low or torch.float32, enabled=low is not None
-                        ):
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                             loss = lm_loss(ddp_model(x), y)  # this micro-batch's mean
                         # Pitfall: divided by k, the sum of k means is the mean of the whole step
                         loss = loss / cfg.micro_batches
-                        scaler.scale(loss).backward()
+                        loss.backward()
                     step_loss += loss.detach()
-                scaler.step(optimizer)  # optimizer.step() on the accumulated, averaged gradient
-                scaler.update()
+                optimizer.step()  # once, on the accumulated, averaged gradient
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
                 global_loss = step_loss.float().clone()
                 dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -181,111 +174,17 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else what is valid (one line, see below)."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-    what = "a finite number " if kind is float else ""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            noun = "a number" if kind is float else "an integer"
-            raise argparse.ArgumentTypeError(f"must be {noun}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be {what}{bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse prints its usage first: here one line, exit 2
-        # "argument --lr: must be ..." reads "lr must be ...": the option, then what is valid
-        message = re.sub(
-            r"^argument --([\w-]+): (?=must be)", lambda m: m[1].replace("-", "_") + " ", message
-        )
-        self.exit(2, f"error: {message}\n")
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = GradAccumulationConfig()
-    parser = OneLineParser(
-        prog="python -m recipes.grad_accumulation",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
+    return config_parser(
+        GradAccumulationConfig, prog="python -m recipes.grad_accumulation", doc=__doc__
     )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks and micro-batches",
-    )
-    add(
-        "--micro-batches",
-        type=_number(int, at_least=1),
-        default=defaults.micro_batches,
-        help="forward/backward passes per optimizer step on each rank",
-    )
-    add(
-        "--use-no-sync",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.use_no_sync,
-        help="skip the all-reduce on all but the last micro-batch (the point of this recipe)",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact "
-        "(TF32 off); tf32: TF32 matmuls (CUDA); fp16: autocast with a loss scaler",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = GradAccumulationConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), GradAccumulationConfig, argv)
+    with exit_on_bad_input():  # a batch that does not divide: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a batch that does not divide)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

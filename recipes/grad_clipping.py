@@ -7,7 +7,8 @@
     python -m recipes.grad_clipping --layout single       # the one-process reference
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
-leave the world), recipes/parallelize.py (``apply_fully_shard``, ``checked_mesh``).
+leave the world), recipes/parallelize.py (``apply_fully_shard``, ``checked_mesh``),
+recipes/options.py (the command line, from the config).
 
 Clipping scales every gradient by ``max_norm / total_norm``, where the total is the norm of ALL the
 model's gradients. Once the gradients are split over ranks, no rank sees them all:
@@ -41,21 +42,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import apply_fully_shard, checked_mesh
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
@@ -76,19 +77,51 @@ CLIPS = ("across", "torch", "local_shards")  # torch and local_shards: the pitfa
 
 @dataclass
 class GradClippingConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    layout: str = "fsdp"  # a key of LAYOUTS: how the model is split over the ranks
-    # one size per dim of the layout (product = world size); empty: 2 for each dim but dp
-    mesh: list[int] = field(default_factory=list)
-    max_grad_norm: float = 0.05  # clip the total gradient norm to this
-    clip: str = "across"  # across: clip_grad_norm_across; torch, local_shards: the pitfalls
-    steps: int = 2
-    global_batch_size: int = 8  # sequences per optimizer step, summed over all ranks
-    lr: float = 0.5  # SGD's, large: a wrong clip shows in the weights
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: fp32, on a GPU too (the norms are compared exactly)
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    layout: str = option(
+        "fsdp",
+        "how the model is split over the ranks (single: one process, the reference)",
+        choices=list(LAYOUTS),
+    )
+    mesh: tuple[int, ...] = option(
+        (),
+        "mesh sizes, one per dim of the layout (product = world size); none: 2 for each "
+        "dim but dp, which takes the rest",
+    )
+    max_grad_norm: float = option(0.05, "clip the total gradient norm to this", above=0)
+    clip: str = option(
+        "across",
+        "across: clip_grad_norm_across (right on every layout); torch: "
+        "torch.nn.utils.clip_grad_norm_ as is; local_shards: the same on this rank's shards "
+        "(the pitfalls)",
+        choices=list(CLIPS),
+    )
+    steps: int = option(2, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        8, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(
+        0.5, "SGD's learning rate (large: a wrong clip shows in the weights)", above=0
+    )
+    # the same seed -> the same weights and data order on every rank, on any layout
+    seed: int = option(0, "model init and data order", at_least=0)
+    # no bf16: this recipe compares norms exactly
+    precision: str = option(
+        "auto",
+        "auto: fp32, on a GPU too (the norms are compared exactly); tf32: TF32 matmuls (CUDA)",
+        choices=["auto", "fp32", "tf32"],
+    )
+    backend: str = option(
+        "auto",
+        "process-group backend; auto: nccl with a GPU per local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if any(size < 1 for size in self.mesh):
+            raise ValueError(f"mesh sizes must be >= 1, got {list(self.mesh)}; pass one per dim")
 
 
 # --8<-- [start:clip]
@@ -232,15 +265,6 @@ def local_shards(model: nn.Module) -> list[torch.Tensor]:
 # --8<-- [start:train]
 def train(cfg: GradClippingConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
-    if cfg.layout not in LAYOUTS or cfg.clip not in CLIPS:
-        raise ValueError(
-            f"layout {cfg.layout!r} / clip {cfg.clip!r}: use a layout of "
-            f"{', '.join(LAYOUTS)} and a clip of {', '.join(CLIPS)}"
-        )
-    if cfg.precision not in ("auto", "fp32", "tf32"):
-        raise ValueError(
-            f"--precision {cfg.precision}: this recipe compares norms exactly; use fp32 or tf32"
-        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         device, rank, names = world.device, world.rank, LAYOUTS[cfg.layout]
@@ -248,15 +272,15 @@ def train(cfg: GradClippingConfig, observer=None) -> list[float]:
             raise ValueError("layout single is the one-process reference; run it without torchrun")
         if cfg.precision == "tf32" and device.type != "cuda":
             raise ValueError(
-                f"--precision tf32 is a CUDA matmul mode and this run is on "
-                f"{device.type}; use --precision fp32"
+                f"precision tf32 is a CUDA matmul mode and this run is on "
+                f"{device.type}; use precision fp32"
             )
         if device.type == "cuda":  # fp32 means fp32: TF32 only when asked (a process-wide switch)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
                 cfg.precision == "tf32"
             )
         mesh = (
-            checked_mesh(world, cfg.mesh or default_mesh(cfg.layout, world.world_size), names)
+            checked_mesh(world, list(cfg.mesh) or default_mesh(cfg.layout, world.world_size), names)
             if names
             else None
         )
@@ -363,120 +387,15 @@ def train(cfg: GradClippingConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = GradClippingConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.grad_clipping",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add(
-        "--layout",
-        choices=list(LAYOUTS),
-        default=defaults.layout,
-        help="how the model is split over the ranks (single: one process, the reference)",
-    )
-    add(
-        "--mesh",
-        type=_number(int, at_least=1),
-        nargs="*",
-        default=defaults.mesh,
-        help="mesh sizes, one per dim of the layout (product = world size); none: 2 for each "
-        "dim but dp, which takes the rest",
-    )
-    add(
-        "--max-grad-norm",
-        type=_number(float, above=0),
-        default=defaults.max_grad_norm,
-        help="clip the total gradient norm to this",
-    )
-    add(
-        "--clip",
-        choices=CLIPS,
-        default=defaults.clip,
-        help="across: clip_grad_norm_across (right on every layout); torch: "
-        "torch.nn.utils.clip_grad_norm_ as is; local_shards: the same on this rank's shards "
-        "(the pitfalls)",
-    )
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add(
-        "--lr",
-        type=_number(float, above=0),
-        default=defaults.lr,
-        help="SGD's learning rate (large: a wrong clip shows in the weights)",
-    )
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any layout",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32"],
-        default=defaults.precision,
-        help="auto: fp32, on a GPU too (the norms are compared exactly); tf32: TF32 matmuls (CUDA)",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(GradClippingConfig, prog="python -m recipes.grad_clipping", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = GradClippingConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), GradClippingConfig, argv)
+    with exit_on_bad_input():  # a mesh or batch that does not divide: one line from rank 0
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a mesh or batch that does not divide)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     python -m torch.distributed.flight_recorder.fr_trace hang_traces --prefix rank_
     torchrun --standalone --nproc_per_node=2 -m recipes.hang_diagnosis --skip-rank 1 --mode detail
 
-Copy with it: recipes/toy.py (the model and data you replace).
+Copy with it: recipes/toy.py (the model and data you replace), recipes/options.py (the command
+line, from the config).
 
 A data-parallel loop (the shared model; each step all-reduces the gradients, then all-gathers the
 losses) in which ``--skip-rank`` skips one gradient all-reduce on purpose, as a rank does that takes
@@ -41,7 +42,6 @@ import contextlib
 import datetime
 import faulthandler
 import glob
-import math
 import os
 import pickle
 import re
@@ -54,33 +54,71 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class HangConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 4
-    global_batch_size: int = 12  # sequences per step, summed over all ranks
-    skip_rank: int = -1  # this rank skips the gradient all_reduce of skip_step; -1: a clean run
-    skip_step: int = 1
-    mode: str = "flight_recorder"  # or "detail": TORCH_DISTRIBUTED_DEBUG=DETAIL
-    trace_dir: str = "hang_traces"  # each rank writes rank_<r> and stack_<r>.txt here
-    buffer_size: int = 2000  # flight recorder entries kept per rank
-    timeout_s: float = 10.0  # a rank stuck in a collective raises after this long
-    stack_after_s: float = 0.0  # a step longer than this writes every rank's stack; 0: timeout/2
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    seed: int = 0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(4, "optimizer steps of the data-parallel loop", at_least=1)
+    global_batch_size: int = option(12, "sequences per step, summed over all ranks", at_least=1)
+    skip_rank: int = option(
+        -1,
+        "this rank skips the gradient all_reduce of --skip-step on purpose; -1 = none (a "
+        "clean run)",
+        at_least=-1,
+    )
+    skip_step: int = option(1, "the step whose all_reduce --skip-rank skips", at_least=0)
+    mode: str = option(
+        "flight_recorder",
+        "flight_recorder: wait for the timeout, then dump every rank's recorder and find the "
+        "mismatch; detail: TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective first",
+        choices=["flight_recorder", "detail"],
+    )
+    trace_dir: str = option(
+        "hang_traces",
+        "where each rank writes rank_<r> (flight recorder) and stack_<r>.txt (its stack)",
+    )
+    buffer_size: int = option(
+        2000, "flight recorder entries kept per rank (TORCH_FR_BUFFER_SIZE)", at_least=1
+    )
+    timeout_s: float = option(
+        10.0, "collective timeout: a rank stuck in a collective raises after it", above=0
+    )
+    stack_after_s: float = option(
+        0.0,
+        "write every rank's stack when a step runs longer than this; 0 = half of --timeout-s",
+        at_least=0,
+    )
+    backend: str = option(
+        "auto",
+        "process-group backend; auto: nccl with a GPU per local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    seed: int = option(0, "model init and data order", at_least=0)
 
     def __post_init__(self) -> None:
+        check_options(self)  # the ranges and choices above: one line each
         if self.skip_rank >= 0 and self.skip_step >= self.steps:
             # a skip past the last step: a clean run that looks diagnosed
             raise ValueError(
                 f"skip_step={self.skip_step} is never reached: the steps are 0 to "
                 f"{self.steps - 1}; use --skip-step {self.steps - 1} or less, or --steps "
                 f"{self.skip_step + 1} or more"
+            )
+        if os.path.exists(self.trace_dir) and not os.path.isdir(self.trace_dir):
+            raise ValueError(
+                f"trace_dir {self.trace_dir} is a file; name a directory (created if missing)"
+            )
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            # this recipe creates its process group itself (dist_setup would say the same)
+            raise ValueError(
+                "backend nccl needs a CUDA device per rank and there is none; "
+                "use backend gloo (or auto)"
             )
 
 
@@ -242,10 +280,6 @@ def train(cfg: HangConfig, observer=None) -> HangRun:
             f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
             f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}"
         )
-    if os.path.exists(cfg.trace_dir) and not os.path.isdir(cfg.trace_dir):  # every rank writes
-        raise ValueError(
-            f"--trace-dir {cfg.trace_dir} is a file; name a directory (created if missing)"
-        )
     try:
         enable_flight_recorder(cfg.trace_dir, cfg.buffer_size)
         if not os.access(cfg.trace_dir, os.W_OK | os.X_OK):
@@ -383,121 +417,15 @@ def diagnose(cfg: HangConfig, rank: int, world_size: int, error: str | None) -> 
     return finding
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = HangConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.hang_diagnosis",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add(
-        "--steps",
-        type=_number(int, at_least=1),
-        default=defaults.steps,
-        help="optimizer steps of the data-parallel loop",
-    )
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per step, summed over all ranks",
-    )
-    add(
-        "--skip-rank",
-        type=_number(int, at_least=-1),
-        default=defaults.skip_rank,
-        help="this rank skips the gradient all_reduce of --skip-step on purpose; -1 = none (a "
-        "clean run)",
-    )
-    add(
-        "--skip-step",
-        type=_number(int, at_least=0),
-        default=defaults.skip_step,
-        help="the step whose all_reduce --skip-rank skips",
-    )
-    add(
-        "--mode",
-        choices=["flight_recorder", "detail"],
-        default=defaults.mode,
-        help="flight_recorder: wait for the timeout, then dump every rank's recorder and find the "
-        "mismatch; detail: TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective first",
-    )
-    add(
-        "--trace-dir",
-        default=defaults.trace_dir,
-        help="where each rank writes rank_<r> (flight recorder) and stack_<r>.txt (its stack)",
-    )
-    add(
-        "--buffer-size",
-        type=_number(int, at_least=1),
-        default=defaults.buffer_size,
-        help="flight recorder entries kept per rank (TORCH_FR_BUFFER_SIZE)",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="collective timeout: a rank stuck in a collective raises after it",
-    )
-    add(
-        "--stack-after-s",
-        type=_number(float, at_least=0),
-        default=defaults.stack_after_s,
-        help="write every rank's stack when a step runs longer than this; 0 = half of --timeout-s",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order",
-    )
-    return parser
+    return config_parser(HangConfig, prog="python -m recipes.hang_diagnosis", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    try:
-        train(HangConfig(**vars(make_parser().parse_args(argv))))
-    except ValueError as exc:  # bad input every rank sees (a skip past the last step)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg = parse_config(make_parser(), HangConfig, argv)
+    with exit_on_bad_input():  # a skip_rank outside the world: one line from rank 0, exit 2
+        train(cfg)
 
 
 if __name__ == "__main__":

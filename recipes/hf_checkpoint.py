@@ -5,7 +5,8 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.hf_checkpoint --hf-dir my_model/  # yours
 
 Copy with it: recipes/toy.py (the data you replace), recipes/dist_setup.py (join and leave the
-world), recipes/parallelize.py (``build_sharded_on_meta``, ``local_slices``).
+world), recipes/parallelize.py (``build_sharded_on_meta``, ``local_slices``), recipes/options.py
+(the command line, from the config).
 
 In: a directory that ``save_pretrained`` wrote (``config.json``, ``model.safetensors`` or several
 files with ``model.safetensors.index.json``) goes into a sharded model without ever being whole on
@@ -39,7 +40,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -53,9 +53,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import build_sharded_on_meta, local_slices
 from recipes.toy import SyntheticTokens, lm_loss
 
@@ -68,17 +70,51 @@ class HFCheckpointError(ValueError):
 
 @dataclass
 class HFCheckpointConfig:
-    model: str = "gpt2"  # gpt2 | llama: the tiny model written first when hf_dir is ""
-    hf_dir: str = ""  # a save_pretrained directory to start from; "": write a tiny one first
-    out_dir: str = "checkpoints/hf_checkpoint"  # initial/, dcp/ (the run's checkpoint), hf/
-    steps: int = 3  # fully_shard training steps between the load and the export
-    global_batch_size: int = 4  # sequences per step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # of the tiny model and of the data
-    max_file_bytes: int = 0  # export into files of at most this many bytes; 0: one file
-    reader: str = "auto"  # auto | torch | safetensors (see the docstring)
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option(
+        "gpt2", "the tiny model written first when --hf-dir is ''", choices=["gpt2", "llama"]
+    )
+    hf_dir: str = option(
+        "", "a save_pretrained directory to start from; '' = write a tiny one first"
+    )
+    out_dir: str = option(
+        "checkpoints/hf_checkpoint",
+        "initial/ (the tiny model), dcp/ (the run's checkpoint) and hf/ go here",
+    )
+    steps: int = option(3, "fully_shard training steps between the load and the export", at_least=0)
+    global_batch_size: int = option(4, "sequences per step, summed over all ranks", at_least=1)
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    seed: int = option(0, "seed of the tiny model and of the data", at_least=0)
+    max_file_bytes: int = option(
+        0,
+        "export into files of at most this many bytes, with an index (0 = one model.safetensors)",
+        at_least=0,
+    )
+    reader: str = option(
+        "auto",
+        "auto = torch's HuggingFaceStorageReader/Writer where it reads slices; safetensors "
+        "= read each shard with get_slice, export from rank 0",
+        choices=["auto", "torch", "safetensors"],
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.hf_dir:
+            given = os.path.realpath(self.hf_dir)
+            for sub in ("hf", "dcp"):  # the run deletes hf/ and writes dcp/: never the input
+                written = os.path.realpath(os.path.join(self.out_dir, sub))
+                if given == written or given.startswith(written + os.sep):
+                    raise HFCheckpointError(
+                        f"hf_dir {self.hf_dir} is inside out_dir's {sub}/, which this run "
+                        "overwrites; copy the model elsewhere or use another --out-dir"
+                    )
+            check_hf_dir(self.hf_dir)  # a file as the folder, a config that does not parse, ...
+        check_out_dir(self.out_dir)
 
 
 @dataclass
@@ -357,7 +393,8 @@ def check_out_dir(out_dir: str) -> None:
 # --8<-- [start:train]
 def train(cfg: HFCheckpointConfig, observer=None) -> HFCheckpointRun:
     """Load (or write a tiny one first), train sharded, save with DCP, export to Hugging Face."""
-    # Bad input fails here, before joining: every rank sees the same files and refuses at once
+    # Checked again before joining (the config checked them when built; files change): every
+    # rank sees the same files and refuses at once
     if cfg.hf_dir:
         check_hf_dir(cfg.hf_dir)
     check_out_dir(cfg.out_dir)
@@ -462,115 +499,15 @@ def train(cfg: HFCheckpointConfig, observer=None) -> HFCheckpointRun:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = HFCheckpointConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.hf_checkpoint",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add(
-        "--model",
-        choices=["gpt2", "llama"],
-        default=defaults.model,
-        help="the tiny model written first when --hf-dir is ''",
-    )
-    add(
-        "--hf-dir",
-        default=defaults.hf_dir,
-        help="a save_pretrained directory to start from; '' = write a tiny one first",
-    )
-    add(
-        "--out-dir",
-        default=defaults.out_dir,
-        help="initial/ (the tiny model), dcp/ (the run's checkpoint) and hf/ go here",
-    )
-    add(
-        "--steps",
-        type=_number(int, at_least=0),
-        default=defaults.steps,
-        help="fully_shard training steps between the load and the export",
-    )
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="seed of the tiny model and of the data",
-    )
-    add(
-        "--max-file-bytes",
-        type=_number(int, at_least=0),
-        default=defaults.max_file_bytes,
-        help="export into files of at most this many bytes, with an index (0 = one "
-        "model.safetensors)",
-    )
-    add(
-        "--reader",
-        choices=["auto", "torch", "safetensors"],
-        default=defaults.reader,
-        help="auto = torch's HuggingFaceStorageReader/Writer where it reads slices; safetensors "
-        "= read each shard with get_slice, export from rank 0",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(HFCheckpointConfig, prog="python -m recipes.hf_checkpoint", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = HFCheckpointConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), HFCheckpointConfig, argv)
+    with exit_on_bad_input():  # keys that do not match the model: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a truncated file, a file as a folder)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 
 Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/parallelize.py (``apply_tp_and_fsdp``
 with the ``apply_tp`` and ``apply_fully_shard`` it composes, ``transformer_lm_plan``,
-``rank_grid``).
+``rank_grid``), recipes/options.py (the command line, from the config).
 
 The world is one mesh; each parallelism takes one named dimension of it, from the outside in:
 
@@ -34,9 +34,6 @@ ran on (the mesh's dims, its rank grid, this rank's group along each dim).
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,12 +42,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import (
     apply_tp_and_fsdp,
     check_tp_fits,
@@ -65,19 +64,61 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per pipe
 
 @dataclass
 class HybridConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per step, split over the dp ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any layout
-    precision: str = "auto"  # auto: bf16 on a GPU (fully_shard's policy), fp32 on CPU
-    tp: int = 2  # tensor-parallel size: the innermost mesh dim
-    pp: int = 1  # pipeline stages, one per pp rank (outermost dim); 1: the 2-D dp x tp mesh
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # the pipeline schedule when pp > 1
-    microbatches: int = 2  # pipeline micro-batches per step, per dp rank (pp > 1)
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, split over the data-parallel ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any layout
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 matmuls (CUDA); "
+        "bf16/fp16: fully_shard's MixedPrecisionPolicy",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    )
+    tp: int = option(2, "tensor-parallel size (innermost mesh dim)", at_least=1)
+    pp: int = option(
+        1,
+        "pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh",
+        at_least=1,
+    )
+    sequence_parallel: bool = option(
+        False, "tensor parallel with the sequence split between blocks (see tensor_parallel)"
+    )
+    schedule: str = option("1f1b", "pipeline schedule when pp > 1", choices=sorted(SCHEDULES))
+    microbatches: int = option(
+        2, "pipeline micro-batches per optimizer step, per data-parallel rank (pp > 1)", at_least=1
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        model_cfg = MODEL_PRESETS[self.model]
+        # Every dimension the plan splits must divide by the tensor-parallel size.
+        check_tp_fits(
+            self.tp,
+            n_heads=model_cfg.n_heads,
+            mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
+            vocab_size=model_cfg.vocab_size,
+            seq_len=model_cfg.seq_len,
+        )
+        if self.pp > 1 and model_cfg.n_layers < self.pp:
+            raise ValueError(
+                f"{model_cfg.n_layers} blocks cannot fill {self.pp} pipeline stages; "
+                f"use --pp {model_cfg.n_layers} or fewer, or a bigger --model"
+            )
+        if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < self.pp:
+            raise ValueError(
+                f"1f1b needs at least one micro-batch per stage: microbatches="
+                f"{self.microbatches} < {self.pp} stages; use --microbatches {self.pp}"
+            )
 
 
 @dataclass
@@ -213,34 +254,16 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
     """Train on this process's rank: TP x fully_shard (x pipeline) on one mesh (see the module)."""
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)
     try:
-        device, model_cfg = world.device, MODEL_PRESETS[cfg.model]
+        device = world.device
         rank, use_cuda = world.rank, world.device.type == "cuda"
         mesh = build_mesh(world, pp=cfg.pp, tp=cfg.tp)
         dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
-        # Every dimension the plan splits must divide by the tensor-parallel size.
-        check_tp_fits(
-            cfg.tp,
-            n_heads=model_cfg.n_heads,
-            mlp_width=model_cfg.mlp_ratio * model_cfg.dim,
-            vocab_size=model_cfg.vocab_size,
-            seq_len=model_cfg.seq_len,
-        )
         microbatches = cfg.microbatches if cfg.pp > 1 else 1
         if cfg.global_batch_size % (dp_size * microbatches):
             raise ValueError(
                 f"global_batch_size={cfg.global_batch_size} does not divide into "
                 f"{dp_size} dp ranks x {microbatches} micro-batches; use a multiple "
                 f"of {dp_size * microbatches}"
-            )
-        if cfg.pp > 1 and model_cfg.n_layers < cfg.pp:
-            raise ValueError(
-                f"{model_cfg.n_layers} blocks cannot fill {cfg.pp} pipeline stages; "
-                f"use --pp {model_cfg.n_layers} or fewer, or a bigger --model"
-            )
-        if cfg.pp > 1 and cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
-            raise ValueError(
-                f"1f1b needs at least one micro-batch per stage: microbatches="
-                f"{cfg.microbatches} < {cfg.pp} stages; use --microbatches {cfg.pp}"
             )
         per_dp_rank_batch = cfg.global_batch_size // dp_size
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
@@ -341,118 +364,15 @@ def train(cfg: HybridConfig, observer=None) -> HybridRun:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = HybridConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.hybrid_parallel",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, split over the data-parallel ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any layout",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 on a GPU, fp32 on CPU; fp32: exact (TF32 "
-        "off); tf32: TF32 matmuls (CUDA); bf16/fp16: fully_shard's MixedPrecisionPolicy",
-    )
-    add(
-        "--tp",
-        type=_number(int, at_least=1),
-        default=defaults.tp,
-        help="tensor-parallel size (innermost mesh dim)",
-    )
-    add(
-        "--pp",
-        type=_number(int, at_least=1),
-        default=defaults.pp,
-        help="pipeline stages, one per pp rank (outermost mesh dim); 1 = the 2-D dp x tp mesh",
-    )
-    add(
-        "--sequence-parallel",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.sequence_parallel,
-        help="tensor parallel with the sequence split between blocks (see tensor_parallel)",
-    )
-    add(
-        "--schedule",
-        choices=sorted(SCHEDULES),
-        default=defaults.schedule,
-        help="pipeline schedule when pp > 1",
-    )
-    add(
-        "--microbatches",
-        type=_number(int, at_least=1),
-        default=defaults.microbatches,
-        help="pipeline micro-batches per optimizer step, per data-parallel rank (pp > 1)",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(HybridConfig, prog="python -m recipes.hybrid_parallel", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = HybridConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), HybridConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a layout that does not divide)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
     python -m recipes.job --config configs/job/learn.yaml --out-dir runs/learn   # one process
 
 Copy with it: recipes/_job_checkpoint.py, recipes/toy.py, recipes/dist_setup.py, recipes/data.py,
-recipes/evaluation.py and recipes/parallelize.py (each imports torch and these only).
+recipes/evaluation.py, recipes/parallelize.py (each imports torch and these only) and
+recipes/options.py (the command line, from the config).
 
 What it does, as torchtitan's and nanoGPT's train.py do: the token shards of recipes/data.py in a
 global order that does not depend on the world size; the toy model under DDP, fully_shard, HSDP
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -51,6 +53,7 @@ import recipes._job_checkpoint as checkpoint
 from recipes.data import DataConfig, TokenWindows, prepare_shards
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.evaluation import eval_shard, evaluate
+from recipes.options import check_options, config_parser, exit_on_bad_input, option
 from recipes.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -65,78 +68,89 @@ from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss
 @dataclass
 class JobConfig:
     # model and data
-    model: str = "tiny"  # a recipes.toy preset; its vocabulary comes from the shards
-    seq_len: int = 32
-    data_dir: str = "data/job_shards"
-    corpus: str | None = None  # a folder of text; None: Python's standard library sources
-    max_bytes: int = 300_000
-    vocab_size: int = 256
-    prepare: bool = True  # tokenize the corpus into data_dir when it holds no shards
-    num_workers: int = 1
+    model: str = option(
+        "tiny", "model preset; its vocabulary comes from the shards", choices=list(MODEL_PRESETS)
+    )
+    seq_len: int = option(32, "tokens per window", at_least=1)
+    data_dir: str = option(
+        "data/job_shards", "token shards (prepared there from the corpus when absent)"
+    )
+    corpus: str | None = option(
+        None, "folder of text files (default: Python's standard library sources)"
+    )
+    max_bytes: int = option(300_000, "text read from the corpus", at_least=1)
+    vocab_size: int = option(256, "BPE vocabulary (256: bytes)", at_least=256, at_most=65536)
+    prepare: bool = option(
+        True, "tokenize the corpus into data_dir if it holds no shards (false: refuse)"
+    )
+    num_workers: int = option(1, "DataLoader worker processes per rank", at_least=0)
     # layout: world = dp_replicate x (dp shard) x tp
-    parallelism: str = "fsdp"  # ddp | fsdp | hsdp | tp_fsdp
-    dp_replicate: int = 1  # hsdp: replica groups (outer mesh dim)
-    tp: int = 1  # tp_fsdp: tensor-parallel ranks (inner mesh dim)
-    precision: str = "fp32"  # fp32 | bf16
-    activation_checkpointing: bool = False
-    compile: bool = False
+    parallelism: str = option(
+        "fsdp", "ddp, fsdp, hsdp or tp_fsdp", choices=["ddp", "fsdp", "hsdp", "tp_fsdp"]
+    )
+    dp_replicate: int = option(1, "hsdp: replica groups (outer mesh dim)", at_least=1)
+    tp: int = option(1, "tp_fsdp: tensor-parallel size (inner mesh dim)", at_least=1)
+    precision: str = option("fp32", "fp32 or bf16", choices=["fp32", "bf16"])
+    activation_checkpointing: bool = option(False, "recompute each block in backward")
+    compile: bool = option(False, "torch.compile each block")
     # optimisation
-    steps: int = 12
-    global_batch_size: int = 8  # windows per optimizer step, all ranks and micro-batches
-    accumulation: int = 2  # micro-batches per rank per step
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 3
-    weight_decay: float = 0.1
-    clip: float = 1.0  # max total gradient norm; 0: measure only
-    seed: int = 0
+    steps: int = option(12, "optimizer steps in all", at_least=1)
+    global_batch_size: int = option(
+        8, "windows per optimizer step over all ranks and micro-batches", at_least=1
+    )
+    accumulation: int = option(2, "micro-batches per rank per optimizer step", at_least=1)
+    lr: float = option(3e-3, "peak learning rate", above=0)
+    min_lr: float = option(3e-4, "learning rate at the end of the cosine (at most lr)", at_least=0)
+    warmup_steps: int = option(3, "linear warmup steps (at most steps)", at_least=1)
+    weight_decay: float = option(0.1, "AdamW decay of matrices", at_least=0)
+    clip: float = option(1.0, "max gradient norm (0: measure only, no clipping)", at_least=0)
+    seed: int = option(0, "model init and data order", at_least=0)
     # evaluation, checkpoints, logs
-    eval_every: int = 4
-    eval_windows: int = 64  # of the val split
-    checkpoint_every: int = 4
-    keep: int = 3  # last checkpoints kept (and the best by validation loss)
-    out_dir: str = "runs/job"
-    tensorboard: bool = True
-    log_every: int = 1
+    eval_every: int = option(4, "evaluate every N steps", at_least=1)
+    eval_windows: int = option(64, "validation windows (of the val split)", at_least=1)
+    checkpoint_every: int = option(4, "checkpoint every N steps", at_least=1)
+    keep: int = option(3, "last checkpoints kept (plus the best by validation loss)", at_least=1)
+    out_dir: str = option("runs/job", "checkpoints, TensorBoard, metrics")
+    tensorboard: bool = option(True, "write TensorBoard logs")
+    log_every: int = option(1, "log every N steps", at_least=1)
 
+    def __post_init__(self) -> None:
+        check_options(self)  # the ranges and choices above: one line each
+        hints = typing.get_type_hints(JobConfig)
+        for f in dataclasses.fields(self):  # a YAML value of the wrong kind (true for a path)
+            if not type_ok(getattr(self, f.name), hints[f.name]):
+                want = " or ".join(
+                    t.__name__ for t in typing.get_args(hints[f.name]) or [hints[f.name]]
+                )
+                raise ConfigError(f"{f.name} must be {want}, got {getattr(self, f.name)!r}")
+        if self.min_lr > self.lr:  # else the cosine rises from lr to min_lr: silently wrong
+            raise ConfigError(f"min_lr={self.min_lr} is above lr={self.lr}; use min_lr <= lr")
+        if self.warmup_steps > self.steps:
+            raise ConfigError(
+                f"warmup_steps={self.warmup_steps} > steps={self.steps}: the peak lr is never "
+                f"reached; use warmup_steps {self.steps} or less"
+            )
+        if self.tp != 1 and self.parallelism != "tp_fsdp":
+            raise ConfigError(f"tp={self.tp} needs parallelism=tp_fsdp")
+        if self.dp_replicate != 1 and self.parallelism != "hsdp":
+            raise ConfigError(f"dp_replicate={self.dp_replicate} needs parallelism=hsdp")
+        heads = MODEL_PRESETS[self.model].n_heads
+        if heads % self.tp:
+            raise ConfigError(
+                f"tp={self.tp} does not divide the model's {heads} heads; pick a divisor of {heads}"
+            )
+        if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+            raise ConfigError(f"out_dir {self.out_dir} is a file; name a folder")
+        self.data_config()  # the data's own checks: corpus and data_dir folders, vocab_size
 
-HELP = {
-    "model": "model preset (tiny, small, 100m)",
-    "seq_len": "tokens per window",
-    "data_dir": "token shards (prepared there from the corpus when absent)",
-    "corpus": "folder of text files (default: Python's standard library sources)",
-    "max_bytes": "text read from the corpus",
-    "vocab_size": "BPE vocabulary (256: bytes)",
-    "prepare": "tokenize the corpus into data_dir if it holds no shards (false: refuse)",
-    "num_workers": "DataLoader worker processes per rank",
-    "parallelism": "ddp, fsdp, hsdp or tp_fsdp",
-    "dp_replicate": "hsdp: replica groups",
-    "tp": "tp_fsdp: tensor-parallel size",
-    "precision": "fp32 or bf16",
-    "activation_checkpointing": "recompute each block in backward",
-    "compile": "torch.compile each block",
-    "steps": "optimizer steps in all",
-    "global_batch_size": "windows per optimizer step over all ranks",
-    "accumulation": "micro-batches per rank per optimizer step",
-    "lr": "peak learning rate",
-    "min_lr": "learning rate at the end of the cosine",
-    "warmup_steps": "linear warmup steps",
-    "weight_decay": "AdamW decay of matrices",
-    "clip": "max gradient norm (0: no clipping)",
-    "seed": "model init and data order",
-    "eval_every": "evaluate every N steps",
-    "eval_windows": "validation windows",
-    "checkpoint_every": "checkpoint every N steps",
-    "keep": "checkpoints kept (plus the best)",
-    "out_dir": "checkpoints, TensorBoard, metrics",
-    "tensorboard": "write TensorBoard logs",
-    "log_every": "log every N steps",
-}
-CHOICES = {
-    "parallelism": ("ddp", "fsdp", "hsdp", "tp_fsdp"),
-    "precision": ("fp32", "bf16"),
-    "model": tuple(MODEL_PRESETS),
-}
+    def data_config(self) -> DataConfig:
+        """What recipes/data.py prepares the shards from (it checks its own values)."""
+        return DataConfig(
+            corpus=self.corpus,
+            data_dir=self.data_dir,
+            max_bytes=self.max_bytes,
+            vocab_size=self.vocab_size,
+        )
 
 
 class ConfigError(ValueError):
@@ -144,31 +158,32 @@ class ConfigError(ValueError):
 
 
 def load_config(path: str | None, overrides: dict) -> JobConfig:
-    """Defaults < YAML file < command-line flags; keys and types checked, as nanoGPT's
-    configurator rejects an unknown key."""
+    """Defaults < YAML file < command-line flags; JobConfig checks the keys' values, and an
+    unknown key is refused naming the valid ones, as nanoGPT's configurator does."""
     values = {}
     if path is not None:
         import yaml  # PyYAML
 
         if not Path(path).is_file():
-            raise ConfigError(f"--config {path}: no such file; name a YAML file")
-        values = yaml.safe_load(Path(path).read_text()) or {}
+            raise ConfigError(f"config {path}: not a file; name a YAML file of key: value lines")
+        try:
+            values = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as exc:  # the line and column are in the first line of the message
+            where = getattr(exc, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+            raise ConfigError(
+                f"config {path}: not valid YAML{at}: {getattr(exc, 'problem', None) or exc}; "
+                "write key: value lines"
+            ) from None
         if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected key: value lines")
+            raise ConfigError(f"config {path}: expected key: value lines")
     values.update(overrides)
-    hints = typing.get_type_hints(JobConfig)
-    for key, value in values.items():
-        if key not in hints:
+    names = [f.name for f in dataclasses.fields(JobConfig)]
+    for key in values:
+        if key not in names:
             raise ConfigError(
-                f"{path or 'flags'}: unknown key {key!r}; valid keys: {', '.join(hints)}"
+                f"{path or 'flags'}: unknown key {key!r}; valid keys: {', '.join(names)}"
             )
-        if not type_ok(value, hints[key]):
-            want = " or ".join(t.__name__ for t in typing.get_args(hints[key]) or [hints[key]])
-            raise ConfigError(
-                f"{path or 'flags'}: {key} must be {want}, got {value!r}; fix the value"
-            )
-        if key in CHOICES and value not in CHOICES[key]:
-            raise ConfigError(f"{key}={value!r}: use one of {', '.join(CHOICES[key])}")
     return JobConfig(**values)
 
 
@@ -186,19 +201,12 @@ def type_ok(value, hint) -> bool:
 def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int]:
     """(dp_size, tp_size) for this world, or a ConfigError naming the fix."""
     tp = cfg.tp if cfg.parallelism == "tp_fsdp" else 1
-    if cfg.tp != 1 and cfg.parallelism != "tp_fsdp":
-        raise ConfigError(f"tp={cfg.tp} needs parallelism=tp_fsdp")
-    if cfg.dp_replicate != 1 and cfg.parallelism != "hsdp":
-        raise ConfigError(f"dp_replicate={cfg.dp_replicate} needs parallelism=hsdp")
     if world_size % (tp * cfg.dp_replicate):
         raise ConfigError(
             f"{cfg.parallelism} with tp={tp} x dp_replicate={cfg.dp_replicate} "
             f"does not divide the world size {world_size}; run on a multiple of "
             f"{tp * cfg.dp_replicate} ranks"
         )
-    heads = MODEL_PRESETS[cfg.model].n_heads
-    if heads % tp:
-        raise ConfigError(f"tp={tp} does not divide the model's {heads} heads; pick a divisor")
     dp = world_size // tp
     if cfg.global_batch_size % (dp * cfg.accumulation):
         raise ConfigError(
@@ -377,17 +385,35 @@ def train(cfg: JobConfig) -> dict:
     try:
         dp_size, tp = check_layout(cfg, world.world_size)  # before any collective
         out = Path(cfg.out_dir)
-        if world.rank == 0 and not (Path(cfg.data_dir) / "index.json").exists():
-            prepare_shards(
-                DataConfig(
-                    corpus=cfg.corpus,
-                    data_dir=cfg.data_dir,
-                    max_bytes=cfg.max_bytes,
-                    vocab_size=cfg.vocab_size,
-                )
+        if not cfg.prepare and not (Path(cfg.data_dir) / "index.json").exists():
+            raise ConfigError(  # (not in JobConfig: a config file loads before its data exists)
+                f"data_dir {cfg.data_dir}: no shards (index.json) there; run "
+                f"python -m recipes.data --steps 0 --data-dir {cfg.data_dir}, "
+                "or set prepare: true"
             )
-        dist.barrier()  # the others read the shards rank 0 wrote
+        refused = [None]
+        if world.rank == 0 and not (Path(cfg.data_dir) / "index.json").exists():
+            try:
+                prepare_shards(cfg.data_config())
+            except ValueError as exc:  # a corpus of no text: every rank refuses, not only rank 0
+                refused = [str(exc)]
+        dist.broadcast_object_list(refused, src=0)  # and a barrier: the others read the shards
+        if refused[0]:
+            raise ConfigError(refused[0])
         windows = TokenWindows(cfg.data_dir, "train", cfg.seq_len)
+        val = TokenWindows(cfg.data_dir, "val", cfg.seq_len)
+        # too little data, seen alike by every rank (the same index): refused on all of them
+        for split, have, need in (
+            ("train", len(windows), cfg.global_batch_size),
+            ("val", len(val), 1),
+        ):
+            if have < need:
+                raise ConfigError(
+                    f"the {split} split of {cfg.data_dir} holds {have} windows of "
+                    f"seq_len={cfg.seq_len}, fewer than {need}; lower seq_len"
+                    + (" or global_batch_size" if split == "train" else "")
+                    + ", or prepare more text (max_bytes)"
+                )
         vocab = json.loads((Path(cfg.data_dir) / "index.json").read_text())["vocab_size"]
         model_cfg = dataclasses.replace(
             MODEL_PRESETS[cfg.model], vocab_size=vocab, seq_len=cfg.seq_len
@@ -401,7 +427,6 @@ def train(cfg: JobConfig) -> dict:
             len(windows), cfg.global_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed
         )
         loader = build_loader(windows, sampler, cfg.num_workers, world.device)
-        val = TokenWindows(cfg.data_dir, "val", cfg.seq_len)
         val = Subset(val, range(min(cfg.eval_windows, len(val))))
         micro = cfg.global_batch_size // dp_size // cfg.accumulation
         val_loader = DataLoader(eval_shard(val, dp_rank, dp_size), batch_size=micro)
@@ -490,7 +515,7 @@ def train(cfg: JobConfig) -> dict:
             losses.append(loss)
             if world.rank == 0:
                 tokens_per_s = cfg.global_batch_size * cfg.seq_len / times[-1]
-                record = {
+                logged = {
                     "step": step,
                     "loss": loss,
                     "lr": lr,
@@ -499,17 +524,17 @@ def train(cfg: JobConfig) -> dict:
                     "data_wait": waited / times[-1],
                     "mfu": mfu(tokens_per_s, model_cfg, world, cfg.precision),
                 }
-                metrics.write(json.dumps(record) + "\n")
+                metrics.write(json.dumps(logged) + "\n")
                 metrics.flush()
                 if writer:
                     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "data_wait", "mfu"):
-                        if record[key] is not None:
-                            writer.add_scalar(f"train/{key}", record[key], step)
+                        if logged[key] is not None:
+                            writer.add_scalar(f"train/{key}", logged[key], step)
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     print(
                         f"step {step}/{cfg.steps} loss {loss:.4f} lr {lr:.2e} grad_norm "
-                        f"{record['grad_norm']:.3f} {tokens_per_s:,.0f} tok/s data_wait "
-                        f"{record['data_wait']:.0%}",
+                        f"{logged['grad_norm']:.3f} {tokens_per_s:,.0f} tok/s data_wait "
+                        f"{logged['data_wait']:.0%}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -604,36 +629,12 @@ def summary(
     }
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse prints its usage first: here one line, exit 2
-        self.exit(2, f"error: {message}; see --help\n")
+class TrueOrFalse(argparse.BooleanOptionalAction):
+    """``--tensorboard``, ``--no-tensorboard``, and ``--tensorboard false`` as YAML writes it."""
 
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="python -m recipes.job",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--config",
-        default=None,
-        help="YAML file of key: value lines (keys as below, with underscores)",
-    )
-    hints = typing.get_type_hints(JobConfig)
-    for f in dataclasses.fields(JobConfig):
-        kinds = [
-            t for t in typing.get_args(hints[f.name]) or [hints[f.name]] if t is not type(None)
-        ]
-        kind = parse_bool if kinds[0] is bool else kinds[0]
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=kind,
-            default=f.default,
-            choices=CHOICES.get(f.name),
-            help=HELP[f.name],
-        )
-    return parser
+    def __call__(self, parser, namespace, values, option_string=None):
+        on = not option_string.startswith("--no-")
+        setattr(namespace, self.dest, on if values is None else values == on)
 
 
 def parse_bool(text: str) -> bool:
@@ -642,58 +643,31 @@ def parse_bool(text: str) -> bool:
     return text.lower() in ("true", "1", "yes")
 
 
+def make_parser() -> argparse.ArgumentParser:
+    parser = config_parser(JobConfig, prog="python -m recipes.job", doc=__doc__)
+    for action in parser._actions:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            action.__class__, action.nargs, action.type = TrueOrFalse, "?", parse_bool
+    parser.add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        help="YAML file of key: value lines (keys as below, with underscores); flags win over it",
+    )
+    return parser
+
+
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
     explicit = make_parser()  # the same flags without defaults: what the command line gave
     for action in explicit._actions:
-        if action.dest != "help":
-            action.default = argparse.SUPPRESS
+        action.default = argparse.SUPPRESS
     given = vars(explicit.parse_args(argv))
-    path = given.pop("config", None)
     try:
-        cfg = load_config(path, given)
-        if cfg.corpus is not None and not Path(cfg.corpus).is_dir():
-            raise ConfigError(f"corpus {cfg.corpus}: not a folder; name a folder of text files")
-        if not cfg.prepare and not (Path(cfg.data_dir) / "index.json").exists():
-            raise ConfigError(
-                f"data_dir {cfg.data_dir}: no shards (index.json) there; run "
-                f"python -m recipes.data --steps 0 --data-dir {cfg.data_dir}, "
-                "or set prepare: true"
-            )
-        for key in (
-            "steps",
-            "global_batch_size",
-            "accumulation",
-            "eval_every",
-            "checkpoint_every",
-            "keep",
-            "log_every",
-            "seq_len",
-            "warmup_steps",
-            "eval_windows",
-            "max_bytes",
-            "dp_replicate",
-            "tp",
-        ):
-            if getattr(cfg, key) < 1:
-                raise ConfigError(f"{key}={getattr(cfg, key)}: must be at least 1")
-        for key in ("num_workers", "seed"):
-            if getattr(cfg, key) < 0:
-                raise ConfigError(f"{key}={getattr(cfg, key)}: must be at least 0")
-        # nan fails no comparison: checked as finite first (else AdamW's traceback, or nan losses)
-        for key, bound in (
-            ("lr", "> 0"),
-            ("min_lr", ">= 0"),
-            ("weight_decay", ">= 0"),
-            ("clip", ">= 0"),
-        ):
-            value = getattr(cfg, key)
-            if not math.isfinite(value) or (value <= 0 if bound == "> 0" else value < 0):
-                raise ConfigError(f"{key}={value}: must be a finite number {bound}")
+        cfg = load_config(given.pop("config", None), given)  # defaults < YAML < flags
+    except ValueError as exc:
+        explicit.error(str(exc))
+    with exit_on_bad_input():  # a layout the world cannot hold, too little data: one line
         result = train(cfg)
-    except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"config": asdict(cfg), **result}))
 

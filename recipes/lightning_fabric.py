@@ -6,7 +6,8 @@ same losses.
         --accumulate-grad-batches 2 --checkpoint-every-n-steps 3
     python -m recipes.lightning_fabric                    # a world of 1: no torchrun needed
 
-Copy with it: recipes/toy.py, recipes/dist_setup.py
+Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/options.py (the command line, from
+the config).
 
 Fabric keeps your loop and takes over the plumbing: device placement, the DDP wrapper, the sampler's
 epoch, gradient sync, rank-0 saving. The smallest migration from raw PyTorch, line by line (the docs
@@ -44,17 +45,17 @@ other recipe.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import pickle
-import sys
 from dataclasses import dataclass
 
 import lightning as L
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed")
@@ -62,48 +63,50 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed")
 
 @dataclass
 class FabricConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
     # Lightning's own precision names (plus auto): Lightning users know these
-    precision: str = "auto"  # auto: bf16-mixed on a GPU, 32-true on CPU
-    accumulate_grad_batches: int = 1  # micro-batches per optimizer step
-    gradient_clip_val: float = 0.0  # clip the global gradient norm to this (0: off)
-    checkpoint_every_n_steps: int = 0  # fabric.save every N optimizer steps (0: never)
-    checkpoint_dir: str = "checkpoints/lightning_fabric"  # step-N.ckpt files go here
-    resume_from: str = ""  # a step-N.ckpt that fabric.save wrote: training goes on at its step
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    precision: str = option(
+        "auto",
+        "Fabric precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA",
+        choices=PRECISIONS,
+    )
+    # Fabric's accumulation and clipping calls (no_backward_sync, clip_gradients) are part of
+    # what this recipe maps from the raw loop: they stay here
+    accumulate_grad_batches: int = option(
+        1,
+        "micro-batches per optimizer step (the global batch stays global_batch_size)",
+        at_least=1,
+    )
+    gradient_clip_val: float = option(
+        0.0,
+        "clip the global gradient norm to this value (fabric.clip_gradients); 0: off",
+        at_least=0,
+    )
+    checkpoint_every_n_steps: int = option(
+        0, "fabric.save a checkpoint every N optimizer steps; 0: never", at_least=0
+    )
+    checkpoint_dir: str = option(
+        "checkpoints/lightning_fabric", "where checkpoints go (step-N.ckpt)"
+    )
+    resume_from: str = option(
+        "", "checkpoint to resume from (fabric.load): training goes on at its step"
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
 
     def __post_init__(self) -> None:
-        # what the command line checks, also for a config built in code: one line, not a
-        # ZeroDivisionError or a KeyError deep inside train
-        for name, low, above in (
-            ("steps", 1, False),
-            ("global_batch_size", 1, False),
-            ("lr", 0, True),
-            ("accumulate_grad_batches", 1, False),
-            ("gradient_clip_val", 0, False),
-            ("timeout_s", 0, True),
-            ("checkpoint_every_n_steps", 0, False),
-            ("seed", 0, False),
-        ):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < low or (above and value == low):
-                raise ValueError(
-                    f"{name} must be a finite number {'>' if above else '>='} {low}, got {value}"
-                )
-        for name, valid in (
-            ("model", sorted(MODEL_PRESETS)),
-            ("precision", PRECISIONS),
-            ("backend", ("auto", "nccl", "gloo")),
-        ):
-            if getattr(self, name) not in valid:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r}; valid values: {', '.join(valid)}"
-                )
+        check_options(self)  # the ranges and choices above: one line each
         if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
             raise ValueError(
                 f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
@@ -252,105 +255,15 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = FabricConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.lightning_fabric",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=PRECISIONS,
-        default=defaults.precision,
-        help="Fabric precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed needs CUDA",
-    )
-    add(
-        "--accumulate-grad-batches",
-        type=_number(int, at_least=1),
-        default=defaults.accumulate_grad_batches,
-        help="micro-batches per optimizer step (the global batch stays global_batch_size)",
-    )
-    add(
-        "--gradient-clip-val",
-        type=_number(float, at_least=0),
-        default=defaults.gradient_clip_val,
-        help="clip the global gradient norm to this value (fabric.clip_gradients); 0: off",
-    )
-    add(
-        "--checkpoint-every-n-steps",
-        type=_number(int, at_least=0),
-        default=defaults.checkpoint_every_n_steps,
-        help="fabric.save a checkpoint every N optimizer steps; 0: never",
-    )
-    add(
-        "--checkpoint-dir",
-        default=defaults.checkpoint_dir,
-        help="where checkpoints go (step-N.ckpt)",
-    )
-    add(
-        "--resume-from",
-        default=defaults.resume_from,
-        help="checkpoint to resume from (fabric.load): training goes on at its step",
-    )
-    add(
-        "--backend",
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(FabricConfig, prog="python -m recipes.lightning_fabric", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    try:
-        cfg = FabricConfig(**vars(make_parser().parse_args(argv)))
+    cfg = parse_config(make_parser(), FabricConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees: one line, from rank 0
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

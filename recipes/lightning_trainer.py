@@ -6,7 +6,7 @@ The flags below run train(); a first argument `fit` or `validate` goes to Lightn
     python -m recipes.lightning_trainer fit --config configs/lightning/ddp.yaml   # LightningCLI
 
 Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/parallelize.py,
-recipes/_lightning_trainer_workarounds.py
+recipes/_lightning_trainer_workarounds.py, recipes/options.py (the command line, from the config).
 
 Two command lines share this module, told apart by the first argument:
 
@@ -29,17 +29,15 @@ same loss (``lm_loss``), same AdamW; the DDP strategy averages gradients the way
 Pitfalls named where they bite: resuming mid-epoch, 16-bit AMP on CPU, FSDP on CPU, HYBRID_SHARD
 with one rank per node.
 
-Speed: on one H200 (100m, bf16, batch 64, torch 2.11) a step ran 70.6 ms against 67.4 for the
-bare loop (+4.8%; scripts/bench.py): the Trainer wraps even one device in DDP, and logging
-``train_loss`` with ``sync_dist`` synchronises the host with the GPU 5 times a step. Log less often
-(``log_every_n_steps``) where the step is short.
+Speed: the Trainer wraps even one device in DDP, and logging ``train_loss`` with ``sync_dist``
+synchronises the host with the GPU several times a step. Log less often (``log_every_n_steps``)
+where the step is short.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +48,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 # FSDPOnCPUStrategy: the YAML configs name it as recipes.lightning_trainer.FSDPOnCPUStrategy.
@@ -60,6 +59,7 @@ from recipes._lightning_trainer_workarounds import (
     hybrid_shard_layout,
 )
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 __all__ = [
@@ -86,65 +86,88 @@ class ConfigError(ValueError):
 
 @dataclass
 class LightningConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    strategy: str = "ddp"  # ddp_spawn starts --devices processes itself; the others join torchrun's
-    precision: str = "auto"  # auto: bf16-mixed on a GPU, 32-true on CPU
-    devices: int = 0  # processes per node; 0: as the launcher says; ddp_spawn: how many to start
-    num_nodes: int = 0  # 0: WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun), else 1
-    accumulate_grad_batches: int = 1  # micro-batches per optimizer step
-    gradient_clip_val: float = 0.0  # clip the global gradient norm to this (0: off)
-    sharding_strategy: str = "FULL_SHARD"  # fsdp: what to shard
-    activation_checkpointing: bool = False  # fsdp: recompute each Block's activations in backward
-    cpu_offload: bool = False  # fsdp on GPUs: sharded params and optimizer state in CPU memory
-    state_dict_type: str = "sharded"  # fsdp checkpoints: a folder of shards, or one full file
-    tensor_parallel_size: int = 0  # model_parallel: ranks per TP group; 0: a node's ranks
-    checkpoint_every_n_steps: int = 0  # ModelCheckpoint every N optimizer steps (0: none)
-    resume_from: str = ""  # Trainer.fit(ckpt_path=...): a .ckpt file or an FSDP folder
-    logger: str = "csv"  # csv, tensorboard or none: metrics under --output-dir
-    output_dir: str = "lightning_logs"  # where logs and checkpoints go
-    progress_bar: str = "auto"  # auto: Lightning's bar on a terminal; else one line per step
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    strategy: str = option(
+        "ddp",
+        "Lightning strategy; ddp_spawn starts --devices processes itself, the others join "
+        "torchrun's world",
+        choices=STRATEGIES,
+    )
+    precision: str = option(
+        "auto",
+        "Lightning precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed: CUDA",
+        choices=PRECISIONS,
+    )
+    devices: int = option(
+        0,
+        "processes per node; 0: as the launcher says; ddp_spawn: how many to start",
+        at_least=0,
+    )
+    num_nodes: int = option(
+        0, "nodes; 0: WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1", at_least=0
+    )
+    # The Trainer's accumulation and clipping flags: part of what this recipe maps from the raw
+    # loop to Trainer arguments, so they stay here
+    accumulate_grad_batches: int = option(
+        1,
+        "micro-batches per optimizer step (the global batch stays global_batch_size)",
+        at_least=1,
+    )
+    gradient_clip_val: float = option(
+        0.0, "clip the global gradient norm to this value; 0: off", at_least=0
+    )
+    sharding_strategy: str = option(
+        "FULL_SHARD",
+        "fsdp: what to shard (FULL_SHARD: params, grads and optimizer state)",
+        choices=SHARDING,
+    )
+    activation_checkpointing: bool = option(False, "fsdp: recompute each Block in backward")
+    cpu_offload: bool = option(
+        False, "fsdp on GPUs: keep sharded params and optimizer state in CPU memory"
+    )
+    state_dict_type: str = option(
+        "sharded",
+        "fsdp checkpoints: a folder of one shard per rank, or one full file (GPUs)",
+        choices=["sharded", "full"],
+    )
+    tensor_parallel_size: int = option(
+        0,
+        "model_parallel: ranks per tensor-parallel group; 0: all ranks of a node",
+        at_least=0,
+    )
+    checkpoint_every_n_steps: int = option(
+        0, "ModelCheckpoint saves every N optimizer steps; 0: no checkpoints", at_least=0
+    )
+    resume_from: str = option(
+        "", "checkpoint to resume from (Trainer.fit ckpt_path): a .ckpt file or FSDP folder"
+    )
+    logger: str = option(
+        "csv",
+        "metrics logger, written under --output-dir",
+        choices=["csv", "tensorboard", "none"],
+    )
+    output_dir: str = option("lightning_logs", "where logs and checkpoints go")
+    progress_bar: str = option(
+        "auto",
+        "auto: Lightning's bar on a terminal; elsewhere one line per step replaces it",
+        choices=["auto", "on", "off"],
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
 
     def __post_init__(self) -> None:
-        # what the command line checks, also for a config built in code: one line, not a
-        # ZeroDivisionError or a KeyError deep inside Lightning
-        for name, low, above in (
-            ("steps", 1, False),
-            ("global_batch_size", 1, False),
-            ("lr", 0, True),
-            ("accumulate_grad_batches", 1, False),
-            ("gradient_clip_val", 0, False),
-            ("timeout_s", 0, True),
-            ("devices", 0, False),
-            ("num_nodes", 0, False),
-            ("tensor_parallel_size", 0, False),
-            ("checkpoint_every_n_steps", 0, False),
-            ("seed", 0, False),
-        ):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < low or (above and value == low):
-                raise ConfigError(
-                    f"{name} must be a finite number {'>' if above else '>='} {low}, got {value}"
-                )
-        for name, valid in (
-            ("model", sorted(MODEL_PRESETS)),
-            ("strategy", STRATEGIES),
-            ("precision", PRECISIONS),
-            ("sharding_strategy", SHARDING),
-            ("state_dict_type", ("sharded", "full")),
-            ("logger", ("csv", "tensorboard", "none")),
-            ("progress_bar", ("auto", "on", "off")),
-            ("backend", ("auto", "nccl", "gloo")),
-        ):
-            if getattr(self, name) not in valid:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)!r}; valid values: {', '.join(valid)}"
-                )
+        check_options(self)  # the ranges and choices above: one line each
         if self.checkpoint_every_n_steps > self.steps:  # it would save nothing, and say nothing
             raise ConfigError(
                 f"checkpoint_every_n_steps={self.checkpoint_every_n_steps} > "
@@ -651,167 +674,22 @@ def check_cli_batch(trainer: L.Trainer, data: LMDataModule) -> None:
         ) from None
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    d = LightningConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.lightning_trainer",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    count, positive = _number(int, at_least=0), _number(int, at_least=1)
-    add("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model size")
-    add("--steps", type=positive, default=d.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=positive,
-        default=d.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=d.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=count,
-        default=d.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--strategy",
-        choices=STRATEGIES,
-        default=d.strategy,
-        help="Lightning strategy; ddp_spawn starts --devices processes itself, the others join "
-        "torchrun's world",
-    )
-    add(
-        "--precision",
-        choices=PRECISIONS,
-        default=d.precision,
-        help="Lightning precision; auto: bf16-mixed on a GPU, 32-true on CPU; 16-mixed: CUDA",
-    )
-    add(
-        "--devices",
-        type=count,
-        default=d.devices,
-        help="processes per node; 0: as the launcher says; ddp_spawn: how many to start",
-    )
-    add(
-        "--num-nodes",
-        type=count,
-        default=d.num_nodes,
-        help="nodes; 0: WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun) or 1",
-    )
-    add(
-        "--accumulate-grad-batches",
-        type=positive,
-        default=d.accumulate_grad_batches,
-        help="micro-batches per optimizer step (the global batch stays global_batch_size)",
-    )
-    add(
-        "--gradient-clip-val",
-        type=_number(float, at_least=0),
-        default=d.gradient_clip_val,
-        help="clip the global gradient norm to this value; 0: off",
-    )
-    add(
-        "--sharding-strategy",
-        choices=SHARDING,
-        default=d.sharding_strategy,
-        help="fsdp: what to shard (FULL_SHARD: params, grads and optimizer state)",
-    )
-    add(
-        "--activation-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=d.activation_checkpointing,
-        help="fsdp: recompute each Block in backward",
-    )
-    add(
-        "--cpu-offload",
-        action=argparse.BooleanOptionalAction,
-        default=d.cpu_offload,
-        help="fsdp on GPUs: keep sharded params and optimizer state in CPU memory",
-    )
-    add(
-        "--state-dict-type",
-        choices=["sharded", "full"],
-        default=d.state_dict_type,
-        help="fsdp checkpoints: a folder of one shard per rank, or one full file (GPUs)",
-    )
-    add(
-        "--tensor-parallel-size",
-        type=count,
-        default=d.tensor_parallel_size,
-        help="model_parallel: ranks per tensor-parallel group; 0: all ranks of a node",
-    )
-    add(
-        "--checkpoint-every-n-steps",
-        type=count,
-        default=d.checkpoint_every_n_steps,
-        help="ModelCheckpoint saves every N optimizer steps; 0: no checkpoints",
-    )
-    add(
-        "--resume-from",
-        default=d.resume_from,
-        help="checkpoint to resume from (Trainer.fit ckpt_path): a .ckpt file or FSDP folder",
-    )
-    add(
-        "--logger",
-        choices=["csv", "tensorboard", "none"],
-        default=d.logger,
-        help="metrics logger, written under --output-dir",
-    )
-    add("--output-dir", default=d.output_dir, help="where logs and checkpoints go")
-    add(
-        "--progress-bar",
-        choices=["auto", "on", "off"],
-        default=d.progress_bar,
-        help="auto: Lightning's bar on a terminal; elsewhere one line per step replaces it",
-    )
-    add(
-        "--backend",
-        choices=["auto", "nccl", "gloo"],
-        default=d.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=d.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
+    parser = config_parser(LightningConfig, prog="python -m recipes.lightning_trainer", doc=__doc__)
+    parser.description = __doc__.split("\n\n")[0]  # both lines: `fit` goes to LightningCLI
     return parser
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
     """The flags' command line; ``fit`` / ``validate`` first go to LightningCLI."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in LIGHTNING_CLI_SUBCOMMANDS:
         lightning_cli()  # reads sys.argv: Lightning's launcher re-runs the command per device
         return
-    try:
-        train(LightningConfig(**vars(make_parser().parse_args(argv))))
-    except ValueError as exc:  # bad input every rank sees: one line, from rank 0
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg = parse_config(make_parser(), LightningConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
+        train(cfg)
 
 
 if __name__ == "__main__":

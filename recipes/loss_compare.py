@@ -5,7 +5,8 @@ the steps only one of them has.
     python -m recipes.loss_compare results/ddp_torchrun.json results/zero.json --assert-equal \\
         --atol 1e-5
 
-Copy with it: nothing. It needs only the standard library (no torch: it runs wherever the logs are).
+Copy with it: recipes/options.py (the command line, from the config). It needs only the standard
+library (no torch: it runs wherever the logs are).
 Modelled on torchtitan's scripts/loss_compare.py, which runs two commits and compares their logs;
 this one compares files you already have. Each of A and B may be, detected from its content:
 
@@ -27,18 +28,38 @@ import csv
 import io
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
 
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
+
 
 @dataclass
 class CompareConfig:
-    baseline: str  # path A
-    test: str  # path B
-    atol: float = 0.0  # default 0 and 0: bitwise equal, the check for a deterministic change
-    rtol: float = 0.0
-    assert_equal: bool = False
+    # the two files are positional on the command line (A B), named here
+    baseline: str | None = option(None, "the reference run: a log, results JSON, CSV or JSONL file")
+    test: str | None = option(None, "the run compared with A, in any such format")
+    # default 0 and 0: bitwise equal, the check for a deterministic change
+    atol: float = option(0.0, "absolute tolerance per step (0: bitwise equal)", at_least=0)
+    rtol: float = option(0.0, "relative tolerance per step, of A's loss", at_least=0)
+    assert_equal: bool = option(
+        False, "exit with 1 unless both runs have the same steps, each within the tolerance"
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)  # the ranges above (nan too): one line each
+        for name in ("baseline", "test"):
+            path = getattr(self, name)
+            if path is None:
+                raise ValueError(
+                    f"{name}: name the file of run {'A' if name == 'baseline' else 'B'}"
+                )
+            if os.path.isdir(path):
+                raise ValueError(
+                    f"{name} {path} is a folder; name a log, results JSON, CSV or JSONL file"
+                )
 
 
 class LossFileError(ValueError):
@@ -244,55 +265,21 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(parts)
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad input ends in one line on stderr and exit code 2, without argparse's usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
-
-
 def make_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(
-        prog="python -m recipes.loss_compare", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "baseline", metavar="A", help="the reference run: a log, results JSON, CSV or JSONL file"
-    )
-    parser.add_argument("test", metavar="B", help="the run compared with A, in any such format")
-    parser.add_argument(
-        "--atol",
-        type=float,
-        default=0.0,
-        help="absolute tolerance per step (default 0: bitwise equal)",
-    )
-    parser.add_argument(
-        "--rtol", type=float, default=0.0, help="relative tolerance per step, of A's loss"
-    )
-    parser.add_argument(
-        "--assert-equal",
-        action="store_true",
-        help="exit with 1 unless both runs have the same steps, each within the tolerance",
-    )
+    doc = " ".join((__doc__ or "").split("\n\n")[0].split())  # the first paragraph, one line
+    parser = config_parser(CompareConfig, prog="python -m recipes.loss_compare", doc=doc)
+    files = [action for action in parser._actions if action.dest in ("baseline", "test")]
+    for action, metavar in zip(files, "AB"):  # the files are positional, A B: not --baseline
+        parser.add_argument(action.dest, metavar=metavar, help=action.help)
+        action.help = argparse.SUPPRESS
     return parser
 
 
+# (no @record: this recipe must run without torch)
 def main(argv: list[str] | None = None) -> dict:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
-        if not value >= 0:  # also refuses nan
-            parser.error(f"{flag} {value}: a tolerance is 0 or more")
-    cfg = CompareConfig(
-        baseline=args.baseline,
-        test=args.test,
-        atol=args.atol,
-        rtol=args.rtol,
-        assert_equal=args.assert_equal,
-    )
-    try:
+    cfg = parse_config(make_parser(), CompareConfig, argv)
+    with exit_on_bad_input():  # a file that is missing, unreadable or holds no losses: one line
         result = run(cfg)
-    except LossFileError as exc:
-        parser.error(str(exc))
     print(json.dumps({"recipe": "loss_compare", **result}))
     if cfg.assert_equal and not result["equal"]:
         reasons = []

@@ -52,18 +52,18 @@ few GB. Treat the result as the floor that the sharding decides, not a peak-memo
 tests/test_memory_estimate.py checks the formulas on the paper's own example and against bytes
 measured on a real 2-rank world.
 
-Copy with it: nothing. Pure arithmetic on the standard library: no torch, no world. The last
-stdout line is the same figures as one JSON object.
+Copy with it: recipes/options.py (the command line, from the config). Pure arithmetic on the
+standard library: no torch, no world. The last stdout line is the same figures as one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
+
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 
 __all__ = [
     "EstimateConfig",
@@ -84,122 +84,6 @@ __all__ = [
 
 class EstimateError(ValueError):
     """Input the arithmetic cannot take: one line that names the option and the fix."""
-
-
-# Two help texts too long for a field's line (the API reference shows each field's default)
-_STRATEGY_HELP = (
-    "per-GPU figure: zero3 = FSDP FULL_SHARD, zero2 = SHARD_GRAD_OP, hsdp = ZeRO-3 "
-    "over shard_size ranks, replicated across the groups"
-)
-_PRECISION_HELP = (
-    "per-GPU figure: mixed = 2+2+12 bytes/param, bf16 activations; autocast = "
-    "fp32 params (4+4+8), bf16 activations; fp32 = 4+4+8, fp32 activations"
-)
-
-
-def _opt(default: Any, help_text: str) -> Any:
-    return field(default=default, metadata={"help": help_text})  # --help shows the text
-
-
-@dataclass
-class EstimateConfig:
-    params: float = _opt(
-        7.5e9, "number of model parameters (Psi); 7.5e9 is the ZeRO paper's example (> 0)"
-    )
-    world_size: int = _opt(64, "data-parallel ranks (N) the model state is sharded over (>= 1)")
-    optimizer: str = _opt(
-        "both",
-        "adam-mixed: 2+2+12 bytes/param (fp16 params and grads, fp32 master+m+v); adam-fp32: 4+4+8",
-    )
-    unit: str = _opt("GB", "GB = 1e9 bytes (the paper's unit), GiB = 2**30 bytes")
-    # The per-GPU figure of one strategy (gpu_memory; the docs' calculator asks the same).
-    model: str = _opt(
-        "custom", "a preset sets params, layers, hidden, heads and vocab (custom: the options)"
-    )
-    layers: int = _opt(32, "transformer layers (L) (>= 1)")
-    hidden: int = _opt(4096, "hidden size (h) (>= 1)")
-    heads: int = _opt(32, "attention heads (a) (>= 1)")
-    vocab: int = _opt(32000, "vocabulary size (V) (>= 1)")
-    strategy: str = _opt("zero3", _STRATEGY_HELP)
-    shard_size: int = _opt(8, "hsdp only: data-parallel ranks in one sharding group (>= 1)")
-    offload: bool = _opt(False, "per-GPU figure: CPU offload of the sharded parts (not for ddp)")
-    tp: int = _opt(1, "tensor-parallel degree (t); GPUs = world_size * tp * pp (>= 1)")
-    pp: int = _opt(1, "pipeline-parallel degree (stages, 1F1B schedule) (>= 1)")
-    sequence_parallel: bool = _opt(True, "with tp > 1: norms and dropout sharded over the sequence")
-    precision: str = _opt("mixed", _PRECISION_HELP)
-    seq_len: int = _opt(4096, "sequence length (s) (>= 1)")
-    micro_batch: int = _opt(1, "sequences per micro-batch on each GPU (b) (>= 1)")
-    checkpointing: str = _opt(
-        "none", "activation checkpointing: selective recomputes attention, full keeps layer inputs"
-    )
-    flash_attention: bool = _opt(True, "SDPA/flash attention: no s x s scores stored")
-    gpu_memory_gib: float = _opt(80.0, "memory of one GPU in GiB (24, 40, 80, 141, ...) (> 0)")
-
-    def __post_init__(self) -> None:
-        # Checked here, not only on the command line: a caller in Python gets the same one line
-        # (nan parameters once printed a table of nan).
-        for name, valid in _choices().items():
-            if getattr(self, name) not in valid:
-                raise EstimateError(
-                    f"unknown {name}={getattr(self, name)!r}; valid values: {', '.join(valid)}"
-                )
-        for name in WHOLE_AT_LEAST_1:
-            _check_number(name, getattr(self, name), whole=True)
-        for name in ("params", "gpu_memory_gib"):
-            _check_number(name, getattr(self, name), whole=False)
-        if self.model != "custom":  # the preset's shape wins over the single options
-            for name, value in MODEL_PRESETS[self.model].items():
-                setattr(self, name, value)
-        for name, divisor in (("layers", "pp"), ("heads", "tp")):
-            if getattr(self, name) % getattr(self, divisor):
-                raise EstimateError(
-                    f"{name}={getattr(self, name)} must divide by {divisor}="
-                    f"{getattr(self, divisor)}; pick a {divisor} that divides it"
-                )
-        if self.strategy == "hsdp" and self.world_size % self.shard_size:
-            raise EstimateError(
-                f"shard_size={self.shard_size} must divide world_size={self.world_size} "
-                "(hsdp replicates whole sharding groups)"
-            )
-        if self.offload and self.strategy == "ddp":
-            raise EstimateError("DDP has no CPU offload; use --no-offload or a zero strategy")
-
-
-WHOLE_AT_LEAST_1 = (
-    "world_size",
-    "layers",
-    "hidden",
-    "heads",
-    "vocab",
-    "shard_size",
-    "tp",
-    "pp",
-    "seq_len",
-    "micro_batch",
-)
-
-
-def _choices() -> dict[str, tuple[str, ...]]:
-    return {
-        "optimizer": ("both", *LAYOUTS),
-        "unit": tuple(UNITS),
-        "model": ("custom", *MODEL_PRESETS),
-        "strategy": (*STAGES, "hsdp"),
-        "precision": tuple(PRECISIONS),
-        "checkpointing": ("none", "selective", "full"),
-    }
-
-
-def _check_number(name: str, value: Any, *, whole: bool) -> None:
-    """A whole number >= 1, or a finite number > 0: else one line that says which."""
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    shown = f"{value:g}" if isinstance(value, float) else repr(value)  # -1, nan: as typed
-    if whole and not (is_number and float(value).is_integer()):
-        raise EstimateError(f"{name} must be a whole number >= 1, got {shown}")
-    if whole and value < 1:
-        raise EstimateError(f"{name} must be >= 1, got {shown}")
-    if not whole and not (is_number and math.isfinite(value) and value > 0):
-        raise EstimateError(f"{name} must be a finite number > 0, got {shown}")
 
 
 # Published shapes (params, layers L, hidden h, heads a, vocab V): 100m is recipes.toy's benchmark
@@ -316,6 +200,87 @@ def model_state_per_rank(
 
 
 # --8<-- [end:stages]
+
+
+# Two help texts too long for a field's line (the API reference shows each field's default)
+_STRATEGY_HELP = (
+    "per-GPU figure: zero3 = FSDP FULL_SHARD, zero2 = SHARD_GRAD_OP, hsdp = ZeRO-3 "
+    "over shard_size ranks, replicated across the groups"
+)
+_PRECISION_HELP = (
+    "per-GPU figure: mixed = 2+2+12 bytes/param, bf16 activations; autocast = "
+    "fp32 params (4+4+8), bf16 activations; fp32 = 4+4+8, fp32 activations"
+)
+
+
+@dataclass
+class EstimateConfig:
+    params: float = option(
+        7.5e9, "number of model parameters (Psi); 7.5e9 is the ZeRO paper's example", above=0
+    )
+    world_size: int = option(
+        64, "data-parallel ranks (N) the model state is sharded over", at_least=1
+    )
+    optimizer: str = option(
+        "both",
+        "adam-mixed: 2+2+12 bytes/param (fp16 params and grads, fp32 master+m+v); adam-fp32: 4+4+8",
+        choices=["both", *LAYOUTS],
+    )
+    unit: str = option(
+        "GB", "GB = 1e9 bytes (the paper's unit), GiB = 2**30 bytes", choices=list(UNITS)
+    )
+    # The per-GPU figure of one strategy (gpu_memory; the docs' calculator asks the same).
+    model: str = option(
+        "custom",
+        "a preset sets params, layers, hidden, heads and vocab (custom: the options)",
+        choices=["custom", *MODEL_PRESETS],
+    )
+    layers: int = option(32, "transformer layers (L)", at_least=1)
+    hidden: int = option(4096, "hidden size (h)", at_least=1)
+    heads: int = option(32, "attention heads (a)", at_least=1)
+    vocab: int = option(32000, "vocabulary size (V)", at_least=1)
+    strategy: str = option("zero3", _STRATEGY_HELP, choices=[*STAGES, "hsdp"])
+    shard_size: int = option(8, "hsdp only: data-parallel ranks in one sharding group", at_least=1)
+    offload: bool = option(False, "per-GPU figure: CPU offload of the sharded parts (not for ddp)")
+    tp: int = option(1, "tensor-parallel degree (t); GPUs = world_size * tp * pp", at_least=1)
+    pp: int = option(1, "pipeline-parallel degree (stages, 1F1B schedule)", at_least=1)
+    sequence_parallel: bool = option(
+        True, "with tp > 1: norms and dropout sharded over the sequence"
+    )
+    precision: str = option("mixed", _PRECISION_HELP, choices=list(PRECISIONS))
+    seq_len: int = option(4096, "sequence length (s)", at_least=1)
+    micro_batch: int = option(1, "sequences per micro-batch on each GPU (b)", at_least=1)
+    checkpointing: str = option(
+        "none",
+        "activation checkpointing: selective recomputes attention, full keeps layer inputs",
+        choices=["none", "selective", "full"],
+    )
+    flash_attention: bool = option(True, "SDPA/flash attention: no s x s scores stored")
+    gpu_memory_gib: float = option(80.0, "memory of one GPU in GiB (24, 40, 80, 141, ...)", above=0)
+
+    def __post_init__(self) -> None:
+        # Checked here, not only on the command line: a caller in Python gets the same one line
+        # (nan parameters once printed a table of nan).
+        try:
+            check_options(self)  # the ranges and choices above
+        except ValueError as exc:
+            raise EstimateError(str(exc)) from None
+        if self.model != "custom":  # the preset's shape wins over the single options
+            for name, value in MODEL_PRESETS[self.model].items():
+                setattr(self, name, value)
+        for name, divisor in (("layers", "pp"), ("heads", "tp")):
+            if getattr(self, name) % getattr(self, divisor):
+                raise EstimateError(
+                    f"{name}={getattr(self, name)} must divide by {divisor}="
+                    f"{getattr(self, divisor)}; pick a {divisor} that divides it"
+                )
+        if self.strategy == "hsdp" and self.world_size % self.shard_size:
+            raise EstimateError(
+                f"shard_size={self.shard_size} must divide world_size={self.world_size} "
+                "(hsdp replicates whole sharding groups)"
+            )
+        if self.offload and self.strategy == "ddp":
+            raise EstimateError("DDP has no CPU offload; use --no-offload or a zero strategy")
 
 
 # --8<-- [start:activations]
@@ -478,41 +443,17 @@ def _label(row: dict[str, Any]) -> str:
     return STAGES[row["stage"]].label + (" + offload" if row["offload"] else "")
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad input ends in one line on stderr and exit code 2, without argparse's usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
-
-
 def make_parser() -> argparse.ArgumentParser:
     """One option per field of EstimateConfig: --world-size 64, --offload/--no-offload."""
-    parser = OneLineErrorParser(
-        prog="python -m recipes.memory_estimate",
-        description=(__doc__ or "").split("\n\n")[0],
-        allow_abbrev=False,
-    )
-    choices, kinds = _choices(), {"float": float, "int": int, "str": str}
-    for f in fields(EstimateConfig):
-        option = {"default": f.default, "help": f.metadata["help"]}
-        if f.name in choices:
-            option["choices"] = choices[f.name]
-        elif f.type == "bool":
-            option["action"] = argparse.BooleanOptionalAction
-        else:  # the annotation as written: a string, under `from __future__ import annotations`
-            option["type"] = kinds[f.type]
-        parser.add_argument("--" + f.name.replace("_", "-"), **option)
-    return parser
+    doc = " ".join((__doc__ or "").split("\n\n")[0].split())  # the first paragraph, one line
+    return config_parser(EstimateConfig, prog="python -m recipes.memory_estimate", doc=doc)
 
 
+# (no @record: this recipe must run without torch)
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = make_parser().parse_args(argv)
-    try:
-        cfg = EstimateConfig(**vars(args))  # the ranges and the divisibility, in one line each
+    cfg = parse_config(make_parser(), EstimateConfig, argv)  # ranges, choices, divisibility
+    with exit_on_bad_input():  # anything estimate() refuses: one line, exit 2
         result = estimate(cfg)
-    except EstimateError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
     print(format_table(result, cfg.unit))
     print(json.dumps(result), flush=True)  # the last stdout line: the same figures, for scripts
     return result

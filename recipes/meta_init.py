@@ -6,7 +6,7 @@
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
 leave the world), recipes/parallelize.py (``build_sharded_on_meta``: meta, ``apply_fully_shard``,
-``to_empty``; ``local_slices``).
+``to_empty``; ``local_slices``), recipes/options.py (the command line, from the config).
 
 A model too big for one rank cannot be built on CPU first and sharded after (recipes/fsdp2.py does
 that: every rank holds the whole model for a moment). Here it is built under
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,21 +53,45 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import build_sharded_on_meta, local_slices
 from recipes.toy import MODEL_PRESETS, Block, TransformerLM, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class MetaInitConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    method: str = "replay"  # replay | seed_checkpoint (see the docstring)
-    seed: int = 0  # the seed a normal build would use (build_model(seed=...))
-    seed_checkpoint_dir: str = "checkpoints/seed_checkpoint"
-    create_seed_checkpoint: bool = False  # build once in this process, save, and exit
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    method: str = option(
+        "replay",
+        "replay: each rank re-runs the init one module at a time and keeps its rows; "
+        "seed_checkpoint: load a DCP checkpoint of the initial weights (see the docstring)",
+        choices=["replay", "seed_checkpoint"],
+    )
+    seed: int = option(0, "the seed a normal build would use (build_model(seed=...))", at_least=0)
+    seed_checkpoint_dir: str = option(
+        "checkpoints/seed_checkpoint", "where the seed checkpoint lives"
+    )
+    create_seed_checkpoint: bool = option(
+        False,
+        "build the model once in this process, save it to --seed-checkpoint-dir, and exit",
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        path = self.seed_checkpoint_dir
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(
+                f"seed_checkpoint_dir={path!r} is a file; name a directory (created if missing)"
+            )
 
 
 @dataclass
@@ -141,11 +164,6 @@ def load_seed_checkpoint(model: nn.Module, path: str) -> None:
 
 def create_seed_checkpoint(cfg: MetaInitConfig) -> None:
     """The seed_checkpoint method's one full build: in this process, before the sharded run."""
-    path = cfg.seed_checkpoint_dir
-    if os.path.exists(path) and not os.path.isdir(path):  # refused before the build
-        raise ValueError(
-            f"--seed-checkpoint-dir {path} is a file; name a directory (created if missing)"
-        )
     write_seed_checkpoint(build_model(cfg.model, seed=cfg.seed), cfg.seed_checkpoint_dir)
     print(
         f"seed checkpoint of {cfg.model} (seed {cfg.seed}) written to {cfg.seed_checkpoint_dir}",
@@ -203,92 +221,18 @@ def run(cfg: MetaInitConfig, observer=None) -> MetaInitRun:
 # --8<-- [end:run]
 
 
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _seed(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return int(text)
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = MetaInitConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.meta_init",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add(
-        "--method",
-        choices=["replay", "seed_checkpoint"],
-        default=defaults.method,
-        help="replay: each rank re-runs the init one module at a time and keeps its rows; "
-        "seed_checkpoint: load a DCP checkpoint of the initial weights (see the docstring)",
-    )
-    add(
-        "--seed",
-        type=_seed,
-        default=defaults.seed,
-        help="the seed a normal build would use (build_model(seed=...))",
-    )
-    add(
-        "--seed-checkpoint-dir",
-        default=defaults.seed_checkpoint_dir,
-        help="where the seed checkpoint lives",
-    )
-    add(
-        "--create-seed-checkpoint",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.create_seed_checkpoint,
-        help="build the model once in this process, save it to --seed-checkpoint-dir, and exit",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_positive,
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(MetaInitConfig, prog="python -m recipes.meta_init", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = MetaInitConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), MetaInitConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees (a missing seed checkpoint): exit 2
         if cfg.create_seed_checkpoint:  # one process, the one full build of seed_checkpoint
             create_seed_checkpoint(cfg)
         else:
             run(cfg)
-    except ValueError as exc:  # bad input every rank sees (a missing seed checkpoint)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

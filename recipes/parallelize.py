@@ -671,7 +671,7 @@ def retie(model: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
 def transformer_lm_plan(
     *, sequence_parallel: bool = False, loss_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
-    """The Megatron-LM split of the cookbook's TransformerLM (recipes/core/workload.py)."""
+    """The Megatron-LM split of the cookbook's TransformerLM (recipes/toy.py)."""
     # Between blocks the residual stream is either replicated (every rank holds all of it) or, with
     # sequence parallel, split along the sequence dim: Shard(1) of [batch, seq, dim].
     residual = Shard(1) if sequence_parallel else Replicate()

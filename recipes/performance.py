@@ -6,23 +6,21 @@
     python -m recipes.performance --sdpa-backend math                   # force an attention kernel
     python scripts/bench.py                      # every switch, one after the other, in one table
 
-Copy with it: recipes/toy.py (the model and data you replace).
+Copy with it: recipes/toy.py (the model and data you replace), recipes/options.py (the command
+line, from the config).
 
 Before a second GPU, make one GPU fast: every recipe in this cookbook multiplies whatever one device
 does. The bare training loop below (one device, no wrapper) has one switch per habit:
 
 - ``--precision``: fp32 (TF32 off, torch's default) -> tf32 (TF32 tensor-core matmuls) -> bf16
-  (autocast). On one H200 with the 100m preset these were 231, 76 and 40 ms a step (issue #9).
+  (autocast). (fp16 and its loss scaler are recipes/amp.py's lesson.)
 - ``--optimizer``: AdamW's ``for_loop`` (one kernel per op per tensor), ``foreach`` (one per op over
   all tensors, torch's CUDA default) or ``fused`` (one kernel for the whole update).
 - ``--compile``: ``torch.compile`` each block's forward and the loss. ``--compile-scope model``
   compiles the whole forward and the loss as one graph instead (one device, no wrapper), and
   ``--compile-mode reduce-overhead`` records that graph as CUDA graphs, so the host launches one
-  graph instead of every kernel. On one H200 (100m, bf16, batch 64, torch 2.11): eager 67.4 ms a
-  step (31.6% MFU), ``--compile`` 51.3 ms (41.4%), the whole model 50.2 ms (42.3%), with CUDA
-  graphs 50.8 ms (41.8%): at this batch the GPU is the limit, not the host. Compiling the loss
-  also took the peak memory from 18.9 GiB to 13.2: the fp32 copies of the [tokens, 16384]
-  logits are never written.
+  graph instead of every kernel. Compiling the loss also lowers the peak memory: the fp32 copies
+  of the [tokens, vocabulary] logits are never written.
 - ``--zero-grad``: ``set_to_none=True`` frees the gradients (the next backward writes them fresh);
   ``zeros`` keeps them and launches a memset per gradient: more kernels and more memory traffic.
 - ``--sdpa-backend``: which scaled-dot-product-attention kernel may run. The run names the one
@@ -41,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, RandomSampler
 
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 SDPA_BACKENDS = {
@@ -72,27 +69,82 @@ OPTIMIZERS = {
 }
 
 
-@dataclass
-class PerformanceConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 8  # the first, with warm-up and compilation, is not timed
-    global_batch_size: int = 12  # sequences per optimizer step (one device: all of them)
-    lr: float = 1e-3
-    seed: int = 0  # the weights and the data order
-    device: str = "auto"  # auto: the GPU when there is one, else cpu
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU; fp16 adds a loss scaler
-    optimizer: str = "fused"  # fused, foreach, for_loop (see OPTIMIZERS)
-    zero_grad: str = "none"  # none: zero_grad(set_to_none=True); zeros: fill them with 0
-    sdpa_backend: str = "auto"  # auto: torch picks; flash, efficient, cudnn, math: force one
-    pin_memory: bool = False  # pinned host batches copied with non_blocking=True (CUDA only)
-    compile: bool = False
-    compile_backend: str = "inductor"
-    compile_scope: str = "blocks"  # blocks: each block and the loss; model: one graph
-    compile_mode: str = "default"  # with compile_scope model; reduce-overhead: CUDA graphs
-
-
 class SpeedSwitchError(ValueError):
     """A switch this device, or this combination of switches, cannot run."""
+
+
+@dataclass
+class PerformanceConfig:
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(
+        8,
+        "optimizer steps to run (the first, with warm-up and compilation, is not timed)",
+        at_least=1,
+    )
+    # one device: the whole global batch
+    global_batch_size: int = option(12, "sequences per optimizer step", at_least=1)
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    seed: int = option(0, "model init and data order", at_least=0)
+    device: str = option(
+        "auto", "auto: the GPU when there is one, else cpu", choices=["auto", "cpu", "cuda"]
+    )
+    precision: str = option(
+        "auto",
+        "auto: bf16 on a GPU, fp32 on CPU; fp32: TF32 off (torch's default); tf32: TF32 matmuls "
+        "(CUDA); bf16: autocast",
+        choices=["auto", "fp32", "tf32", "bf16"],
+    )
+    optimizer: str = option(
+        "fused",
+        "AdamW implementation: fused = one kernel for the whole update, foreach = one per "
+        "op over all tensors, for_loop = one per op per tensor",
+        choices=list(OPTIMIZERS),
+    )
+    zero_grad: str = option(
+        "none",
+        "none = zero_grad(set_to_none=True), frees the gradients; zeros = fill them with 0",
+        choices=["none", "zeros"],
+    )
+    sdpa_backend: str = option(
+        "auto",
+        "attention kernels allowed: auto = torch picks; the others force one (an error if "
+        "it cannot run these shapes on this device)",
+        choices=["auto", *SDPA_BACKENDS],
+    )
+    pin_memory: bool = option(
+        False, "pinned host batches copied with non_blocking=True (CUDA only)"
+    )
+    compile: bool = option(
+        False, "torch.compile each transformer block and the loss (see --compile-scope)"
+    )
+    compile_backend: str = option(
+        "inductor",
+        "torch.compile's backend; inductor is the fast one",
+        choices=["inductor", "aot_eager", "eager"],
+    )
+    compile_scope: str = option(
+        "blocks",
+        "with --compile: blocks = each block and the loss (what every recipe does); "
+        "model = the whole forward and the loss as one graph",
+        choices=["blocks", "model"],
+    )
+    compile_mode: str = option(
+        "default",
+        "torch.compile mode with --compile-scope model; reduce-overhead = CUDA graphs",
+        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+    )
+
+    def __post_init__(self):
+        # What this machine cannot run (tf32 or pinned memory without a GPU) is refused by
+        # train(): scripts/bench.py builds every row's config up front and skips those rows.
+        check_options(self)  # the ranges and choices above: one line each
+        if self.compile_scope == "model" and not self.compile:
+            raise SpeedSwitchError("compile_scope model needs compile (--compile)")
+        if self.compile_mode != "default" and self.compile_scope != "model":
+            raise SpeedSwitchError(
+                f"compile_mode {self.compile_mode} needs compile_scope model "
+                "(--compile --compile-scope model)"
+            )
 
 
 @dataclass
@@ -119,13 +171,13 @@ def attention_kernel_that_ran(
     model: torch.nn.Module, inputs: torch.Tensor, allowed, precision: str, requested: str
 ) -> str:
     """Run one forward and name the SDPA backend whose aten op was dispatched."""
-    device, low = inputs.device, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    device, bf16 = inputs.device, precision == "bf16"
     try:
         with (
             torch.no_grad(),
             allowed(),
             OpsThatRan() as ops,
-            torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None),
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         ):
             model(inputs)
     # a forced kernel does not fall back: it refuses shapes it cannot run
@@ -133,8 +185,8 @@ def attention_kernel_that_ran(
         if "backend" not in str(exc) and "kernel" not in str(exc):
             raise
         raise SpeedSwitchError(
-            f"--sdpa-backend {requested} cannot run this model's attention on "
-            f"{device.type} in {precision}; use --sdpa-backend auto (or math)"
+            f"sdpa_backend {requested} cannot run this model's attention on "
+            f"{device.type} in {precision}; use sdpa_backend auto (or math)"
         ) from None
     ran = [backend for backend, op in SDPA_OPS.items() if any(op in name for name in ops.names)]
     if not ran and any("_softmax" in name for name in ops.names):
@@ -150,13 +202,13 @@ def resolve_precision(requested: str, device: torch.device) -> str:
         requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
     if requested == "tf32" and not on_cuda:
         raise SpeedSwitchError(
-            f"--precision tf32 is a CUDA matmul mode and this run is on "
-            f"{device.type}; use --precision fp32 (or bf16)"
+            f"precision tf32 is a CUDA matmul mode and this run is on "
+            f"{device.type}; use precision fp32 (or bf16)"
         )
     if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
         raise SpeedSwitchError(
             f"{torch.cuda.get_device_name(device)} has no bf16 support; "
-            "use --precision fp16 (with its loss scaler) or tf32"
+            "use precision tf32 (or fp16 with recipes/amp.py's loss scaler)"
         )
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
@@ -170,14 +222,12 @@ def train(cfg: PerformanceConfig, observer=None) -> PerformanceRun:
     """Train on one device, every speed switch as configured; returns each step's loss."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda") if use_cuda else torch.device("cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise SpeedSwitchError("device cuda: this machine has no CUDA device; use device cpu")
     if cfg.pin_memory and not use_cuda:
-        raise SpeedSwitchError("--pin-memory needs a GPU: pinned memory speeds up copies to one")
-    if cfg.compile_scope == "model" and not cfg.compile:
-        raise SpeedSwitchError("--compile-scope model needs --compile")
-    if cfg.compile_mode != "default" and cfg.compile_scope != "model":
-        raise SpeedSwitchError("--compile-mode needs --compile --compile-scope model")
+        raise SpeedSwitchError("pin_memory needs a GPU: pinned memory speeds up copies to one")
     precision = resolve_precision(cfg.precision, device)  # TF32 on for tf32 only
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    bf16 = precision == "bf16"
 
     # --8<-- [start:loop]
     model = build_model(cfg.model, seed=cfg.seed, device=device)
@@ -207,8 +257,6 @@ def train(cfg: PerformanceConfig, observer=None) -> PerformanceRun:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **OPTIMIZERS[cfg.optimizer])
     if observer:
         observer.model_ready(model, optimizer)
-    # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a pass-through)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     # A new order every epoch, the same on every run: reseeded from seed + epoch. (The sampler
     # holds the generator: given to the DataLoader, it would also draw the workers' base seed.)
@@ -234,14 +282,10 @@ def train(cfg: PerformanceConfig, observer=None) -> PerformanceRun:
                 torch.compiler.cudagraph_mark_step_begin()
             # none frees the gradients; zeros keeps them and launches a memset per gradient
             optimizer.zero_grad(set_to_none=cfg.zero_grad == "none")
-            with (
-                allowed(),
-                torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None),
-            ):
+            with allowed(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = forward_and_loss(inputs, targets)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)  # optimizer.step(), skipped on an fp16 inf/nan
-            scaler.update()
+            loss.backward()
+            optimizer.step()
             losses.append(loss.item())
             print(f"step {step} loss {losses[-1]:.4f}", flush=True)
             if observer:
@@ -255,136 +299,14 @@ def train(cfg: PerformanceConfig, observer=None) -> PerformanceRun:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _device(text: str) -> str:
-    if text == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "--device cuda: this machine has no CUDA device; use --device cpu (or auto)"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = PerformanceConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.performance",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add(
-        "--steps",
-        type=_number(int, at_least=1),
-        default=defaults.steps,
-        help="optimizer steps to run (the first, with warm-up and compilation, is not timed)",
-    )
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order",
-    )
-    add(
-        "--device",
-        type=_device,
-        choices=["auto", "cpu", "cuda"],
-        default=defaults.device,
-        help="auto: the GPU when there is one, else cpu",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 on a GPU, fp32 on CPU; fp32: TF32 off "
-        "(torch's default); tf32: TF32 matmuls (CUDA); bf16/fp16: autocast (fp16 with a scaler)",
-    )
-    add(
-        "--optimizer",
-        choices=list(OPTIMIZERS),
-        default=defaults.optimizer,
-        help="AdamW implementation: fused = one kernel for the whole update, foreach = one per "
-        "op over all tensors, for_loop = one per op per tensor",
-    )
-    add(
-        "--zero-grad",
-        choices=["none", "zeros"],
-        default=defaults.zero_grad,
-        help="none = zero_grad(set_to_none=True), frees the gradients; zeros = fill them with 0",
-    )
-    add(
-        "--sdpa-backend",
-        choices=["auto", *SDPA_BACKENDS],
-        default=defaults.sdpa_backend,
-        help="attention kernels allowed: auto = torch picks; the others force one (an error if "
-        "it cannot run these shapes on this device)",
-    )
-    add(
-        "--pin-memory",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.pin_memory,
-        help="pinned host batches copied with non_blocking=True (CUDA only)",
-    )
-    add(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compile,
-        help="torch.compile each transformer block and the loss (see --compile-scope)",
-    )
-    add(
-        "--compile-backend",
-        choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend,
-        help="torch.compile's backend; inductor is the fast one",
-    )
-    add(
-        "--compile-scope",
-        choices=["blocks", "model"],
-        default=defaults.compile_scope,
-        help="with --compile: blocks = each block and the loss (what every recipe does); "
-        "model = the whole forward and the loss as one graph",
-    )
-    add(
-        "--compile-mode",
-        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
-        default=defaults.compile_mode,
-        help="torch.compile mode with --compile-scope model; reduce-overhead = CUDA graphs",
-    )
-    return parser
+    return config_parser(PerformanceConfig, prog="python -m recipes.performance", doc=__doc__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = PerformanceConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), PerformanceConfig, argv)
+    with exit_on_bad_input():  # a switch this device cannot run: one line, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input: one line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

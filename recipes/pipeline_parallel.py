@@ -9,7 +9,8 @@
     python -m recipes.pipeline_parallel               # a world of 1: one stage, no bubble
 
 Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/_pipeline_parallel_split.py (the
-split by module names, the stage placement, the tied weights)
+split by module names, the stage placement, the tied weights), recipes/options.py (the command
+line, from the config).
 
 Stages of consecutive modules, one or more per rank; activations and their gradients go between
 neighbours by send/recv. A schedule orders the micro-batches' forwards (F) and backwards (B):
@@ -37,9 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as torch_schedules
 import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -64,6 +63,7 @@ from recipes._pipeline_parallel_split import (
     sync_tied_grads,
 )
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, ModelConfig, build_model, lm_loss, make_dataset
 
 # torch's class for each schedule, looked up when used: an older torch may lack one (DualPipeV).
@@ -83,20 +83,71 @@ SELF_SEND_FREE_TORCH = (2, 13)
 
 @dataclass
 class PPConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per step; the whole pipeline reads each of them
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    schedule: str = "1f1b"  # a key of SCHEDULES
-    microbatches: int = 4  # per optimizer step: more of them shrink the bubble
-    stages_per_rank: int = 0  # 0: what the schedule needs (1 for gpipe/1f1b, else 2)
-    n_layers: int = 0  # transformer blocks (0: the preset's own count; tiny has 2)
-    split: str = "manual"  # manual: keep each stage's modules; tracer: pipeline() traces them
-    compare: bool = False  # also train every other schedule this torch has
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    # the whole pipeline reads each of them
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, cut into the micro-batches", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    # no fp16: the schedule runs backward inside step(), where no loss scaler can scale the loss
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA)",
+        choices=["auto", "fp32", "tf32", "bf16"],
+    )
+    schedule: str = option(
+        "1f1b",
+        "pipeline schedule: the order of the micro-batches' forwards and backwards",
+        choices=list(SCHEDULES),
+    )
+    microbatches: int = option(
+        4,
+        "micro-batches per optimizer step: more of them shrink the bubble (p-1)/(m+p-1)",
+        at_least=1,
+    )
+    stages_per_rank: int = option(
+        0,
+        "pipeline stages per rank; 0 = what the schedule needs (1 for gpipe/1f1b, 2 for the "
+        "interleaved, zero-bubble and DualPipeV schedules)",
+        at_least=0,
+    )
+    n_layers: int = option(
+        0,
+        "transformer blocks: the preset's dims with this many blocks (0 = the preset's own "
+        "count; tiny has 2); every stage needs at least one",
+        at_least=0,
+    )
+    split: str = option(
+        "manual",
+        "manual: each stage keeps its modules of the built model; tracer: pipeline() traces "
+        "the model and cuts it at SplitPoint.BEGINNING of the same modules",
+        choices=["manual", "tracer"],
+    )
+    compare: bool = option(
+        False, "then train every other schedule this torch has (same model, data, micro-batches)"
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        # What needs no world: the schedule's stages per rank, and equal micro-batches
+        stage_placement(self.schedule, 0, 1, self.stages_per_rank)
+        m, batch = self.microbatches, self.global_batch_size
+        if batch % m:
+            lower = max(m, batch - batch % m)
+            raise ValueError(
+                f"global_batch_size={batch} does not divide across 1 ranks x {m} "
+                f"micro-batches; use a multiple of {m}, e.g. {lower} or {lower + m}"
+            )
 
 
 def torch_version() -> tuple[int, int]:
@@ -294,8 +345,8 @@ def train(cfg: PPConfig, observer=None) -> list[float]:
         for schedule in SCHEDULES if cfg.compare else ():
             if schedule == cfg.schedule:
                 continue
-            other = dataclasses.replace(cfg, schedule=schedule)
             try:
+                other = dataclasses.replace(cfg, schedule=schedule)  # may refuse its stages
                 check_schedule_runs_here(schedule, world.backend)
                 check_config_fits(other, world.world_size)
             except ValueError as refused:  # the same on every rank: said, and the next one runs
@@ -400,128 +451,15 @@ def train_schedule(cfg: PPConfig, world, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = PPConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.pipeline_parallel",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, cut into the micro-batches",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    # no fp16: the schedule runs backward inside step(), where no loss scaler can scale the loss
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA)",
-    )
-    add(
-        "--schedule",
-        choices=list(SCHEDULES),
-        default=defaults.schedule,
-        help="pipeline schedule: the order of the micro-batches' forwards and backwards",
-    )
-    add(
-        "--microbatches",
-        type=_number(int, at_least=1),
-        default=defaults.microbatches,
-        help="micro-batches per optimizer step: more of them shrink the bubble (p-1)/(m+p-1)",
-    )
-    add(
-        "--stages-per-rank",
-        type=_number(int, at_least=0),
-        default=defaults.stages_per_rank,
-        help="pipeline stages per rank; 0 = what the schedule needs (1 for gpipe/1f1b, 2 for the "
-        "interleaved, zero-bubble and DualPipeV schedules)",
-    )
-    add(
-        "--n-layers",
-        type=_number(int, at_least=0),
-        default=defaults.n_layers,
-        help="transformer blocks: the preset's dims with this many blocks (0 = the preset's own "
-        "count; tiny has 2); every stage needs at least one",
-    )
-    add(
-        "--split",
-        choices=["manual", "tracer"],
-        default=defaults.split,
-        help="manual: each stage keeps its modules of the built model; tracer: pipeline() traces "
-        "the model and cuts it at SplitPoint.BEGINNING of the same modules",
-    )
-    add(
-        "--compare",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compare,
-        help="then train every other schedule this torch has (same model, data, micro-batches)",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(PPConfig, prog="python -m recipes.pipeline_parallel", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = PPConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), PPConfig, argv)
+    with exit_on_bad_input():  # a layout the schedule cannot run: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a layout the schedule cannot run)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.preflight
     srun --ntasks-per-node=8 python -m recipes.preflight --timeout-s 120   # Slurm, one task per GPU
 
-Copy with it: recipes/dist_setup.py (``setup_distributed``). Run it as the job's first step, with
-the launcher, the nodes and the environment the training will use: in about ten seconds it says
-whether every rank can use its device, join the world and exchange tensors with the others, or
-which host and rank cannot. Model: stas00/ml-engineering's ``torch-distributed-gpu-test.py``
-(barrier and all_reduce); this adds checked values, a table per host, a bound on every wait.
+Copy with it: recipes/dist_setup.py (``setup_distributed``), recipes/options.py (the command line,
+from the config). Run it as the job's first step, with the launcher, the nodes and the environment
+the training will use: in about ten seconds it says whether every rank can use its device, join
+the world and exchange tensors with the others, or which host and rank cannot. Model:
+stas00/ml-engineering's ``torch-distributed-gpu-test.py`` (barrier and all_reduce); this adds
+checked values, a table per host, a bound on every wait.
 
 Checks, on every rank: the rendezvous (``setup_distributed``); the device (a matmul against its
 known value); a barrier; ``all_reduce``, ``all_gather`` and a ``send``/``recv`` ring, each against
@@ -29,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 
 # The variables that decide where a rank connects and what it sees; NCCL_*, GLOO_*, ... by prefix.
 ENV_NAMES = (
@@ -48,9 +51,25 @@ ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 
 @dataclass
 class PreflightConfig:
-    timeout_s: float = 60.0  # the whole preflight, joining included
-    backend: str = "auto"  # auto: NCCL with one GPU per local rank, else gloo
-    matmul_size: int = 512  # the device check multiplies two matrices of this size
+    timeout_s: float = option(
+        60.0,
+        "seconds for the whole preflight, joining included: a rank that "
+        "never arrives or a check that hangs ends every rank after this",
+        above=0,
+    )
+    backend: str = option(
+        "auto",
+        "auto: NCCL with one GPU per local rank, else gloo",
+        choices=["auto", "gloo", "nccl"],
+    )
+    matmul_size: int = option(
+        512, "the device check multiplies two square matrices of this size", at_least=1
+    )
+
+    def __post_init__(self) -> None:
+        # the ranges and choices above: one line each. (backend nccl on a rank without its GPU is
+        # not refused here: it is what the preflight finds, and names, on the rank it happens)
+        check_options(self)
 
 
 # --8<-- [start:watch]
@@ -320,43 +339,14 @@ def format_report(result: dict) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    defaults = PreflightConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.preflight",
-        description=(
-            "Check every rank's device, the rendezvous and the collectives before a long job."
-        ),
-    )
-    parser.add_argument(
-        "--timeout-s",
-        type=float,
-        default=defaults.timeout_s,
-        help="seconds for the whole preflight, joining included: a rank that "
-        "never arrives or a check that hangs ends every rank after this",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("auto", "gloo", "nccl"),
-        default=defaults.backend,
-        help="auto: NCCL with one GPU per local rank, else gloo",
-    )
-    parser.add_argument(
-        "--matmul-size",
-        type=int,
-        default=defaults.matmul_size,
-        help="the device check multiplies two square matrices of this size",
-    )
-    return parser
+    return config_parser(PreflightConfig, prog="python -m recipes.preflight", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    if not args.timeout_s > 0:
-        parser.error(f"--timeout-s {args.timeout_s:g}: use a number of seconds > 0")
-    if args.matmul_size < 1:
-        parser.error(f"--matmul-size {args.matmul_size}: use a size >= 1")
-    result = run(PreflightConfig(args.timeout_s, args.backend, args.matmul_size))
+    cfg = parse_config(make_parser(), PreflightConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
+        result = run(cfg)
     if int(os.environ.get("RANK", 0)) == 0:
         print(format_report(result), flush=True)
         for host, rank, problem in result["failures"]:

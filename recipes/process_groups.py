@@ -5,7 +5,8 @@ rank map.
     torchrun --standalone --nproc_per_node=8 -m recipes.process_groups --tp 4  # 2 x 4
     python -m recipes.process_groups                                           # 1 x 1
 
-Copy with it: recipes/dist_setup.py, recipes/parallelize.py (``rank_grid``, the rank map).
+Copy with it: recipes/dist_setup.py, recipes/parallelize.py (``rank_grid``, the rank map),
+recipes/options.py (the command line, from the config).
 
 ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` lays the ranks out row-major in
 a dp x tp grid. Each named dimension is a family of process groups: ``mesh["tp"].get_group()`` is
@@ -29,24 +30,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import rank_grid
 
 
 @dataclass
 class GroupsConfig:
-    tp: int = 0  # size of the inner mesh dimension; 0: 2 when the world size is even, else 1
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 120.0  # a stuck rank errors out instead of hanging
+    tp: int = option(
+        0,
+        "size of the inner mesh dimension (tp); 0 = 2 when the world size is even, else 1",
+        at_least=0,
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    # a stuck rank errors out instead of hanging
+    timeout_s: float = option(120.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
 
 
 @dataclass
@@ -156,70 +169,15 @@ def run(cfg: GroupsConfig) -> GroupsReport:
 # --8<-- [end:compare]
 
 
-def _at_least(least: int | float, kind=int):
-    """An argparse type: a finite ``kind`` >= ``least`` (> 0 for floats), else one line."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or value < least or (kind is float and value <= 0):
-            bound = "> 0" if kind is float else f">= {least}"
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = GroupsConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.process_groups",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add(
-        "--tp",
-        type=_at_least(0),
-        default=defaults.tp,
-        help="size of the inner mesh dimension (tp); 0 = 2 when the world size is even, else 1",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_at_least(0, float),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(GroupsConfig, prog="python -m recipes.process_groups", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = GroupsConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), GroupsConfig, argv)
+    with exit_on_bad_input():  # a tp that does not divide the world: one line from rank 0, exit 2
         report = run(cfg)
-    except ValueError as exc:  # bad input every rank sees (a tp that does not divide the world)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
     if int(os.environ.get("RANK", 0)) == 0:  # the report as the last line, for scripts
         print(json.dumps({"recipe": "process_groups", **dataclasses.asdict(report)}), flush=True)
 

@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.profiling --trace-dir traces --active 3
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (joining and
-leaving the world).
+leaving the world), recipes/options.py (the command line, from the config).
 
 The loop is ddp_torchrun's inside ``torch.profiler.profile``. Its schedule skips ``--wait`` steps
 (step 0 allocates AdamW's state, DDP rebuilds its buckets), profiles ``--warmup`` steps and throws
@@ -32,21 +32,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import os
 import pickle
-import sys
 import tempfile
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 # Substrings that mark a collective in a profiler event's name (lower-cased): "c10d" covers the
@@ -55,47 +55,65 @@ from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 COLLECTIVE_MARKERS = ("c10d", "gloo", "nccl", "record_param_comms")
 
 
+class TraceDirError(ValueError):
+    """A trace_dir that no rank can write its trace into: one line that names the fix."""
+
+
 @dataclass
 class ProfilingConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
-    wait: int = 1  # steps before the profiler starts (step 0 allocates state: not typical)
-    warmup: int = 1  # steps profiled and thrown away: the profiler's start-up lands there
-    active: int = 2  # steps recorded into the trace, the table and the figures
-    trace_dir: str | None = None  # None: a fresh temporary directory
-    top_ops: int = 10  # rows of the top-ops table
-    memory_history_entries: int = 100_000  # CUDA: allocator events the memory snapshot keeps
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+        choices=["auto", "fp32", "bf16"],
+    )
+    backend: str = option(
+        "auto",
+        "process-group backend; auto: nccl with a GPU per local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+    # step 0 allocates AdamW's state and DDP rebuilds its buckets: not a typical step
+    wait: int = option(
+        1, "steps before the profiler starts (step 0 allocates state: not typical)", at_least=0
+    )
+    warmup: int = option(
+        1,
+        "steps profiled and thrown away: the profiler's start-up cost lands there",
+        at_least=0,
+    )
+    active: int = option(2, "steps recorded into the trace, the table and the figures", at_least=1)
+    trace_dir: str | None = option(
+        None,
+        "where traces and snapshots go (created if missing); default: a fresh temporary "
+        "directory that rank 0 names for all",
+    )
+    top_ops: int = option(10, "rows of the top-ops table", at_least=1)
+    memory_history_entries: int = option(
+        100_000, "CUDA: allocator events the memory snapshot keeps", at_least=1
+    )
 
     def __post_init__(self) -> None:
         # Checked before any rank joins: every rank refuses the same config at once.
-        for name, least in (
-            ("steps", 1),
-            ("global_batch_size", 1),
-            ("seed", 0),
-            ("wait", 0),
-            ("warmup", 0),
-            ("active", 1),
-            ("top_ops", 1),
-            ("memory_history_entries", 1),
-        ):
-            if getattr(self, name) < least:
-                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
-        for name in ("lr", "timeout_s"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        check_options(self)  # the ranges and choices above: one line each
         profiled = self.wait + self.warmup + self.active
         if profiled > self.steps:
             raise ValueError(
-                f"--wait {self.wait} + --warmup {self.warmup} + --active "
-                f"{self.active} = {profiled} profiled steps, more than --steps "
-                f"{self.steps}; use --steps {profiled} or profile fewer steps"
+                f"wait {self.wait} + warmup {self.warmup} + active {self.active} = "
+                f"{profiled} profiled steps, more than steps {self.steps}; use steps "
+                f"{profiled} or profile fewer steps"
             )
+        # a file where the folder goes (each rank checks its own node again, in train)
+        problem = self.trace_dir and trace_dir_problem(self.trace_dir)
+        if problem:
+            raise TraceDirError(problem)
 
 
 @dataclass
@@ -257,10 +275,6 @@ def train(cfg: ProfilingConfig, observer=None) -> ProfileRun:
 # --8<-- [end:train]
 
 
-class TraceDirError(ValueError):
-    """A --trace-dir that no rank can write its trace into: one line that names the fix."""
-
-
 def shared_trace_dir(requested: str | None) -> str:
     """``requested``, or a fresh temporary directory that rank 0 names for every rank."""
     fresh = not requested and dist.get_rank() == 0
@@ -279,17 +293,17 @@ def shared_trace_dir(requested: str | None) -> str:
 
 def trace_dir_problem(path: str) -> str | None:
     if os.path.exists(path) and not os.path.isdir(path):
-        return f"--trace-dir {path} is a file; name a directory (created if missing)"
+        return f"trace_dir {path} is a file; name a directory (created if missing)"
     above = os.path.abspath(path)
     while not os.path.exists(above):  # the nearest folder that exists is where it is created
         above = os.path.dirname(above)
     if not os.path.isdir(above):
         return (
-            f"--trace-dir {path}: {above} is a file, so nothing can be created under it; "
+            f"trace_dir {path}: {above} is a file, so nothing can be created under it; "
             "name a directory you can write to"
         )
     if not os.access(above, os.W_OK | os.X_OK):
-        return f"--trace-dir {path}: cannot write in {above}; name a directory you can write to"
+        return f"trace_dir {path}: cannot write in {above}; name a directory you can write to"
     return None
 
 
@@ -403,100 +417,15 @@ def end_memory_window(device: torch.device, path: str) -> dict:
 # --8<-- [end:memory_window]
 
 
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    d = ProfilingConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.profiling",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model size")
-    add("--steps", type=int, default=d.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=int,
-        default=d.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=float, default=d.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=int,
-        default=d.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "bf16"],
-        default=d.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=d.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=float,
-        default=d.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    add(
-        "--wait",
-        type=int,
-        default=d.wait,
-        help="steps before the profiler starts (step 0 allocates state: not typical)",
-    )
-    add(
-        "--warmup",
-        type=int,
-        default=d.warmup,
-        help="steps profiled and thrown away: the profiler's start-up cost lands there",
-    )
-    add(
-        "--active",
-        type=int,
-        default=d.active,
-        help="steps recorded into the trace, the table and the figures",
-    )
-    add(
-        "--trace-dir",
-        default=d.trace_dir,
-        help="where traces and snapshots go (created if missing); default: a fresh temporary "
-        "directory that rank 0 names for all",
-    )
-    add("--top-ops", type=int, default=d.top_ops, help="rows of the top-ops table")
-    add(
-        "--memory-history-entries",
-        type=int,
-        default=d.memory_history_entries,
-        help="CUDA: allocator events the memory snapshot keeps",
-    )
-    return parser
+    return config_parser(ProfilingConfig, prog="python -m recipes.profiling", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
-    try:
-        train(ProfilingConfig(**vars(args)))
-    except ValueError as exc:  # bad input every rank sees: one line from rank 0, exit 2
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg = parse_config(make_parser(), ProfilingConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
+        train(cfg)
 
 
 if __name__ == "__main__":

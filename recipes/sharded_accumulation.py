@@ -9,7 +9,8 @@ r"""Gradient accumulation under fully_shard, three ways, each with its communica
         --loss-normalisation batches        # the pitfall: the mean of micro-batch means
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
-leave the world), recipes/parallelize.py (``apply_fully_shard``, ``checked_mesh``).
+leave the world), recipes/parallelize.py (``apply_fully_shard``, ``checked_mesh``),
+recipes/options.py (the command line, from the config).
 
 k micro-batches per optimizer step; what each mode sends per step (G = fully_shard groups):
 
@@ -43,19 +44,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import os
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import apply_fully_shard, checked_mesh
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
@@ -66,21 +66,69 @@ IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add nothing to th
 
 @dataclass
 class ShardedAccumulationConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    micro_batches: int = 2  # forward/backward passes per optimizer step on each rank
-    mode: str = "sync_last"  # how the micro-batches communicate: one of MODES (see above)
-    # data-parallel mesh: [shard] or [replicate, shard] (HSDP); product = world size; empty:
-    # [world size]
-    mesh: list[int] = field(default_factory=list)
-    pad_fraction: float = 0.25  # ragged samples: right-pad up to this fraction of each sequence
-    loss_normalisation: str = "tokens"  # tokens: one process's loss; batches: the pitfall
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    micro_batches: int = option(
+        2, "forward/backward passes per optimizer step on each rank", at_least=1
+    )
+    mode: str = option(
+        "sync_last", "how the micro-batches communicate (see the docstring)", choices=MODES
+    )
+    # a tuple: recipes/options.py's check reads list[int] as one int and refuses every list
+    mesh: tuple[int, ...] = option(
+        (),
+        "data-parallel mesh: SHARD, or REPLICATE SHARD (HSDP); product = world size; none: "
+        "the world size",
+    )
+    pad_fraction: float = option(
+        0.25,
+        "ragged samples: right-pad up to this fraction of each sequence (targets = "
+        "ignore_index); below 1",
+        at_least=0,
+    )
+    loss_normalisation: str = option(
+        "tokens",
+        "tokens: the global per-token mean (one process's loss); batches: the mean of "
+        "micro-batch means (the pitfall)",
+        choices=NORMALISATIONS,
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 on a GPU, fp32 on CPU; bf16: fully_shard's MixedPrecisionPolicy (fp32 "
+        "gradient reduction); fp16 is refused (it needs a scaler)",
+        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.pad_fraction >= 1:
+            raise ValueError(
+                f"pad_fraction must be < 1 (a sample keeps at least one token), "
+                f"got {self.pad_fraction}"
+            )
+        if any(size < 1 for size in self.mesh) or len(self.mesh) > 2:
+            raise ValueError(f"mesh={self.mesh}: use [shard] or [replicate, shard], each size >= 1")
+        if self.mode == "hsdp_all_reduce_last" and len(self.mesh) != 2:
+            raise ValueError(
+                "mode hsdp_all_reduce_last needs a replicate x shard mesh, e.g. --mesh 2 2 on 4 "
+                "ranks"
+            )
+        if self.precision == "fp16":  # fp16 gradients need a loss scaler, not this lesson
+            raise ValueError(
+                "--precision fp16 needs a GradScaler (see recipes/amp.py); use bf16 or fp32"
+            )
 
 
 class RaggedTokens(Dataset):
@@ -178,29 +226,6 @@ def data_parallel_mesh(world, sizes: list[int]):
 # --8<-- [start:train]
 def train(cfg: ShardedAccumulationConfig, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
-    # Checked before joining: every rank refuses at once, in one line
-    if cfg.mode not in MODES or cfg.loss_normalisation not in NORMALISATIONS:
-        raise ValueError(
-            f"mode {cfg.mode!r} / loss_normalisation {cfg.loss_normalisation!r}: "
-            f"use one of {', '.join(MODES)} / {', '.join(NORMALISATIONS)}"
-        )
-    if len(cfg.mesh) > 2:
-        raise ValueError(
-            f"mesh={cfg.mesh} has {len(cfg.mesh)} dims; use [shard] or [replicate, shard]"
-        )
-    if cfg.mode == "hsdp_all_reduce_last" and len(cfg.mesh) != 2:
-        raise ValueError(
-            "mode hsdp_all_reduce_last needs a replicate x shard mesh, e.g. --mesh 2 2 on 4 ranks"
-        )
-    if cfg.precision == "fp16":  # fp16 gradients need a loss scaler, which is not this lesson
-        raise ValueError(
-            "--precision fp16 needs a GradScaler (see recipes/fsdp2.py); use bf16 or fp32"
-        )
-    if not 0 <= cfg.pad_fraction < 1 or cfg.micro_batches < 1:
-        raise ValueError(
-            f"pad_fraction={cfg.pad_fraction}, micro_batches={cfg.micro_batches}: "
-            "use 0 <= pad_fraction < 1 and micro_batches >= 1"
-        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
         device, rank = world.device, world.rank
@@ -308,125 +333,17 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return requested
 
 
-def _number(kind, *, above=None, at_least=None, below=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-    bound += f" and < {below}" if below is not None else ""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if (
-            not math.isfinite(value)
-            or not (value > above if above is not None else value >= at_least)
-            or (below is not None and value >= below)
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = ShardedAccumulationConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.sharded_accumulation",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
+    return config_parser(
+        ShardedAccumulationConfig, prog="python -m recipes.sharded_accumulation", doc=__doc__
     )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add(
-        "--micro-batches",
-        type=_number(int, at_least=1),
-        default=defaults.micro_batches,
-        help="forward/backward passes per optimizer step on each rank",
-    )
-    add(
-        "--mode",
-        choices=MODES,
-        default=defaults.mode,
-        help="how the micro-batches communicate (see the docstring)",
-    )
-    add(
-        "--mesh",
-        type=_number(int, at_least=1),
-        nargs="*",
-        default=defaults.mesh,
-        help="data-parallel mesh: SHARD, or REPLICATE SHARD (HSDP); product = world size; none: "
-        "the world size",
-    )
-    add(
-        "--pad-fraction",
-        type=_number(float, at_least=0, below=1),
-        default=defaults.pad_fraction,
-        help="ragged samples: right-pad up to this fraction of "
-        "each sequence (targets = ignore_index)",
-    )
-    add(
-        "--loss-normalisation",
-        choices=NORMALISATIONS,
-        default=defaults.loss_normalisation,
-        help="tokens: the global per-token mean (one process's loss); batches: the mean of "
-        "micro-batch means (the pitfall)",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 on a GPU, fp32 on CPU; bf16: fully_shard's "
-        "MixedPrecisionPolicy (fp32 gradient reduction); fp16 is refused (it needs a scaler)",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = ShardedAccumulationConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), ShardedAccumulationConfig, argv)
+    with exit_on_bad_input():  # bad input every rank sees: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a mesh or batch that does not divide)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

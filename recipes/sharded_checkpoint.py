@@ -6,7 +6,8 @@
 
 Copy with it: recipes/_sharded_checkpoint_store.py (the crash-safe checkpoint folder),
 recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and leave the world),
-recipes/parallelize.py (``apply_fully_shard``, ``apply_fsdp``).
+recipes/parallelize.py (``apply_fully_shard``, ``apply_fsdp``), recipes/options.py (the command
+line, from the config).
 
 Every rank writes only the shard it holds (``dcp.save``), in parallel, and a load reads what each
 rank of the NEW world needs, whatever world wrote it: a checkpoint from 2 ranks resumes on 1, 3 or
@@ -39,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -77,30 +77,110 @@ from recipes._sharded_checkpoint_store import (
     unwritable,
 )
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import apply_fsdp, apply_fully_shard
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class CheckpointConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6  # the step to train up to, counted from the start of the run, not the resume
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 on a GPU, fp32 on CPU
-    strategy: str = "fsdp2"  # ddp, fsdp (classic) or fsdp2 (fully_shard): any loads any
-    checkpoint_dir: str = "checkpoints/sharded_checkpoint"
-    save_every: int = 3  # and after the last step; 0: never save
-    resume_from: str = "latest"  # latest (fresh if none yet), a step_* directory, or "": fresh
-    async_save: bool = False
-    async_mode: str = "thread"  # with async_save: a thread, or a process per rank
-    keep_last: int = 2  # published checkpoints kept; 0: all
-    export_to: str = ""
-    init_from: str = ""
-    batches_per_epoch: int = 4  # 4: 6 steps cross an epoch, so a resume must restore the epoch
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    # counted from the start of the run, not from the resume
+    steps: int = option(
+        6,
+        "train up to this step (a resumed run continues from its checkpoint's step)",
+        at_least=1,
+    )
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(
+        1e-3, "AdamW's learning rate; on resume it replaces the checkpoint's", above=0
+    )
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    # no fp16: a loss scaler's state would need checkpointing too
+    precision: str = option(
+        "auto",
+        "auto: bf16 on a GPU, fp32 on CPU; bf16: the FSDPs' mixed-precision policies, "
+        "autocast for DDP",
+        choices=["auto", "fp32", "tf32", "bf16"],
+    )
+    strategy: str = option(
+        "fsdp2",
+        "ddp (replicated), fsdp (classic FullyShardedDataParallel) or fsdp2 (fully_shard); "
+        "a checkpoint saved with one loads into any other",
+        choices=["ddp", "fsdp", "fsdp2"],
+    )
+    checkpoint_dir: str = option(
+        "checkpoints/sharded_checkpoint",
+        "where step_NNNNNNNN/ checkpoints and the 'latest' pointer live",
+    )
+    save_every: int = option(
+        3, "save every N steps and after the last one; 0 = never save", at_least=0
+    )
+    resume_from: str = option(
+        "latest",
+        "'latest' = the checkpoint 'latest' names in --checkpoint-dir (start fresh if there "
+        "is none yet: the same command starts and resumes a job); a step_* directory; or '' = "
+        "always start fresh",
+    )
+    async_save: bool = option(
+        False, "write checkpoints in the background (dcp.async_save) while training goes on"
+    )
+    async_mode: str = option(
+        "thread",
+        "with --async-save: write in a background thread of each rank, or in a background "
+        "process per rank (no GIL contention with training)",
+        choices=["thread", "process"],
+    )
+    keep_last: int = option(
+        2, "published checkpoints to keep; older ones are deleted (0 = keep all)", at_least=0
+    )
+    export_to: str = option(
+        "", "after training, rank 0 writes the full model state_dict to this file (inference)"
+    )
+    init_from: str = option(
+        "",
+        "when starting fresh, load the model from this full state_dict file (e.g. an "
+        "--export-to file): rank 0 reads it, every rank gets its part",
+    )
+    # 4: 6 steps cross an epoch, so a resume must restore the epoch
+    batches_per_epoch: int = option(
+        4,
+        "global batches per epoch of the synthetic data; 4 makes 6 steps cross an epoch "
+        "boundary, so a resume must restore the epoch, not only the step",
+        at_least=1,
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.async_mode != "thread" and not self.async_save:
+            raise CheckpointError(
+                f"--async-mode {self.async_mode} chooses how --async-save writes; "
+                "add --async-save, or drop --async-mode"
+            )
+        # A folder where a file goes, or a file where a folder goes (the rest: path_problem)
+        if os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
+            raise CheckpointError(
+                f"--checkpoint-dir {self.checkpoint_dir} is a file; name a directory"
+            )
+        if self.export_to and os.path.isdir(self.export_to):
+            raise CheckpointError(
+                f"--export-to {self.export_to} is a directory; name a file, e.g. "
+                f"{os.path.join(self.export_to, 'model.pt')}"
+            )
+        if self.init_from and os.path.isdir(self.init_from):
+            raise CheckpointError(
+                f"--init-from {self.init_from} is a directory; name a full state_dict file (as "
+                "--export-to writes one; a step_* directory is for --resume-from)"
+            )
 
 
 @dataclass
@@ -273,8 +353,6 @@ def path_problem(cfg: CheckpointConfig) -> str | None:
     """What is wrong with a path that would otherwise fail only after training, or None. Writing is
     tried (a temporary file), not guessed from modes; nothing is created."""
     ckpt, export_to = cfg.checkpoint_dir, cfg.export_to
-    if os.path.exists(ckpt) and not os.path.isdir(ckpt):
-        return f"--checkpoint-dir {ckpt} is a file; name a directory"
     if cfg.save_every and (why := unwritable(ckpt)):
         return f"--checkpoint-dir {ckpt}: {why}; name a directory you can write to"
     if cfg.init_from and not os.path.isfile(cfg.init_from):
@@ -282,8 +360,6 @@ def path_problem(cfg: CheckpointConfig) -> str | None:
             f"--init-from {cfg.init_from}: no such file; name a full state_dict file "
             "(as --export-to writes one), or drop --init-from"
         )
-    if export_to and os.path.isdir(export_to):
-        return f"--export-to {export_to} is a directory; name a file, e.g. {export_to}/model.pt"
     if export_to and (why := unwritable(os.path.dirname(os.path.abspath(export_to)))):
         return f"--export-to {export_to}: {why}; name a file in a directory you can write to"
     return None
@@ -317,7 +393,19 @@ def export_full_state_dict(model: nn.Module, path: str) -> None:
 def load_full_state_dict(model: nn.Module, path: str) -> None:
     """The path back: rank 0 reads a full ``state_dict`` file, each rank receives its part."""
     # Only rank 0 touches the file (one read, not N); weights_only: a pickle must not run code.
-    state = torch.load(path, map_location="cpu", weights_only=True) if dist.get_rank() == 0 else {}
+    state, problem = {}, [None]
+    if dist.get_rank() == 0:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # not torch.save's format, truncated, or a pickle of code
+            first = (str(exc).strip().splitlines() or [""])[0][:120]
+            problem[0] = f"{type(exc).__name__}: {first}"
+    dist.broadcast_object_list(problem, src=0)  # every rank refuses alike, none waits for rank 0
+    if problem[0]:
+        raise CheckpointError(
+            f"--init-from {path} is not a state_dict file torch.load reads ({problem[0]}); "
+            "name one that --export-to wrote"
+        )
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
@@ -330,11 +418,6 @@ def load_full_state_dict(model: nn.Module, path: str) -> None:
 def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
     """Train on this process's rank from the checkpoint ``cfg.resume_from`` names (or fresh), saving
     every ``cfg.save_every`` steps; every rank returns the same CheckpointRun."""
-    if cfg.async_mode != "thread" and not cfg.async_save:
-        raise CheckpointError(
-            f"--async-mode {cfg.async_mode} chooses how --async-save writes; "
-            "add --async-save, or drop --async-mode"
-        )
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     # Checkpoint I/O gets a gloo group of its own: async_save runs its collectives in a background
     # thread, and two threads must not issue collectives on one group (they can interleave); DCP's
@@ -517,160 +600,15 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = CheckpointConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.sharded_checkpoint",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add(
-        "--steps",
-        type=_number(int, at_least=1),
-        default=defaults.steps,
-        help="train up to this step (a resumed run continues from its checkpoint's step)",
-    )
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add(
-        "--lr",
-        type=_number(float, above=0),
-        default=defaults.lr,
-        help="AdamW's; on resume it replaces the checkpoint's",
-    )
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16"],
-        default=defaults.precision,
-        help="auto: bf16 on a GPU, fp32 on CPU; bf16: the FSDPs' mixed-precision policies, "
-        "autocast for DDP (no fp16: a loss scaler's state would need checkpointing too)",
-    )
-    add(
-        "--strategy",
-        choices=["ddp", "fsdp", "fsdp2"],
-        default=defaults.strategy,
-        help="ddp (replicated), fsdp (classic FullyShardedDataParallel) or fsdp2 (fully_shard); "
-        "a checkpoint saved with one loads into any other",
-    )
-    add(
-        "--checkpoint-dir",
-        default=defaults.checkpoint_dir,
-        help="where step_NNNNNNNN/ checkpoints and the 'latest' pointer live",
-    )
-    add(
-        "--save-every",
-        type=_number(int, at_least=0),
-        default=defaults.save_every,
-        help="save every N steps and after the last one; 0 = never save",
-    )
-    add(
-        "--resume-from",
-        default=defaults.resume_from,
-        help="'latest' = the checkpoint 'latest' names in --checkpoint-dir (start fresh if there "
-        "is none yet: the same command starts and resumes a job); a step_* directory; or '' = "
-        "always start fresh",
-    )
-    add(
-        "--async-save",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.async_save,
-        help="write checkpoints in the background (dcp.async_save) while training goes on",
-    )
-    add(
-        "--async-mode",
-        choices=["thread", "process"],
-        default=defaults.async_mode,
-        help="with --async-save: write in a background thread of each rank, or in a background "
-        "process per rank (no GIL contention with training)",
-    )
-    add(
-        "--keep-last",
-        type=_number(int, at_least=0),
-        default=defaults.keep_last,
-        help="published checkpoints to keep; older ones are deleted (0 = keep all)",
-    )
-    add(
-        "--export-to",
-        default=defaults.export_to,
-        help="after training, rank 0 writes the full model state_dict to this file (inference)",
-    )
-    add(
-        "--init-from",
-        default=defaults.init_from,
-        help="when starting fresh, load the model from this full state_dict file (e.g. an "
-        "--export-to file): rank 0 reads it, every rank gets its part",
-    )
-    add(
-        "--batches-per-epoch",
-        type=_number(int, at_least=1),
-        default=defaults.batches_per_epoch,
-        help="global batches per epoch of the synthetic data; 4 makes 6 steps cross an epoch "
-        "boundary, so a resume must restore the epoch, not only the step",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(CheckpointConfig, prog="python -m recipes.sharded_checkpoint", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = CheckpointConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), CheckpointConfig, argv)
+    with exit_on_bad_input():  # bad input or a bad checkpoint: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input or a bad checkpoint, which every rank sees
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     python -m recipes.single_gpu
     python -m recipes.single_gpu --model 100m --batch-size 64 --compile   # on a GPU: fast
 
-Copy with it: recipes/toy.py (the model and data you replace).
+Copy with it: recipes/toy.py (the model and data you replace), recipes/options.py (the command
+line, from the config).
 
 The loop a user has before scaling out: the model on the device, AdamW, a shuffled DataLoader that
 reshuffles every epoch from the seed, forward, loss, backward, step, one line per step, and a save
@@ -18,26 +19,37 @@ compiles each block and the loss. ``--precision fp32`` is the exact reference.
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from recipes.options import check_options, config_parser, option, parse_config
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class SingleGPUConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    batch_size: int = 12  # sequences per optimizer step
-    lr: float = 1e-3
-    seed: int = 0  # the weights and the data order
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    compile: bool = False
-    compile_backend: str = "inductor"
-    save_path: str | None = None  # the trained weights go here
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    batch_size: int = option(12, "sequences per optimizer step", at_least=1)
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+        choices=["auto", "fp32", "bf16"],
+    )
+    compile: bool = option(False, "torch.compile each transformer block and the loss")
+    compile_backend: str = option(
+        "inductor",
+        "torch.compile's backend; inductor is the fast one",
+        choices=["inductor", "aot_eager", "eager"],
+    )
+    save_path: str | None = option(None, "save the trained model's state_dict here (torch.save)")
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
 
 
 # --8<-- [start:train]
@@ -105,76 +117,13 @@ def train(cfg: SingleGPUConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = SingleGPUConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.single_gpu",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.batch_size,
-        help="sequences per optimizer step",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "bf16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
-    )
-    add(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compile,
-        help="torch.compile each transformer block and the loss",
-    )
-    add(
-        "--compile-backend",
-        choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend,
-        help="torch.compile's backend; inductor is the fast one",
-    )
-    add(
-        "--save-path",
-        default=defaults.save_path,
-        help="save the trained model's state_dict here (torch.save)",
-    )
-    return parser
+    return config_parser(SingleGPUConfig, prog="python -m recipes.single_gpu", doc=__doc__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    train(SingleGPUConfig(**vars(make_parser().parse_args(argv))))
+    cfg = parse_config(make_parser(), SingleGPUConfig, argv)
+    train(cfg)
 
 
 if __name__ == "__main__":

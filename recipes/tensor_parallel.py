@@ -5,13 +5,16 @@ r"""Tensor parallelism with DTensor: every layer's weights split across ranks, t
         --loss-parallel
     python -m recipes.tensor_parallel                   # a world of 1: tensor-parallel degree 1
 
-Copy with it: recipes/toy.py, recipes/dist_setup.py, recipes/parallelize.py (``apply_tp``, its
-plans and checks, ``apply_compile``).
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
+leave the world), recipes/parallelize.py (``ReplicateParallel``, ``check_tp_fits``),
+recipes/options.py (the command line, from the config).
 
 The whole world is one tensor-parallel group (a 1-D DeviceMesh named "tp"); for tensor parallel
-inside each of several data-parallel replicas see recipes.hybrid_parallel. ``apply_tp`` is the
-Megatron-LM split, written with ``torch.distributed.tensor.parallel`` as torchtitan's
-``parallelize.py`` does:
+inside each of several data-parallel replicas see recipes.hybrid_parallel. ``tp_plan`` below is
+the Megatron-LM split, written with ``torch.distributed.tensor.parallel`` as torchtitan's
+``parallelize.py`` does, and ``train`` hands it to ``parallelize_module`` (recipes/parallelize.py's
+``apply_tp`` with ``transformer_lm_plan`` does the same, with checks, for the recipes that compose;
+tests/test_tensor_parallel.py asserts they agree):
 
 - attention: ``wq``/``wk``/``wv`` column-wise (each rank computes n_heads / N whole heads; the
   model's attention infers its local head count from the projection's output size), ``wo``
@@ -29,54 +32,96 @@ Megatron-LM split, written with ``torch.distributed.tensor.parallel`` as torchti
 Every tensor-parallel rank must see the SAME batch (it computes a part of every sample, not a part
 of the batch). The losses and weights equal single-process training (tests/test_tensor_parallel.py,
 worlds of 2 and 4); forward outputs and full gradients equal the unsplit model's. Runs on gloo/CPU
-(checked with torch 2.13) and NCCL. It prints one line per step from rank 0: the step and the loss
-of the whole batch, which every rank computed.
+and NCCL. It prints one line per step from rank 0: the step and the loss of the whole batch, which
+every rank computed.
 
 Speed: TP alone has no mixed-precision policy of its own, so ``--precision auto`` (bf16 on a GPU) is
 autocast around the forward, as torchtitan does; AdamW is fused. Every op on a DTensor pays for
-sharding propagation on the host: on one H200 (100m, torch 2.11) a world-1 step ran 129.8 ms
-against the bare loop's 67.4 at batch 64. So on a GPU this recipe compiles by default (``--eager``
-turns it off): the compiled blocks trace the DTensor ops once. Compiled, a step ran 51.8 ms
-against 51.3 for the compiled bare loop at batch 64; at batch 32, 51.1 ms against 112.4 eager
-and 27.8 for the compiled bare loop: the replicated parts outside the blocks (embeddings, norm,
-output head) still pay DTensor's host cost (scripts/bench.py, 2026-11-26).
+sharding propagation on the host, so on a GPU this recipe compiles each block by default
+(``--eager`` turns it off): the compiled blocks trace the DTensor ops once; the replicated parts
+outside them (embeddings, norm, output head) still pay DTensor's host cost (results/bench/).
+fp16 loss scaling is recipes/amp.py's lesson.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
-from recipes.parallelize import apply_compile, apply_tp, check_tp_fits, transformer_lm_plan
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
+from recipes.parallelize import ReplicateParallel, check_tp_fits
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class TPConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per step; every tensor-parallel rank reads them all
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    compile: bool = False  # on a GPU TP compiles anyway, unless eager
-    eager: bool = False
-    compile_backend: str = "inductor"
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12,
+        "sequences per optimizer step; every tensor-parallel rank computes a part of each",
+        at_least=1,
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
+        "matmuls (CUDA)",
+        choices=["auto", "fp32", "tf32", "bf16"],
+    )
+    sequence_parallel: bool = option(
+        False,
+        "split norms and the residual stream along the sequence (Shard(1)) instead of "
+        "replicating them",
+    )
+    loss_parallel: bool = option(
+        False,
+        "keep the logits split over the vocabulary and compute cross-entropy on the shards "
+        "(loss_parallel())",
+    )
+    compile: bool = option(
+        False,
+        "torch.compile each transformer block (and the loss) after the split; on a GPU it "
+        "is on unless --eager",
+    )
+    eager: bool = option(
+        False,
+        "on a GPU, skip the torch.compile that TP turns on there (DTensor's sharding "
+        "propagation then runs on the host for every op)",
+    )
+    compile_backend: str = option(
+        "inductor", "torch.compile's backend", choices=["inductor", "aot_eager", "eager"]
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.compile and self.eager:
+            raise ValueError("compile and eager contradict each other: pass one of them")
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -93,7 +138,58 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
             precision == "tf32"
         )
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+# --8<-- [start:plan]
+def tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The Megatron-LM split of recipes/toy.py's TransformerLM: module path (``*`` = any one
+    name) -> how its weights and activations are split, as ``parallelize_module`` takes it."""
+    # Between blocks the residual stream is either replicated (every rank holds all of it) or, with
+    # sequence parallel, split along the sequence dim: Shard(1) of [batch, seq, dim].
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        # Row-wise on an embedding splits the vocabulary rows; each rank looks up the ids it owns
+        # and the partial results are summed (or reduce-scattered into the sequence shards).
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        # Position embeddings are [seq, dim]: their sequence dim is 0, so their shard is Shard(0).
+        "pos_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
+        ),
+        # Column-wise q/k/v: rank r gets heads [r*H/N, (r+1)*H/N): attention needs no communication.
+        "layers.*.attn.wq": ColwiseParallel(),
+        "layers.*.attn.wk": ColwiseParallel(),
+        "layers.*.attn.wv": ColwiseParallel(),
+        # Row-wise wo: takes its input's head shard, sums partial outputs across ranks.
+        "layers.*.attn.wo": RowwiseParallel(output_layouts=residual),
+        "layers.*.mlp.w_in": ColwiseParallel(),
+        "layers.*.mlp.w_out": RowwiseParallel(output_layouts=residual),
+        # Column-wise head: each rank computes logits for its slice of the vocabulary, all-gathered
+        # (Replicate) unless loss parallel keeps them a DTensor sharded on the last dim.
+        "output": ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    norms = ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")
+    if sequence_parallel:
+        # LayerNorm normalizes over dim, so it runs on sequence shards unchanged...
+        plan.update({name: SequenceParallel() for name in norms})
+        # ...but attention and the MLP need whole sequences: all-gather them on the way in.
+        # Pitfall: without these, q/k/v see a sequence shard and attention is silently wrong.
+        for name in ("layers.*.attn", "layers.*.mlp"):
+            plan[name] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+    else:
+        # Replicated norms whose parameters still become DTensors. Pitfall: a model with both
+        # DTensor and plain parameters fails in fused/foreach AdamW and clip_grad_norm_ on GPU.
+        plan.update({name: ReplicateParallel() for name in norms})
+    return plan
+
+
+# --8<-- [end:plan]
 
 
 # --8<-- [start:train]
@@ -115,30 +211,24 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
         tp_mesh = init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("tp",))
         # --8<-- [start:loop]
         # Same seed everywhere: each rank builds the full model, then keeps only its shards. (For a
-        # model that does not fit one device, build on the "meta" device and initialize after
-        # apply_tp.)
+        # model that does not fit one device, build on the "meta" device and initialize after.)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        apply_tp(
-            model,
-            tp_mesh,
-            plan=transformer_lm_plan(
-                sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel
-            ),
-        )
+        plan = tp_plan(sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
+        # Each matched module's weights become DTensor shards over tp_mesh, its inputs and
+        # outputs redistributed as the plan says: the collectives live in those hooks.
+        parallelize_module(model, tp_mesh, plan)
         # On a GPU TP compiles unless told not to: in eager mode DTensor decides every op's
-        # sharding on the host, and the GPU waits for it (+92% at batch 64 on an H200, issue 25).
-        compiled = cfg.compile or (use_cuda and not cfg.eager)
+        # sharding on the host, and the GPU waits for it.
         loss_fn = lm_loss
-        if compiled:  # after TP: the compiled blocks trace the DTensor ops and their collectives
-            apply_compile(model, block_types=(Block,), backend=cfg.compile_backend)
+        if cfg.compile or (use_cuda and not cfg.eager):  # after TP: traces DTensor ops once
+            for block in [m for m in model.modules() if isinstance(m, Block)]:
+                block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
             if not cfg.loss_parallel:  # the loss on DTensor shards (loss_parallel) stays eager
                 loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
-        # Pitfall: built before apply_tp, the optimizer would update the replaced plain tensors.
+        # Pitfall: built before the split, the optimizer would update the replaced plain tensors.
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
-        # fp16's 5 exponent bits flush small gradients to zero: scale the loss (else a no-op)
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         if observer:
             observer.model_ready(model, optimizer)
 
@@ -168,17 +258,14 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
                     break
                 inputs = inputs.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
-                # TP alone has no mixed-precision policy of its own: bf16 is autocast (torchtitan)
-                with torch.autocast(
-                    device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-                ):
-                    logits = model(inputs)
                 optimizer.zero_grad(set_to_none=True)
+                # TP alone has no mixed-precision policy of its own: bf16 is autocast (torchtitan)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype is not None):
+                    logits = model(inputs)
                 with loss_context():
                     loss = loss_fn(logits, targets)  # the cross entropy in fp32 either way
-                    scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+                    loss.backward()
+                optimizer.step()
                 # The same on every rank: they all computed the whole batch (under loss_parallel
                 # the loss is a replicated DTensor).
                 whole = loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -198,122 +285,15 @@ def train(cfg: TPConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _backend(text: str) -> str:
-    if text == "nccl" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            "backend 'nccl' needs one CUDA device per local rank and this machine has none; "
-            "use --backend gloo"
-        )
-    return text
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = TPConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.tensor_parallel",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step; every tensor-parallel rank computes a part of each",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off); tf32: TF32 "
-        "matmuls (CUDA); fp16: autocast with a loss scaler",
-    )
-    add(
-        "--sequence-parallel",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.sequence_parallel,
-        help="split norms and the residual stream along the sequence (Shard(1)) instead of "
-        "replicating them",
-    )
-    add(
-        "--loss-parallel",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.loss_parallel,
-        help="keep the logits split over the vocabulary and compute cross-entropy on the shards "
-        "(loss_parallel())",
-    )
-    add(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.compile,
-        help="torch.compile each transformer block (and the loss) after the split; on a GPU it "
-        "is on unless --eager",
-    )
-    add(
-        "--eager",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.eager,
-        help="on a GPU, skip the torch.compile that TP turns on there (DTensor's sharding "
-        "propagation then runs on the host for every op: about 2x slower on an H200)",
-    )
-    add(
-        "--compile-backend",
-        choices=["inductor", "aot_eager", "eager"],
-        default=defaults.compile_backend,
-        help="torch.compile's backend; inductor is the fast one",
-    )
-    add(
-        "--backend",
-        type=_backend,
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    return parser
+    return config_parser(TPConfig, prog="python -m recipes.tensor_parallel", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = TPConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), TPConfig, argv)
+    with exit_on_bad_input():  # a size that does not split: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a size that does not split)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.zero
     torchrun --standalone --nproc_per_node=2 -m recipes.zero --optimizer adamw  # plain DDP
 
-Copy with it: recipes/toy.py, recipes/dist_setup.py
+Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
+leave the world), recipes/options.py (the command line, from the config).
 
 DDP still replicates the parameters and all-reduces full gradients; only the optimizer state is
 partitioned. Each rank runs AdamW on the parameters it owns, then broadcasts them to the others, so
@@ -21,34 +22,63 @@ collective here because DDP's gradients are full.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
 
 
 @dataclass
 class ZeroConfig:
-    model: str = "tiny"  # a key of MODEL_PRESETS
-    steps: int = 6
-    global_batch_size: int = 12  # sequences per optimizer step, summed over all ranks
-    lr: float = 1e-3
-    seed: int = 0  # same seed -> same weights and data order on every rank, on any world size
-    optimizer: str = "zero"  # zero: ZeroRedundancyOptimizer(AdamW); adamw: the DDP baseline
-    max_grad_norm: float = 0.0  # clip the total gradient norm to this (0: off)
-    precision: str = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
-    backend: str = "auto"  # auto: nccl with a GPU for each local rank, else gloo
-    timeout_s: float = 300.0
-    save_path: str | None = None  # rank 0 saves the model and the whole optimizer state here
+    model: str = option("tiny", "model size", choices=sorted(MODEL_PRESETS))
+    steps: int = option(6, "optimizer steps", at_least=1)
+    global_batch_size: int = option(
+        12, "sequences per optimizer step, summed over all ranks", at_least=1
+    )
+    lr: float = option(1e-3, "AdamW's learning rate", above=0)
+    # the same seed -> the same weights and data order on every rank, on any world size
+    seed: int = option(0, "model init and data order", at_least=0)
+    optimizer: str = option(
+        "zero",
+        "zero: ZeroRedundancyOptimizer(AdamW), 1/N of the state per rank; adamw: plain DDP",
+        choices=["zero", "adamw"],
+    )
+    max_grad_norm: float = option(
+        0.0,
+        "clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0: off)",
+        at_least=0,
+    )
+    precision: str = option(
+        "auto",
+        "auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
+        choices=["auto", "fp32", "bf16"],
+    )
+    backend: str = option(
+        "auto",
+        "auto: nccl with a GPU for each local rank, else gloo",
+        choices=["auto", "nccl", "gloo"],
+    )
+    timeout_s: float = option(300.0, "seconds a collective waits for its peers", above=0)
+    save_path: str | None = option(
+        None, "rank 0 saves the model and the consolidated optimizer state here (torch.save)"
+    )
+
+    def __post_init__(self):
+        check_options(self)  # the ranges and choices above: one line each
+        if self.save_path and os.path.isdir(self.save_path):
+            raise ValueError(
+                f"save_path={self.save_path!r} is a folder; name the file to write, e.g. "
+                f"{os.path.join(self.save_path, 'zero.pt')!r}"
+            )
 
 
 # --8<-- [start:train]
@@ -151,94 +181,15 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
 # --8<-- [end:train]
 
 
-def _number(kind, *, above=None, at_least=None):
-    """An argparse type: a finite ``kind`` in range, else one line that says what is valid."""
-    bound = f"> {above}" if above is not None else f">= {at_least}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value) or not (
-            value > above if above is not None else value >= at_least
-        ):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def make_parser() -> argparse.ArgumentParser:
-    defaults = ZeroConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.zero",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model size")
-    add("--steps", type=_number(int, at_least=1), default=defaults.steps, help="optimizer steps")
-    add(
-        "--global-batch-size",
-        type=_number(int, at_least=1),
-        default=defaults.global_batch_size,
-        help="sequences per optimizer step, summed over all ranks",
-    )
-    add("--lr", type=_number(float, above=0), default=defaults.lr, help="AdamW's")
-    add(
-        "--seed",
-        type=_number(int, at_least=0),
-        default=defaults.seed,
-        help="model init and data order; the same seed gives the same losses on any world size",
-    )
-    add(
-        "--optimizer",
-        choices=["zero", "adamw"],
-        default=defaults.optimizer,
-        help="zero: ZeroRedundancyOptimizer(AdamW), 1/N of the state per rank; adamw: plain DDP",
-    )
-    add(
-        "--max-grad-norm",
-        type=_number(float, at_least=0),
-        default=defaults.max_grad_norm,
-        help="clip the total gradient norm with torch.nn.utils.clip_grad_norm_ (0: off)",
-    )
-    add(
-        "--precision",
-        choices=["auto", "fp32", "bf16"],
-        default=defaults.precision,
-        help="auto: bf16 autocast on a GPU, fp32 on CPU; fp32: exact (TF32 off)",
-    )
-    add(
-        "--backend",
-        choices=["auto", "nccl", "gloo"],
-        default=defaults.backend,
-        help="process-group backend; auto: nccl with a GPU per local rank, else gloo",
-    )
-    add(
-        "--timeout-s",
-        type=_number(float, above=0),
-        default=defaults.timeout_s,
-        help="seconds a collective waits for its peers before failing",
-    )
-    add(
-        "--save-path",
-        default=defaults.save_path,
-        help="rank 0 saves the model and the consolidated optimizer state here (torch.save)",
-    )
-    return parser
+    return config_parser(ZeroConfig, prog="python -m recipes.zero", doc=__doc__)
 
 
+@record  # under torchrun, the failure summary names this rank's exception and traceback
 def main(argv: list[str] | None = None) -> None:
-    cfg = ZeroConfig(**vars(make_parser().parse_args(argv)))
-    try:
+    cfg = parse_config(make_parser(), ZeroConfig, argv)
+    with exit_on_bad_input():  # a batch that does not divide: one line from rank 0, exit 2
         train(cfg)
-    except ValueError as exc:  # bad input every rank sees (a batch that does not divide)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

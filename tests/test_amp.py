@@ -144,10 +144,10 @@ def test_injected_overflow_is_skipped_leaves_parameters_unchanged_and_halves_the
 
 def test_bad_choices_are_rejected_with_the_fix():
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="--device cuda needs a CUDA GPU.*use --device cpu"):
+        with pytest.raises(ValueError, match="^device cuda needs a CUDA GPU.*use device cpu"):
             recipe_result(with_fields(CFG, device="cuda"))
     with pytest.raises(
-        ValueError, match="--precision tf32 is a CUDA matmul mode.*use --precision fp32"
+        ValueError, match="^precision tf32 is a CUDA matmul mode.*use precision fp32"
     ):
         recipe_result(with_fields(CFG, precision="tf32"))
 
@@ -164,14 +164,12 @@ def test_cli_prints_each_step_and_refuses_in_one_line():
     assert_losses_close([float(loss) for _, loss in printed], reference.losses, atol=6e-5)
     if torch.cuda.is_available():
         bad = run_cli([PYTHON, "-m", "recipes.amp", "--steps", "0"], timeout_s=120)
-        assert (
-            bad.returncode == 2
-            and "error: argument --steps: must be a finite number >= 1" in bad.stderr
-        )
+        assert bad.returncode == 2 and re.search(r"error: steps must be .*>= 1, got 0", bad.stderr)
     else:
         bad = run_cli([PYTHON, "-m", "recipes.amp", "--device", "cuda"], timeout_s=120)
         assert bad.returncode == 2
-        assert bad.stderr.strip().splitlines() == [
-            "error: --device cuda needs a CUDA GPU and none is visible; use --device cpu (or auto)"
-        ]
+        assert bad.stderr.strip().splitlines()[-1] == (
+            "python -m recipes.amp: error: device cuda needs a CUDA GPU and none is visible; "
+            "use device cpu (or auto)"
+        )
     assert "Traceback" not in bad.stderr

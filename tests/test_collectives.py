@@ -123,8 +123,8 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
         run_alone(collectives.run, with_fields(CFG, skip_on_rank=3))
     for argv, message in (
         (["--skip-on-rank", "3"], "error: skip_on_rank=3 needs a world of at least 2 "),
-        (["--skip-on-rank", "-2"], "must be a finite number >= -1, got -2"),
-        (["--numel", "0"], "must be a finite number >= 1, got 0"),
+        (["--skip-on-rank", "-2"], "skip_on_rank must be a whole number >= -1, got -2"),
+        (["--numel", "0"], "numel must be a whole number >= 1, got 0"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             collectives.main(argv)

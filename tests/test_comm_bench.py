@@ -110,26 +110,41 @@ def test_two_rank_gloo_run_returns_a_checked_row_per_op_and_size(tmp_path):
     [
         (
             ["--min-bytes", "8K", "--max-bytes", "1K"],
-            "error: --min-bytes 8192 must be positive and at most --max-bytes 1024",
+            "error: min_bytes 8192 must be at most max_bytes 1024; raise --max-bytes or lower "
+            "--min-bytes",
         ),
         (
             ["--ops", "all_reduce,broadcast"],
-            "error: --ops: unknown op(s) broadcast; use any of "
+            "error: ops: unknown op(s) broadcast; use any of "
             "all_reduce,all_gather,reduce_scatter,all_to_all",
         ),
-        (["--iters", "0"], "error: --iters 0: use 1 or more"),
-        (["--warmup-iters", "-1"], "error: --warmup-iters -1: use 0 or more"),
+        (["--iters", "0"], "error: iters must be a whole number >= 1, got 0"),
+        (["--warmup-iters", "-1"], "error: warmup_iters must be a whole number >= 0, got -1"),
         (
             ["--max-bytes", "lots"],
             "error: argument --max-bytes: 'lots' is not a size; write e.g. 4096, 64K, 4M, 1G",
         ),
+        (["--json", "."], "error: json_path . is a folder; name a file, e.g. ./comm_bench.json"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         comm_bench.main(argv)
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [message]
+    # argparse's usage, then the one line that names the option and the fix
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m recipes.comm_bench: {message}"
+
+
+def test_ops_and_sizes_keep_their_command_line_forms():
+    """--ops takes a comma-separated list (as before) or a space-separated one; sizes take K/M/G;
+    --json is the short form of --json-path."""
+    parse = comm_bench.make_parser().parse_args
+    cfg = comm_bench.CommBenchConfig(**vars(parse(["--ops", "all_reduce,all_gather"])))
+    assert cfg.ops == ("all_reduce", "all_gather")
+    cfg = comm_bench.CommBenchConfig(**vars(parse(["--ops", "all_to_all", "all_reduce"])))
+    assert cfg.ops == ("all_to_all", "all_reduce")
+    args = parse(["--min-bytes", "2K", "--max-bytes", "1M", "--json", "rows.json"])
+    assert (args.min_bytes, args.max_bytes, args.json_path) == (2048, 2**20, "rows.json")
 
 
 # Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU); the same
@@ -164,7 +179,7 @@ def test_nccl_without_a_gpu_per_rank_is_one_line_and_exit_2(monkeypatch, capsys)
         comm_bench.main(["--backend", "nccl"])
     assert exit_info.value.code == 2
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert capsys.readouterr().err.splitlines() == [
-        f"error: --backend nccl needs a GPU per rank: 4096 rank(s) on this node, {gpus} GPU(s); "
-        "use --backend gloo (or auto)"
-    ]
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m recipes.comm_bench: error: backend nccl needs a GPU per rank: 4096 rank(s) "
+        f"on this node, {gpus} GPU(s); use --backend gloo (or auto)"
+    )

@@ -183,6 +183,16 @@ def test_cp_size_that_does_not_split_the_sequence_is_rejected():
         context_parallel.check_cp_fits(16, 3, load_balance=False)
 
 
+def test_torch_impl_without_load_balancing_is_refused_from_code_and_command_line(capsys):
+    # contradictory options: torch's context_parallel picks its own balancer, it cannot be off
+    with pytest.raises(ValueError, match=r"^load_balance off .* applies to impl ring"):
+        context_parallel.CPConfig(impl="torch", load_balance=False)
+    with pytest.raises(SystemExit) as exit_info:
+        context_parallel.main(["--impl", "torch", "--no-load-balance"])
+    assert exit_info.value.code == 2
+    assert "error: load_balance off" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 @pytest.mark.skipif(CUDA_DEVICES > 0, reason="checks the message given where there is no CUDA")
 def test_torch_impl_without_cuda_fails_in_one_line(capsys):
     # In this process (a world of 1), through the CLI's own entry point: one line, exit code 2.

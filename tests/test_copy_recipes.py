@@ -66,140 +66,6 @@ def copy_set(name: str) -> list[str]:
 
 COPYABLE = [name for name in recipe_modules() if is_copyable(name)]
 
-# How each copyable recipe runs in the test: (launcher, arguments). Small and fast: the point is
-# that the copy runs and agrees, not how long it trains.
-RUNS = {
-    # one device, no process group: a plain python run; cpu, where results/ was measured
-    "activation_checkpointing": ("python", ["--steps", "3", "--device", "cpu"]),
-    # one device, no process group: a plain python run; cpu, the device results/amp.json has
-    "amp": ("python", ["--device", "cpu", "--steps", "3"]),
-    "comm_bench": (
-        "torchrun",
-        [
-            "--ops",
-            "all_reduce,all_gather",
-            "--min-bytes",
-            "1K",
-            "--max-bytes",
-            "4K",
-            "--warmup-iters",
-            "0",
-            "--iters",
-            "1",
-        ],
-    ),
-    "data": ("torchrun", ["--steps", "3"]),
-    # nn.DataParallel is one process: a plain python run (on CPU a pass-through)
-    "data_parallel": ("python", ["--steps", "3"]),
-    # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
-    "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
-    # both options: every collective the split has (reduce-scatter, all-gather, the sharded loss)
-    # 3 steps (the slowest copy with the default 6: DTensor's collectives on CPU)
-    "tensor_parallel": (
-        "torchrun",
-        [
-            "--steps",
-            "3",
-            "--backend",
-            "gloo",
-            "--precision",
-            "fp32",
-            "--sequence-parallel",
-            "--loss-parallel",
-        ],
-    ),
-    "evaluation": ("torchrun", []),
-    # gloo and fp32 on a GPU host too, as for ddp_torchrun
-    "fsdp2": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    "preflight": ("torchrun", ["--timeout-s", "60"]),
-    "process_groups": ("torchrun", []),
-    "hybrid_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    # replay over 2 ranks: built on meta, never whole, initialised shard by shard
-    "meta_init": ("torchrun", ["--backend", "gloo"]),
-    "job": (
-        "torchrun",
-        ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3", "--tensorboard", "false"],
-    ),
-    "single_gpu": ("python", ["--precision", "fp32"]),
-    # gloo and fp32 on a GPU host too, as for ddp_torchrun: the ring over 2 CPU ranks
-    "context_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    # the recipe starts its own 2 processes (mp.spawn): a plain python run
-    "ddp_spawn": ("python", ["--nprocs", "2", "--steps", "3"]),
-    # 3 steps under fully_shard, saved into the copy's own project folder (the launcher runs each
-    # copy there); gloo and fp32, as results/sharded_checkpoint.json was measured
-    "sharded_checkpoint": (
-        "torchrun",
-        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
-    ),
-    # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
-    "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    "loss_compare": (
-        "python",
-        [
-            "{repo}/results/ddp_torchrun.json",
-            "{repo}/results/fsdp2.json",
-            "--assert-equal",
-            "--atol",
-            "1e-5",
-        ],
-    ),
-    # every op over 2 gloo ranks (the defaults): one line per op from rank 0
-    "collectives": ("torchrun", ["--backend", "gloo"]),
-    # a clean run (no --skip-rank): the hand-written data parallelism over 2 gloo ranks
-    "hang_diagnosis": ("torchrun", ["--steps", "3", "--backend", "gloo"]),
-    # the default layout (fully_shard over both ranks, SGD with clipping), its 2 steps; gloo and
-    # fp32, as results/grad_clipping.json was measured
-    "grad_clipping": ("torchrun", ["--backend", "gloo", "--precision", "fp32"]),
-    # sync_last under fully_shard over both ranks, 2 micro-batches of ragged samples; gloo and
-    # fp32, as results/sharded_accumulation.json was measured
-    "sharded_accumulation": (
-        "torchrun",
-        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
-    ),
-    # pure arithmetic: the command results/memory_estimate.json was made with
-    "memory_estimate": ("python", ["--params", "7.5e9", "--world-size", "64"]),
-    # one probe (pp 1) of a fake world of 4: tensor parallel and fully_shard, each over 2 ranks
-    "dry_run": (
-        "python",
-        ["--model", "tiny", "--world-size", "4", "--pp", "1", "--dp", "2", "--tp", "2"],
-    ),
-    # the smallest default window (wait 1, warmup 1, active 2); traces in a fresh temporary folder
-    "profiling": (
-        "torchrun",
-        ["--steps", "4", "--backend", "gloo", "--precision", "fp32", "--top-ops", "3"],
-    ),
-    # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/fsdp.json is CPU fp32
-    "fsdp": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    # float8 trains only on a GPU of capability 8.9+ with torchao (tests/test_float8.py runs it
-    # there); everywhere the copy must import alone and parse its command line
-    "float8": ("python", ["--help"]),
-    # one device, no process group: a plain python run; cpu, where results/performance.json was
-    "performance": ("python", ["--steps", "3", "--device", "cpu"]),
-    # 2 experts a rank, the all-to-alls over 2 CPU ranks; fp32, as results/ was measured
-    "expert_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    # 1F1B over 2 stages (a stage per rank), the tiny model's 2 blocks: the smallest pipeline
-    "pipeline_parallel": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    # 3 micro-batches of 2 on each of the 2 ranks, as results/grad_accumulation.json was measured
-    "grad_accumulation": (
-        "torchrun",
-        ["--steps", "3", "--micro-batches", "3", "--backend", "gloo", "--precision", "fp32"],
-    ),
-    # the tiny GPT-2 written, loaded sharded, 2 steps, exported into the copy's project folder
-    "hf_checkpoint": ("torchrun", ["--steps", "2", "--backend", "gloo"]),
-    # LoRA under DDP, the defaults, 3 steps; gloo and fp32 as results/finetune.json was measured
-    "finetune": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"]),
-    # gloo and 32-true on a GPU host too: results/lightning_fabric.json is CPU fp32, 2 ranks
-    "lightning_fabric": (
-        "torchrun",
-        ["--steps", "3", "--backend", "gloo", "--precision", "32-true"],
-    ),
-    # the Trainer's DDP over the 2 ranks; no logger: nothing but the lines per step
-    "lightning_trainer": (
-        "torchrun",
-        ["--steps", "3", "--backend", "gloo", "--precision", "32-true", "--logger", "none"],
-    ),
-}
-
 
 def test_every_copyable_recipe_names_its_copy_set_and_imports_only_it():
     """Static: every ``recipes.*`` module the recipe (or a file of its set) imports is in it."""
@@ -218,7 +84,7 @@ def test_every_copyable_recipe_names_its_copy_set_and_imports_only_it():
                 f"recipes/{module}.py imports recipes.{sorted(missing)}: add them to "
                 f"recipes/{name}.py's 'Copy with it:' line, or stop importing them"
             )
-        assert name in RUNS, f"tests/test_copy_recipes.py: add how to run the copy of {name}"
+        assert name in COPIES, f"tests/test_copy_recipes.py: add how to run the copy of {name}"
 
 
 def make_copy(name: str, where: Path) -> Path:
@@ -256,10 +122,6 @@ def users_environment(project: Path) -> dict[str, str]:
     return env
 
 
-TORCHRUN_COPIES = [name for name in COPYABLE if RUNS.get(name, ("",))[0] == "torchrun"]
-PYTHON_COPIES = [name for name in COPYABLE if RUNS.get(name, ("",))[0] == "python"]
-
-
 # Copies run two at a time in each launch: one after the other, the launch was the run's longest
 # chain (~280 s of wall time on 2 cores under load, for ~60-86 CPU s); a second launch on another
 # worker cost ~25 CPU s more (a torchrun, ranks importing torch) where this costs none.
@@ -276,7 +138,7 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     copies = []
     for name in names:
         project = make_copy(name, where / name)
-        args = [arg.format(repo=REPO_ROOT) for arg in RUNS[name][1]]
+        args = [arg.format(repo=REPO_ROOT) for arg in COPIES[name][1]]
         copies.append(
             {"name": name, "project": str(project), "args": args, "timeout_s": scaled(120)}
         )
@@ -376,7 +238,7 @@ def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, launched_cop
     assert probe.returncode != 0 and "No module named 'recipes.core'" in probe.stderr
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    CHECKS[name](proc.stdout)
+    COPIES[name][2](proc.stdout)
 
 
 def _last_json(stdout: str) -> dict:
@@ -658,30 +520,10 @@ def check_pipeline_parallel(stdout: str) -> None:
     assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
 
 
-CHECKS = {
-    "single_gpu": check_single_gpu,
-    "preflight": check_preflight,
-    "comm_bench": check_comm_bench,
-    "data": check_data,
-    "ddp_torchrun": check_ddp_torchrun,
-    "evaluation": check_evaluation,
-    "job": check_job,
-    "loss_compare": check_loss_compare,
-    "tensor_parallel": check_tensor_parallel,
-    "fsdp2": check_fsdp2,
-    "amp": check_amp,
-    "data_parallel": check_data_parallel,
-    "zero": check_zero,
-    "process_groups": check_process_groups,
-    "hybrid_parallel": check_hybrid_parallel,
-    "ddp_spawn": check_ddp_spawn,
-    "context_parallel": check_context_parallel,
-    "activation_checkpointing": check_activation_checkpointing,
-    "meta_init": check_meta_init,
-    "sharded_checkpoint": check_sharded_checkpoint,
-    "collectives": check_collectives,
-    "hang_diagnosis": check_hang_diagnosis,
-}
+def check_local_sgd(stdout: str) -> None:
+    # one line per step from rank 0, each the replicas' mean loss, printed at the synchronisations
+    losses = printed_losses(stdout)
+    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses), stdout
 
 
 def check_grad_clipping(stdout: str) -> None:
@@ -696,9 +538,6 @@ def check_grad_clipping(stdout: str) -> None:
     assert_losses_close(norms, expected["result"]["extras"]["grad_norms"], atol=6e-5)
 
 
-CHECKS["grad_clipping"] = check_grad_clipping
-
-
 def check_sharded_accumulation(stdout: str) -> None:
     # the package's own 2-rank losses (results/sharded_accumulation.json: the defaults, 6 steps),
     # one line per step from rank 0
@@ -707,29 +546,12 @@ def check_sharded_accumulation(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
-CHECKS["sharded_accumulation"] = check_sharded_accumulation
-CHECKS.update(
-    {
-        "memory_estimate": check_memory_estimate,
-        "dry_run": check_dry_run,
-        "profiling": check_profiling,
-    }
-)
-CHECKS.update({"fsdp": check_fsdp, "float8": check_float8, "performance": check_performance})
-CHECKS.update(
-    {"expert_parallel": check_expert_parallel, "pipeline_parallel": check_pipeline_parallel}
-)
-
-
 def check_grad_accumulation(stdout: str) -> None:
     # 2 ranks x 3 micro-batches, one line per step from rank 0: the package's own losses
     # (results/grad_accumulation.json: the same split, 6 steps)
     losses = printed_losses(stdout)
     assert_losses_close(losses, committed_losses("grad_accumulation")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
-
-
-CHECKS["grad_accumulation"] = check_grad_accumulation
 
 
 def check_hf_checkpoint(stdout: str) -> None:
@@ -748,9 +570,6 @@ def check_hf_checkpoint(stdout: str) -> None:
     assert len(difference) == 1 and float(difference[0]) <= 1e-6, stdout
 
 
-CHECKS["hf_checkpoint"] = check_hf_checkpoint
-
-
 def check_finetune(stdout: str) -> None:
     # the adapters alone train (2048 of the tiny model's 31872 parameters), with the package's
     # own 2-rank losses (results/finetune.json: the defaults), one line per step from rank 0
@@ -762,17 +581,11 @@ def check_finetune(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
-CHECKS["finetune"] = check_finetune
-
-
 def check_lightning_fabric(stdout: str) -> None:
     # Fabric's DDP over the 2 ranks, rank 0 printing: the package's own 2-rank losses
     losses = printed_losses(stdout)
     assert_losses_close(losses, committed_losses("lightning_fabric")[: len(losses)], atol=6e-5)
     assert len(losses) == 3, stdout
-
-
-CHECKS["lightning_fabric"] = check_lightning_fabric
 
 
 def check_lightning_trainer(stdout: str) -> None:
@@ -782,4 +595,191 @@ def check_lightning_trainer(stdout: str) -> None:
     assert len(losses) == 3, stdout
 
 
-CHECKS["lightning_trainer"] = check_lightning_trainer
+# How each copyable recipe's copy runs, and what its output must show: (launcher, arguments,
+# check). Small and fast: the point is that the copy runs and agrees, not how long it trains.
+COPIES = {
+    # H=2 over the 2 ranks: 4 steps, 2 synchronisations
+    "local_sgd": (
+        "torchrun",
+        ["--steps", "4", "--sync-every", "2", "--backend", "gloo"],
+        check_local_sgd,
+    ),
+    # one device, no process group: a plain python run; cpu, where results/ was measured
+    "activation_checkpointing": (
+        "python",
+        ["--steps", "3", "--device", "cpu"],
+        check_activation_checkpointing,
+    ),
+    # one device, no process group: a plain python run; cpu, the device results/amp.json has
+    "amp": ("python", ["--device", "cpu", "--steps", "3"], check_amp),
+    "comm_bench": (
+        "torchrun",
+        [
+            "--ops",
+            "all_reduce,all_gather",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "4K",
+            "--warmup-iters",
+            "0",
+            "--iters",
+            "1",
+        ],
+        check_comm_bench,
+    ),
+    "data": ("torchrun", ["--steps", "3"], check_data),
+    # nn.DataParallel is one process: a plain python run (on CPU a pass-through)
+    "data_parallel": ("python", ["--steps", "3"], check_data_parallel),
+    # gloo and fp32 on a GPU host too: 2 ranks need no 2 GPUs, and the reference is fp32
+    "ddp_torchrun": ("torchrun", ["--backend", "gloo", "--precision", "fp32"], check_ddp_torchrun),
+    # both options: every collective the split has (reduce-scatter, all-gather, the sharded loss)
+    # 3 steps (the slowest copy with the default 6: DTensor's collectives on CPU)
+    "tensor_parallel": (
+        "torchrun",
+        [
+            "--steps",
+            "3",
+            "--backend",
+            "gloo",
+            "--precision",
+            "fp32",
+            "--sequence-parallel",
+            "--loss-parallel",
+        ],
+        check_tensor_parallel,
+    ),
+    "evaluation": ("torchrun", [], check_evaluation),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun
+    "fsdp2": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_fsdp2,
+    ),
+    "preflight": ("torchrun", ["--timeout-s", "60"], check_preflight),
+    "process_groups": ("torchrun", [], check_process_groups),
+    "hybrid_parallel": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_hybrid_parallel,
+    ),
+    # replay over 2 ranks: built on meta, never whole, initialised shard by shard
+    "meta_init": ("torchrun", ["--backend", "gloo"], check_meta_init),
+    "job": (
+        "torchrun",
+        ["--steps", "3", "--eval-every", "3", "--checkpoint-every", "3", "--tensorboard", "false"],
+        check_job,
+    ),
+    "single_gpu": ("python", ["--precision", "fp32"], check_single_gpu),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun: the ring over 2 CPU ranks
+    "context_parallel": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_context_parallel,
+    ),
+    # the recipe starts its own 2 processes (mp.spawn): a plain python run
+    "ddp_spawn": ("python", ["--nprocs", "2", "--steps", "3"], check_ddp_spawn),
+    # 3 steps under fully_shard, saved into the copy's own project folder (the launcher runs each
+    # copy there); gloo and fp32, as results/sharded_checkpoint.json was measured
+    "sharded_checkpoint": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_sharded_checkpoint,
+    ),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/zero.json is CPU fp32
+    "zero": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"], check_zero),
+    "loss_compare": (
+        "python",
+        [
+            "{repo}/results/ddp_torchrun.json",
+            "{repo}/results/fsdp2.json",
+            "--assert-equal",
+            "--atol",
+            "1e-5",
+        ],
+        check_loss_compare,
+    ),
+    # every op over 2 gloo ranks (the defaults): one line per op from rank 0
+    "collectives": ("torchrun", ["--backend", "gloo"], check_collectives),
+    # a clean run (no --skip-rank): the hand-written data parallelism over 2 gloo ranks
+    "hang_diagnosis": ("torchrun", ["--steps", "3", "--backend", "gloo"], check_hang_diagnosis),
+    # the default layout (fully_shard over both ranks, SGD with clipping), its 2 steps; gloo and
+    # fp32, as results/grad_clipping.json was measured
+    "grad_clipping": (
+        "torchrun",
+        ["--backend", "gloo", "--precision", "fp32"],
+        check_grad_clipping,
+    ),
+    # sync_last under fully_shard over both ranks, 2 micro-batches of ragged samples; gloo and
+    # fp32, as results/sharded_accumulation.json was measured
+    "sharded_accumulation": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_sharded_accumulation,
+    ),
+    # pure arithmetic: the command results/memory_estimate.json was made with
+    "memory_estimate": (
+        "python",
+        ["--params", "7.5e9", "--world-size", "64"],
+        check_memory_estimate,
+    ),
+    # one probe (pp 1) of a fake world of 4: tensor parallel and fully_shard, each over 2 ranks
+    "dry_run": (
+        "python",
+        ["--model", "tiny", "--world-size", "4", "--pp", "1", "--dp", "2", "--tp", "2"],
+        check_dry_run,
+    ),
+    # the smallest default window (wait 1, warmup 1, active 2); traces in a fresh temporary folder
+    "profiling": (
+        "torchrun",
+        ["--steps", "4", "--backend", "gloo", "--precision", "fp32", "--top-ops", "3"],
+        check_profiling,
+    ),
+    # gloo and fp32 on a GPU host too, as for ddp_torchrun: results/fsdp.json is CPU fp32
+    "fsdp": ("torchrun", ["--steps", "3", "--backend", "gloo", "--precision", "fp32"], check_fsdp),
+    # float8 trains only on a GPU of capability 8.9+ with torchao (tests/test_float8.py runs it
+    # there); everywhere the copy must import alone and parse its command line
+    "float8": ("python", ["--help"], check_float8),
+    # one device, no process group: a plain python run; cpu, where results/performance.json was
+    "performance": ("python", ["--steps", "3", "--device", "cpu"], check_performance),
+    # 2 experts a rank, the all-to-alls over 2 CPU ranks; fp32, as results/ was measured
+    "expert_parallel": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_expert_parallel,
+    ),
+    # 1F1B over 2 stages (a stage per rank), the tiny model's 2 blocks: the smallest pipeline
+    "pipeline_parallel": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_pipeline_parallel,
+    ),
+    # 3 micro-batches of 2 on each of the 2 ranks, as results/grad_accumulation.json was measured
+    "grad_accumulation": (
+        "torchrun",
+        ["--steps", "3", "--micro-batches", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_grad_accumulation,
+    ),
+    # the tiny GPT-2 written, loaded sharded, 2 steps, exported into the copy's project folder
+    "hf_checkpoint": ("torchrun", ["--steps", "2", "--backend", "gloo"], check_hf_checkpoint),
+    # LoRA under DDP, the defaults, 3 steps; gloo and fp32 as results/finetune.json was measured
+    "finetune": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "fp32"],
+        check_finetune,
+    ),
+    # gloo and 32-true on a GPU host too: results/lightning_fabric.json is CPU fp32, 2 ranks
+    "lightning_fabric": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "32-true"],
+        check_lightning_fabric,
+    ),
+    # the Trainer's DDP over the 2 ranks; no logger: nothing but the lines per step
+    "lightning_trainer": (
+        "torchrun",
+        ["--steps", "3", "--backend", "gloo", "--precision", "32-true", "--logger", "none"],
+        check_lightning_trainer,
+    ),
+}
+TORCHRUN_COPIES = [name for name in COPYABLE if COPIES[name][0] == "torchrun"]
+PYTHON_COPIES = [name for name in COPYABLE if COPIES[name][0] == "python"]

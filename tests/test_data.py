@@ -15,7 +15,6 @@ from torch.utils.data import Dataset
 
 from recipes import data
 from tests.helpers import (
-    PYTHON,
     SMALL_SHARDS,
     last_json,
     run_cli,
@@ -236,25 +235,52 @@ def test_a_run_resumed_from_its_checkpoint_continues_exactly(shards, tmp_path):
     assert straight["vocab_size"] == 300 and second["steps"] == 6
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
-    proc = run_cli([PYTHON, "-m", "recipes.data", "--corpus", str(tmp_path / "missing")])
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: --corpus {tmp_path / 'missing'}: not a folder; name a folder of text files"
-    ]
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    proc = run_cli(
-        [PYTHON, "-m", "recipes.data", "--corpus", str(empty), "--data-dir", str(tmp_path / "out")]
-    )
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
-        f"error: corpus {empty}: no UTF-8 text files found"
-    )
-    # in-process: main's own checks, before any data is read (nan once reached AdamW's message)
+def refused(capsys, argv: list[str]) -> str:
+    """``python -m recipes.data ARGV`` in this process: exit 2 and its last stderr line."""
     with pytest.raises(SystemExit) as exit_info:
-        data.main(["--lr", "nan", "--data-dir", str(tmp_path / "out")])
+        data.main(argv)
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == "error: --lr must be a finite number > 0, got nan\n"
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):  # a world of 1, in this process
+        monkeypatch.delenv(var, raising=False)
+    out = ["--data-dir", str(tmp_path / "out")]
+    usage = "python -m recipes.data: error: "
+    # refused by the config, before any data is read (nan once reached AdamW's message)
+    missing, empty, a_file = tmp_path / "missing", tmp_path / "empty", tmp_path / "a_file"
+    empty.mkdir()
+    a_file.write_text("x")
+    for argv, message in (
+        (["--corpus", str(missing)], f"corpus {missing}: not a folder; name a folder of text"),
+        (["--corpus", str(a_file)], f"corpus {a_file}: not a folder; name a folder of text"),
+        (["--corpus", str(empty)], f"corpus {empty}: holds no files; name a folder of text"),
+        (["--data-dir", str(a_file)], f"data_dir {a_file} is a file; name a folder"),
+        (["--checkpoint", str(a_file)], f"checkpoint {a_file} is a file; name a folder"),
+        (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
+        (["--val-fraction", "1"], "val_fraction=1.0 leaves no training tokens; use less than 1"),
+        (["--vocab-size", "70000"], "vocab_size must be a whole number >= 256 and <= 65536"),
+        (["--seq-len", "64", "--shard-tokens", "64"], "shard_tokens=64 holds no window of"),
+    ):
+        line = refused(capsys, argv + (out if "--data-dir" not in argv else []))
+        assert line.startswith(usage + message), line
     assert not (tmp_path / "out").exists()
+    # refused once the data is known, on every rank alike: one line from rank 0, no usage
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "blob.bin").write_bytes(b"\xff\xfe\x00" * 100)
+    line = refused(capsys, ["--corpus", str(binary), *out])
+    assert line == f"error: corpus {binary}: no UTF-8 text files found; name a folder of text"
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("a few words, " * 15)  # 195 bytes: 3 windows of 64
+    small = ["--corpus", str(text), "--vocab-size", "256", "--num-workers", "0", *out]
+    line = refused(capsys, [*small, "--seq-len", "64", "--batch-size", "4"])
+    assert line == (
+        "error: the train split holds 2 windows of seq_len=64; the map loader needs 4 on 1 "
+        "rank(s): lower seq_len or batch_size, or read more text (max_bytes)"
+    ), line
 
 
 def test_two_ranks_train_past_an_epoch_with_both_loaders(tmp_path):

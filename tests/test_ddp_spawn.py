@@ -1,6 +1,7 @@
 """ddp_spawn: mp.spawn launch, DDP options, rank-0 checkpoint loaded by every rank."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,16 +76,30 @@ def test_every_ddp_option_trains_like_one_process_and_checkpoint_loads_everywher
 # runs once, as a user's copy: tests/test_copy_recipes.py's check_ddp_spawn.
 
 
-def test_bad_input_is_rejected_in_the_parent_before_spawning():
+def test_bad_input_is_rejected_in_the_parent_before_spawning(capsys):
     with pytest.raises(ValueError, match="does not divide across 5 ranks"):
         ddp_spawn.train(ddp_spawn.DDPSpawnConfig(nprocs=5))
+    # a path of the wrong kind: refused by the config, before any training
+    with pytest.raises(ValueError, match=r"^checkpoint_path .* is a directory; name a file"):
+        ddp_spawn.DDPSpawnConfig(nprocs=1, checkpoint_path=str(Path(__file__).parent))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^backend nccl needs one CUDA device per process"):
+            ddp_spawn.DDPSpawnConfig(backend="nccl")
+    # a refusal found in the parent is one line, once: no child was started to print another
+    with pytest.raises(SystemExit) as exit_info:
+        ddp_spawn.main(["--nprocs", "5"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m recipes.ddp_spawn: error: global_batch_size=12 does")
+    assert sum("error:" in line for line in err) == 1, err
 
 
-def test_a_rank_that_raises_surfaces_in_the_parent_and_is_named(monkeypatch, capsys):
-    # An unknown model preset fails inside every child with a KeyError (the command line's
-    # choices would refuse it; the config, built directly, does not): mp.spawn stops the others
-    # and raises ProcessRaisedException in the parent, naming the rank, with its traceback.
-    cfg = ddp_spawn.DDPSpawnConfig(nprocs=2, model="no-such-model")
+def test_a_rank_that_raises_surfaces_in_the_parent_and_is_named(monkeypatch, capsys, tmp_path):
+    # An unknown model preset fails inside every child with a KeyError (the config refuses it
+    # when built; set after its checks, it reaches the children): mp.spawn stops the others and
+    # raises ProcessRaisedException in the parent, naming the rank, with its traceback.
+    cfg = ddp_spawn.DDPSpawnConfig(nprocs=2, checkpoint_path=str(tmp_path / "c.pt"))
+    cfg.model = "no-such-model"
     with pytest.raises(mp.ProcessRaisedException, match=r"KeyError: 'no-such-model'") as raised:
         ddp_spawn.train(cfg)
     assert raised.value.error_index in (0, 1) and "Traceback" in raised.value.msg
@@ -112,17 +127,18 @@ def test_a_busy_master_port_is_refused_before_spawning(monkeypatch):
             ddp_spawn.train(ddp_spawn.DDPSpawnConfig(nprocs=2))
 
 
-# The numbers were refused by the config's checks; the copyable recipe's command line refuses
-# them (argparse, one line, exit 2): the same input, the same one line, from make_parser.
+# The config refuses them, built in code or from the command line (argparse's usage, one line,
+# exit 2): the same input, the same one line.
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--nprocs", "0"], "argument --nprocs: must be a finite number >= 1, got 0"),
-        (["--bucket-cap-mb", "0"], "argument --bucket-cap-mb: must be a finite number > 0, got 0"),
+        (["--nprocs", "0"], r"error: nprocs must be .*>= 1, got 0$"),
+        (["--bucket-cap-mb", "0"], r"error: bucket_cap_mb must be .*> 0, got 0(\.0)?$"),
     ],
 )
 def test_bad_numbers_are_refused_by_the_command_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         ddp_spawn.main(argv)
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(message, last), last

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Subset
 
 from recipes import data, evaluation
 from recipes.toy import ModelConfig, build_model
-from tests.helpers import PYTHON, last_json, run_cli, small_shards, spawn_world
+from tests.helpers import last_json, run_cli, small_shards, spawn_world
 
 WINDOWS = 37  # 2 ranks: 19 and 18 windows; DistributedSampler pads rank 1 with window 0
 BATCH = 3  # 7 batches on rank 0, 6 on rank 1
@@ -114,7 +114,7 @@ def test_the_padding_and_the_mean_of_means_each_move_the_number(shards):
     assert sums_and_counts.item() == pytest.approx(right.item(), abs=1e-6)
 
 
-def test_the_recipe_runs_alone_and_refuses_bad_input(shards):
+def test_the_recipe_runs_alone_and_refuses_bad_input(shards, tmp_path, capsys, monkeypatch):
     result = evaluation.run(
         evaluation.EvalConfig(data_dir=shards, vocab_size=300, seq_len=SEQ_LEN, max_windows=WINDOWS)
     )
@@ -128,9 +128,24 @@ def test_the_recipe_runs_alone_and_refuses_bad_input(shards):
         reference = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).item()
     assert result["val_loss"] == pytest.approx(reference, abs=1e-6)
     assert abs(result["naive_val_loss"] - reference) > 1e-5  # 37 = 12 batches of 3 + 1
-    proc = run_cli([PYTHON, "-m", "recipes.evaluation", "--batch-size", "0"])
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: --batch-size must be at least 1"]
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):  # a world of 1, in this process
+        monkeypatch.delenv(var, raising=False)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    usage = "python -m recipes.evaluation: error: "
+    for argv, message in (
+        (["--batch-size", "0"], usage + "batch_size must be a whole number >= 1, got 0"),
+        (["--data-dir", str(a_file)], usage + f"data_dir {a_file} is a file; name the folder"),
+        (  # longer than the val split: refused on every rank, one line from rank 0
+            ["--data-dir", shards, "--vocab-size", "300", "--seq-len", "100000"],
+            "error: the val split holds 0 windows of seq_len=100000; 1 rank(s) need one each",
+        ),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            evaluation.main(argv)
+        assert exit_info.value.code == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(message), line
 
 
 # Slow: a torchrun launch (torchrun and its workers each import torch: ~10 s of CPU).

@@ -16,10 +16,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from recipes import fsdp, zero
-from recipes.core.observe import ClassicFSDPObserver, prove
+from recipes.core.observe import ClassicFSDPObserver, Observer, prove
 from recipes.core.state import all_ranks, full_state_on_rank0
 from recipes.core.workload import Block, build_model
 from recipes.core.world import join_world
+from recipes.parallelize import apply_fsdp
 from tests.helpers import (
     BACKENDS,
     CUDA_DEVICES,
@@ -41,7 +42,7 @@ from tests.helpers import (
     with_fields,
 )
 
-# Shared with tests/test_fsdp2.py (assert_sharded_run_claims). bf16 keeps 8 bits of mantissa
+# SHARDED_* are shared with tests/test_fsdp2.py. bf16 keeps 8 bits of mantissa
 # (relative error 2^-8 = 0.4% per rounding): over 4 AdamW steps the losses stay within 1e-2 and the
 # weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2 of fp32.
 STEPS, CLIP, BF16_ATOL, INJECT_STEP = (
@@ -153,7 +154,7 @@ def sync_module_states_check(_cfg):
     """Each rank builds a DIFFERENT model (seed = rank): apply_fsdp must leave everyone with rank
     0's."""
     with join_world("gloo") as world:
-        model = fsdp.apply_fsdp(
+        model = apply_fsdp(
             build_model("tiny", seed=world.rank),
             device=world.device,
             auto_wrap_policy=ModuleWrapPolicy({Block}),
@@ -230,10 +231,9 @@ def test_bad_options_fail_in_one_line():
     proc = run_cli([PYTHON, "-m", "recipes.fsdp", "--sharding-strategy", "zero3"], timeout_s=60)
     assert proc.returncode == 2
     assert "invalid choice: 'zero3'" in proc.stderr and "Traceback" not in proc.stderr
-    # refused by train before it joins the world (the config is a plain dataclass; the command line
-    # refuses it through argparse's choices)
+    # refused by the config itself, from code as from the command line (recipes/options.py)
     with pytest.raises(
-        ValueError, match="unknown wrap_policy='layer'; valid values: block, size, module, none"
+        ValueError, match="wrap_policy must be one of block, size, module, none, got 'layer'"
     ):
         run_alone(fsdp.train, with_fields(CFG, wrap_policy="layer"))
     with pytest.raises(
@@ -246,14 +246,14 @@ def test_bad_options_fail_in_one_line():
     CUDA_DEVICES > 0, reason="on a GPU host cpu_offload is valid (the NCCL run above covers it)"
 )
 def test_cpu_offload_on_a_cpu_only_world_says_why_it_cannot_run():
-    with pytest.raises(fsdp.FSDPWrapError, match="cpu_offload needs a GPU"):
+    with pytest.raises(ValueError, match="^cpu_offload needs a GPU"):
         run_alone(fsdp.train, with_fields(CFG, cpu_offload=True))
-    # From the command line: FSDPWrapError is defined in __main__ there, and is still one line.
+    # From the command line: refused by the config, argparse's usage and one line.
     proc = run_cli(
         [PYTHON, "-m", "recipes.fsdp", "--cpu-offload", "--backend", "gloo"], timeout_s=60
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: cpu_offload needs a GPU: ")
+    assert "error: cpu_offload needs a GPU: " in proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -271,25 +271,25 @@ def test_three_ranks_uneven_shards_equal_ddp():
         assert_states_close(result.final_state, reference.final_state, atol=1e-5)
 
 
-def test_prefetch_options_reach_every_unit(monkeypatch):
+class UnitOptions(Observer):
+    """The prefetch options of every FSDP unit of the model the recipe built, read once ready."""
+
+    def model_ready(self, model, optimizer):
+        super().model_ready(model, optimizer)
+        self.extras["units"] = {
+            (unit.backward_prefetch, unit.forward_prefetch, unit.limit_all_gathers)
+            for unit in FSDP.fsdp_modules(model)
+        }
+
+
+def test_prefetch_options_reach_every_unit():
     """Prefetch changes when the all-gathers run, not what they compute: the parity above cannot
     see it. So assert that every FSDP unit train() builds holds the options it was given."""
     seen = []
-    real = fsdp.apply_fsdp
-
-    def spy(model, **kwargs):
-        wrapped = real(model, **kwargs)
-        seen.append(
-            {
-                (unit.backward_prefetch, unit.forward_prefetch, unit.limit_all_gathers)
-                for unit in FSDP.fsdp_modules(wrapped)
-            }
-        )
-        return wrapped
-
-    monkeypatch.setattr(fsdp, "apply_fsdp", spy)
     for name in ("prefetch", "prefetch_none", "full"):  # the world of 1 in this process
-        run_alone(fsdp.train, with_fields(RUNS[name], steps=1))
+        cfg = with_fields(RUNS[name], steps=1)
+        result = prove(fsdp.train, cfg, name="fsdp", observer=UnitOptions(cfg.steps))
+        seen.append(result.extras["units"])
     assert seen == [
         {(BackwardPrefetch.BACKWARD_POST, True, False)},  # every unit, root included
         {(None, False, True)},

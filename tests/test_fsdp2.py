@@ -1,31 +1,29 @@
-"""fsdp2: fully_shard trains like DDP with every option; its pitfalls (fp16, clipping, no_sync) are
-guarded.
+"""fsdp2: fully_shard trains like DDP with every option, and its calls, written out in the recipe,
+do what recipes/parallelize.py's apply_fully_shard does.
 
-The recipe is copyable (torch, recipes/toy.py, dist_setup.py and parallelize.py) and returns its
+The recipe is copyable (torch, recipes/toy.py, dist_setup.py and options.py) and returns its
 losses; the harness (``prove``, through ``tests.helpers.fsdp2_result``) measures the rest from
-outside: final weights, bytes per rank, the last forward's bytes, clipped norms, skipped steps. The
-fp16 fault (an inf in one rank's gradient shard) is injected from here, through an observer."""
-
-import math
+outside: final weights, bytes per rank. Accumulation, fp16 loss scaling and clipping are not this
+recipe's idea: tests/test_sharded_accumulation.py (set_requires_gradient_sync holds N x the
+gradient bytes; equal to one process), tests/test_amp.py (one device) and
+tests/test_grad_clipping.py (fully_shard layouts equal one process) assert theirs."""
 
 import pytest
-import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Shard
 
 from recipes import fsdp2, zero
-from recipes.core.observe import Observer, ShardedObserver, prove
-from recipes.core.state import all_ranks
+from recipes.core.observe import Observer, prove
+from recipes.parallelize import apply_fully_shard
 from recipes.toy import MODEL_PRESETS, Block
 from tests.helpers import (
     BACKENDS,
     PYTHON,
     SHARDED_BF16_ATOL,
-    SHARDED_CLIP,
-    SHARDED_INJECT_STEP,
     SHARDED_STEPS,
     assert_about_fraction,
     assert_losses_close,
-    assert_sharded_run_claims,
     assert_states_close,
     fsdp2_result,
     recipe_result,
@@ -37,59 +35,9 @@ from tests.helpers import (
     with_fields,
 )
 
-# Shared with tests/test_fsdp.py (assert_sharded_run_claims), which says why these values.
-STEPS, CLIP, BF16_ATOL, INJECT_STEP = (
-    SHARDED_STEPS,
-    SHARDED_CLIP,
-    SHARDED_BF16_ATOL,
-    SHARDED_INJECT_STEP,
-)
-INJECT_RANK = 1
+# Shared with tests/test_fsdp.py, which says why these values.
+STEPS, BF16_ATOL = SHARDED_STEPS, SHARDED_BF16_ATOL
 CFG = fsdp2.FSDP2Config(steps=STEPS, precision="fp32", timeout_s=120)
-
-
-class InfOnOneRank(ShardedObserver):
-    """The fp16 overflow that one rank sees, injected from the test: at INJECT_STEP, rank 1 puts an
-    inf into its own shard of the first parameter's gradient. The hook is the one fully_shard
-    calls on a sharded parameter once its reduce-scatter has landed: after backward, before the
-    recipe's ``scaler.unscale_``. Also reads each rank's final loss scale from the recipe's own
-    GradScaler (``scalers``: see ``fp16_with_an_inf_on_one_rank``)."""
-
-    def __init__(self, cfg, scalers: list):
-        super().__init__(cfg, keep_final_state=True)
-        self.scalers = scalers
-
-    def model_ready(self, model, optimizer):
-        super().model_ready(model, optimizer)
-        first = next(p for p in model.parameters() if p.to_local().numel())
-        first.register_post_accumulate_grad_hook(self.inject)
-
-    def inject(self, param):
-        if len(self.durations) == INJECT_STEP and dist.get_rank() == INJECT_RANK:
-            param.grad.to_local().view(-1)[0] = math.inf
-
-    def measure(self, step):
-        if step == self.steps - 1:  # after scaler.update(): the scale the next step would use
-            self.extras["loss_scale_per_rank"] = all_ranks(self.scalers[-1].get_scale())
-        super().measure(step)
-
-
-def fp16_with_an_inf_on_one_rank(cfg):
-    """fsdp2 in fp16 under InfOnOneRank. The recipe's GradScaler is caught as it is made:
-    torch.amp.GradScaler is a recording subclass for the run (this rank's process only)."""
-    scalers, real = [], torch.amp.GradScaler
-
-    class Recorded(real):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            scalers.append(self)
-
-    torch.amp.GradScaler = Recorded
-    try:
-        return prove(fsdp2.train, cfg, name="fsdp2", observer=InfOnOneRank(cfg, scalers))
-    finally:
-        torch.amp.GradScaler = real
-
 
 RUNS = {
     "default": CFG,
@@ -97,24 +45,14 @@ RUNS = {
     # CPU offload on a CPU world runs the offload code path (its tensors already live in host
     # memory).
     "prefetch_offload": with_fields(CFG, explicit_prefetch=True, cpu_offload=True),
-    "accumulate_sync": with_fields(CFG, micro_batches=3),
-    "accumulate_no_sync": with_fields(CFG, micro_batches=3, accumulation="no_sync"),
-    "clipped": with_fields(CFG, max_grad_norm=CLIP),
     "bf16": with_fields(CFG, precision="bf16"),
-    "fp16": with_fields(CFG, precision="fp16"),
 }
-FP32_EXACT = ["default", "no_reshard", "prefetch_offload", "accumulate_sync", "accumulate_no_sync"]
+FP32_EXACT = ["default", "no_reshard", "prefetch_offload"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_shard_equals_ddp_with_every_option(backend):
-    pairs = [
-        (
-            fp16_with_an_inf_on_one_rank if name == "fp16" else fsdp2_result,
-            with_fields(cfg, backend=backend),
-        )
-        for name, cfg in RUNS.items()
-    ]
+    pairs = [(fsdp2_result, with_fields(cfg, backend=backend)) for cfg in RUNS.values()]
     pairs.append(
         (recipe_result, zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend))
     )  # DDP's bytes
@@ -134,11 +72,9 @@ def test_fully_shard_equals_ddp_with_every_option(backend):
         for key in ddp_memory:
             assert_about_fraction(memory[key], ddp_memory[key], 2, f"fully_shard {key}")
 
-    # set_requires_gradient_sync(False) holds UNSHARDED gradients (N x), syncing every
-    # micro-batch keeps them sharded; torch.nn.utils.clip_grad_norm_ on DTensor gradients returns
-    # the whole model's norm; with the plain amp GradScaler an inf in ONE rank's shard is found on
-    # EVERY rank (DTensor reduces found_inf over the mesh), so both skip the step.
-    assert_sharded_run_claims(results, ddp_memory, reference)
+    # MixedPrecisionPolicy's bf16 compute, fp32 reduction and fp32 master weights stay near fp32
+    assert_losses_close(results["bf16"].losses, reference.losses, atol=BF16_ATOL / 2)
+    assert_states_close(results["bf16"].final_state, reference.final_state, atol=BF16_ATOL)
 
 
 def test_bad_options_fail_in_one_line():
@@ -202,3 +138,65 @@ def test_explicit_prefetch_gives_each_block_its_neighbours():
     forward = [[i + 1] for i in range(n - 1)] + [[]]
     backward = [[]] + [[i - 1] for i in range(1, n)]
     assert seen == [(forward, backward), ([[]] * n, [[]] * n)]
+
+
+class Layout(Observer):
+    """What fully_shard made of the model, read once it is ready: every parameter's DTensor
+    placements, local shape and mesh; every FSDP group's size, resharding and precision policy."""
+
+    def model_ready(self, model, optimizer):
+        super().model_ready(model, optimizer)
+        self.extras["params"] = [
+            (name, p.placements, tuple(p.to_local().shape), tuple(p.device_mesh.shape))
+            for name, p in model.named_parameters()
+        ]
+        self.extras["groups"] = []
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                resharded = group.post_forward_mesh_info is not None
+                self.extras["groups"].append(
+                    (name, len(group.fsdp_params), resharded, group.mp_policy)
+                )
+
+
+def sharded_both_ways(cfg):
+    """fsdp2.train as written, then with its fully_shard calls handed to apply_fully_shard: the
+    Blocks' calls deferred and the root's call given to apply_fully_shard with the same options.
+    Returns (losses, parameter layouts, groups) of each, measured by the harness."""
+    runs, inline, deferred = [], fsdp2.fully_shard, {}
+
+    def composed(module, *, mesh, mp_policy, offload_policy, reshard_after_forward=None):
+        if isinstance(module, Block):
+            deferred["reshard_after_forward"] = reshard_after_forward
+            return module
+        return apply_fully_shard(
+            module,
+            mesh,
+            block_types=(Block,),
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            **deferred,
+        )
+
+    for shard in (inline, composed):
+        fsdp2.fully_shard = shard
+        try:
+            result = prove(fsdp2.train, cfg, name="fsdp2", observer=Layout(cfg.steps))
+        finally:
+            fsdp2.fully_shard = inline
+        runs.append((result.losses, result.extras["params"], result.extras["groups"]))
+    assert dist.get_world_size() == 2
+    return runs
+
+
+def test_the_recipes_fully_shard_calls_do_what_apply_fully_shard_does():
+    """The recipe writes its fully_shard calls out (the lesson); the job and hybrid_parallel use
+    parallelize.apply_fully_shard. Same groups, same shards per parameter, same losses."""
+    configs = [CFG, with_fields(CFG, reshard_after_forward=False, precision="bf16")]
+    for inline, composed in run_world(sharded_both_ways, 2, configs, deadline_s=300):
+        assert inline == composed
+        losses, params, groups = inline
+        assert len(losses) == STEPS and all(p[1] == (Shard(0),) for p in params)
+        n = MODEL_PRESETS[CFG.model].n_layers
+        assert len(groups) == n + 1  # one per Block, then the root

@@ -197,11 +197,14 @@ def test_torchrun_launch_prints_the_result():
 
 
 def test_a_precision_that_cannot_compare_exactly_is_one_line():
-    # (a ValueError, as every copyable recipe refuses bad input; the command line offers no
-    # bf16: argparse refuses it in one line too)
+    # (a ValueError from the config, as every copyable recipe refuses bad input; the command line
+    # refuses it in one line too: the config's choices offer no bf16)
     with pytest.raises(
-        ValueError,
-        match=r"^--precision bf16: this recipe compares norms exactly; "
-        r"use fp32 or tf32$",
+        ValueError, match=r"^precision must be one of auto, fp32, tf32, got 'bf16'$"
     ):
-        run_alone(grad_clipping.train, Config(layout="single", precision="bf16"))
+        Config(layout="single", precision="bf16")
+
+
+def test_a_mesh_size_below_one_is_refused_by_the_config():
+    with pytest.raises(ValueError, match=r"^mesh sizes must be >= 1, got \[2, 0\]; pass one per"):
+        Config(layout="fsdp_tp", mesh=[2, 0])

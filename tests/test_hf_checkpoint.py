@@ -240,9 +240,9 @@ def test_bad_checkpoints_fail_in_one_line(tmp_path):
         timeout_s=120,
     )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: --hf-dir {tmp_path / 'none'} does not exist; pass the directory save_pretrained "
-        "wrote"
+    assert proc.stderr.strip().splitlines()[-1] == (  # the config refuses it: argparse's line
+        f"python -m recipes.hf_checkpoint: error: --hf-dir {tmp_path / 'none'} does not exist; "
+        "pass the directory save_pretrained wrote"
     )
 
 
@@ -342,19 +342,30 @@ def test_a_broken_folder_or_file_fails_in_one_line_naming_it(tmp_path):
         ),
     ]
     for changes, message in cases:
-        cfg = hf.HFCheckpointConfig(
-            **{"hf_dir": good, "out_dir": out, "steps": 1, "backend": "gloo", **changes}
-        )
-        with pytest.raises(hf.HFCheckpointError) as caught:
-            hf.train(cfg)
+        with pytest.raises(hf.HFCheckpointError) as caught:  # the config itself refuses
+            hf.HFCheckpointConfig(
+                **{"hf_dir": good, "out_dir": out, "steps": 1, "backend": "gloo", **changes}
+            )
         assert message in str(caught.value), (changes, str(caught.value))
+        assert "\n" not in str(caught.value)
     assert not os.path.exists(out)  # refused before anything was written
-    # The command line: that line alone on stderr, exit 2.
+    # The command line: argparse's usage, then that line, exit 2.
     proc = run_cli(
         [PYTHON, "-m", "recipes.hf_checkpoint", "--hf-dir", truncated, "--out-dir", out],
         timeout_s=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")] == [
-        f"error: {cases[4][1]}"
-    ]
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")]
+    assert lines[-1] == f"python -m recipes.hf_checkpoint: error: {cases[4][1]}"
+    # argparse's usage; runpy's warning where the harness forks a process that imported the recipe
+    assert all(line.startswith(("usage:", " ", "<frozen runpy>")) for line in lines[:-1]), lines
+
+
+def test_an_input_folder_inside_what_the_run_overwrites_is_refused(tmp_path):
+    """--hf-dir out/hf: the export deletes out/hf first, so the run would destroy its input."""
+    out = tmp_path / "out"
+    save_tiny("gpt2", str(out / "hf"))
+    for sub in ("hf", "dcp"):
+        with pytest.raises(hf.HFCheckpointError, match=f"inside out_dir's {sub}/, which this run"):
+            hf.HFCheckpointConfig(hf_dir=str(out / sub), out_dir=str(out))
+    assert os.listdir(out / "hf")  # untouched

@@ -184,10 +184,10 @@ def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     [
         (
             {"accumulate_grad_batches": 0},
-            "accumulate_grad_batches must be a finite number >= 1, got 0",
+            "accumulate_grad_batches must be a whole number >= 1, got 0",
         ),
         ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
-        ({"model": "huge"}, "model='huge'; valid values: 100m, small, tiny"),
+        ({"model": "huge"}, "model must be one of 100m, small, tiny, got 'huge'"),
     ],
 )
 def test_a_config_built_in_code_is_checked_like_the_command_line(changes, message):

@@ -7,8 +7,9 @@ them.
 
 The recipe is copyable and returns its losses, its last step, its checkpoints and its CSV file; the
 harness (``prove``, through ``tests.helpers.recipe_result``) measures the rest from outside, through
-a Lightning Callback it adds to the Trainer (``recipes.core.lightning.LightningObserver``): the
-final weights gathered to rank 0 and the fraction of them each rank holds.
+a Lightning Callback it adds to the Trainer
+(``recipes.core.observe.lightning.LightningObserver``): the final weights gathered to rank 0 and
+the fraction of them each rank holds.
 """
 
 from __future__ import annotations
@@ -579,9 +580,10 @@ def test_ddp_spawn_inside_a_launched_world_is_rejected(tmp_path):
 
 
 def test_help_names_both_command_lines(capsys):
-    with pytest.raises(SystemExit) as exit_info:
+    try:
         lightning_trainer.main(["--help"])
-    assert exit_info.value.code == 0
+    except SystemExit as exit_info:  # torch's @record turns argparse's exit 0 into a return
+        assert exit_info.code == 0
     printed = capsys.readouterr().out
     assert "--strategy {ddp,ddp_spawn,fsdp,model_parallel}" in printed and "LightningCLI" in printed
 
@@ -664,7 +666,7 @@ def test_a_bad_number_is_one_line_and_exit_2(capsys):
         capsys.readouterr()
         .err.strip()
         .splitlines()[-1]
-        .endswith("error: argument --gradient-clip-val: must be a finite number >= 0, got nan")
+        .endswith("error: gradient_clip_val must be a finite number >= 0, got nan")
     )
 
 
@@ -673,15 +675,12 @@ def test_a_bad_number_is_one_line_and_exit_2(capsys):
     [
         (
             {"accumulate_grad_batches": 0},
-            r"accumulate_grad_batches must be a finite number >= 1, got 0",
+            r"accumulate_grad_batches must be a whole number >= 1, got 0",
         ),
-        (
-            {"tensor_parallel_size": -2},
-            r"tensor_parallel_size must be a finite number >= 0, got -2",
-        ),
+        ({"tensor_parallel_size": -2}, r"tensor_parallel_size must be a whole number >= 0, got -2"),
         (
             {"strategy": "deepspeed"},
-            r"strategy='deepspeed'; valid values: ddp, ddp_spawn, fsdp, model_parallel",
+            r"strategy must be one of ddp, ddp_spawn, fsdp, model_parallel, got 'deepspeed'",
         ),
     ],
 )

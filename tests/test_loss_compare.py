@@ -123,6 +123,12 @@ def test_a_nan_parts_unless_both_runs_have_it():
             "error: {path}: line 3 of the CSV has no number in step or "
             "loss: {{'step': '1', 'loss': 'oops'}}",
         ),
+        (  # a results JSON cut short: no format reads it, so it is said, never half-read
+            '{"result": {"losses": [4.3, 4.1',
+            "error: {path}: no losses found; expected a recipe's JSON result "
+            "(\"losses\"), log lines like 'step 3 loss 2.3456', a CSV with columns step,loss, "
+            'or JSON lines {{"step", "loss"}}',
+        ),
         (
             b"\xff\xfe\x00binary",
             "error: {path}: cannot read it as text (UnicodeDecodeError); give a "
@@ -143,12 +149,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     assert capsys.readouterr().err.splitlines() == [message.format(path=path)]
 
 
-def test_negative_tolerance_is_refused(tmp_path, capsys):
+def test_a_negative_tolerance_and_a_folder_for_a_file_are_refused(tmp_path, capsys):
     good = write_formats(tmp_path)["CSV"]
-    with pytest.raises(SystemExit) as exit_info:
-        loss_compare.main([good, good, "--atol", "-1"])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines() == ["error: --atol -1.0: a tolerance is 0 or more"]
+    for argv, message in (
+        ([good, good, "--atol", "-1"], "atol must be a finite number >= 0, got -1.0"),
+        ([good, good, "--rtol", "nan"], "rtol must be a finite number >= 0, got nan"),
+        (
+            [good, str(tmp_path)],
+            f"test {tmp_path} is a folder; name a log, results JSON, CSV or JSONL file",
+        ),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            loss_compare.main(argv)
+        assert exit_info.value.code == 2
+        # argparse's usage, then one line
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last == f"python -m recipes.loss_compare: error: {message}", last
 
 
 def test_the_command_line_compares_two_committed_results_files():
@@ -175,15 +191,22 @@ def test_the_command_line_compares_two_committed_results_files():
 
 
 def test_a_copy_runs_alone_outside_the_package(tmp_path):
-    """Its docstring says: copy it alone. A copy in a folder where `recipes` cannot be imported,
-    run as a script, reads and compares as the module does."""
+    """Its docstring says: copy it with recipes/options.py. A copy in a folder of its own, where
+    the cookbook's package is not on the path (-E: no PYTHONPATH), reads and compares as the
+    module does, without torch."""
     import shutil
 
-    copy = tmp_path / "loss_compare.py"
-    shutil.copy(f"{REPO_ROOT}/recipes/loss_compare.py", copy)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "__init__.py").write_text("")
+    for name in ("loss_compare.py", "options.py"):
+        shutil.copy(f"{REPO_ROOT}/recipes/{name}", tmp_path / "recipes" / name)
     paths = write_formats(tmp_path)
+    script = (
+        "import sys, runpy; sys.modules['torch'] = None; "  # importing torch would fail
+        "runpy.run_module('recipes.loss_compare', run_name='__main__')"
+    )
     proc = subprocess.run(
-        [sys.executable, "-I", str(copy), paths["CSV"], paths["log"], "--assert-equal"],
+        [sys.executable, "-E", "-s", "-c", script, paths["CSV"], paths["log"], "--assert-equal"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

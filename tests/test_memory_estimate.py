@@ -14,7 +14,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from recipes.core.memory import model_state_bytes
 from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world
-from recipes.fsdp import apply_fsdp
 from recipes.memory_estimate import (
     LAYOUTS,
     MODEL_PRESETS,
@@ -23,10 +22,11 @@ from recipes.memory_estimate import (
     activation_bytes,
     estimate,
     gpu_memory,
+    main,
     make_parser,
     model_state_per_rank,
 )
-from recipes.parallelize import apply_fully_shard
+from recipes.parallelize import apply_fsdp, apply_fully_shard
 from tests.helpers import PYTHON, last_json, run_cli, spawn_world
 
 GB = 1e9
@@ -98,16 +98,16 @@ def test_formulas_of_each_stage(layout_name, world_size):
 def test_ddp_has_no_offload_row_and_bad_input_is_refused():
     with pytest.raises(EstimateError, match="DDP has no CPU offload"):
         model_state_per_rank(1e9, 8, "ddp", LAYOUTS["adam-fp32"], offload=True)
-    with pytest.raises(EstimateError, match="world_size must be >= 1, got 0"):
+    with pytest.raises(EstimateError, match="world_size must be a whole number >= 1, got 0"):
         EstimateConfig(world_size=0)
     with pytest.raises(EstimateError, match="world_size must be a whole number >= 1, got 2.5"):
         EstimateConfig(world_size=2.5)
     for params in (-1.0, 0.0, float("nan"), float("inf")):  # nan, inf: once a table of nan
-        message = rf"^params must be a finite number > 0, got {params:g}$"
+        message = rf"^params must be a finite number > 0, got {params!r}$"
         with pytest.raises(EstimateError, match=message):
             EstimateConfig(params=params)
     with pytest.raises(
-        EstimateError, match="unknown optimizer='sgd'; valid values: both, adam-mixed, adam-fp32"
+        EstimateError, match="optimizer must be one of both, adam-mixed, adam-fp32, got 'sgd'"
     ):
         EstimateConfig(optimizer="sgd")
     rows = estimate(EstimateConfig())["rows"]
@@ -139,9 +139,20 @@ def test_cli_prints_the_table_and_the_same_figures_as_json_last():
     assert any(
         "CPUOffload(offload_params=True)" in line and "CPUOffloadPolicy" in line for line in table
     )
-    bad = run_cli([PYTHON, "-m", "recipes.memory_estimate", "--params", "nan"], timeout_s=60)
-    assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == ["error: params must be a finite number > 0, got nan"]
+
+
+def test_bad_input_on_the_command_line_is_usage_and_one_line_exit_2(capsys):
+    for argv, message in (
+        (["--params", "nan"], "params must be a finite number > 0, got nan"),
+        (["--tp", "3"], "heads=32 must divide by tp=3; pick a tp that divides it"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        out, err = capsys.readouterr()
+        assert exit_info.value.code == 2 and out == ""
+        assert (
+            err.strip().splitlines()[-1] == f"python -m recipes.memory_estimate: error: {message}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,5 +363,5 @@ def test_per_gpu_inputs_that_do_not_divide_are_refused():
         EstimateConfig(world_size=12, strategy="hsdp")
     with pytest.raises(EstimateError, match="^DDP has no CPU offload"):
         EstimateConfig(strategy="ddp", offload=True)
-    with pytest.raises(EstimateError, match="unknown checkpointing='some'"):
+    with pytest.raises(EstimateError, match="checkpointing must be one of none, selective, full"):
         EstimateConfig(checkpointing="some")

@@ -201,3 +201,10 @@ def test_torchrun_launches_equal_a_normal_build(tmp_path):
         assert result["param_checksum"] == pytest.approx(expected, abs=1e-6), method
         extras = result["extras"]
         assert extras["param_bytes_per_rank"] == [extras["full_model_bytes"] // 2] * 2
+
+
+def test_a_seed_checkpoint_dir_that_names_a_file_is_refused_in_one_line(tmp_path):
+    afile = tmp_path / "weights.pt"
+    afile.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^seed_checkpoint_dir='.*weights.pt' is a file; name a"):
+        meta_init.MetaInitConfig(seed_checkpoint_dir=str(afile))

@@ -57,7 +57,7 @@ def test_forced_attention_kernel_is_the_one_that_ran(allowed, expected):
 
 def test_a_forced_kernel_that_cannot_run_is_an_error_not_a_fallback():
     with pytest.raises(
-        ValueError, match="--sdpa-backend cudnn cannot run this model's attention on cpu"
+        ValueError, match="^sdpa_backend cudnn cannot run this model's attention on cpu"
     ):
         run_alone(performance.train, with_fields(CFG, steps=2, sdpa_backend="cudnn"))
 
@@ -69,9 +69,20 @@ def test_bad_input_is_one_line():
         timeout_s=60,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "error: --pin-memory needs a GPU" in proc.stderr
-    with pytest.raises(ValueError, match="tf32 is a CUDA matmul mode"):
+    assert proc.stderr.strip().splitlines() == [
+        "error: pin_memory needs a GPU: pinned memory speeds up copies to one"
+    ]
+    with pytest.raises(ValueError, match="^precision tf32 is a CUDA matmul mode"):
         run_alone(performance.train, with_fields(CFG, precision="tf32"))
+    # switches that contradict each other: refused by the config, built in code or from the
+    # command line
+    with pytest.raises(ValueError, match="^compile_scope model needs compile"):
+        with_fields(CFG, compile_scope="model")
+    with pytest.raises(ValueError, match="^compile_mode reduce-overhead needs compile_scope model"):
+        with_fields(CFG, compile=True, compile_mode="reduce-overhead")
+    with pytest.raises(SystemExit) as exit_info:
+        performance.main(["--compile-scope", "model"])
+    assert exit_info.value.code == 2
 
 
 def test_bench_prints_its_tables_and_writes_json(tmp_path):
@@ -101,7 +112,7 @@ def test_bench_prints_its_tables_and_writes_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["torch"] and report["device"].startswith("CPU")
     ladder = {row["label"]: row for row in report["ladder"]}
-    assert ladder["tf32 matmuls, foreach AdamW"]["skipped"].startswith("--precision tf32 is a CUDA")
+    assert ladder["tf32 matmuls, foreach AdamW"]["skipped"].startswith("precision tf32 is a CUDA")
     fp32 = ladder["fp32 (TF32 off), foreach AdamW"]
     assert fp32["ms_per_step"] > 0 and fp32["tokens_per_second"] > 0 and fp32["mfu"] is None
     assert list(report["recipes"]) == ["8", "4"]

@@ -198,12 +198,27 @@ def test_every_schedule_equals_the_unsplit_model(backend):
     ],
 )
 def test_layouts_the_schedule_cannot_run_are_rejected(changes, message):
-    cfg = dataclasses.replace(CFG, **changes)
     if message is None:  # 3 micro-batches on 2 ranks: 1 round of 3, which torch accepts
-        pp.check_config_fits(cfg, 2)
+        pp.check_config_fits(dataclasses.replace(CFG, **changes), 2)
         return
+    # what needs no world (stages per rank, micro-batches that divide the batch) is refused by
+    # the config itself, from code as from the command line; the rest by check_config_fits
     with pytest.raises(ValueError, match=message):
-        pp.check_config_fits(cfg, 2)
+        pp.check_config_fits(dataclasses.replace(CFG, **changes), 2)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--microbatches", "5"], "global_batch_size=12 does not divide across 1 ranks x 5"),
+        (["--schedule", "gpipe", "--stages-per-rank", "2"], "gpipe runs one stage per rank"),
+    ],
+)
+def test_contradictory_options_are_refused_before_any_world(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        pp.main(args)  # no world is joined: the config refuses itself
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_a_schedule_this_torch_lacks_is_one_line(monkeypatch):

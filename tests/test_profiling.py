@@ -153,18 +153,19 @@ def test_a_profile_window_longer_than_the_run_fails_in_one_line():
         timeout_s=60,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "error: --wait 2 + --warmup 2 + --active 3 = 7 profiled steps, more than --steps 6; "
-        "use --steps 7 or profile fewer steps"
-    ]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "python -m recipes.profiling: error: wait 2 + warmup 2 + active 3 = 7 profiled steps, "
+        "more than steps 6; use steps 7 or profile fewer steps"
+    )
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"active": 0}, r"^active must be >= 1, got 0$"),
-        ({"wait": -1}, r"^wait must be >= 0, got -1$"),
-        ({"top_ops": 0}, r"^top_ops must be >= 1, got 0$"),
+        ({"active": 0}, r"^active must be .*>= 1, got 0$"),
+        ({"wait": -1}, r"^wait must be .*>= 0, got -1$"),
+        ({"top_ops": 0}, r"^top_ops must be .*>= 1, got 0$"),
     ],
 )
 def test_bad_values_are_refused_with_the_fix(changes, message):
@@ -174,8 +175,11 @@ def test_bad_values_are_refused_with_the_fix(changes, message):
 
 def test_a_trace_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(profiling.TraceDirError, match=r"is a file; name a directory"):
-        profiling.train(with_fields(CFG, trace_dir=str(tmp_path / "file")))
+    # by the config, built in code or from the command line, before any rank joins
+    with pytest.raises(profiling.TraceDirError, match=r"^trace_dir .* is a file; name a directory"):
+        with_fields(CFG, trace_dir=str(tmp_path / "file"))
+    with pytest.raises(profiling.TraceDirError, match=r"is a file, so nothing can be created"):
+        with_fields(CFG, trace_dir=str(tmp_path / "file" / "under"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the memory snapshot needs CUDA")

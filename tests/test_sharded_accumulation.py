@@ -120,7 +120,7 @@ def test_three_ways_count_their_collectives_hold_their_bytes_and_equal_one_proce
 
 
 def test_hsdp_mode_without_a_two_dim_mesh_is_one_line():
-    # refused by train before it joins a world (the config is a plain dataclass)
+    # refused by the config itself, before any world (from code as from the command line)
     with pytest.raises(
         ValueError,
         match=r"^mode hsdp_all_reduce_last needs a replicate x shard "
@@ -172,3 +172,12 @@ def test_torchrun_launch_prints_the_counted_collectives():
 def test_fp16_without_a_loss_scaler_is_one_line():
     with pytest.raises(ValueError, match=r"^--precision fp16 needs a GradScaler"):
         run_alone(acc.train, acc.ShardedAccumulationConfig(precision="fp16"))
+
+
+def test_values_that_contradict_each_other_are_refused_by_the_config():
+    with pytest.raises(ValueError, match=r"^pad_fraction must be < 1 .*got 1.0$"):
+        acc.ShardedAccumulationConfig(pad_fraction=1.0)
+    with pytest.raises(ValueError, match=r"^mesh=\(2, 0\): use \[shard\] or \[replicate, shard\]"):
+        acc.ShardedAccumulationConfig(mesh=(2, 0))
+    with pytest.raises(ValueError, match=r"^mesh=\(1, 1, 2\): use"):
+        acc.ShardedAccumulationConfig(mesh=(1, 1, 2))

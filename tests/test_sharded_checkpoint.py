@@ -34,6 +34,7 @@ from recipes._sharded_checkpoint_store import (
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import build_model, lm_loss, make_dataset
 from recipes.core.world import RankError, join_world
+from recipes.options import parse_config
 from recipes.sharded_checkpoint import AppState, CheckpointConfig, ResumableSampler
 from tests.helpers import (
     CUDA_DEVICES,
@@ -422,10 +423,10 @@ def test_bad_resume_and_overwrite_requests_are_refused(saved, tmp_path, capsys):
             ["--strategy", "zero"],
             "argument --strategy: invalid choice: 'zero' (choose from 'ddp', 'fsdp', 'fsdp2')",
         ),
-        (["--save-every", "-1"], "argument --save-every: must be a finite number >= 0, got -1"),
+        (["--save-every", "-1"], "save_every must be a whole number >= 0, got -1"),
     ]:
         with pytest.raises(SystemExit) as exited:
-            sharded_checkpoint.make_parser().parse_args(args)
+            parse_config(sharded_checkpoint.make_parser(), CheckpointConfig, args)
         assert exited.value.code == 2
         assert message in capsys.readouterr().err
 
@@ -564,15 +565,30 @@ def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
     ],
 )
 def test_bad_paths_are_refused_before_training(tmp_path, paths, message):
-    # Once all three trained first and then failed with a traceback.
+    # Once all three trained first and then failed with a traceback. A file where a folder goes
+    # (or a folder where a file goes) is refused by the config itself; the rest before training.
     (tmp_path / "a_file").write_text("")
     paths = {"checkpoint_dir": "ckpt", **paths}
-    cfg = with_fields(BASE, save_every=3, **{name: str(tmp_path / p) for name, p in paths.items()})
     trained = AssertionError("trained")
     with mock.patch.object(sharded_checkpoint, "parallelize", side_effect=trained):
         with pytest.raises(CheckpointError, match=message):
-            run_alone(recipe_result, cfg)
+            cfg = {name: str(tmp_path / p) for name, p in paths.items()}
+            run_alone(recipe_result, with_fields(BASE, save_every=3, **cfg))
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the check created nothing
+
+
+def test_an_init_from_that_is_a_folder_or_does_not_parse_is_one_line(tmp_path):
+    with pytest.raises(CheckpointError, match=r"^--init-from .* is a directory; name a full"):
+        with_fields(BASE, init_from=str(tmp_path))  # a step_* folder given as the file
+    not_a_state_dict = tmp_path / "model.pt"
+    not_a_state_dict.write_text("not what torch.save writes")
+    cfg = with_fields(BASE, steps=1, resume_from="", save_every=0, init_from=str(not_a_state_dict))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^--init-from {not_a_state_dict} is not a state_dict file torch.load reads "
+        r"\(\w+: .*\); name one that --export-to wrote$",
+    ):
+        run_alone(recipe_result, cfg)
 
 
 def test_a_file_as_checkpoint_dir_is_one_line_from_the_command_line(tmp_path):
@@ -582,9 +598,13 @@ def test_a_file_as_checkpoint_dir_is_one_line_from_the_command_line(tmp_path):
         [PYTHON, "-m", "recipes.sharded_checkpoint", "--checkpoint-dir", str(a_file)], timeout_s=60
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
-        f"error: --checkpoint-dir {a_file} is a file; name a directory"
-    ]
+    *usage, line = proc.stderr.strip().splitlines()  # the config refuses it: argparse's usage
+    assert line == (
+        f"python -m recipes.sharded_checkpoint: error: --checkpoint-dir {a_file} is a file; "
+        "name a directory"
+    )
+    # argparse's usage; runpy's warning where the harness forks a process that imported the recipe
+    assert all(text.startswith(("usage:", " ", "<frozen runpy>")) for text in usage), usage
     assert "Traceback" not in proc.stderr
 
 
@@ -797,15 +817,15 @@ def test_trainer_killed_during_an_async_save_keeps_the_last_good_checkpoint(
 def test_async_mode_is_refused_where_it_cannot_work(tmp_path):
     from torch.distributed.checkpoint import state_dict_saver
 
-    cfg = with_fields(BASE, save_every=3, async_mode="process", checkpoint_dir=str(tmp_path))
+    cfg = with_fields(BASE, save_every=3, async_save=True, checkpoint_dir=str(tmp_path))
     trained = AssertionError("trained")
     with mock.patch.object(sharded_checkpoint, "parallelize", side_effect=trained):
         with pytest.raises(
             CheckpointError,
             match=r"^--async-mode process chooses how --async-save "
             r"writes; add --async-save, or drop --async-mode$",
-        ):
-            run_alone(recipe_result, cfg)
+        ):  # contradictory options: refused by the config itself, from code too
+            with_fields(cfg, async_save=False, async_mode="process")
         # torch 2.11 must say it in one line if its DCP lacks the process-based writer.
         with mock.patch.object(state_dict_saver, "AsyncCheckpointerType", None, create=True):
             with pytest.raises(
@@ -814,4 +834,4 @@ def test_async_mode_is_refused_where_it_cannot_work(tmp_path):
                 r"AsyncCheckpointerType.PROCESS, which torch "
                 r".* lacks; use --async-mode thread$",
             ):
-                run_alone(recipe_result, with_fields(cfg, async_save=True))
+                run_alone(recipe_result, with_fields(cfg, async_mode="process"))

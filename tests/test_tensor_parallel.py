@@ -11,10 +11,11 @@ import itertools
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from recipes import tensor_parallel
+from recipes.core.observe import Observer, prove
 from recipes.core.world import join_world
 from recipes.parallelize import TPPlanError, apply_tp, check_tp_fits, transformer_lm_plan
 from recipes.toy import MODEL_PRESETS, build_model, lm_loss, make_dataset
@@ -140,3 +141,59 @@ def test_tp_size_that_does_not_split_the_heads_is_rejected():
             vocab_size=tiny.vocab_size,
             seq_len=tiny.seq_len,
         )
+
+
+class Layout(Observer):
+    """Every parameter's DTensor placements and local shape, read once the model is split."""
+
+    def model_ready(self, model, optimizer):
+        super().model_ready(model, optimizer)
+        self.extras["params"] = [
+            (name, type(p).__name__, getattr(p, "placements", None), tuple(p.to_local().shape))
+            for name, p in model.named_parameters()
+        ]
+
+
+def split_both_ways(cfg):
+    """tensor_parallel.train as written (its own plan, its own parallelize_module call), then with
+    that call replaced by parallelize.apply_tp with transformer_lm_plan, the plan the job and
+    hybrid_parallel use. Returns (losses, layout) of each, measured by the harness."""
+    own = tensor_parallel.parallelize_module
+
+    def composed(model, mesh, plan):
+        options = dict(sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
+        return apply_tp(model, mesh, plan=transformer_lm_plan(**options))
+
+    runs = []
+    for split in (own, composed):
+        tensor_parallel.parallelize_module = split
+        try:
+            result = prove(
+                tensor_parallel.train, cfg, name="tensor_parallel", observer=Layout(cfg.steps)
+            )
+        finally:
+            tensor_parallel.parallelize_module = own
+        runs.append((result.losses, result.extras["params"]))
+    return runs
+
+
+def both_ways_world(configs, backend):
+    with join_world(backend, timeout_s=120):
+        return [split_both_ways(cfg) for cfg in configs]
+
+
+def test_the_recipes_plan_splits_as_apply_tp_with_transformer_lm_plan_does():
+    """The recipe writes its plan out and calls parallelize_module itself (the lesson); the job
+    and hybrid_parallel use parallelize.apply_tp(plan=transformer_lm_plan(...)). The same shard of
+    every parameter and the same losses, with and without sequence and loss parallel."""
+    configs = [with_fields(CFG, **opts) for opts in (OPTIONS[0], OPTIONS[-1])]
+    for own, composed in spawn_world(both_ways_world, 2, configs, "gloo", deadline_s=240):
+        assert own == composed
+        losses, params = own
+        assert len(losses) == STEPS and all(kind == "DTensor" for _, kind, _, _ in params)
+        assert any(placements == (Shard(0),) for _, _, placements, _ in params)
+
+
+def test_compile_and_eager_together_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="^compile and eager contradict each other"):
+        tensor_parallel.TPConfig(compile=True, eager=True)

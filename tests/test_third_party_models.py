@@ -21,12 +21,14 @@ from recipes.core.memory import model_state_bytes
 from recipes.core.state import full_state_on_rank0
 from recipes.core.workload import Block, lm_loss
 from recipes.core.world import join_world
-from recipes.fsdp import FSDPWrapError, apply_fsdp, wrap_policy_for
+from recipes.fsdp import wrap_policy_for
 from recipes.parallelize import (
     CheckpointingError,
+    FSDPWrapError,
     ShardingError,
     TPPlanError,
     apply_activation_checkpointing,
+    apply_fsdp,
     apply_fully_shard,
     apply_tp,
     check_heads_divide,

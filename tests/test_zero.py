@@ -82,3 +82,8 @@ def test_unknown_optimizer_fails_in_one_line():
     proc = run_cli([PYTHON, "-m", "recipes.zero", "--optimizer", "sgd"], timeout_s=60)
     assert proc.returncode == 2
     assert "invalid choice: 'sgd'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_save_path_that_names_a_folder_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"^save_path='.*' is a folder; name the file to write"):
+        zero.ZeroConfig(save_path=str(tmp_path))
