@@ -21,6 +21,8 @@ import sys
 import types
 import typing
 
+__all__ = ["option", "check_options", "config_parser", "parse_config", "exit_on_bad_input"]
+
 
 def option(
     default,
@@ -85,18 +87,25 @@ def check_options(config) -> None:
             raise ValueError(f"{field.name} {problem}")
 
 
-class _RankZeroParser(argparse.ArgumentParser):
-    """Under torchrun every rank parses the same command line: only rank 0 prints usage, help and
-    errors (one copy, not one per rank); every rank still exits with argparse's code."""
+def _prints() -> bool:
+    """Whether this process says what is wrong: the first process of each node (torchrun's
+    LOCAL_RANK 0, or a world of one). Every rank of a node parses the same command line, so one
+    copy is enough; a node whose input differs (a file missing there) still says so itself."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0
+
+
+class _FirstOfNodeParser(argparse.ArgumentParser):
+    """Usage, help and errors from the first process of each node only; every rank still exits
+    with argparse's code."""
 
     def _print_message(self, message, file=None):
-        if int(os.environ.get("RANK", 0)) == 0:
+        if _prints():
             super()._print_message(message, file)
 
 
 def config_parser(config_class, *, prog: str, doc: str | None) -> argparse.ArgumentParser:
     """An argparse parser with one ``--flag`` per field of ``config_class`` (``_`` -> ``-``)."""
-    parser = _RankZeroParser(
+    parser = _FirstOfNodeParser(
         prog=prog,
         description=(doc or "").split("\n")[0],
         allow_abbrev=False,
@@ -136,10 +145,10 @@ def parse_config(parser: argparse.ArgumentParser, config_class, argv: list[str] 
 @contextlib.contextmanager
 def exit_on_bad_input():
     """A ``ValueError`` that every rank raises (a batch that does not divide across the ranks)
-    becomes one line from rank 0 and exit 2, instead of a traceback from every rank."""
+    becomes one line (from each node's first process) and exit 2, not a traceback per rank."""
     try:
         yield
     except ValueError as exc:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if _prints():
             print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

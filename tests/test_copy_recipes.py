@@ -203,14 +203,22 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
 
 
 @pytest.fixture(scope="session")
-def launched_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """The copies a user runs under torchrun (2 gloo ranks), from one torchrun launch, and those
-    a user runs with plain python, from one python launch: once per run (tests/once.py)."""
+def launched_copies(request, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The copies this run's tests ask for: those a user runs under torchrun (2 gloo ranks), from
+    one torchrun launch, and those a user runs with plain python, from one python launch; once per
+    run (tests/once.py)."""
+    wanted = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.originalname == "test_a_copy_runs_without_the_package_and_agrees"
+    }
 
     def launch(folder: Path) -> dict[str, subprocess.CompletedProcess]:
+        torchrun = [name for name in TORCHRUN_COPIES if name in wanted]
+        python = [name for name in PYTHON_COPIES if name in wanted]
         return {
-            **launch_copies(TORCHRUN_COPIES, folder / "torchrun", torchrun=True),
-            **launch_copies(PYTHON_COPIES, folder / "python", torchrun=False),
+            **launch_copies(torchrun, folder / "torchrun", torchrun=True),
+            **launch_copies(python, folder / "python", torchrun=False),
         }
 
     return once_per_run(tmp_path_factory, "copies", launch)
@@ -221,8 +229,33 @@ def launched_copies(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
 # workers were tried: on 2 saturated cores they cost ~25 s more CPU (a second torchrun, two more
 # ranks importing torch) for no shorter run. Each copy's own run is bounded, at 120 s times the
 # run's factor, by the launcher.
+# The default run launches one copy of each kind: each launcher (torchrun, python, the recipe's
+# own mp.spawn), and each set of shared files a copy carries (the toy alone, dist_setup,
+# parallelize, the pipeline's and the checkpoint's own modules, no torch at all). The rest, the
+# same kinds again, run in the slow set (CI runs it): launching all of them was the default run's
+# largest cost (~75 CPU s of its ~660). The job's copy (the heaviest: shards, evaluation, a
+# checkpoint) is among them; test_job launches the job under torchrun in the default run. The
+# static test above still checks every recipe's copy set in the default run.
+DEFAULT_RUN_COPIES = {
+    "single_gpu",
+    "ddp_torchrun",
+    "ddp_spawn",
+    "fsdp2",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "sharded_checkpoint",
+    "loss_compare",
+}
+
+
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("name", COPYABLE)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=() if name in DEFAULT_RUN_COPIES else pytest.mark.slow)
+        for name in COPYABLE
+    ],
+)
 def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, launched_copies):
     project = make_copy(name, tmp_path)  # as the fixture made the one that ran
     proc = launched_copies[name]

@@ -318,15 +318,16 @@ def test_every_recipe_with_a_training_loop_shows_what_it_adds_to_the_baseline(si
 
 
 def test_the_api_reference_documents_what_a_user_copies_with_stable_anchors(site):
-    """The reference documents the three shared modules and every copyable recipe (one that imports
+    """The reference documents the shared modules and every copyable recipe (one that imports
     nothing of recipes.core), each object under an anchor named after its import path; the harness
     is left out."""
     import recipes.dist_setup as dist_setup
+    import recipes.options as options
     import recipes.parallelize as parallelize
     import recipes.toy as toy
 
     shared = (site / "reference" / "shared" / "index.html").read_text()
-    for module in (toy, dist_setup, parallelize):
+    for module in (toy, dist_setup, parallelize, options):
         assert f'id="{module.__name__}"' in shared, f"{module.__name__} missing"
         for name in module.__all__:
             assert f'id="{module.__name__}.{name}"' in shared, (

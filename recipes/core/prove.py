@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -100,9 +101,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         # a bounded join, and a heartbeat that lets a survivor name the rank that died
         # (prove runs the recipe inside recipes.core.world.recipe_world)
         result = prove(function, cfg, name=name)
-    except ValueError as exc:  # bad input every rank sees: one line, from rank 0, exit 2
+    except ValueError as exc:  # bad input: one line from each node's first process, exit 2
         write_torchrun_error_file(str(exc))
-        if current_rank() == 0:
+        # the first process of each node, as recipes/options.py prints: a node whose input
+        # differs (a bad option on one node of a Slurm job) says so itself
+        if int(os.environ.get("LOCAL_RANK", current_rank())) == 0:
             exit_with(str(exc), 2)
         raise SystemExit(2) from None
     except JoinError as exc:  # a store or a peer that never answered
