@@ -2,10 +2,11 @@
 rendered by mkdocstrings (mkdocs.yml) from the modules' signatures and docstrings.
 
 ``shared`` is the modules every recipe is copied with (``recipes.__main__.SHARED_MODULES``:
-the toy model and data, the world's set-up, the ``apply_*`` functions, the command line); ``recipes`` is every
-copyable recipe: a module that imports nothing of the proof harness (``recipes.core``), directly or
-through another module of the package. A recipe appears here the day it stops importing the
-harness, with no docs edit; the harness itself stays out (a contributor reads recipes/core).
+the toy model and data, the world's set-up, the ``apply_*`` functions, the command line);
+``recipes`` is every copyable recipe: a module that imports nothing of the proof harness
+(``recipes.core``), directly or through another module of the package. A recipe appears here
+the day it stops importing the harness, with no docs edit; the harness itself stays out (a
+contributor reads recipes/core).
 """
 
 from __future__ import annotations
