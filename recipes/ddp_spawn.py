@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -127,17 +128,24 @@ def train(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     (the config checked its own values when the parent built it: once, not once per child)."""
     # The rendezvous torchrun would set: rank 0 listens on this port, the others connect to it
     port = master_port()
+    temporary = None
     if not cfg.checkpoint_path:  # every rank must load the same file: the parent names it
-        folder = tempfile.mkdtemp(prefix="ddp-spawn-")
-        cfg = dataclasses.replace(cfg, checkpoint_path=os.path.join(folder, "checkpoint.pt"))
-    # Pitfall: the queue must come from the "spawn" context mp.spawn uses. The parent reads it
-    # only after every child has exited, so keep the message small: one larger than the pipe's
-    # buffer (64 KiB) would block rank 0 forever.
-    results = mp.get_context("spawn").SimpleQueue()
-    # join=True: wait for all; if a child raises, mp.spawn terminates the others and raises
-    # ProcessRaisedException here (ProcessExitedException for one that died without raising)
-    mp.spawn(worker, args=(cfg.nprocs, port, cfg, results, observer), nprocs=cfg.nprocs, join=True)
-    return results.get()
+        temporary = tempfile.mkdtemp(prefix="ddp-spawn-")
+        cfg = dataclasses.replace(cfg, checkpoint_path=os.path.join(temporary, "checkpoint.pt"))
+    try:
+        # Pitfall: the queue must come from the "spawn" context mp.spawn uses. The parent reads
+        # it only after every child has exited, so keep the message small: one larger than the
+        # pipe's buffer (64 KiB) would block rank 0 forever.
+        results = mp.get_context("spawn").SimpleQueue()
+        # join=True: wait for all; if a child raises, mp.spawn terminates the others and raises
+        # ProcessRaisedException here (ProcessExitedException for one that died without raising)
+        mp.spawn(
+            worker, args=(cfg.nprocs, port, cfg, results, observer), nprocs=cfg.nprocs, join=True
+        )
+        return results.get()
+    finally:
+        if temporary:  # a checkpoint nobody asked to keep leaves with the run
+            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def worker(

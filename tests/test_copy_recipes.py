@@ -135,10 +135,12 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     ~5 s of CPU on 2 cores under torchrun, ~2 s alone). Under torchrun each copy still meets its
     peers through ``env://`` with torchrun's variables, on a port of its own. {name: what its
     ranks printed, as the launcher would have shown it}."""
+    if not names:  # e.g. -k selected only copies of the other launcher
+        return {}
     copies = []
     for name in names:
         project = make_copy(name, where / name)
-        args = [arg.format(repo=REPO_ROOT) for arg in COPIES[name][1]]
+        args = [arg.format(repo=REPO_ROOT, project=project) for arg in COPIES[name][1]]
         copies.append(
             {"name": name, "project": str(project), "args": args, "timeout_s": scaled(120)}
         )
@@ -711,7 +713,13 @@ COPIES = {
         check_context_parallel,
     ),
     # the recipe starts its own 2 processes (mp.spawn): a plain python run
-    "ddp_spawn": ("python", ["--nprocs", "2", "--steps", "3"], check_ddp_spawn),
+    # the checkpoint kept in the copy's project folder: without the option the recipe saves to
+    # a temporary folder and removes it when it ends
+    "ddp_spawn": (
+        "python",
+        ["--nprocs", "2", "--steps", "3", "--checkpoint-path", "{project}/checkpoint.pt"],
+        check_ddp_spawn,
+    ),
     # 3 steps under fully_shard, saved into the copy's own project folder (the launcher runs each
     # copy there); gloo and fp32, as results/sharded_checkpoint.json was measured
     "sharded_checkpoint": (
