@@ -26,7 +26,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "setup_distributed", "cleanup_distributed", "first_slurm_host"]
+__all__ = [
+    "DistInfo",
+    "setup_distributed",
+    "cleanup_distributed",
+    "first_slurm_host",
+    "resolve_precision",
+]
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,27 @@ def cleanup_distributed() -> None:
         # an active exception"). Held here, it is freed at exit, after the models.
         _ENDED_GROUPS.append(dist.group.WORLD)
         dist.destroy_process_group()
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """``auto`` -> bf16 on a GPU that has it, else fp32; checked against ``device``. Sets the fp32
+    matmul mode on CUDA: TF32 for ``tf32`` only (a process-wide switch: set on every run, never
+    inherited from an earlier one). Refuses, in one ``ValueError`` line, a mode ``device`` lacks."""
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if requested == "tf32" and not on_cuda:
+        raise ValueError(
+            f"precision tf32 is a CUDA matmul mode and this run is on {device.type}; "
+            "use precision fp32 (or bf16)"
+        )
+    if requested == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{torch.cuda.get_device_name(device)} has no bf16; use precision tf32")
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            requested == "tf32"
+        )
+    return requested
 
 
 _OWNED: list[bool] = []  # whether setup_distributed created the current group

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.dist_setup import cleanup_distributed, resolve_precision, setup_distributed
 from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.parallelize import apply_fully_shard
 from recipes.toy import MODEL_PRESETS, Block, ModelConfig, build_model, lm_loss, make_dataset
@@ -390,23 +390,6 @@ def wrap(
 
 
 # --8<-- [end:prepare]
-
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """``auto`` for ``device``, checked; sets the process's fp32 matmul mode (TF32 or not)."""
-    on_cuda = device.type == "cuda"
-    if requested == "auto":
-        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if requested == "tf32" and not on_cuda:
-        raise TuningError(
-            f"--precision tf32 is a CUDA matmul mode and this run is on "
-            f"{device.type}; use --precision fp32 (or bf16)"
-        )
-    if on_cuda:  # Pitfall: a process-wide switch: set for every precision, never inherited
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32"
-        )
-    return requested
 
 
 def check_checkpoint_dir(path: str) -> None:

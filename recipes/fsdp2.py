@@ -62,7 +62,7 @@ from torch.distributed.fsdp import (
 )
 from torch.utils.data import DataLoader, DistributedSampler
 
-from recipes.dist_setup import cleanup_distributed, setup_distributed
+from recipes.dist_setup import cleanup_distributed, resolve_precision, setup_distributed
 from recipes.options import check_options, config_parser, exit_on_bad_input, option, parse_config
 from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss, make_dataset
 
@@ -129,24 +129,6 @@ class FSDP2Config:
                 "group size that divides the shard dim, e.g. 2"
             )
         self.reshard_after_forward = reshard
-
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """auto -> bf16 on a GPU that has it, else fp32. Sets the fp32 matmul mode on CUDA: TF32 for
-    ``tf32`` only (a process-wide switch: set on every run, never inherited from an earlier one)."""
-    on_cuda = device.type == "cuda"
-    if requested == "auto":
-        requested = "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if requested == "tf32" and not on_cuda:
-        raise ValueError(
-            f"--precision tf32 is a CUDA matmul mode and this run is on "
-            f"{device.type}; use --precision fp32 (or bf16)"
-        )
-    if on_cuda:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-            requested == "tf32"
-        )
-    return requested
 
 
 # --8<-- [start:train]

@@ -66,3 +66,15 @@ def test_a_group_its_caller_made_is_used_as_it_is_and_left_to_the_caller(monkeyp
         assert (reused.rank, reused.world_size) == (0, 1) and dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def test_resolve_precision_picks_for_the_device_and_refuses_what_it_lacks():
+    """The one copy the sharded recipes share (fsdp, fsdp2, hybrid_parallel, sharded_accumulation,
+    finetune): auto is fp32 on CPU; tf32 is a CUDA matmul mode, refused on CPU in one line."""
+    import torch
+
+    cpu = torch.device("cpu")
+    assert dist_setup.resolve_precision("auto", cpu) == "fp32"
+    assert dist_setup.resolve_precision("bf16", cpu) == "bf16"
+    with pytest.raises(ValueError, match=r"^precision tf32 is a CUDA matmul mode .* on cpu; use"):
+        dist_setup.resolve_precision("tf32", cpu)
