@@ -477,6 +477,10 @@ class LazyModule(types.ModuleType):
         self.__dict__["_lazy_name"] = name
 
     def __getattr__(self, attribute: str):
+        # pytest asks each module attribute for ``__bases__`` (``issubclass`` in its unittest
+        # plugin) while collecting: a dunder must not import the module
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
         return getattr(importlib.import_module(self.__dict__["_lazy_name"]), attribute)
 
 

@@ -147,8 +147,18 @@ def strategies_world(kind: str) -> dict:
         return results
 
 
+# GPT-2's run is in the slow set (CI runs it), for the default run's budget (issue 30: ~7 CPU s):
+# Llama's run asserts every strategy on a model we did not write, and GPT-2 (Conv1D, tied
+# embeddings) still trains against one process in the default run, under DDP in test_finetune.py
+# and in two pipeline stages in test_pipeline_parallel.py.
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", third_party.KINDS)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(kind, marks=pytest.mark.slow) if kind == "gpt2" else kind
+        for kind in third_party.KINDS
+    ],
+)
 def test_every_strategy_equals_one_process(kind):
     """One spawned world per model (a spawn costs more than these tiny trainings), three checks."""
     results = spawn_world(strategies_world, 2, kind, deadline_s=240)
