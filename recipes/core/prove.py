@@ -69,6 +69,7 @@ PROVABLE = (
     "finetune",
     "lightning_fabric",
     "lightning_trainer",
+    "local_sgd",
 )
 
 

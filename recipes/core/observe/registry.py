@@ -44,6 +44,7 @@ from recipes.core.observe.training import (
     ClippingObserver,
     Float8Observer,
     GradAccumulationObserver,
+    LocalSGDObserver,
     PerformanceObserver,
     data_parallel_extras,
 )
@@ -75,6 +76,7 @@ OBSERVERS: dict[str, Callable[..., Observer]] = {
     "hybrid_parallel": HybridObserver,
     "lightning_fabric": ResumableObserver,
     "lightning_trainer": lightning_observer,
+    "local_sgd": LocalSGDObserver,
     "meta_init": MetaInitObserver,
     "performance": PerformanceObserver,
     "pipeline_parallel": PipelineObserver,

@@ -1,5 +1,5 @@
 """Observers of the recipes that add one idea to the DDP (or one-device) training loop:
-grad_accumulation, grad_clipping, activation_checkpointing, float8, performance, and
+grad_accumulation, grad_clipping, activation_checkpointing, float8, performance, local_sgd, and
 data_parallel's GPU count."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ __all__ = [
     "ClippingObserver",
     "Float8Observer",
     "GradAccumulationObserver",
+    "LocalSGDObserver",
     "PerformanceObserver",
     "data_parallel_extras",
 ]
@@ -328,4 +329,26 @@ class PerformanceObserver(Observer):
                     torch.backends.cuda.math_sdp_enabled(),
                 ],
             }
+        super().measure(step)
+
+
+class LocalSGDObserver(Observer):
+    """recipes/local_sgd.py reports its steps in bursts, at each synchronisation (a step's loss is
+    known only once the replicas meet): the first step of a window carries the whole window's
+    time, the others none. The time per step is the windows' time over their steps, the first
+    window (warm-up) left out."""
+
+    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
+        super().__init__(cfg.steps, keep_final_state=keep_final_state)
+        self.sync_every, self.outer = cfg.sync_every, cfg.outer
+
+    @property
+    def seconds_per_step(self) -> float:
+        window = self.sync_every
+        steady = self.durations[window:] if len(self.durations) > window else self.durations
+        return sum(steady) / len(steady) if steady else 0.0
+
+    def measure(self, step: int) -> None:
+        if step == self.steps - 1:
+            self.extras.update(sync_every=self.sync_every, outer=self.outer)
         super().measure(step)
