@@ -561,6 +561,15 @@ def check_local_sgd(stdout: str) -> None:
     assert len(losses) == 4 and all(0 < loss < 10 for loss in losses), stdout
 
 
+def check_ulysses(stdout: str) -> None:
+    # each sequence split over the 2 ranks, the heads exchanged by all_to_all: one process's
+    # losses (the split equals the whole model: tests/test_ulysses.py), one line per step
+    assert "ulysses over 2 rank(s): 8 of 16 positions and 2 of 4 heads each" in stdout, stdout
+    losses = printed_losses(stdout)
+    assert len(losses) == 3, stdout
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+
+
 def check_grad_clipping(stdout: str) -> None:
     # the package's own 2-rank losses and clipped norms (results/grad_clipping.json: fully_shard,
     # 2 steps; the norm one process computes), one line per step from rank 0
@@ -639,6 +648,8 @@ COPIES = {
         ["--steps", "4", "--sync-every", "2", "--backend", "gloo"],
         check_local_sgd,
     ),
+    # gloo on a GPU host too: 2 ranks need no 2 GPUs, and fp32 on CPU is the reference's
+    "ulysses": ("torchrun", ["--steps", "3", "--backend", "gloo"], check_ulysses),
     # one device, no process group: a plain python run; cpu, where results/ was measured
     "activation_checkpointing": (
         "python",
