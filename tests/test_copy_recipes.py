@@ -561,6 +561,18 @@ def check_local_sgd(stdout: str) -> None:
     assert len(losses) == 4 and all(0 < loss < 10 for loss in losses), stdout
 
 
+def check_comm_hooks(stdout: str) -> None:
+    # PowerSGD at rank 2 (the defaults) from step 2: steps 0 and 1 are plain all-reduces, one
+    # process's losses; then within tests/test_comm_hooks.py's bound of them; torch's own count
+    # of what each compressed step sent is that test's arithmetic for the tiny model
+    losses = printed_losses(stdout)
+    assert len(losses) == 4, stdout
+    reference = single_process_reference().losses[:4]
+    assert_losses_close(losses[:2], reference[:2], atol=6e-5)
+    assert_losses_close(losses, reference, atol=0.015)
+    assert "PowerSGD rank 2 from step 2: each step sent 3424 of 29824 gradient elements" in stdout
+
+
 def check_ulysses(stdout: str) -> None:
     # each sequence split over the 2 ranks, the heads exchanged by all_to_all: one process's
     # losses (the split equals the whole model: tests/test_ulysses.py), one line per step
@@ -647,6 +659,12 @@ COPIES = {
         "torchrun",
         ["--steps", "4", "--sync-every", "2", "--backend", "gloo"],
         check_local_sgd,
+    ),
+    # the defaults (PowerSGD, rank 2, from step 2), 4 steps; gloo and fp32 as the reference is
+    "comm_hooks": (
+        "torchrun",
+        ["--steps", "4", "--backend", "gloo", "--precision", "fp32"],
+        check_comm_hooks,
     ),
     # gloo on a GPU host too: 2 ranks need no 2 GPUs, and fp32 on CPU is the reference's
     "ulysses": ("torchrun", ["--steps", "3", "--backend", "gloo"], check_ulysses),

@@ -70,6 +70,7 @@ PROVABLE = (
     "lightning_fabric",
     "lightning_trainer",
     "local_sgd",
+    "comm_hooks",
     "ulysses",
 )
 
