@@ -561,6 +561,16 @@ def check_local_sgd(stdout: str) -> None:
     assert len(losses) == 4 and all(0 < loss < 10 for loss in losses), stdout
 
 
+def check_activation_offload(stdout: str) -> None:
+    # gloo, so CPU: --offload auto trains without offloading and says so; with checkpointed
+    # blocks, one process's losses (DDP's loop, bit for bit: tests/test_activation_offload.py)
+    first = "offload none, checkpoint per_block (fp32) on 2 rank(s) of cpu: no GPU to offload from"
+    assert first in stdout, stdout
+    losses = printed_losses(stdout)
+    assert len(losses) == 3, stdout
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+
+
 def check_comm_hooks(stdout: str) -> None:
     # PowerSGD at rank 2 (the defaults) from step 2: steps 0 and 1 are plain all-reduces, one
     # process's losses; then within tests/test_comm_hooks.py's bound of them; torch's own count
@@ -659,6 +669,12 @@ COPIES = {
         "torchrun",
         ["--steps", "4", "--sync-every", "2", "--backend", "gloo"],
         check_local_sgd,
+    ),
+    # gloo: CPU ranks on a GPU host too, so --offload auto is none; the composition still runs
+    "activation_offload": (
+        "torchrun",
+        ["--steps", "3", "--checkpoint", "per_block", "--backend", "gloo"],
+        check_activation_offload,
     ),
     # the defaults (PowerSGD, rank 2, from step 2), 4 steps; gloo and fp32 as the reference is
     "comm_hooks": (

@@ -72,6 +72,7 @@ PROVABLE = (
     "local_sgd",
     "comm_hooks",
     "ulysses",
+    "activation_offload",
 )
 
 
