@@ -561,6 +561,17 @@ def check_local_sgd(stdout: str) -> None:
     assert len(losses) == 4 and all(0 < loss < 10 for loss in losses), stdout
 
 
+def check_training_health(stdout: str) -> None:
+    # DDP's loop with the checks, 4 steps, one check after step 3 (--check-every 4): DDP's own
+    # losses (one process's), rank 0's table of both ranks' work times, no fault, no warning
+    losses = printed_losses(stdout)
+    assert len(losses) == 4, stdout
+    assert_losses_close(losses, single_process_reference().losses[:4], atol=6e-5)
+    table = re.findall(r"^step 3 work ms over 4 steps, min / median / max: .*$", stdout, re.M)
+    assert len(table) == 1 and "rank 0" in table[0] and "rank 1" in table[0], stdout
+    assert not re.search(r"non-finite|diverged|spike|is gone", stdout), stdout
+
+
 def check_activation_offload(stdout: str) -> None:
     # gloo, so CPU: --offload auto trains without offloading and says so; with checkpointed
     # blocks, one process's losses (DDP's loop, bit for bit: tests/test_activation_offload.py)
@@ -669,6 +680,12 @@ COPIES = {
         "torchrun",
         ["--steps", "4", "--sync-every", "2", "--backend", "gloo"],
         check_local_sgd,
+    ),
+    # 4 steps, the checks once (after step 3), no fault: the copy trains as DDP does
+    "training_health": (
+        "torchrun",
+        ["--steps", "4", "--check-every", "4", "--backend", "gloo"],
+        check_training_health,
     ),
     # gloo: CPU ranks on a GPU host too, so --offload auto is none; the composition still runs
     "activation_offload": (

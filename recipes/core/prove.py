@@ -73,6 +73,7 @@ PROVABLE = (
     "comm_hooks",
     "ulysses",
     "activation_offload",
+    "training_health",
 )
 
 
