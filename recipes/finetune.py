@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.finetune
     torchrun --standalone --nproc_per_node=2 -m recipes.finetune --strategy fully_shard --mode head
     python -m recipes.finetune --arch gpt2 --mode lora --lora-rank 8   # tiny Hugging Face GPT-2
+    python -m recipes.finetune --arch llama --lora-impl peft   # the same LoRA through peft
 
 Copy with it: recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and
 leave the world), recipes/parallelize.py (``apply_fully_shard``), recipes/options.py (the command
@@ -13,6 +14,8 @@ rank=..., alpha=...)`` wraps the modules whose names match the patterns (or a pr
 hand-written ``LoRA``; ``freeze_for(model, mode, head=..., block_types=..., last_k=...)`` sets
 ``requires_grad``; ``merge_lora(model)`` folds the adapters back into the weights. Ready-made
 targets exist for the cookbook's TransformerLM, GPT-2 and Llama (``ready_made_targets``).
+``add_peft_lora`` (``--lora-impl peft``) puts the same adapters on through Hugging Face ``peft``'s
+``get_peft_model`` (imported only then: ``pip install peft``) and returns the ``PeftModel``.
 
 Order matters: add adapters, freeze, THEN wrap (DDP or fully_shard), then build the optimizer from
 the trainable parameters only. Frozen parameters then get no gradient, no AdamW state and no
@@ -22,8 +25,8 @@ all-reduce; ``find_unused_parameters`` stays False (a frozen parameter is not an
 global batch's loss of each step. What fine-tuning saves (each rank's model-state bytes against
 full fine-tuning's, the bytes DDP all-reduces) is measured from outside, by the cookbook's
 harness. ``--checkpoint-dir`` writes, on rank 0, the trained parameters alone (``trainable.pt``:
-the adapters for LoRA) and, for LoRA, ``merged.pt``, a plain state dict of the merged model that
-the un-adapted model class loads.
+the adapters for LoRA; peft's ``get_peft_model_state_dict`` for peft) and, for LoRA,
+``merged.pt``, a plain state dict of the merged model that the un-adapted model class loads.
 """
 
 from __future__ import annotations
@@ -98,6 +101,12 @@ class FinetuneConfig:
         4, "LoRA: the rank r of each adapter (A: r x in, B: out x r)", at_least=1
     )
     lora_alpha: float = option(8.0, "LoRA: the update is scaled by alpha / rank", above=0)
+    lora_impl: str = option(
+        "hand",
+        "LoRA: hand = this file's LoRA module; peft = Hugging Face peft's get_peft_model "
+        "(needs peft), the same adapters",
+        choices=["hand", "peft"],
+    )
     lora_targets: str = option(
         "",
         "LoRA: comma-separated fnmatch patterns of module names, e.g. '*.attn.wq,*.attn.wv'; "
@@ -188,6 +197,21 @@ def add_lora(
     on every rank. Parameter names gain ``.base`` (``wq.weight`` -> ``wq.base.weight``)."""
     if rank < 1:
         raise TuningError(f"LoRA rank must be >= 1, got {rank}; typical ranks are 4, 8 or 16")
+    names = lora_target_names(model, targets)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            holder = model.get_submodule(parent)
+            setattr(holder, child, LoRA(getattr(holder, child), rank, alpha))
+    return names
+
+
+def lora_target_names(
+    model: nn.Module, targets: Sequence[str] | Callable[[str, nn.Module], bool]
+) -> list[str]:
+    """The full names of the Linear / Conv1D modules ``targets`` picks; nothing, or a module that
+    is not a projection, is refused."""
     patterns = (targets,) if isinstance(targets, str) else () if callable(targets) else targets
     match = (
         targets
@@ -212,12 +236,6 @@ def add_lora(
             f"LoRA targets match {sorted(set(names) - linear)[0]}, which is not a "
             "Linear or Conv1D; narrow the patterns to the projections"
         )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for name in names:
-            parent, _, child = name.rpartition(".")
-            holder = model.get_submodule(parent)
-            setattr(holder, child, LoRA(getattr(holder, child), rank, alpha))
     return names
 
 
@@ -234,6 +252,42 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 # --8<-- [end:lora]
+
+
+# --8<-- [start:peft]
+def add_peft_lora(
+    model: nn.Module,
+    *,
+    targets: Sequence[str] | Callable[[str, nn.Module], bool],
+    rank: int,
+    alpha: float,
+    seed: int = 0,
+) -> nn.Module:
+    """The same adapters through Hugging Face ``peft``: returns the ``PeftModel`` to train (wrap
+    IT in DDP or fully_shard). Each target keeps its module as a frozen ``base_layer`` beside
+    trainable ``lora_A``/``lora_B``; ``get_peft_model`` freezes everything else itself."""
+    names = lora_target_names(model, targets)  # add_lora's patterns and refusals
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise TuningError("--lora-impl peft needs peft: pip install peft") from None
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,  # scale alpha / r, as LoRA's (use_rslora=False: not alpha / sqrt(r))
+        target_modules=names,  # full names; peft also matches a name's dotted suffix
+        lora_dropout=0.0,
+        init_lora_weights=True,  # A kaiming-uniform(a=sqrt(5)), B zero: LoRA's init
+        # GPT-2's Conv1D stores its weight (in, out): the merge must transpose B A
+        fan_in_fan_out=any(type(model.get_submodule(n)).__name__ == "Conv1D" for n in names),
+    )
+    # Pitfall: peft draws A from the global RNG, and fully_shard broadcasts nothing: unseeded,
+    # each rank would keep its shard of different adapters. Seeded, every rank builds the same.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+# --8<-- [end:peft]
 
 
 # --8<-- [start:freeze_for]
@@ -347,6 +401,10 @@ def adapt(cfg: FinetuneConfig, mode: str) -> tuple[nn.Module, tuple[int, int]]:
     """Build the model, add adapters, freeze: all before any wrapper sees the model."""
     model = build_arch(cfg.arch, cfg.model, seed=cfg.seed)
     targets = ready_made_targets(cfg.arch)
+    if mode == "lora" and cfg.lora_impl == "peft":  # peft freezes all but its adapters itself
+        lora = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "seed": cfg.seed}
+        model = add_peft_lora(model, targets=lora_patterns(cfg), **lora)
+        return model, model.get_nb_trainable_parameters()  # (trainable, total)
     if mode == "lora":
         add_lora(
             model,
@@ -513,6 +571,8 @@ def save_checkpoint(cfg: FinetuneConfig, state: dict[str, torch.Tensor], trainab
     """trainable.pt: what changed (the adapters alone for LoRA; the base is the pretrained model
     you started from). merged.pt (LoRA): adapters folded in, loadable without add_lora."""
     os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+    if cfg.mode == "lora" and cfg.lora_impl == "peft":
+        return save_peft_checkpoint(cfg, state)
     torch.save(
         {name: state[name] for name in trainable}, os.path.join(cfg.checkpoint_dir, "trainable.pt")
     )
@@ -524,6 +584,26 @@ def save_checkpoint(cfg: FinetuneConfig, state: dict[str, torch.Tensor], trainab
 
 
 # --8<-- [end:save]
+
+
+# --8<-- [start:save_peft]
+def save_peft_checkpoint(cfg: FinetuneConfig, state: dict[str, torch.Tensor]) -> None:
+    """peft's two: the adapters in its own key format (``set_peft_model_state_dict`` loads them on
+    a fresh ``get_peft_model``), and ``merge_and_unload``'s plain model, as merged.pt."""
+    from peft import get_peft_model_state_dict
+
+    model = build_arch(cfg.arch, cfg.model, seed=cfg.seed)
+    model = add_peft_lora(
+        model, targets=lora_patterns(cfg), rank=cfg.lora_rank, alpha=cfg.lora_alpha
+    )
+    model.load_state_dict(state)  # the trained PeftModel, unsharded, on rank 0
+    adapters = get_peft_model_state_dict(model)  # lora_A / lora_B only, adapter name dropped
+    torch.save(adapters, os.path.join(cfg.checkpoint_dir, "trainable.pt"))
+    merged = model.merge_and_unload()  # B A folded into each base_layer; the plain class again
+    torch.save(merged.state_dict(), os.path.join(cfg.checkpoint_dir, "merged.pt"))
+
+
+# --8<-- [end:save_peft]
 
 
 def make_parser() -> argparse.ArgumentParser:

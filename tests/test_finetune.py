@@ -1,15 +1,18 @@
 """finetune: every mode under DDP and fully_shard equals single-process fine-tuning; frozen
 parameters get no gradient, no optimizer state and no all-reduce; the checkpoints reload; the
-pitfalls (DDP frozen after wrapping, classic FSDP without use_orig_params) are shown.
+pitfalls (DDP frozen after wrapping, classic FSDP without use_orig_params) are shown; peft's
+LoRA (get_peft_model) equals the hand-written one.
 
 The recipe's ``train`` runs through the harness's ``prove`` (tests.helpers.recipe_result), whose
 recipes.core.observe.FinetuneObserver measures from outside what the assertions read: the
 trainable names and counts, each rank's bytes against full fine-tuning's, the frozen gradients,
 the optimizer's tensors and the bytes DDP all-reduces (a comm hook), and the final state."""
 
+import dataclasses
 import importlib.util
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -45,7 +48,7 @@ needs_transformers = pytest.mark.skipif(
 )
 
 
-def reference(cfg: finetune.FinetuneConfig, ranks: int = 2):
+def reference(cfg: finetune.FinetuneConfig, ranks: int = 2, *, lora_a=None):
     """Single-process fine-tuning, textbook loop: (losses, initial and final parameters, trainable
     names). It uses the recipe's add_lora / freeze_for, as a user's one-GPU script would.
 
@@ -59,6 +62,9 @@ def reference(cfg: finetune.FinetuneConfig, ranks: int = 2):
     run's after 3 steps, and 1.27e-5 in a fresh clone's run (over the 1e-5 allowed). Summed in the
     ranks' order, every weight of the 24 runs (3 models x 4 modes x DDP, fully_shard) was bit for
     bit the 2-rank run's (torch 2.13 CPU); the tolerance stays, for other kernels' margin.
+
+    ``lora_a``: each adapter's A by module name, copied over add_lora's (peft's initial A: the
+    same kaiming-uniform init, other draws), so that the hand-written LoRA starts where peft's did.
     """
     model = finetune.build_arch(cfg.arch, cfg.model, seed=cfg.seed)
     targets = finetune.ready_made_targets(cfg.arch)
@@ -70,6 +76,9 @@ def reference(cfg: finetune.FinetuneConfig, ranks: int = 2):
             alpha=cfg.lora_alpha,
             seed=cfg.seed,
         )
+    for name, a in (lora_a or {}).items():
+        with torch.no_grad():
+            model.get_submodule(name).lora_a.copy_(a)
     finetune.freeze_for(
         model, cfg.mode, head=targets.head, block_types=targets.block_types, last_k=cfg.last_k
     )
@@ -104,8 +113,8 @@ def reference(cfg: finetune.FinetuneConfig, ranks: int = 2):
     return losses, initial, final, [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def assert_fine_tuned_like_one_process(result, cfg, *, atol=1e-5):
-    losses, initial, final, trainable = reference(cfg)
+def assert_fine_tuned_like_one_process(result, cfg, *, atol=1e-5, lora_a=None):
+    losses, initial, final, trainable = reference(cfg, lora_a=lora_a)
     extras = result.extras
     assert extras["trainable_names"] == trainable
     assert_losses_close(result.losses, losses, atol=atol)
@@ -194,28 +203,58 @@ HF_ALL = [
 ]
 
 
-def hf_parity(tmp_path, combos):
-    configs = [
+def hf_configs(tmp_path, combos, **fields):
+    return [
         with_fields(
             CFG,
             arch=arch,
             strategy=strategy,
             mode=mode,
-            checkpoint_dir=str(tmp_path / f"{arch}-{strategy}-{mode}"),
+            checkpoint_dir=str(tmp_path / "-".join((arch, strategy, mode, *fields.values()))),
+            **fields,
         )
         for arch, strategy, mode in combos
     ]
-    for cfg, result in zip(configs, run_world(recipe_result, 2, configs, deadline_s=580)):
+
+
+def assert_hf_parity(configs, results):
+    for cfg, result in zip(configs, results):
         assert_fine_tuned_like_one_process(result, cfg)
         if cfg.mode == "lora":
             assert_checkpoint_reloads(result, cfg)
 
 
+def hf_parity(tmp_path, combos):
+    configs = hf_configs(tmp_path, combos)
+    assert_hf_parity(configs, run_world(recipe_result, 2, configs, deadline_s=580))
+
+
+# peft's LoRA (--lora-impl peft) on the same two: GPT-2's fused, tied Conv1D under DDP, Llama's
+# q/k/v/o_proj under fully_shard.
+PEFT_DEFAULT = HF_DEFAULT
+HAS_PEFT = importlib.util.find_spec("peft") is not None
+needs_peft = pytest.mark.skipif(not HAS_PEFT, reason="peft's LoRA needs: pip install peft")
+
+
+@pytest.fixture(scope="module")
+def hf_default_world(tmp_path_factory):
+    """The default run's Hugging Face models in ONE spawned world: the hand-written LoRA of
+    HF_DEFAULT and, with peft installed, peft's of PEFT_DEFAULT (a second world costs ~3 CPU s
+    more). Returns [(config, rank 0's result)] for each."""
+    tmp = tmp_path_factory.mktemp("finetune-hf")
+    hand = hf_configs(tmp, HF_DEFAULT)
+    peft = hf_configs(tmp, PEFT_DEFAULT, lora_impl="peft") if HAS_PEFT else []
+    results = run_world(recipe_result, 2, hand + peft, deadline_s=580)
+    return list(zip(hand, results[: len(hand)])), list(zip(peft, results[len(hand) :]))
+
+
 @needs_transformers
+@pytest.mark.xdist_group("finetune_hf")  # one worker, one world for both tests
 @pytest.mark.timeout(600)
-def test_gpt2_and_llama_equal_one_process(tmp_path):
+def test_gpt2_and_llama_equal_one_process(hf_default_world):
     """GPT-2: LoRA on the fused qkv Conv1D, under DDP; Llama: on q/k/v/o_proj, under fully_shard."""
-    hf_parity(tmp_path, HF_DEFAULT)
+    hand, _ = hf_default_world
+    assert_hf_parity(*zip(*hand))
 
 
 @needs_transformers
@@ -223,6 +262,81 @@ def test_gpt2_and_llama_equal_one_process(tmp_path):
 @pytest.mark.timeout(600)
 def test_gpt2_and_llama_every_mode_and_strategy(tmp_path):
     hf_parity(tmp_path, [combo for combo in HF_ALL if combo not in HF_DEFAULT])
+
+
+def peft_to_hand(name: str) -> str:
+    """A peft parameter's name as the hand-written LoRA's: ``base_model.model.X.base_layer.weight``
+    -> ``X.base.weight``, ``X.lora_A.default.weight`` -> ``X.lora_a``; the rest keep theirs."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer.", ".base.")
+    return re.sub(r"\.lora_([AB])\.default\.weight$", lambda m: f".lora_{m[1].lower()}", name)
+
+
+@needs_transformers
+@needs_peft
+@pytest.mark.xdist_group("finetune_hf")
+# peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing: theirs, not ours
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.timeout(600)
+def test_peft_lora_equals_hand_written_lora_and_sends_no_frozen_gradient(hf_default_world):
+    """peft's get_peft_model, under DDP (GPT-2) and fully_shard (Llama) on 2 ranks, equals the
+    hand-written LoRA on one process started from peft's A (same rank, alpha, targets, kaiming A
+    and zero B; peft draws A in another order): the losses and every final weight within 1e-5
+    (measured: bit for bit, torch 2.13 CPU). assert_fine_tuned_like_one_process also asserts that
+    frozen parameters have no gradient on any rank and no AdamW state, and that DDP all-reduces
+    the adapters' bytes alone (a comm hook's count). Then the checkpoints reload."""
+    _, peft_runs = hf_default_world
+    for cfg, result in peft_runs:
+        peft_model, _ = finetune.adapt(cfg, "lora")  # the recipe's own seeded get_peft_model
+        assert type(peft_model).__name__ == "PeftModel"
+        assert result.extras["trainable_names"] == [
+            n for n, p in peft_model.named_parameters() if p.requires_grad
+        ]  # the run trained peft's lora_A / lora_B, not the hand-written LoRA's
+        initial = dict(peft_model.named_parameters())
+        assert all(not p.any() for n, p in initial.items() if ".lora_B." in n)  # B starts at zero
+        lora_a = {
+            peft_to_hand(n).removesuffix(".lora_a"): p.detach()
+            for n, p in initial.items()
+            if ".lora_A." in n
+        }
+        as_hand = dataclasses.replace(
+            result,
+            final_state={peft_to_hand(n): t for n, t in result.final_state.items()},
+            extras={
+                **result.extras,
+                "trainable_names": [peft_to_hand(n) for n in result.extras["trainable_names"]],
+            },
+        )
+        assert_fine_tuned_like_one_process(as_hand, cfg, lora_a=lora_a)
+        assert_peft_checkpoint_reloads(result, as_hand.final_state, cfg)
+
+
+def assert_peft_checkpoint_reloads(result, hand_final, cfg):
+    """trainable.pt (get_peft_model_state_dict) alone, set on a fresh get_peft_model whose A had
+    other draws, gives the trained logits bit for bit; merged.pt (merge_and_unload) loads strictly
+    into the plain class, gives them within 1e-5, and equals merge_lora of the hand-written LoRA
+    with the same final weights within 1e-5 (measured: bit for bit)."""
+    from peft import set_peft_model_state_dict
+
+    lora = {"targets": finetune.lora_patterns(cfg), "rank": cfg.lora_rank, "alpha": cfg.lora_alpha}
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    trained = finetune.add_peft_lora(finetune.build_arch(cfg.arch, seed=cfg.seed), **lora)
+    assert not trained.load_state_dict(result.final_state, strict=False).unexpected_keys
+    expected = finetune.logits_of(trained(tokens))
+
+    adapters = torch.load(os.path.join(cfg.checkpoint_dir, "trainable.pt"))
+    assert adapters and all(".lora_A." in name or ".lora_B." in name for name in adapters)
+    base = finetune.add_peft_lora(finetune.build_arch(cfg.arch, seed=cfg.seed), seed=123, **lora)
+    assert not set_peft_model_state_dict(base, adapters).unexpected_keys
+    torch.testing.assert_close(finetune.logits_of(base(tokens)), expected, atol=0, rtol=0)
+
+    merged = torch.load(os.path.join(cfg.checkpoint_dir, "merged.pt"))
+    plain = finetune.build_arch(cfg.arch, seed=cfg.seed + 99)  # other weights: all must load
+    plain.load_state_dict(merged, strict=True)
+    torch.testing.assert_close(finetune.logits_of(plain(tokens)), expected, atol=1e-5, rtol=0)
+    hand = finetune.build_arch(cfg.arch, seed=cfg.seed)
+    finetune.add_lora(hand, targets=lora["targets"], rank=cfg.lora_rank, alpha=cfg.lora_alpha)
+    finetune.load_trainable(hand, hand_final)
+    assert_states_close(merged, finetune.merge_lora(hand).state_dict(), atol=1e-5)
 
 
 def test_ddp_frozen_after_wrapping_fails_frozen_before_needs_no_find_unused():
@@ -267,7 +381,7 @@ def test_classic_fsdp_mixed_requires_grad_in_one_unit_needs_use_orig_params():
         assert all((p.grad is None) != p.requires_grad for p in model.parameters())
 
 
-def test_bad_input_in_the_functions_says_the_fix():
+def test_bad_input_in_the_functions_says_the_fix(monkeypatch):
     model = build_model("tiny")
     with pytest.raises(TuningError, match=r"LoRA rank must be >= 1, got 0"):
         finetune.add_lora(model, targets=("*.attn.wq",), rank=0, alpha=1.0)
@@ -291,6 +405,13 @@ def test_bad_input_in_the_functions_says_the_fix():
         finetune.freeze_for(model, "head", head=("lm_head",))
     with pytest.raises(TuningError, match="keys not in the model: layers.0.attn.wq.lora_a"):
         finetune.load_trainable(model, {"layers.0.attn.wq.lora_a": torch.zeros(2, 32)})
+    # peft's path: add_lora's matching and refusals (before peft is imported), and one line
+    # naming the install when peft is missing
+    with pytest.raises(TuningError, match=r"match no module of TransformerLM"):
+        finetune.add_peft_lora(model, targets=("*.q_proj",), rank=2, alpha=1.0)
+    monkeypatch.setitem(sys.modules, "peft", None)  # what import sees without peft installed
+    with pytest.raises(TuningError, match=r"^--lora-impl peft needs peft: pip install peft$"):
+        finetune.add_peft_lora(model, targets=("*.attn.wq",), rank=2, alpha=1.0)
 
 
 def test_bad_config_is_refused_before_any_work():

@@ -71,7 +71,8 @@ class FinetuneObserver(Observer):
 
     def _full_finetune_bytes(self, trained: nn.Module) -> dict[str, int]:
         """Every parameter trainable, the same wrapper and precision: the bytes after one step."""
-        cfg = dataclasses.replace(self.cfg, mode="full")
+        # mode full drops the LoRA options too: the config refuses them outside mode lora
+        cfg = dataclasses.replace(self.cfg, mode="full", lora_targets="")
         first = next(trained.parameters())
         device = first.device
         precision = finetune.resolve_precision(cfg.precision, device)
