@@ -5,9 +5,9 @@
     torchrun --standalone --nproc_per_node=2 --max-restarts=3 -m recipes.job --steps 200
     python -m recipes.job --config configs/job/learn.yaml --out-dir runs/learn   # one process
 
-Copy with it: recipes/_job_checkpoint.py, recipes/toy.py, recipes/dist_setup.py, recipes/data.py,
-recipes/evaluation.py, recipes/parallelize.py (each imports torch and these only) and
-recipes/options.py (the command line, from the config).
+Copy with it: recipes/_job_checkpoint.py, recipes/_checkpoint_store.py, recipes/toy.py,
+recipes/dist_setup.py, recipes/data.py, recipes/evaluation.py, recipes/parallelize.py (each imports
+torch and these only) and recipes/options.py (the command line, from the config).
 
 What it does, as torchtitan's and nanoGPT's train.py do: the token shards of recipes/data.py in a
 global order that does not depend on the world size; the toy model under DDP, fully_shard, HSDP
@@ -16,7 +16,8 @@ checkpointing, per-block torch.compile and bf16 as configured; AdamW with linear
 cosine decay; gradient accumulation and clipping; evaluation every N steps; TensorBoard and a
 metrics.jsonl on rank 0; a DCP checkpoint every N steps (the last K and the best kept); and a
 restart, by hand or by ``torchrun --max-restarts``, that continues exactly where the last
-checkpoint stood: the weights, AdamW, the schedule, each rank's data position, the RNG states.
+checkpoint that verifies stood: the weights, AdamW, the schedule, each rank's data position, the
+RNG states. A damaged checkpoint is skipped with one line naming its bad file.
 
 Configuration: the defaults below < a YAML file (``--config``) < flags (``--lr 3e-4``). An unknown
 key, a wrong type, a layout the world cannot hold, a missing data folder: one line, exit 2.
@@ -431,7 +432,8 @@ def train(cfg: JobConfig) -> dict:
         micro = cfg.global_batch_size // dp_size // cfg.accumulation
         val_loader = DataLoader(eval_shard(val, dp_rank, dp_size), batch_size=micro)
 
-        # Resume: everything a step depends on comes back from the latest complete checkpoint.
+        # Resume: everything a step depends on comes back from the newest checkpoint that
+        # verifies (every file's size and sha256 against its manifest; a damaged one is skipped).
         step, epoch, batch_in_epoch, iter_start, resumed_from = 0, 0, 0, 0, None
         found = checkpoint.latest(out / "checkpoints")
         if found is not None:

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=4 -m recipes.sharded_checkpoint --steps 6  # resumes on 4
     python -m recipes.sharded_checkpoint --steps 9 --export-to model.pt   # ... on 1, then exports
 
-Copy with it: recipes/_sharded_checkpoint_store.py (the crash-safe checkpoint folder),
+Copy with it: recipes/_checkpoint_store.py (the crash-safe, verified checkpoint folder),
 recipes/toy.py (the model and data you replace), recipes/dist_setup.py (join and leave the world),
 recipes/parallelize.py (``apply_fully_shard``, ``apply_fsdp``), recipes/options.py (the command
 line, from the config).
@@ -16,11 +16,13 @@ model, optimizer, the data position (epoch and batches done in it) and every ran
 resumed at step k gives the same losses as one that never stopped (tests/test_sharded_checkpoint.py
 asserts it for DDP, FSDP and fully_shard, and after resharding to 1, 3 and 4 ranks).
 
-Crash safety, the part DCP leaves to you, lives beside this file
-(recipes/_sharded_checkpoint_store.py): every save goes to ``.tmp-step_N/``; when all ranks are
-done, a manifest (size, sha256 of every file, and what the run was made with), an atomic rename to
-``step_N/`` and then the ``latest`` pointer publish it. A load verifies the manifest first and
-refuses a missing, truncated or altered file with one line naming it.
+Crash safety, the part DCP leaves to you, lives beside this file (recipes/_checkpoint_store.py,
+which recipes/job.py uses too): every save goes to ``.tmp-step_N/``; when all ranks are done, a
+manifest (size, sha256 of every file, and what the run was made with), an atomic rename to
+``step_N/`` and then the ``latest`` pointer publish it. A load verifies the manifest first.
+``--resume-from latest`` takes the newest checkpoint that verifies, skipping each damaged one with
+one line naming its bad file; a checkpoint named explicitly with a missing, truncated or altered
+file is refused with one line naming it.
 
 ``--async-save`` overlaps writing with training (``dcp.async_save``: the state is copied to host
 memory, then written by a background thread, or with ``--async-mode process`` by a background
@@ -64,13 +66,13 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from recipes._sharded_checkpoint_store import (
+from recipes._checkpoint_store import (
     MANIFEST,
     CheckpointError,
     async_options,
-    find_checkpoint,
     load_checkpoint,
     published_steps,
+    resume_checkpoint,
     save_checkpoint,
     say,
     step_dir_name,
@@ -476,9 +478,13 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
             "seed": cfg.seed,
         }
         run = CheckpointRun(losses=[])
-        resume_dir = find_checkpoint(cfg.resume_from, cfg.checkpoint_dir)
-        if resume_dir is not None:
-            manifest = load_checkpoint(resume_dir, app, group=group, made_with=made_with)
+        # 'latest': the newest checkpoint that verifies (a damaged one is skipped, in one line)
+        resume = resume_checkpoint(cfg.resume_from, cfg.checkpoint_dir, group=group)
+        if resume is not None:
+            resume_dir, manifest = resume
+            load_checkpoint(
+                resume_dir, {"app": app}, group=group, made_with=made_with, manifest=manifest
+            )
             run.resumed_from, run.saved_by_world_size = resume_dir, manifest["world_size"]
             for name in ("global_batch_size", "batches_per_epoch"):  # checkpoints w/o made_with
                 if app.progress[name] != getattr(cfg, name):
@@ -560,7 +566,7 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
                     pending.finish()  # one save in flight at a time: wait for it, publish it
                 pending = save_checkpoint(
                     cfg.checkpoint_dir,
-                    app,
+                    {"app": app},
                     done,
                     group=group,
                     async_save=cfg.async_save,

@@ -1,7 +1,9 @@
 """recipes/job.py: a job killed at a random step (one rank, SIGKILL) and restarted, by rerunning
 the command or by torchrun --max-restarts, equals the uninterrupted run bit for bit (fp32, gloo:
 every step's loss, the final weights); a checkpoint written on 2 ranks continues on 3 and on 1
-with the same global sample order; the four layouts agree; bad configurations are one line."""
+with the same global sample order; a damaged checkpoint (a shard, .metadata, a rank's own file)
+is skipped in one line and the job resumes bit for bit from the one before; the four layouts
+agree; bad configurations are one line."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes import _job_checkpoint, job
+from recipes import _checkpoint_store, job
 from tests.deadlines import scaled
 from tests.helpers import PYTHON, REPO_ROOT, spawn_world
 from tests.once import once_per_run
@@ -138,14 +140,17 @@ def launch(
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def job_in_a_rank(argv: list[str]) -> dict | None:
+def job_in_a_rank(argv: list[str], with_lines: bool = False):
     """``python -m recipes.job ARGV`` on one rank of a spawned world (forked from a process that
-    has imported torch: no launcher to start, no imports to repeat); rank 0's JSON result."""
+    has imported torch: no launcher to start, no imports to repeat); rank 0's JSON result, and
+    with ``with_lines`` also the other lines it printed to stdout."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         job.main(argv)
-    lines = [line for line in printed.getvalue().splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else None
+    lines = printed.getvalue().splitlines()
+    results = [line for line in lines if line.startswith("{")]
+    result = json.loads(results[-1]) if results else None
+    return (result, [line for line in lines if not line.startswith("{")]) if with_lines else result
 
 
 def in_a_world(nproc: int, args: list[str]) -> dict:
@@ -187,7 +192,7 @@ def test_the_reference_run_learns_logs_and_checkpoints(reference):
     assert result["first_step"] == 1 and len(result["losses"]) == STEPS
     assert result["parameter_type"] == "DTensor" and result["dp_size"] == 2
     assert result["losses"][-1] < result["losses"][0]
-    assert [s for s, _ in _job_checkpoint.published(out / "checkpoints")] == [2, 4, 6, 8]
+    assert _checkpoint_store.published_steps(out / "checkpoints") == [2, 4, 6, 8]
     best = json.loads((out / "checkpoints" / "best.json").read_text())
     assert best["val_loss"] == min(v for s, v in result["val_losses"] if s in (2, 4, 6, 8))
     # TensorBoard: one event file, rank 0's
@@ -220,9 +225,9 @@ def check_equal_to_reference(reference, out: Path, final: dict, at: int) -> None
     assert final["resumed_from"] == (2 * ((at - 1) // 2) or None)
     # crash-safe: nothing half-written left, the last 3 kept, and the best
     checkpoints = out / "checkpoints"
-    assert not list(checkpoints.glob("tmp-*"))
+    assert not list(checkpoints.glob(".tmp-*"))
     best = json.loads((checkpoints / "best.json").read_text())
-    kept = {s for s, _ in _job_checkpoint.published(checkpoints)}
+    kept = set(_checkpoint_store.published_steps(checkpoints))
     assert kept == {4, 6, 8} | {best["step"]}
 
 
@@ -284,6 +289,133 @@ def test_a_checkpoint_of_2_ranks_continues_on_another_world_size(
     assert result["weights_abs_sum"] == pytest.approx(expected["weights_abs_sum"], rel=1e-5)
 
 
+def damage(path: Path, how: str) -> str:
+    """Damage a checkpoint file from outside, as a crash or a bad disk would; returns what the
+    store must say about it."""
+    data = path.read_bytes()
+    if how == "truncate":  # a write cut short: half the file
+        path.write_bytes(data[: len(data) // 2])
+        return (
+            f"{path.name} is truncated or overwritten: {len(data) // 2} bytes, "
+            f"the manifest says {len(data)}"
+        )
+    middle = len(data) // 2  # "flip": the same size, one byte changed: only the sha256 sees it
+    path.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
+    return f"{path.name} is corrupt: its sha256 differs from the manifest's"
+
+
+def copy_checkpoints(reference, to: Path, steps) -> Path:
+    """The reference run's checkpoints of ``steps`` and its ``latest`` pointer (step 8)."""
+    checkpoints = to / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for step in steps:
+        name = f"step_{step:08d}"
+        shutil.copytree(reference["out"] / "checkpoints" / name, checkpoints / name)
+    shutil.copy(reference["out"] / "checkpoints" / "latest", checkpoints / "latest")
+    return checkpoints
+
+
+def resume_past_damage(reference, shards, out: Path, damaged: dict) -> tuple[dict, list[str]]:
+    """Damage ``{step: (file, how)}`` in a copy of the reference's checkpoints 2-8, restart the
+    job on 2 ranks; its result and stdout lines. Each damaged step must be skipped in one line
+    naming its file, and the job must resume from the newest undamaged step bit for bit."""
+    checkpoints = copy_checkpoints(reference, out, [2, 4, 6, 8])
+    said = {
+        step: damage(checkpoints / f"step_{step:08d}" / name, how)
+        for step, (name, how) in damaged.items()
+    }
+    resume_at = max({2, 4, 6, 8} - set(damaged))
+    args = [*ARGS, "--data-dir", str(shards), "--out-dir", str(out), "--tensorboard", "false"]
+    result, lines = spawn_world(job_in_a_rank, 2, args, True, deadline_s=150)
+    skipped = [line for line in lines if line.startswith("skipped checkpoint")]
+    assert skipped == [
+        f"skipped checkpoint step_{step:08d} in {checkpoints}: {said[step]}; set aside as "
+        f".skipped-step_{step:08d}; resuming from step_{resume_at:08d}"
+        for step in sorted(damaged, reverse=True)
+    ], lines
+    expected = reference["result"]
+    assert result["resumed_from"] == resume_at
+    assert result["losses"] == expected["losses"][resume_at:]  # bit for bit, every step
+    assert result["weights_sha256"] == expected["weights_sha256"]
+    for step in damaged:  # set aside, kept for a look, never read again
+        assert (checkpoints / f".skipped-step_{step:08d}").is_dir()
+    assert (checkpoints / "latest").read_text() == "step_00000008"  # the step written again
+    return result, lines
+
+
+def test_damaged_checkpoints_are_skipped_in_one_line_each_and_the_job_resumes_bit_for_bit(
+    reference, shards, tmp_path
+):
+    """Issue 32: a damaged newest checkpoint once ended every rank in a 60-line traceback. One
+    restart proves each kind of file: step 8's rank file (one byte flipped), step 6's shard (cut
+    to half, as the crash did), step 4's .metadata (cut short): all three are skipped, each in
+    one line, and the job continues from step 2 exactly as the uninterrupted run did."""
+    resume_past_damage(
+        reference,
+        shards,
+        tmp_path,
+        {
+            8: ("rank_00001.pt", "flip"),
+            6: ("__1_0.distcp", "truncate"),
+            4: (".metadata", "truncate"),
+        },
+    )
+
+
+# Slow: one 2-rank restart per kind of file; the default run proves the three kinds in one restart.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, how",
+    [
+        ("__0_0.distcp", "truncate"),
+        ("__1_0.distcp", "flip"),
+        (".metadata", "flip"),
+        ("rank_00000.pt", "truncate"),
+        ("rank_00001.pt", "flip"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
+    reference, shards, tmp_path, name, how
+):
+    resume_past_damage(reference, shards, tmp_path, {8: (name, how)})
+
+
+def test_no_checkpoint_that_verifies_is_one_line_naming_the_folder(
+    capsys, reference, shards, tmp_path, monkeypatch
+):
+    """Nothing left to resume from: one line, exit 2, nothing moved or written; never a fresh
+    start over the run's checkpoints (torchrun --max-restarts would then begin again at step 0)."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    checkpoints = copy_checkpoints(reference, tmp_path, [6, 8])
+    said = damage(checkpoints / "step_00000008" / "__0_0.distcp", "truncate")
+    damage(checkpoints / "step_00000006" / "rank_00000.pt", "flip")
+    args = [*ARGS, "--data-dir", str(shards), "--out-dir", str(tmp_path), "--tensorboard", "false"]
+    line = one_line_error(capsys, args)
+    assert line == (
+        f"error: no checkpoint in {checkpoints} verifies: step_00000008: {said} (1 older one(s) "
+        f"too); restore a good step_* folder there, or move {checkpoints} away to start fresh"
+    )
+    assert sorted(os.listdir(checkpoints)) == ["latest", "step_00000006", "step_00000008"]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_from_before_manifests_is_skipped_as_unverifiable(reference, tmp_path):
+    """A checkpoint without MANIFEST.json (as the job wrote them before issue 32) is never loaded
+    unchecked: it is skipped in one line that says why."""
+    checkpoints = copy_checkpoints(reference, tmp_path, [6, 8])
+    os.remove(checkpoints / "step_00000008" / "MANIFEST.json")
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        path, manifest = _checkpoint_store.resume_checkpoint("latest", str(checkpoints))
+    assert (path, manifest["step"]) == (str(checkpoints / "step_00000006"), 6)
+    assert said.getvalue().splitlines() == [
+        f"skipped checkpoint step_00000008 in {checkpoints}: MANIFEST.json is missing (a folder "
+        "never published, or one written before checkpoints were verified); set aside as "
+        ".skipped-step_00000008; resuming from step_00000006"
+    ]
+
+
 def layouts(shards: str, out: str) -> dict:
     import torch.distributed as dist
 
@@ -333,13 +465,13 @@ def test_a_partial_checkpoint_is_never_the_latest(tmp_path):
     for name, complete in (
         ("step_00000004", True),
         ("step_00000006", False),
-        ("tmp-step_00000008", True),
+        (".tmp-step_00000008", True),
     ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rank_00000.pt").write_bytes(b"")
         if complete:
-            (tmp_path / name / "meta.json").write_text("{}")
-    assert [step for step, _ in _job_checkpoint.published(tmp_path)] == [4]
+            (tmp_path / name / "MANIFEST.json").write_text("{}")
+    assert _checkpoint_store.published_steps(tmp_path) == [4]
 
 
 def one_line_error(capsys, argv: list[str]) -> str:

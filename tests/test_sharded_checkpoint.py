@@ -1,6 +1,7 @@
 """sharded_checkpoint: a resumed run equals an uninterrupted one (DDP, FSDP, fully_shard), also
 resharded from 2 ranks to 1, 3 and 4; full state-dict export and import; async save; a save killed
-part-way never damages the last good checkpoint; damaged files are refused by name."""
+part-way never damages the last good checkpoint; a damaged checkpoint is skipped in one line on
+--resume-from latest (the one before resumes exactly) and refused by name when named."""
 
 import contextlib
 import glob
@@ -21,13 +22,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes import _sharded_checkpoint_store, sharded_checkpoint
-from recipes._sharded_checkpoint_store import (
+from recipes import _checkpoint_store, sharded_checkpoint
+from recipes._checkpoint_store import (
     CheckpointError,
     file_entry,
     find_checkpoint,
     load_checkpoint,
     published_steps,
+    resume_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -137,10 +139,10 @@ def resume_import_and_rng(configs, exported_file, rng_dir):
         )
         torch.manual_seed(100 + world.rank)
         torch.rand(5)
-        save_checkpoint(rng_dir, app, 1, group=group).finish()
+        save_checkpoint(rng_dir, {"app": app}, 1, group=group).finish()
         expected = torch.rand(3)
         torch.manual_seed(0)
-        load_checkpoint(os.path.join(rng_dir, "step_00000001"), app, group=group)
+        load_checkpoint(os.path.join(rng_dir, "step_00000001"), {"app": app}, group=group)
         draws = [None] * world.world_size
         dist.all_gather_object(draws, (expected.tolist(), torch.rand(3).tolist()))
         dist.destroy_process_group(group)
@@ -149,9 +151,13 @@ def resume_import_and_rng(configs, exported_file, rng_dir):
 
 @pytest.fixture(scope="session")
 def resumed(saved, tmp_path_factory):
-    """A new world of 2 resumes each strategy's step-3 checkpoint, and the async run's step 4."""
+    """A new world of 2 resumes each strategy's step-3 checkpoint, and the async run's step 4:
+    named, and as 'latest' of a copy whose step 6 has a shard cut to half (issue 32)."""
 
     def build(folder: Path):
+        damaged = shutil.copytree(saved.root / "async", folder / "damaged")
+        shard = damaged / "step_00000006" / "__1_0.distcp"
+        os.truncate(shard, os.path.getsize(shard) // 2)
         configs = [
             with_fields(BASE, strategy=s, resume_from="latest", checkpoint_dir=str(saved.root / s))
             for s in STRATEGIES
@@ -163,6 +169,9 @@ def resumed(saved, tmp_path_factory):
         )
         configs.append(
             with_fields(BASE, strategy="fsdp", steps=1, init_from=str(saved.root / "ddp.pt"))
+        )
+        configs.append(
+            with_fields(BASE, strategy="fsdp2", resume_from="latest", checkpoint_dir=str(damaged))
         )
         results, imported, draws = spawn_world(
             resume_import_and_rng,
@@ -176,6 +185,8 @@ def resumed(saved, tmp_path_factory):
             by_strategy=dict(zip(STRATEGIES, results)),
             async_resume=results[3],
             init_from=results[4],
+            past_damage=results[5],
+            damaged=damaged,
             imported=imported,
             draws=draws,
         )
@@ -242,6 +253,85 @@ def test_async_save_trains_the_same_and_its_snapshot_resumes_exactly(saved, resu
     assert_states_close(
         resumed.async_resume.final_state, saved.straight["fsdp2"].final_state, atol=SAME_WORLD_ATOL
     )
+
+
+def test_latest_skips_a_damaged_checkpoint_and_resumes_exactly_from_the_one_before(saved, resumed):
+    # Issue 32: the newest checkpoint's shard cut to half by a crash once ended the relaunch in a
+    # CheckpointException traceback on every rank. In a world of 2, 'latest' skips step 6, sets it
+    # aside, repoints 'latest', and resumes from step 4 exactly as the named step 4 does.
+    run, damaged = resumed.past_damage, resumed.damaged
+    assert run.extras["resumed_from"] == str(damaged / "step_00000004")
+    assert run.extras["start_step"] == 4
+    assert run.losses == resumed.async_resume.losses  # the same checkpoint: the same arithmetic
+    assert_states_close(run.final_state, resumed.async_resume.final_state, atol=0.0)
+    assert_losses_close(run.losses, saved.straight["fsdp2"].losses[4:], atol=SAME_WORLD_ATOL)
+    assert published_steps(damaged) == [4] and read_latest(damaged) == "step_00000004"
+    assert (damaged / ".skipped-step_00000006" / "__1_0.distcp").exists()
+
+
+def damage_file(path: Path, how: str) -> str:
+    """Damage one file from outside; returns what the store must say about it."""
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+        return (
+            f"{path.name} is truncated or overwritten: {len(data) // 2} bytes, "
+            f"the manifest says {len(data)}"
+        )
+    if how == "garbage":  # the manifest itself: no longer JSON
+        path.write_bytes(data[: len(data) // 2])
+        return f"{path.name} is unreadable (JSONDecodeError: "
+    if how == "remove":
+        path.unlink()
+        if path.name != "MANIFEST.json":
+            return f"{path.name} is missing"
+        return (  # what a folder never published looks like, or a checkpoint from before manifests
+            f"{path.name} is missing (a folder never published, or one written before "
+            "checkpoints were verified)"
+        )
+    middle = len(data) // 2  # flip: the same size, one byte changed: only the sha256 sees it
+    path.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
+    return f"{path.name} is corrupt: its sha256 differs from the manifest's"
+
+
+@pytest.mark.parametrize(
+    "name, how",
+    [
+        ("__1_0.distcp", "truncate"),
+        ("__0_0.distcp", "flip"),
+        (".metadata", "flip"),
+        (".metadata", "remove"),
+        ("MANIFEST.json", "garbage"),
+        ("MANIFEST.json", "remove"),
+    ],
+)
+def test_latest_skips_each_kind_of_damage_in_one_line(saved, tmp_path, capsys, name, how):
+    # No world: the choice alone (the world above proves the resume). Every file of step 6.
+    root = shutil.copytree(saved.root / "async", tmp_path / "async")  # steps 4 and 6
+    said = damage_file(root / "step_00000006" / name, how)
+    capsys.readouterr()
+    path, manifest = resume_checkpoint("latest", str(root))
+    assert (path, manifest["step"]) == (str(root / "step_00000004"), 4)
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "skipped" in line]
+    assert line.startswith(f"skipped checkpoint step_00000006 in {root}: {said}"), line
+    assert line.endswith("; set aside as .skipped-step_00000006; resuming from step_00000004")
+    assert published_steps(root) == [4] and read_latest(root) == "step_00000004"
+    assert os.path.isdir(root / ".skipped-step_00000006")
+
+
+def test_no_checkpoint_that_verifies_is_one_line_naming_the_folder(saved, tmp_path):
+    root = shutil.copytree(saved.root / "async", tmp_path / "async")
+    said = damage_file(root / "step_00000006" / "__1_0.distcp", "truncate")
+    damage_file(root / "step_00000004" / ".metadata", "flip")
+    with pytest.raises(CheckpointError) as raised:
+        resume_checkpoint("latest", str(root))
+    assert str(raised.value) == (
+        f"no checkpoint in {root} verifies: step_00000006: {said} (1 older one(s) too); restore "
+        f"a good step_* folder there, or move {root} away to start fresh"
+    )
+    # nothing moved: every relaunch refuses alike, and none starts fresh over the run
+    assert published_steps(root) == [4, 6] and read_latest(root) == "step_00000006"
+    assert not [name for name in os.listdir(root) if name.startswith(".skipped-")]
 
 
 def test_rng_state_of_every_rank_is_restored(resumed):
@@ -377,9 +467,7 @@ def test_corrupt_missing_and_unpublished_files_are_refused(checkpoint_copy, tmp_
     os.remove(
         os.path.join(checkpoint_copy, "MANIFEST.json")
     )  # what an unpublished .tmp-* directory looks like
-    with pytest.raises(
-        CheckpointError, match=r"is not a complete checkpoint: MANIFEST.json is missing"
-    ):
+    with pytest.raises(CheckpointError, match=r"cannot be verified: MANIFEST.json is missing"):
         verify_checkpoint(checkpoint_copy)
 
 
@@ -522,8 +610,10 @@ def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
     )
     assert "resumed from" in resumed.stdout and "[rank1]" not in launched.stdout
     build_model("tiny").load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
-    # A damaged checkpoint ends the CLI with one line naming the file, exit code 2, no traceback.
+    # No checkpoint that verifies ends the CLI with one line naming the folder, exit code 2, no
+    # traceback (one damaged checkpoint is skipped: test_latest_skips_a_damaged_checkpoint_...).
     os.truncate(os.path.join(ckpt, "step_00000006", "__0_0.distcp"), 10)
+    os.truncate(os.path.join(ckpt, "step_00000003", ".metadata"), 10)
     bad = run_cli(
         [
             PYTHON,
@@ -539,7 +629,9 @@ def test_torchrun_saves_and_one_process_resumes_and_exports(saved, tmp_path):
         timeout_s=120,
     )
     assert bad.returncode == 2
-    assert "error: checkpoint file " in bad.stderr and "__0_0.distcp is truncated" in bad.stderr
+    assert f"error: no checkpoint in {ckpt} verifies: step_00000006: __0_0.distcp is " in (
+        bad.stderr
+    )
     assert "Traceback" not in bad.stderr
 
 
@@ -667,7 +759,7 @@ def test_files_altered_together_with_the_manifest_fail_in_one_line(checkpoint_co
     with pytest.raises(CheckpointError) as raised:
         run_alone(recipe_result, cfg)
     assert re.fullmatch(
-        rf"{checkpoint_copy} matches its MANIFEST.json but DCP cannot load it "
+        rf"{checkpoint_copy} matches its MANIFEST.json but cannot be loaded "
         r"\(\w+: .*\); resume from another checkpoint",
         str(raised.value),
     )
@@ -697,7 +789,7 @@ def test_files_altered_together_with_the_manifest_fail_in_one_line(checkpoint_co
 def test_a_resume_with_other_settings_is_refused_before_loading(checkpoint_copy, change, message):
     # --model small on a tiny checkpoint once died in DCP with size-mismatch tracebacks, or SIGABRT.
     cfg = with_fields(BASE, strategy="ddp", resume_from=str(checkpoint_copy), **change)
-    store = _sharded_checkpoint_store
+    store = _checkpoint_store
     with mock.patch.object(store.dcp, "load", side_effect=AssertionError("loaded")):
         with pytest.raises(CheckpointError, match=rf"^{checkpoint_copy} {message}"):
             run_alone(recipe_result, cfg)
