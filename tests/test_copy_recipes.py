@@ -14,6 +14,8 @@ its own world of 2 gloo ranks with torchrun's variables, forked from the rank to
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -137,10 +139,35 @@ def launch_copies(names: list[str], where: Path, *, torchrun: bool) -> dict:
     ranks printed, as the launcher would have shown it}."""
     if not names:  # e.g. -k selected only copies of the other launcher
         return {}
+    with contextlib.ExitStack() as stack:
+        lighthouse = None
+        if any("{lighthouse}" in arg for name in names for arg in COPIES[name][1]):
+            lighthouse = stack.enter_context(torchft_lighthouse())
+        return _launch_copies(names, where, torchrun=torchrun, lighthouse=lighthouse)
+
+
+@contextlib.contextmanager
+def torchft_lighthouse():
+    """torchft's coordination server, in this process on a free port, for the copy of
+    recipes/fault_tolerance.py (one replica group: it needs no peer to commit)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def _launch_copies(names: list[str], where: Path, *, torchrun: bool, lighthouse) -> dict:
     copies = []
     for name in names:
         project = make_copy(name, where / name)
-        args = [arg.format(repo=REPO_ROOT, project=project) for arg in COPIES[name][1]]
+        args = [
+            arg.format(repo=REPO_ROOT, project=project, lighthouse=lighthouse)
+            for arg in COPIES[name][1]
+        ]
         copies.append(
             {"name": name, "project": str(project), "args": args, "timeout_s": scaled(120)}
         )
@@ -213,7 +240,7 @@ def launched_copies(request, tmp_path_factory) -> dict[str, subprocess.Completed
         item.callspec.params["name"]
         for item in request.session.items
         if item.originalname == "test_a_copy_runs_without_the_package_and_agrees"
-    }
+    } - set(MISSING_PACKAGE)
 
     def launch(folder: Path) -> dict[str, subprocess.CompletedProcess]:
         torchrun = [name for name in TORCHRUN_COPIES if name in wanted]
@@ -259,6 +286,8 @@ DEFAULT_RUN_COPIES = {
     ],
 )
 def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, launched_copies):
+    if name in MISSING_PACKAGE:
+        pytest.skip(MISSING_PACKAGE[name])
     project = make_copy(name, tmp_path)  # as the fixture made the one that ran
     proc = launched_copies[name]
     # The cookbook is not importable there: only what was copied is.
@@ -603,6 +632,16 @@ def check_ulysses(stdout: str) -> None:
     assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
 
 
+def check_fault_tolerance(stdout: str) -> None:
+    # one replica group of the 2 ranks, alone in its quorum: every step commits, one line per
+    # step from rank 0 with the quorum's size; the losses are DDP's over 2 ranks (one process's)
+    steps = re.findall(r"^step (\d+) loss (\S+) quorum (\d+)$", stdout, re.M)
+    assert [int(step) for step, _, _ in steps] == [0, 1, 2], stdout
+    assert {quorum for _, _, quorum in steps} == {"1"}, stdout
+    losses = [float(loss) for _, loss, _ in steps]
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+
+
 def check_grad_clipping(stdout: str) -> None:
     # the package's own 2-rank losses and clipped norms (results/grad_clipping.json: fully_shard,
     # 2 steps; the norm one process computes), one line per step from rank 0
@@ -701,6 +740,12 @@ COPIES = {
     ),
     # gloo on a GPU host too: 2 ranks need no 2 GPUs, and fp32 on CPU is the reference's
     "ulysses": ("torchrun", ["--steps", "3", "--backend", "gloo"], check_ulysses),
+    # one replica group of the 2 ranks (torchrun's world), on a lighthouse the test starts
+    "fault_tolerance": (
+        "torchrun",
+        ["--replica-groups", "1", "--lighthouse", "{lighthouse}", "--steps", "3"],
+        check_fault_tolerance,
+    ),
     # one device, no process group: a plain python run; cpu, where results/ was measured
     "activation_checkpointing": (
         "python",
@@ -885,4 +930,10 @@ COPIES = {
     ),
 }
 TORCHRUN_COPIES = [name for name in COPYABLE if COPIES[name][0] == "torchrun"]
+# A recipe whose library is an optional extra: its copy cannot run without it (and says so).
+MISSING_PACKAGE = (
+    {"fault_tolerance": "the fault_tolerance copy needs torchft: pip install -e .[ft]"}
+    if importlib.util.find_spec("torchft") is None
+    else {}
+)
 PYTHON_COPIES = [name for name in COPYABLE if COPIES[name][0] == "python"]
