@@ -6,6 +6,7 @@ the hand-written loop; bad input is one line."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 
 import pytest
 import torch
@@ -14,7 +15,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from recipes import local_sgd
 from recipes.toy import build_model, lm_loss, make_dataset
-from tests.helpers import assert_losses_close, assert_states_close, run_world
+from tests.deadlines import scaled
+from tests.helpers import (
+    PYTHON,
+    REPO_ROOT,
+    assert_losses_close,
+    assert_states_close,
+    run_world,
+)
 
 CFG = local_sgd.LocalSGDConfig(steps=4, backend="gloo", timeout_s=60)
 
@@ -149,3 +157,36 @@ def test_bad_input_is_one_line(changes, message):
     with pytest.raises(ValueError) as refused:
         local_sgd.LocalSGDConfig(**changes)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+# slow: two spawned worlds of the "small" model on real shards (tokenizer training included),
+# ~30 CPU s; it checks the script that writes results/local_sgd_real_data.txt, not a claim of the
+# recipe (the tests above make those)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_real_data_comparison_runs_every_h_and_ddp(tmp_path):
+    out = tmp_path / "table.txt"
+    proc = subprocess.run(
+        [PYTHON, "scripts/local_sgd_real_data.py", "--steps", "16", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(540),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {
+        line[:28].strip(): line[28:].split()
+        for line in out.read_text().splitlines()
+        if line.startswith(("DDP", "LocalSGD", "DiLoCo"))
+    }
+    syncs = {name: int(values[0]) for name, values in rows.items()}
+    assert syncs == {
+        "DDP (all-reduce every step)": 16,
+        "LocalSGD H=1": 16,
+        "LocalSGD H=4": 4,
+        "LocalSGD H=16": 1,
+        "DiLoCo H=4": 4,
+        "DiLoCo H=16": 1,
+    }, rows
+    assert all(0 < float(loss) < 10 for values in rows.values() for loss in values[1:]), rows
+    assert max(len(line) for line in out.read_text().splitlines()) <= 100  # the docs column
