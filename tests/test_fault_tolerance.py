@@ -142,9 +142,11 @@ def wait_for(what, predicate, deadline_s: float, procs=()):
 def test_killed_group_does_not_stop_the_other_and_heals_when_it_returns(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(PACER)
     # heartbeats stop 2 s before a group counts as dead; a quorum waits 2 s for stragglers
-    server = lighthouse(1, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
+    # (times the run's factor, tests/deadlines.py: a starved group is slow, not dead)
+    beat_ms = int(scaled(2) * 1000)
+    server = lighthouse(1, join_timeout_ms=beat_ms, heartbeat_timeout_ms=beat_ms)
     logs, procs = {}, []
-    up = {name: tmp_path / f"{name}.up" for name in ("first", "again")}
+    up = {name: tmp_path / f"{name}.up" for name in ("survivor", "first", "again")}
 
     def launch(name, replica_id, **env):
         logs[name] = tmp_path / f"{name}.log"
@@ -168,7 +170,15 @@ def test_killed_group_does_not_stop_the_other_and_heals_when_it_returns(tmp_path
     try:
         # group 0 survives. It waits at step 2 until group 1 is up, and at REJOIN_AT (alone, its
         # steps during the outage made) until group 1 is up again
-        survivor = launch("survivor", 0, FT_HOLD=f"2:{up['first']},{REJOIN_AT}:{up['again']}")
+        survivor = launch(
+            "survivor",
+            0,
+            FT_HOLD=f"2:{up['first']},{REJOIN_AT}:{up['again']}",
+            FT_MARK=up["survivor"],
+        )
+        # group 1 starts once the survivor has asked for its first quorum: started together on
+        # a loaded machine, group 1 could come up first and run alone to its hold at KILL_AT
+        wait_for("the survivor's first quorum", up["survivor"].exists, 120, [survivor])
         # group 1's first run stops inside step KILL_AT, after its quorum: the survivor is in
         # that step's all-reduce, waiting for it, when the whole group (torchrun and its
         # worker) is killed
