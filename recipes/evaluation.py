@@ -102,7 +102,8 @@ def evaluate(model, loader, device: torch.device, *, lockstep: bool = False) -> 
         counted = batch is not None
         batch = batch if counted else last  # a forward the others' all-gathers need
         inputs, targets = (t.to(device) for t in batch)
-        logits = model(inputs).float()
+        out = model(inputs)  # a Hugging Face model returns an output that holds .logits
+        logits = getattr(out, "logits", out).float()
         if counted:  # reduction="sum": a sum over tokens, never a mean of batch means
             loss_sum += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
             tokens += targets.numel()

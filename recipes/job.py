@@ -4,13 +4,16 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.job --config configs/job/fsdp_full.yaml
     torchrun --standalone --nproc_per_node=2 --max-restarts=3 -m recipes.job --steps 200
     python -m recipes.job --config configs/job/learn.yaml --out-dir runs/learn   # one process
+    torchrun --standalone --nproc_per_node=2 -m recipes.job --model path/to/save_pretrained_folder
 
-Copy with it: recipes/_job_checkpoint.py, recipes/_checkpoint_store.py, recipes/toy.py,
+Copy with it: recipes/_job_checkpoint.py, recipes/_checkpoint_store.py, recipes/_job_model.py,
+recipes/toy.py,
 recipes/dist_setup.py, recipes/data.py, recipes/evaluation.py, recipes/parallelize.py (each imports
 torch and these only) and recipes/options.py (the command line, from the config).
 
 What it does, as torchtitan's and nanoGPT's train.py do: the token shards of recipes/data.py in a
-global order that does not depend on the world size; the toy model under DDP, fully_shard, HSDP
+global order that does not depend on the world size; a toy or Llama-style preset, or your Hugging
+Face causal LM from a local folder (recipes/_job_model.py), under DDP, fully_shard, HSDP
 (fully_shard on a (replicate, shard) mesh) or tensor parallel x fully_shard, with activation
 checkpointing, per-block torch.compile and bf16 as configured; AdamW with linear warmup then
 cosine decay; gradient accumulation and clipping; evaluation every N steps; TensorBoard and a
@@ -51,6 +54,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import recipes._job_checkpoint as checkpoint
+import recipes._job_model as job_model
 from recipes.data import DataConfig, TokenWindows, prepare_shards
 from recipes.dist_setup import cleanup_distributed, setup_distributed
 from recipes.evaluation import eval_shard, evaluate
@@ -60,9 +64,8 @@ from recipes.parallelize import (
     apply_compile,
     apply_fully_shard,
     apply_tp_and_fsdp,
-    transformer_lm_plan,
 )
-from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss
+from recipes.toy import lm_loss
 
 
 # --8<-- [start:config]
@@ -70,7 +73,13 @@ from recipes.toy import MODEL_PRESETS, Block, build_model, lm_loss
 class JobConfig:
     # model and data
     model: str = option(
-        "tiny", "model preset; its vocabulary comes from the shards", choices=list(MODEL_PRESETS)
+        "tiny",
+        "a preset (tiny, small, 100m; llama-100m, llama-1b) or a folder with a Hugging Face "
+        "config.json (save_pretrained's): its weights if it holds them; the presets' and a "
+        "config-only folder's vocabulary comes from the shards",
+    )
+    blocks: str | None = option(
+        None, "block classes to shard, checkpoint, compile, comma-separated (default: the model's)"
     )
     seq_len: int = option(32, "tokens per window", at_least=1)
     data_dir: str = option(
@@ -135,11 +144,10 @@ class JobConfig:
             raise ConfigError(f"tp={self.tp} needs parallelism=tp_fsdp")
         if self.dp_replicate != 1 and self.parallelism != "hsdp":
             raise ConfigError(f"dp_replicate={self.dp_replicate} needs parallelism=hsdp")
-        heads = MODEL_PRESETS[self.model].n_heads
-        if heads % self.tp:
-            raise ConfigError(
-                f"tp={self.tp} does not divide the model's {heads} heads; pick a divisor of {heads}"
-            )
+        # a preset's or a folder's config.json: positions, heads, tp_fsdp's plan, a causal LM
+        job_model.check_model(
+            self.model, seq_len=self.seq_len, parallelism=self.parallelism, tp=self.tp
+        )
         if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"out_dir {self.out_dir} is a file; name a folder")
         self.data_config()  # the data's own checks: corpus and data_dir folders, vocab_size
@@ -222,9 +230,10 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int]:
 
 
 # --8<-- [start:layout]
-def parallelize(model: torch.nn.Module, cfg: JobConfig, world, tp: int):
+def parallelize(model: torch.nn.Module, cfg: JobConfig, world, tp: int, blocks: tuple):
     """The layout, in torchtitan's order: tensor parallel, activation checkpointing, compile,
-    then data parallel (fully_shard or DDP) outermost. Returns (model, dp_rank, dp_size)."""
+    then data parallel (fully_shard or DDP) outermost. ``blocks``: the model's block classes.
+    Returns (model, dp_rank, dp_size)."""
     device_type = world.device.type
     bf16 = cfg.precision == "bf16"
     # fully_shard's bf16: compute in bf16, reduce gradients in fp32 (a bf16 sum over many ranks
@@ -235,9 +244,9 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, world, tp: int):
         else None
     )
     if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model, block_types=(Block,))
+        apply_activation_checkpointing(model, block_types=blocks)
     if cfg.compile:  # each block's forward: the sharding hooks stay outside the graphs
-        apply_compile(model, block_types=(Block,))
+        apply_compile(model, block_types=blocks)
     if cfg.parallelism == "ddp":
         return DDP(model), world.rank, world.world_size
     if cfg.parallelism == "tp_fsdp":
@@ -245,7 +254,7 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, world, tp: int):
             device_type, (world.world_size // tp, tp), mesh_dim_names=("dp", "tp")
         )
         apply_tp_and_fsdp(
-            model, mesh, plan=transformer_lm_plan(), block_types=(Block,), mp_policy=mp_policy
+            model, mesh, plan=job_model.tp_plan(model), block_types=blocks, mp_policy=mp_policy
         )
         # Ranks that differ only in tp read the same rows: one data share per dp coordinate.
         return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -257,7 +266,7 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, world, tp: int):
         )
     else:
         mesh = init_device_mesh(device_type, (world.world_size,), mesh_dim_names=("shard",))
-    apply_fully_shard(model, mesh, block_types=(Block,), mp_policy=mp_policy)
+    apply_fully_shard(model, mesh, block_types=blocks, mp_policy=mp_policy)
     return model, world.rank, world.world_size
 
 
@@ -364,20 +373,13 @@ def build_optimizer(model, cfg: JobConfig, device: torch.device):
 BF16_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12}
 
 
-def flops_per_token(model_cfg) -> int:
-    """6 x matmul parameters + attention (12 x layers x dim x seq_len), as nanoGPT counts."""
-    per_block = 4 * model_cfg.dim**2 + 2 * model_cfg.dim * model_cfg.mlp_ratio * model_cfg.dim
-    matmul = model_cfg.n_layers * per_block + model_cfg.dim * model_cfg.vocab_size
-    return 6 * matmul + 12 * model_cfg.n_layers * model_cfg.dim * model_cfg.seq_len
-
-
-def mfu(tokens_per_s: float, model_cfg, world, precision: str) -> float | None:
+def mfu(tokens_per_s: float, flops_per_token: int, world, precision: str) -> float | None:
     """Model FLOPs per second over the world's peak; None on a CPU or an unknown device."""
     if world.device.type != "cuda" or precision != "bf16":
         return None  # no made-up number for a CPU
     name = torch.cuda.get_device_name(world.device)
     peak = next((peak for key, peak in BF16_PEAK.items() if key in name), None)
-    return tokens_per_s * flops_per_token(model_cfg) / (world.world_size * peak) if peak else None
+    return tokens_per_s * flops_per_token / (world.world_size * peak) if peak else None
 
 
 # --8<-- [start:train]
@@ -416,11 +418,18 @@ def train(cfg: JobConfig) -> dict:
                     + ", or prepare more text (max_bytes)"
                 )
         vocab = json.loads((Path(cfg.data_dir) / "index.json").read_text())["vocab_size"]
-        model_cfg = dataclasses.replace(
-            MODEL_PRESETS[cfg.model], vocab_size=vocab, seq_len=cfg.seq_len
+        model = job_model.build(
+            cfg.model, vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed, device=world.device
         )
-        model = build_model(model_cfg, seed=cfg.seed, device=world.device)
-        model, dp_rank, dp_size = parallelize(model, cfg, world, tp)
+        about = {  # counted on the whole model, before the layout splits it
+            "model": cfg.model,
+            "model_class": type(model).__name__,
+            "model_params": job_model.parameter_count(model),
+            "flops_per_token": job_model.flops_per_token(model, cfg.seq_len),
+        }
+        blocks = job_model.block_types(model, cfg.blocks)  # _no_split_modules, or cfg.blocks
+        about["blocks"] = [block.__name__ for block in blocks]
+        model, dp_rank, dp_size = parallelize(model, cfg, world, tp, blocks)
         # compiled, the loss's fp32 cast, log-softmax and gradient fuse over the wide logits
         loss_fn = torch.compile(lm_loss) if cfg.compile else lm_loss
         optimizer, scheduler = build_optimizer(model, cfg, world.device)
@@ -495,7 +504,7 @@ def train(cfg: JobConfig) -> dict:
             for i in range(cfg.accumulation):
                 part = slice(i * micro, (i + 1) * micro)
                 with no_gradient_sync(model, i == cfg.accumulation - 1), autocast:
-                    loss = loss_fn(model(inputs[part]), targets[part])
+                    loss = loss_fn(job_model.logits(model, inputs[part]), targets[part])
                 (loss / cfg.accumulation).backward()  # the mean over the micro-batches
                 loss_sum += loss.detach()
             # One norm over every parameter, DTensor shards included: clip_grad_norm_ reduces it
@@ -524,7 +533,7 @@ def train(cfg: JobConfig) -> dict:
                     "grad_norm": grad_norm.item(),
                     "tokens_per_s": tokens_per_s,
                     "data_wait": waited / times[-1],
-                    "mfu": mfu(tokens_per_s, model_cfg, world, cfg.precision),
+                    "mfu": mfu(tokens_per_s, about["flops_per_token"], world, cfg.precision),
                 }
                 metrics.write(json.dumps(logged) + "\n")
                 metrics.flush()
@@ -578,7 +587,7 @@ def train(cfg: JobConfig) -> dict:
         return summary(
             cfg,
             model,
-            model_cfg,
+            about,
             world,
             losses,
             val_losses,
@@ -596,7 +605,7 @@ def train(cfg: JobConfig) -> dict:
 
 
 def summary(
-    cfg, model, model_cfg, world, losses, val_losses, times, waits, resumed_from, dp_size, tp
+    cfg, model, about, world, losses, val_losses, times, waits, resumed_from, dp_size, tp
 ) -> dict:
     """Plain values: the steps this process ran, throughput and a checksum of the weights."""
     # full_state_dict: every rank joins the all-gathers; cpu_offload: only rank 0 keeps the copy
@@ -612,6 +621,7 @@ def summary(
     seconds = sum(timed) / max(len(timed), 1)
     tokens_per_s = cfg.global_batch_size * cfg.seq_len / seconds if seconds else 0.0
     return {
+        **about,
         "world_size": world.world_size,
         "dp_size": dp_size,
         "tp_size": tp,
@@ -626,7 +636,7 @@ def summary(
         "weights_abs_sum": abs_sum if full else None,
         "seconds_per_step": seconds,
         "tokens_per_second": tokens_per_s,
-        "mfu": mfu(tokens_per_s, model_cfg, world, cfg.precision),
+        "mfu": mfu(tokens_per_s, about["flops_per_token"], world, cfg.precision),
         "data_wait_fraction": sum(waits[1:] or waits) / max(sum(timed), 1e-12),
     }
 
