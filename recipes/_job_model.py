@@ -25,6 +25,7 @@ import torch.nn as nn
 from recipes.parallelize import llama_plan, matching_modules, transformer_lm_plan
 from recipes.toy import MODEL_PRESETS, Block, build_model
 
+# --8<-- [start:presets]
 # Hugging Face LlamaConfig shapes; the vocabulary comes from the shards. Counted on the meta
 # device with the shards' vocabulary of 16384 (tests/test_job_your_model.py checks both):
 # llama-100m: 110,119,680 parameters (untied head, as the toy 100m preset);
@@ -51,6 +52,8 @@ LLAMA_PRESETS: dict[str, dict] = {
     ),
 }
 PRESETS = [*MODEL_PRESETS, *LLAMA_PRESETS]
+# --8<-- [end:presets]
+
 # Model types whose modules carry llama_plan's names (q_proj, ..., gate_proj, up_proj, down_proj).
 LLAMA_STYLE = ("llama", "mistral", "qwen2")
 WEIGHT_FILES = (
@@ -143,6 +146,7 @@ def import_transformers(name: str):
     return transformers
 
 
+# --8<-- [start:build]
 def build(name: str, *, vocab_size: int, seq_len: int, seed: int, device) -> nn.Module:
     """The model in fp32, the same weights on every rank: a toy preset, a Llama preset, or the
     folder's model (its weights if it has them, else initialised from ``seed``)."""
@@ -187,6 +191,9 @@ def build(name: str, *, vocab_size: int, seq_len: int, seed: int, device) -> nn.
     return model.float().train().to(device)
 
 
+# --8<-- [end:build]
+
+
 @torch.no_grad()
 def check_causal(model: nn.Module, name: str) -> None:
     """Refuse a model that sees the future: position 0's logits must not depend on token 1.
@@ -209,6 +216,7 @@ def logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+# --8<-- [start:blocks]
 def block_types(model: nn.Module, names: str | None) -> tuple[type[nn.Module], ...]:
     """The repeated block classes: ``names`` (comma-separated class names), else the model's
     ``_no_split_modules`` (Hugging Face's list of what must not be split), else the toy Block."""
@@ -248,6 +256,9 @@ def tp_plan(model: nn.Module) -> dict:
             "use fsdp or ddp"
         )
     return plan
+
+
+# --8<-- [end:blocks]
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> int:

@@ -232,8 +232,9 @@ def test_a_llama_job_stopped_at_a_step_resumes_bit_for_bit(shards, folders, tmp_
     assert seen == {step: [loss] for step, loss in enumerate(expected["losses"], 1)}
 
 
-# Slow: two torchrun launches of 2 ranks, each importing torch and transformers (~25 CPU s); the
-# default run proves the resume with the job stopped in-process (the test above).
+# Slow: three torchrun launches of 2 ranks (the run, the killed one, its restart), each rank
+# importing torch and transformers: ~60 CPU s on 2 cores. The default run proves the resume with
+# the job stopped in-process (the test above).
 @pytest.mark.slow
 def test_a_llama_job_killed_by_sigkill_and_restarted_by_torchrun_equals_the_uninterrupted_run(
     shards, folders, tmp_path
