@@ -7,9 +7,9 @@
     torchrun --standalone --nproc_per_node=2 -m recipes.job --model path/to/save_pretrained_folder
 
 Copy with it: recipes/_job_checkpoint.py, recipes/_checkpoint_store.py, recipes/_job_model.py,
-recipes/toy.py,
-recipes/dist_setup.py, recipes/data.py, recipes/evaluation.py, recipes/parallelize.py (each imports
-torch and these only) and recipes/options.py (the command line, from the config).
+recipes/toy.py, recipes/dist_setup.py, recipes/data.py, recipes/evaluation.py,
+recipes/parallelize.py (each imports torch and these only; transformers for a Hugging Face model)
+and recipes/options.py (the command line, from the config).
 
 What it does, as torchtitan's and nanoGPT's train.py do: the token shards of recipes/data.py in a
 global order that does not depend on the world size; a toy or Llama-style preset, or your Hugging

@@ -54,7 +54,9 @@ TEMPLATE_SECTIONS = [
     "## Measured",
     "## Pitfalls",
 ]
-QUIET = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor
+# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor. RECIPES_DOCS_SEARCH: no
+# search index (mkdocs.yml): material's own output, 28% of the build's CPU, and no test reads it.
+QUIET = {"NO_MKDOCS_2_WARNING": "1", "RECIPES_DOCS_SEARCH": "false"}
 
 
 def mkdocs_build(

@@ -100,6 +100,11 @@ def check_against_reference(configs, differences, results):
         assert result.extras["sequence_parallel"] == cfg.sequence_parallel
 
 
+# In the slow set (CI runs it), for the default run's budget (issue 30): 4 ranks on 2 cores,
+# ~18 CPU s. Its pieces stay in the default run: fully_shard x TP on a 2-D mesh (test_job's
+# tp_fsdp layout; test_third_party_models' Llama on dp 2 x tp 2), sequence parallel
+# (test_tensor_parallel), pipeline stages (test_pipeline_parallel); and the layout check below.
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_shard_x_tensor_parallel_on_a_2d_mesh_and_a_4_rank_pipeline(backend):
     require_world(backend, 4)
