@@ -31,7 +31,7 @@ from tests.chromium import (
     wait_for_diagrams,
 )
 from tests.deadlines import scaled
-from tests.helpers import PYTHON, REPO_ROOT, docs_hooks
+from tests.helpers import PYTHON, REPO_ROOT, _run_module_forked, docs_hooks
 from tests.once import once_per_run
 
 ROOT = Path(REPO_ROOT)
@@ -62,13 +62,16 @@ QUIET = {"NO_MKDOCS_2_WARNING": "1", "RECIPES_DOCS_SEARCH": "false"}
 def mkdocs_build(
     config: Path, site_dir: Path, timeout_s: float = 300
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=scaled(timeout_s),
-        env={**os.environ, **QUIET},
+    # forked from the server that has imported torch (tests/helpers.py), as `python -m mkdocs`
+    # runs: the hooks import every recipe for its options table, without a fresh interpreter's
+    # ~4 CPU s of imports
+    args = ["build", "--strict", "-f", str(config), "-d", str(site_dir)]
+    return _run_module_forked(
+        [PYTHON, "-m", "mkdocs", *args],
+        ("module", "mkdocs"),
+        args,
+        scaled(timeout_s),
+        {**os.environ, **QUIET},
     )
 
 

@@ -5,7 +5,6 @@ deadline (the world is killed and reported). Nothing here can hang.
 """
 
 import os
-import subprocess
 from unittest import mock
 
 import pytest
@@ -15,7 +14,13 @@ from recipes import hang_diagnosis
 from recipes.core.observe import prove
 from recipes.core.result import RecipeResult
 from tests.deadlines import scaled
-from tests.helpers import PYTHON, REPO_ROOT, assert_losses_close, plain_training_loop, spawn_world
+from tests.helpers import (
+    PYTHON,
+    _run_module_forked,
+    assert_losses_close,
+    plain_training_loop,
+    spawn_world,
+)
 
 # Long enough for a slow step on a loaded 2-core machine, short enough to wait for once.
 TIMEOUT_S = 8.0
@@ -51,9 +56,10 @@ def test_flight_recorder_names_the_rank_that_skipped_and_the_collective(tmp_path
         "--prefix",
         "rank_",
     ]
-    proc = subprocess.run(
-        fr_trace, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=scaled(120)
-    )
+    # forked from the server that has imported torch (tests/helpers.py): fr_trace's own __main__
+    # and streams, without a fresh interpreter's ~3 CPU s of imports
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = _run_module_forked(fr_trace, ("module", fr_trace[2]), fr_trace[3:], scaled(120), env)
     report = proc.stdout + proc.stderr
     if "gloo != 'nccl' or 'xccl'" in report:
         # torch 2.11's fr_trace reads NCCL/XCCL dumps only (it asserts the backend); the recipe's
