@@ -20,7 +20,8 @@ def pytest_xdist_auto_num_workers(config):
     here spends part of its time waiting (ranks starting up, timeouts it asserts, subprocesses),
     which a further worker fills; but each worker also costs ~12 s of CPU to start and collect.
     Measured on 2 cores (issue 30): 4 workers 705 CPU s in 369 s, 3 workers 634 CPU s in 332 s;
-    one per core had left about 40% of the CPU idle."""
+    one per core had left about 40% of the CPU idle. Again on 2026-11-28 (675 tests): 2 workers
+    537 CPU s in 307 s (87% of the 2 cores busy), 3 workers 559 CPU s in 289 s (97%)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     return cores + max(1, cores // 2)
