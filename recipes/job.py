@@ -668,16 +668,21 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@record  # under torchrun, the failure summary names this rank's exception and traceback
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """The config the command line asks for: defaults < YAML < flags; a bad one: usage, exit 2."""
     explicit = make_parser()  # the same flags without defaults: what the command line gave
     for action in explicit._actions:
         action.default = argparse.SUPPRESS
     given = vars(explicit.parse_args(argv))
     try:
-        cfg = load_config(given.pop("config", None), given)  # defaults < YAML < flags
+        return load_config(given.pop("config", None), given)  # defaults < YAML < flags
     except ValueError as exc:
         explicit.error(str(exc))
+
+
+@record  # under torchrun, the failure summary names this rank's exception and traceback
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
     with exit_on_bad_input():  # a layout the world cannot hold, too little data: one line
         result = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
