@@ -17,6 +17,11 @@ the sharded and tensor-parallel recipes at batch 32 eager and compiled, Lightnin
 activation checkpointing under compile. ``--parts profile`` writes the top host-side and device-side
 entries of torch.profiler for the slowest of them (results/bench/<device>-profiles.txt).
 
+Part 4, ``--parts titan`` (scripts/titan_bench.py): torchtitan's Llama trainer beside recipes.job
+on one GPU, the same shapes and data (results/bench/<device>-titan.json); ``--dry-run`` on any
+machine builds the configs and prints the runs. On a GPU machine without internet:
+``bash scripts/gpu_setup.sh && PYTHONPATH=. python3 scripts/bench.py --parts titan``.
+
 Every row is the median step time over the steps after the first (warm-up and compilation). MFU is
 against the device's dense peak for the precision the row used; "MFU vs bf16 peak" puts every row on
 the bf16 scale so the ladder reads as one line. It prints a markdown table and writes a JSON file
@@ -472,13 +477,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--parts",
         default="ladder,recipes,compiled",
-        help="any of ladder, recipes, compiled, gaps, profile (comma-separated)",
+        help="any of ladder, recipes, compiled, gaps, profile, titan (comma-separated)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="titan: build the configs and print the runs, train nothing (any machine)",
     )
     parser.add_argument(
         "--out", default="", help="JSON output; default results/bench/<device>.json"
     )
     parser.add_argument(
-        "--only", default="", help="comma-separated label prefixes: run only those rows"
+        "--only", default="", help="comma-separated label prefixes (titan: shapes): only those rows"
     )
     args = parser.parse_args(argv)
     if args.device == "cpu":  # every row's config then names gloo (or the CPU) instead of auto
@@ -491,6 +501,18 @@ def main(argv=None) -> int:
     compile_backend = "inductor" if ON_GPU else "aot_eager"  # no C++ compiler needed on CPU
     parts = set(args.parts.split(","))
     prefixes = [p for p in args.only.split(",") if p]
+
+    if args.dry_run and "titan" not in parts:
+        parser.exit(2, "error: --dry-run is for --parts titan\n")
+    if "titan" in parts:  # its own runs (torchrun children) and its own file
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import titan_bench
+
+        shapes = [s for s in titan_bench.SHAPES if not prefixes or s.startswith(tuple(prefixes))]
+        code = titan_bench.run(shapes=shapes, out=args.out, dry_run=args.dry_run)
+        parts.discard("titan")
+        if code or not parts:
+            return code
 
     def chosen(rows):
         return [row for row in rows if not prefixes or any(row[0].startswith(p) for p in prefixes)]

@@ -642,6 +642,15 @@ def check_fault_tolerance(stdout: str) -> None:
     assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
 
 
+def check_ray_train(stdout: str) -> None:
+    # ddp_torchrun's train on 2 Ray workers: rank 0's lines come through as it prints them, the
+    # losses of one process (DDP over 2 ranks); the driver's JSON line holds the same losses
+    losses = printed_losses(stdout)
+    assert len(losses) == 3, stdout
+    assert_losses_close(losses, single_process_reference().losses[:3], atol=6e-5)
+    assert_losses_close(_last_json(stdout)["result"], losses, atol=6e-5)
+
+
 def check_grad_clipping(stdout: str) -> None:
     # the package's own 2-rank losses and clipped norms (results/grad_clipping.json: fully_shard,
     # 2 steps; the norm one process computes), one line per step from rank 0
@@ -745,6 +754,13 @@ COPIES = {
         "torchrun",
         ["--replica-groups", "1", "--lighthouse", "{lighthouse}", "--steps", "3"],
         check_fault_tolerance,
+    ),
+    # Ray Train's TorchTrainer on a local Ray cluster that the copy starts (a plain python run):
+    # ddp_torchrun's train on 2 CPU workers, gloo and fp32 as its reference
+    "ray_train": (
+        "python",
+        "--recipe ddp_torchrun --workers 2 -- --steps 3 --backend gloo --precision fp32".split(),
+        check_ray_train,
     ),
     # one device, no process group: a plain python run; cpu, where results/ was measured
     "activation_checkpointing": (
@@ -931,9 +947,12 @@ COPIES = {
 }
 TORCHRUN_COPIES = [name for name in COPYABLE if COPIES[name][0] == "torchrun"]
 # A recipe whose library is an optional extra: its copy cannot run without it (and says so).
-MISSING_PACKAGE = (
-    {"fault_tolerance": "the fault_tolerance copy needs torchft: pip install -e .[ft]"}
-    if importlib.util.find_spec("torchft") is None
-    else {}
-)
+MISSING_PACKAGE = {
+    name: f"the {name} copy needs {package}: pip install -e .[{extra}]"
+    for name, package, module, extra in (
+        ("fault_tolerance", "torchft", "torchft", "ft"),
+        ("ray_train", "Ray Train", "ray", "ray"),
+    )
+    if importlib.util.find_spec(module) is None
+}
 PYTHON_COPIES = [name for name in COPYABLE if COPIES[name][0] == "python"]
