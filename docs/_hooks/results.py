@@ -393,9 +393,13 @@ def _memory(num_bytes: int, device: str) -> str:
 
 # <!-- bench -->: every results/bench/*.json that scripts/bench.py wrote on a GPU, as its own
 # tables.
-def render_bench(_: str | None = None, **__: Any) -> str:
+def render_bench(which: str | None = None, **__: Any) -> str:
     import importlib.util
 
+    if which == "titan":
+        return render_titan()
+    if which:
+        raise MarkerError(f"bench: expected no argument or 'titan', got {which!r}")
     spec = importlib.util.spec_from_file_location("bench", REPO_ROOT / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
@@ -445,6 +449,35 @@ def render_bench(_: str | None = None, **__: Any) -> str:
                 "bare loop with the same precision, fused AdamW and batch:\n\n"
                 + bench.table(rows, rows[0].get("ms_per_step"), compact=True)
             )
+    return "\n\n".join(parts) + "\n"
+
+
+# <!-- bench: titan -->: torchtitan's trainer beside recipes.job, from every
+# results/bench/<device>-titan.json (scripts/titan_bench.py writes them; its table() renders).
+def render_titan() -> str:
+    import importlib.util
+
+    files = sorted((base.RESULTS_DIR / "bench").glob("*-titan.json"))
+    if not files:
+        return (
+            '!!! note "Not yet measured: needs a GPU"\n    On a GPU machine, '
+            "`bash scripts/gpu_setup.sh && PYTHONPATH=. python3 scripts/bench.py --parts titan` "
+            "trains both and writes `results/bench/<device>-titan.json`; the table then "
+            "appears here.\n"
+        )
+    path = REPO_ROOT / "scripts" / "titan_bench.py"
+    spec = importlib.util.spec_from_file_location("titan_bench", path)
+    titan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(titan)  # type: ignore[union-attr]
+    parts = []
+    for path in files:
+        data = json.loads(path.read_text())
+        parts.append(
+            f"**On one {escape(data['device'])}**, torch {data['torch']}, torchtitan "
+            f"{data['torchtitan']}, {data['date'][:10]} (results/bench/{path.name}): "
+            f"{escape(data['what'])}. MFU: {escape(data['flop_formula'])}, over the dense bf16 "
+            "peak; torchtitan's own MFU (its formula and peak) beside it.\n\n" + titan.table(data)
+        )
     return "\n\n".join(parts) + "\n"
 
 
