@@ -214,6 +214,10 @@ def test_saved_bytes_shrink_as_derived(runs):
 BF16_LOSS_TOLERANCE = 1e-3
 
 
+# In the slow set (CI runs it), for the default run's budget (issue 30): bf16 autocast on a CPU
+# without native bf16 matmuls, ~7.5 CPU s. bf16's parity stays in the default run (test_amp,
+# test_speed's compiled bf16), and checkpointing's exactness in fp32 (the tests above).
+@pytest.mark.slow
 def test_bf16_trains_like_fp32_and_checkpointing_stays_exact(runs):
     bf16 = {
         mode: recipe_result(with_fields(CFG, mode=mode, precision="bf16"))
