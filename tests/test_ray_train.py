@@ -6,18 +6,18 @@ ends bit-exact; bad input is one line and exit 2, before Ray starts."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-from recipes import ddp_torchrun, job, ray_train
-from tests.helpers import PYTHON, REPO_ROOT, ddp_result_only, run_cli, spawn_world
+from recipes import ddp_torchrun, fsdp2, ray_train
+from tests.helpers import PYTHON, REPO_ROOT, ddp_result_only, fsdp2_result, run_cli, spawn_world
+from tests.test_job import job_in_a_rank, shards
+
+__all__ = ["shards"]  # the job's session shards (tests/test_job.py), prepared once per run
 
 # The bad-input tests refuse before Ray is imported: they run where Ray is not installed (the
 # README's install), and so does the one that hides Ray. The runs under Ray need it.
@@ -96,6 +96,18 @@ def under_ray(args: list[str], *, env: dict | None = None) -> dict:
 # slow: a local Ray cluster and 2 workers (~35 s, ~40 CPU s), and the 2-rank reference
 @pytest.mark.slow
 @needs_ray
+def test_fsdp2_under_ray_equals_fsdp2_on_two_ranks():
+    """fsdp2 calls setup_distributed, which takes the process group Ray made as it finds it."""
+    result = under_ray(["--recipe", "fsdp2", "--", "--steps", "4", "--precision", "fp32"])
+    reference = spawn_world(
+        fsdp2_result, 2, fsdp2.FSDP2Config(steps=4, precision="fp32"), deadline_s=120
+    )
+    assert result["result"] == reference.losses  # the same world, the same floats
+
+
+# slow: as above
+@pytest.mark.slow
+@needs_ray
 def test_ddp_under_ray_equals_ddp_on_two_ranks():
     result = under_ray(["--recipe", "ddp_torchrun", "--", "--steps", "4", "--precision", "fp32"])
     reference = spawn_world(
@@ -111,33 +123,6 @@ JOB_ARGS = [
     "--checkpoint-every", "2", "--num-workers", "1", "--prepare", "false",
     "--tensorboard", "false",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """The job's small shards (as tests/test_job.py's): 1425 train tokens, 89 windows of 16."""
-    from recipes.data import DataConfig, prepare_shards
-
-    where = tmp_path_factory.mktemp("ray-shards")
-    (where / "corpus").mkdir()
-    (where / "corpus" / "text.txt").write_text(Path(job.__file__).read_text()[:1500])
-    prepare_shards(
-        DataConfig(
-            corpus=str(where / "corpus"),
-            data_dir=str(where / "shards"),
-            max_bytes=10_000,
-            vocab_size=256,
-        )
-    )
-    return where / "shards"
-
-
-def job_in_a_rank(argv: list[str]) -> dict | None:
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        job.main(argv)
-    results = [line for line in printed.getvalue().splitlines() if line.startswith("{")]
-    return json.loads(results[-1]) if results else None
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,18 @@ transformers = pytest.importorskip(
 
 VOCAB, SEQ = 128, 16
 KINDS = ["gpt2", "llama"]
+# The tiny shapes (dropout off), shared with tests/test_job_your_model.py's config.json folders.
+GPT2_SHAPE = dict(
+    n_layer=2, n_embd=64, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+)
+LLAMA_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
 
 
 def build(
@@ -35,14 +47,8 @@ def build(
     torch.manual_seed(seed)
     if kind == "gpt2":
         config = transformers.GPT2Config(
-            n_layer=2,
-            n_embd=64,
-            n_head=4,
+            **GPT2_SHAPE,
             vocab_size=VOCAB,
-            n_positions=32,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
             bos_token_id=0,
             eos_token_id=0,
             attn_implementation=attn_implementation,
@@ -50,13 +56,8 @@ def build(
         model = transformers.GPT2LMHeadModel(config)
     elif kind == "llama":
         config = transformers.LlamaConfig(
+            **LLAMA_SHAPE,
             vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
             attn_implementation=attn_implementation,
             tie_word_embeddings=tie_word_embeddings,
         )
