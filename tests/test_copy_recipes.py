@@ -160,6 +160,12 @@ def torchft_lighthouse():
         server.shutdown()
 
 
+# Each copy's run is bounded at 120 s (times the run's factor), except: ray_train starts a local
+# Ray cluster (gcs, raylet, a controller and 2 worker actors: ~40 CPU s alone, 88 s of wall time
+# beside 4 busy loops on 2 cores)
+LONGER_DEADLINE_S = {"ray_train": 300}
+
+
 def _launch_copies(names: list[str], where: Path, *, torchrun: bool, lighthouse) -> dict:
     copies = []
     for name in names:
@@ -169,7 +175,12 @@ def _launch_copies(names: list[str], where: Path, *, torchrun: bool, lighthouse)
             for arg in COPIES[name][1]
         ]
         copies.append(
-            {"name": name, "project": str(project), "args": args, "timeout_s": scaled(120)}
+            {
+                "name": name,
+                "project": str(project),
+                "args": args,
+                "timeout_s": scaled(LONGER_DEADLINE_S.get(name, 120)),
+            }
         )
     plan = where / "plan.json"
     # the Lightning recipes' copies import it: once per launched process, not once per copy
@@ -256,8 +267,8 @@ def launched_copies(request, tmp_path_factory) -> dict[str, subprocess.Completed
 # The first test to ask for ``launched_copies`` pays for the one launch of every copy (each its
 # own world): 150-280 s of wall time on 2 cores shared with other work. Two launches on two
 # workers were tried: on 2 saturated cores they cost ~25 s more CPU (a second torchrun, two more
-# ranks importing torch) for no shorter run. Each copy's own run is bounded, at 120 s times the
-# run's factor, by the launcher.
+# ranks importing torch) for no shorter run. Each copy's own run is bounded by the launcher
+# (LONGER_DEADLINE_S above).
 # The default run launches one copy of each kind: each launcher (torchrun, python), and each set
 # of shared files a copy carries (the toy alone, dist_setup, parallelize, the pipeline's and the
 # checkpoint's own modules, no torch at all). ddp_spawn's copy (the recipe's own mp.spawn: two
@@ -302,8 +313,18 @@ def test_a_copy_runs_without_the_package_and_agrees(name, tmp_path, launched_cop
     )
     assert probe.returncode != 0 and "No module named 'recipes.core'" in probe.stderr
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in RAYS_BENIGN_WARNING.sub("", proc.stderr), proc.stderr[-3000:]
     COPIES[name][2](proc.stdout)
+
+
+# Ray Train's controller asks its autoscaling coordinator for the workers' CPUs with a 5 s
+# timeout; where the CPU is overloaded the coordinator's start takes longer, and Ray logs this
+# warning with its traceback ("safe to ignore" in its own words), then goes on
+RAYS_BENIGN_WARNING = re.compile(
+    r"Failed to send resource request for train-\w+\..*?"
+    r"GetTimeoutError: Get timed out: some object\(s\) not ready\.",
+    re.DOTALL,
+)
 
 
 def _last_json(stdout: str) -> dict:
