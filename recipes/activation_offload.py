@@ -192,12 +192,12 @@ def train(cfg: OffloadConfig, observer=None) -> list[float]:
         if cfg.checkpoint != "none":  # before DDP wraps the model
             keep = MATMULS if cfg.checkpoint == "op_selective" else None
             checkpoint_blocks(model.layers.values(), keep=keep)
-        ddp_model = DDP(model, device_ids=[device.index] if on_cuda else None)
+        model = DDP(model, device_ids=[device.index] if on_cuda else None)
         optimizer = torch.optim.AdamW(
-            ddp_model.parameters(), lr=cfg.lr, fused=True if on_cuda else None
+            model.parameters(), lr=cfg.lr, fused=True if on_cuda else None
         )  # one kernel on CUDA
         if observer:
-            observer.model_ready(ddp_model, optimizer)
+            observer.model_ready(model, optimizer)
         if offload == "cpu":  # torch's own: every saved tensor to pinned host memory
             offloading = torch.autograd.graph.save_on_cpu(pin_memory=True)
         elif offload == "streamed":  # the pair above: parameters stay, copies on a side stream
@@ -237,7 +237,7 @@ def train(cfg: OffloadConfig, observer=None) -> list[float]:
                 optimizer.zero_grad(set_to_none=True)
                 # what the forward saves for backward goes to host memory as it is saved
                 with offloading, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = lm_loss(ddp_model(inputs), targets)
+                    loss = lm_loss(model(inputs), targets)
                 loss.backward()  # each saved tensor comes back to the GPU when backward needs it
                 optimizer.step()
                 global_loss = loss.detach().float().clone()

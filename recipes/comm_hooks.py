@@ -146,7 +146,7 @@ def check_powersgd_rank(model: torch.nn.Module, *, rank: int, min_compression_ra
 
 
 def make_comm_hook(kind: str, model: torch.nn.Module, *, powersgd_rank=2, start_step=2, seed=0):
-    """(state, hook) for ``ddp_model.register_comm_hook``; (None, None) keeps DDP's all-reduce."""
+    """(state, hook) for ``model.register_comm_hook``; (None, None) keeps DDP's all-reduce."""
     if kind == "none":
         return None, None
     if kind == "allreduce":
@@ -203,19 +203,19 @@ def train(cfg: CommHooksConfig, observer=None) -> list[float]:
             start_step=cfg.powersgd_start_step,
             seed=cfg.seed,
         )
-        ddp_model = DDP(
+        model = DDP(
             model,
             device_ids=[local_rank] if use_cuda else None,
             static_graph=cfg.static_graph,
             gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         )
         if hook is not None:  # once, before the first backward: DDP refuses a second hook
-            ddp_model.register_comm_hook(state, hook)
+            model.register_comm_hook(state, hook)
         optimizer = torch.optim.AdamW(
-            ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
         if observer:
-            observer.model_ready(ddp_model, optimizer)
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -238,7 +238,7 @@ def train(cfg: CommHooksConfig, observer=None) -> list[float]:
                 targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
+                    loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
                 loss.backward()  # the hook runs here, once per bucket, overlapped with backward
                 optimizer.step()  # every rank applies the same averaged gradient
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)

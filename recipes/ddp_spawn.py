@@ -197,7 +197,7 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
     # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
     # rank 0's weights at construction, but a model built differently still diverges)
     model = build_model(cfg.model, seed=cfg.seed, device=device)
-    ddp_model = DDP(
+    model = DDP(
         model,
         device_ids=[device.index] if use_cuda else None,
         find_unused_parameters=cfg.find_unused_parameters,
@@ -206,10 +206,10 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
         bucket_cap_mb=cfg.bucket_cap_mb,
     )
     optimizer = torch.optim.AdamW(
-        ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+        model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
     )  # one kernel on CUDA
     if observer:
-        observer.model_ready(ddp_model, optimizer)
+        observer.model_ready(model, optimizer)
 
     dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
     # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -236,7 +236,7 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
             targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
+                loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
             loss.backward()  # DDP all-reduces the gradients in buckets, overlapped with backward
             optimizer.step()  # every rank applies the same averaged gradient
             # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
@@ -253,12 +253,12 @@ def train_one_rank(cfg: DDPSpawnConfig, observer=None) -> list[float]:
 
     if cfg.checkpoint_path:
         if rank == 0:  # one writer: the replicas are identical, N writers would clobber one file
-            save_checkpoint(ddp_model, optimizer, step, cfg.checkpoint_path)
+            save_checkpoint(model, optimizer, step, cfg.checkpoint_path)
             print(f"rank 0 of {world_size} saved step {step} to {cfg.checkpoint_path}", flush=True)
         dist.barrier()  # nobody reads before rank 0 has finished writing
         restored = load_checkpoint(cfg.checkpoint_path, cfg.model, device)
         # what a resumed job would start from: exactly the trained weights, on every rank
-        for (name, trained), loaded in zip(model.named_parameters(), restored.parameters()):
+        for (name, trained), loaded in zip(model.module.named_parameters(), restored.parameters()):
             if not torch.equal(trained, loaded):
                 raise RuntimeError(f"rank {rank}: {name} differs after loading the checkpoint")
     return losses

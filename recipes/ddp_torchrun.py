@@ -27,7 +27,7 @@ compiles each block before DDP wraps the model. ``--precision fp32`` is the exac
 
 Pitfalls, each named where it bites below: ``torch.cuda.set_device`` before anything touches the
 GPU; the same seed on every rank; ``sampler.set_epoch`` every epoch; rank 0's loss is only its
-share of the batch; save ``ddp_model.module`` from rank 0 only, then a barrier;
+share of the batch; save ``model.module`` from rank 0 only, then a barrier;
 ``destroy_process_group`` in a ``finally``.
 """
 
@@ -136,12 +136,12 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
             for block in [m for m in model.modules() if isinstance(m, Block)]:
                 block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
             loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
-        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+        model = DDP(model, device_ids=[local_rank] if use_cuda else None)
         optimizer = torch.optim.AdamW(
-            ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
         if observer:
-            observer.model_ready(ddp_model, optimizer)
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -164,7 +164,7 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
                 targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = loss_fn(ddp_model(inputs), targets)  # this rank's sequences' mean
+                    loss = loss_fn(model(inputs), targets)  # this rank's sequences' mean
                 loss.backward()  # DDP averages the gradients here, overlapped with backward
                 optimizer.step()  # every rank applies the same averaged gradient
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
@@ -180,18 +180,18 @@ def train(cfg: DDPConfig, observer=None) -> list[float]:
         # --8<-- [end:loop]
 
         if cfg.save_path:
-            # Pitfall: save ddp_model.module, the model itself: ddp_model.state_dict() prefixes
+            # Pitfall: save model.module, the model itself: model.state_dict() prefixes
             # every key with "module." and no longer loads into a plain model. Only rank 0
             # writes (the replicas are identical; N writers would clobber one file).
             if rank == 0:
-                torch.save(ddp_model.module.state_dict(), cfg.save_path)
+                torch.save(model.module.state_dict(), cfg.save_path)
             dist.barrier()  # no rank reads the file or exits before it is complete
         return losses
     finally:
         # Pitfall: DDP's reducer holds the process group. Freed after the group is destroyed (at
         # exit, say), it takes gloo's threads down with it and can abort the process ("terminate
         # called without an active exception"): free the model before the group.
-        ddp_model = None
+        model = None
         gc.collect()
         dist.destroy_process_group()  # every way out: NCCL's communicators are freed, not leaked
 

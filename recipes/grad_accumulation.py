@@ -9,7 +9,7 @@ leave the world), recipes/options.py (the command line, from the config).
 Each rank runs ``micro_batches`` forward/backward passes of
 global_batch_size / (world_size * micro_batches) sequences and then one optimizer step. DDP
 all-reduces gradients at the end of every backward pass, unless the backward runs inside
-``ddp_model.no_sync()``: then gradients just accumulate locally in ``.grad``, and the next
+``model.no_sync()``: then gradients just accumulate locally in ``.grad``, and the next
 synchronised backward all-reduces the accumulated sum. So: ``no_sync`` for all but the last
 micro-batch of a step. ``train`` returns the global batch's loss of each step and prints it from
 rank 0.
@@ -104,12 +104,12 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
         # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        ddp_model = DDP(model, device_ids=[world.local_rank] if use_cuda else None)
+        model = DDP(model, device_ids=[world.local_rank] if use_cuda else None)
         optimizer = torch.optim.AdamW(
-            ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
         if observer:
-            observer.model_ready(ddp_model, optimizer)
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -143,13 +143,13 @@ def train(cfg: GradAccumulationConfig, observer=None) -> list[float]:
                     last = index == cfg.micro_batches - 1
                     # no_sync: accumulate into .grad locally; the last backward all-reduces the sum
                     sync = (
-                        ddp_model.no_sync()
+                        model.no_sync()
                         if cfg.use_no_sync and not last
                         else contextlib.nullcontext()
                     )
                     with sync:
                         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                            loss = lm_loss(ddp_model(x), y)  # this micro-batch's mean
+                            loss = lm_loss(model(x), y)  # this micro-batch's mean
                         # Pitfall: divided by k, the sum of k means is the mean of the whole step
                         loss = loss / cfg.micro_batches
                         loss.backward()

@@ -20,20 +20,20 @@ losses and weights):
                                                                      strategy="ddp")
     +                                              fabric.launch()
     model = build_model(..., device=device)        model = build_model(...)  # Fabric moves it
-    ddp_model = DDP(model, device_ids=[...])       (gone)
-    optimizer = AdamW(ddp_model.parameters(), lr)  optimizer = AdamW(model.parameters(), lr)
-    +                                              ddp_model, optimizer = fabric.setup(model,
-                                                                                      optimizer)
+    model = DDP(model, device_ids=[...])           (gone)
+    optimizer = AdamW(model.parameters(), lr)      optimizer = AdamW(model.parameters(), lr)
+    +                                              model, optimizer = fabric.setup(model,
+                                                                                  optimizer)
     loader = DataLoader(..., sampler=sampler)      the same, then loader = fabric.setup_dataloaders(
                                                        loader, use_distributed_sampler=False)
     sampler.set_epoch(epoch)                       (gone: Fabric's loader calls it)
     inputs, targets = inputs.to(dev), ....to(dev)  (gone: the loader moves batches to the device)
     loss.backward()                                fabric.backward(loss)
-    with ddp_model.no_sync(): (accumulation)       with fabric.no_backward_sync(ddp_model,
-                                                                                enabled=...):
+    with model.no_sync(): (accumulation)           with fabric.no_backward_sync(model,
+                                                                            enabled=...):
     dist.all_reduce(loss, op=ReduceOp.AVG)         fabric.all_reduce(loss, reduce_op="mean")
-    if rank == 0: torch.save(model.state_dict(),   fabric.save(p, {"model": ddp_model,
-                             p)                                    "optimizer": ..., "step": ...})
+    if rank == 0: torch.save(                      fabric.save(p, {"model": model,
+        model.module.state_dict(), p)                  "optimizer": ..., "step": ...})
     model.load_state_dict(torch.load(p))           fabric.load(p, state)
 
 In a script of your own, ``fabric.launch()`` also creates the process group (and, under plain python
@@ -179,10 +179,10 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
-        ddp_model, optimizer = fabric.setup(model, optimizer)  # DDP wrapper + precision, one call
+        model, optimizer = fabric.setup(model, optimizer)  # DDP wrapper + precision, one call
         start_step = 0
         if cfg.resume_from:
-            state = {"model": ddp_model, "optimizer": optimizer, "step": 0}
+            state = {"model": model, "optimizer": optimizer, "step": 0}
             try:  # restores model and optimizer in place, on every rank
                 fabric.load(cfg.resume_from, state)
             except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # a truncated file
@@ -192,7 +192,7 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
                 ) from None  # every rank alike
             start_step = state["step"]
         if observer:
-            observer.model_ready(ddp_model, optimizer)
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -222,12 +222,12 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
                 ):
                     # Accumulation: only the last micro-batch's backward all-reduces. Pitfall: the
                     # forward must run inside the context too, or DDP prepares a sync anyway
-                    with fabric.no_backward_sync(ddp_model, enabled=i < k - 1):
-                        loss = loss_fn(ddp_model(micro_inputs), micro_targets)
+                    with fabric.no_backward_sync(model, enabled=i < k - 1):
+                        loss = loss_fn(model(micro_inputs), micro_targets)
                         fabric.backward(loss / k)  # mean of k equal micro-batches: the batch's
                     local_loss += loss.detach() / k
                 if cfg.gradient_clip_val:  # the norm of the averaged (global) gradient
-                    fabric.clip_gradients(ddp_model, optimizer, max_norm=cfg.gradient_clip_val)
+                    fabric.clip_gradients(model, optimizer, max_norm=cfg.gradient_clip_val)
                 optimizer.step()  # every rank applies the same averaged gradient
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
                 losses.append(float(fabric.all_reduce(local_loss, reduce_op="mean")))
@@ -241,14 +241,14 @@ def train(cfg: FabricConfig, observer=None) -> list[float]:
                     # from rank 0 (no "module." prefix) and waits for it
                     fabric.save(
                         os.path.join(cfg.checkpoint_dir, f"step-{step}.ckpt"),
-                        {"model": ddp_model, "optimizer": optimizer, "step": step},
+                        {"model": model, "optimizer": optimizer, "step": step},
                     )
         # --8<-- [end:loop]
         return losses
     finally:
-        # Pitfall: DDP's reducer inside ddp_model holds the process group: freed after the group
-        # (at exit, say), it can hang gloo's teardown. Let the model go first.
-        ddp_model = optimizer = None
+        # Pitfall: the DDP reducer inside Fabric's model holds the process group: freed after
+        # the group (at exit, say), it can hang gloo's teardown. Let the model go first.
+        model = optimizer = None
         cleanup_distributed()
 
 

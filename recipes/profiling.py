@@ -169,12 +169,12 @@ def train(cfg: ProfilingConfig, observer=None) -> ProfileRun:
         # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+        model = DDP(model, device_ids=[local_rank] if use_cuda else None)
         optimizer = torch.optim.AdamW(
-            ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
         if observer:
-            observer.model_ready(ddp_model, optimizer)
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -215,7 +215,7 @@ def train(cfg: ProfilingConfig, observer=None) -> ProfileRun:
                         record_function("forward"),
                         torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
                     ):
-                        loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
+                        loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
                     with record_function("backward"):  # DDP launches its all-reduces in here
                         loss.backward()
                     with record_function("optimizer"):

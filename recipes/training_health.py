@@ -281,18 +281,18 @@ def train(cfg: HealthConfig, observer=None) -> HealthRun:
         # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+        model = DDP(model, device_ids=[local_rank] if use_cuda else None)
         optimizer = torch.optim.AdamW(
-            ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
         health = TrainingHealth(  # registers its comm hook: before the first backward
-            ddp_model,
+            model,
             straggler_ratio=cfg.straggler_ratio,
             spike_sigma=cfg.spike_sigma,
             spike_warmup=cfg.spike_warmup,
         )
         if observer:
-            observer.model_ready(ddp_model, optimizer)
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -316,7 +316,7 @@ def train(cfg: HealthConfig, observer=None) -> HealthRun:
                 targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
+                    loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
                 loss.backward()  # DDP averages the gradients; the comm hook checks this rank's
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks).
                 # Averaged before the check: the check restarts the work clock, so no wait of

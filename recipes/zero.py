@@ -105,22 +105,22 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
         # Pitfall: the same seed on every rank, or the replicas start different (DDP broadcasts
         # rank 0's weights at construction, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        ddp_model = DDP(model, device_ids=[device.index] if use_cuda else None)
+        model = DDP(model, device_ids=[device.index] if use_cuda else None)
         if cfg.optimizer == "zero":
             # AdamW's arguments, plus the class: each rank builds an AdamW over its own partition
             # (fused on CUDA: one kernel per partition)
             optimizer = ZeroRedundancyOptimizer(
-                ddp_model.parameters(),
+                model.parameters(),
                 optimizer_class=torch.optim.AdamW,
                 lr=cfg.lr,
                 fused=True if use_cuda else None,
             )
         else:
             optimizer = torch.optim.AdamW(
-                ddp_model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+                model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
             )  # one kernel on CUDA
         if observer:
-            observer.model_ready(ddp_model, optimizer)
+            observer.model_ready(model, optimizer)
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -143,12 +143,12 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
                 targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = lm_loss(ddp_model(inputs), targets)  # this rank's sequences' mean
+                    loss = lm_loss(model(inputs), targets)  # this rank's sequences' mean
                 loss.backward()  # DDP all-reduces FULL gradients: every rank has all of them
                 if cfg.max_grad_norm > 0:
                     # Gradients are replicated, so the local norm IS the global norm: no
                     # collective needed (unlike FSDP, where each rank holds a shard).
-                    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), cfg.max_grad_norm)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()  # ZeRO: update the owned partition, broadcast it to the others
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
                 global_loss = loss.detach().float().clone()
@@ -168,8 +168,8 @@ def train(cfg: ZeroConfig, observer=None) -> list[float]:
                 # state). Every rank must first send its partition: this is a collective.
                 optimizer.consolidate_state_dict(to=0)
             if rank == 0:
-                torch.save(
-                    {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                torch.save(  # model.module: DDP's own state_dict prefixes keys with "module."
+                    {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()},
                     cfg.save_path,
                 )
             dist.barrier()  # no rank reads the file or exits before it is complete

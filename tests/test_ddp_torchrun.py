@@ -50,7 +50,7 @@ def test_ddp_equals_single_process(world_size, backend, tmp_path):
     # Every rank holds the whole model state (the baseline of the sharding recipes' 1/N).
     assert len(result.extras["memory_per_rank"]) == world_size
     assert len({tuple(m.values()) for m in result.extras["memory_per_rank"]}) == 1
-    # The save: ddp_model.module's state dict, so no "module." keys, and it loads into a plain
+    # The save: model.module's state dict, so no "module." keys, and it loads into a plain
     # model as it is, with the trained weights.
     state = torch.load(saved, weights_only=True)
     assert not any(key.startswith("module.") for key in state), sorted(state)[:3]

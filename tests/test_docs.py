@@ -203,7 +203,7 @@ def test_the_recipe_page_shows_included_code_generated_options_and_measured_figu
         "DistributedSampler(",
         "sampler.set_epoch(epoch)",
         "DDP(model,",
-        "torch.save(ddp_model.module.state_dict()",
+        "torch.save(model.module.state_dict()",
         "dist.destroy_process_group()",
     ):
         assert line in text, f"{line!r} missing from the page's code"
@@ -257,7 +257,7 @@ def test_the_ddp_page_shows_what_ddp_adds_to_the_single_gpu_loop_as_a_diff(site)
     lines = rendered.splitlines()
     assert lines[0] == "```diff" and lines[1] == "--- recipes/single_gpu.py:train"
     for added in (
-        "+        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
+        "+        model = DDP(model, device_ids=[local_rank] if use_cuda else None)",
         "+            sampler.set_epoch(epoch)",
         "+        dist.init_process_group(backend, timeout=timeout, "
         "device_id=device if use_cuda else None)",
