@@ -416,6 +416,66 @@ def load_full_state_dict(model: nn.Module, path: str) -> None:
 # --8<-- [end:export]
 
 
+# --8<-- [start:resume]
+def resume_or_init(
+    cfg: CheckpointConfig,
+    app: AppState,
+    run: CheckpointRun,
+    *,
+    group: dist.ProcessGroup,
+    made_with: dict,
+    world_size: int,
+) -> None:
+    """Load the checkpoint ``cfg.resume_from`` names into ``app`` (model, optimizer, data position,
+    RNG), or ``cfg.init_from``'s full weights into the model, or nothing (a fresh run)."""
+    # 'latest': the newest checkpoint that verifies (a damaged one is skipped, in one line)
+    resume = resume_checkpoint(cfg.resume_from, cfg.checkpoint_dir, group=group)
+    if resume is None:
+        if cfg.init_from:
+            load_full_state_dict(app.model, cfg.init_from)
+            say(f"model initialised from {cfg.init_from}")
+        return
+    resume_dir, manifest = resume
+    load_checkpoint(resume_dir, {"app": app}, group=group, made_with=made_with, manifest=manifest)
+    run.resumed_from, run.saved_by_world_size = resume_dir, manifest["world_size"]
+    for name in ("global_batch_size", "batches_per_epoch"):  # checkpoints without made_with
+        if app.progress[name] != getattr(cfg, name):
+            raise CheckpointError(
+                f"{resume_dir} was trained with {name}={app.progress[name]}; resume with "
+                f"the same --{name.replace('_', '-')}, or the resumed run reads other data"
+            )
+    # --lr on resume: applied, not refused. The loaded optimizer state carries the saved lr and
+    # would silently win; lowering the lr of a running job is a common reason to restart it, and
+    # Adam's moments stay valid under another lr.
+    param_groups = app.optimizer.param_groups
+    saved_lrs = sorted({param_group["lr"] for param_group in param_groups})
+    if saved_lrs != [cfg.lr]:
+        say(f"--lr {cfg.lr:g} replaces the checkpoint's lr {'/'.join(map(str, saved_lrs))}")
+        for param_group in param_groups:
+            param_group["lr"] = cfg.lr
+    say(
+        f"resumed from {resume_dir} at step {app.progress['step']} (saved by "
+        f"{run.saved_by_world_size} rank(s), loaded on {world_size})"
+    )
+
+
+def check_start(cfg: CheckpointConfig, start_step: int) -> None:
+    """Say when there is nothing left to train; refuse, before training, a run whose saves would
+    collide with checkpoints of later steps already in ``cfg.checkpoint_dir``."""
+    if start_step >= cfg.steps:
+        say(f"the checkpoint is at step {start_step} and --steps is {cfg.steps}: nothing to train")
+    later = [s for s in published_steps(cfg.checkpoint_dir) if s > start_step]
+    if later and cfg.save_every:  # refuse now rather than after training up to the clash
+        raise CheckpointError(
+            f"{cfg.checkpoint_dir} already holds checkpoints past step {start_step} (up to "
+            f"step {later[-1]}) that this run would collide with; use --resume-from latest or "
+            "another --checkpoint-dir"
+        )
+
+
+# --8<-- [end:resume]
+
+
 # --8<-- [start:train]
 def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
     """Train on this process's rank from the checkpoint ``cfg.resume_from`` names (or fresh), saving
@@ -478,50 +538,12 @@ def train(cfg: CheckpointConfig, observer=None) -> CheckpointRun:
             "seed": cfg.seed,
         }
         run = CheckpointRun(losses=[])
-        # 'latest': the newest checkpoint that verifies (a damaged one is skipped, in one line)
-        resume = resume_checkpoint(cfg.resume_from, cfg.checkpoint_dir, group=group)
-        if resume is not None:
-            resume_dir, manifest = resume
-            load_checkpoint(
-                resume_dir, {"app": app}, group=group, made_with=made_with, manifest=manifest
-            )
-            run.resumed_from, run.saved_by_world_size = resume_dir, manifest["world_size"]
-            for name in ("global_batch_size", "batches_per_epoch"):  # checkpoints w/o made_with
-                if app.progress[name] != getattr(cfg, name):
-                    raise CheckpointError(
-                        f"{resume_dir} was trained with {name}={app.progress[name]}; resume with "
-                        f"the same --{name.replace('_', '-')}, or the resumed run reads other data"
-                    )
-            # --lr on resume: applied, not refused. The loaded optimizer state carries the saved lr
-            # and would silently win; lowering the lr of a running job is a common reason to
-            # restart it, and Adam's moments stay valid under another lr.
-            saved_lrs = sorted({param_group["lr"] for param_group in optimizer.param_groups})
-            if saved_lrs != [cfg.lr]:
-                say(f"--lr {cfg.lr:g} replaces the checkpoint's lr {'/'.join(map(str, saved_lrs))}")
-                for param_group in optimizer.param_groups:
-                    param_group["lr"] = cfg.lr
-            say(
-                f"resumed from {resume_dir} at step {app.progress['step']} (saved by "
-                f"{run.saved_by_world_size} rank(s), loaded on {world.world_size})"
-            )
-        elif cfg.init_from:
-            load_full_state_dict(model, cfg.init_from)
-            say(f"model initialised from {cfg.init_from}")
+        # 'latest': the newest checkpoint that verifies; else --init-from's weights; else fresh
+        resume_or_init(cfg, app, run, group=group, made_with=made_with, world_size=world_size)
         if observer:
             observer.model_ready(model, optimizer)
         run.start_step = app.progress["step"]
-        if run.start_step >= cfg.steps:
-            say(
-                f"the checkpoint is at step {run.start_step} and --steps is {cfg.steps}: "
-                "nothing to train"
-            )
-        later = [s for s in published_steps(cfg.checkpoint_dir) if s > run.start_step]
-        if later and cfg.save_every:  # refuse now rather than after training up to the clash
-            raise CheckpointError(
-                f"{cfg.checkpoint_dir} already holds checkpoints past step {run.start_step} (up to "
-                f"step {later[-1]}) that this run would collide with; use --resume-from latest or "
-                "another --checkpoint-dir"
-            )
+        check_start(cfg, run.start_step)  # no checkpoint of a later step is overwritten
 
         dataset = make_dataset(
             cfg.model, cfg.global_batch_size, batches_per_epoch=cfg.batches_per_epoch, seed=cfg.seed
