@@ -201,6 +201,7 @@ def train(cfg: RayTrainConfig, recipe_cfg=None) -> dict | list:
         runtime_env={"env_vars": QUIET_WORKERS_ENV},  # what the job's actors start with
     )
     temp = storage = None
+    saved_env = {name: os.environ.get(name) for name in LOCAL_CLUSTER_ENV}
     try:
         if cfg.address is None:  # a local cluster, for this run only
             os.environ.update(LOCAL_CLUSTER_ENV)
@@ -254,6 +255,11 @@ def train(cfg: RayTrainConfig, recipe_cfg=None) -> dict | list:
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        for name, value in saved_env.items():  # the caller's environment as it was
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if temp:
             shutil.rmtree(temp, ignore_errors=True)
         if storage and not cfg.storage_path:

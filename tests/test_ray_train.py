@@ -78,6 +78,24 @@ def test_a_config_of_another_recipe_is_refused():
         ray_train.train(ray_train.RayTrainConfig(recipe="job"), ddp_torchrun.DDPConfig())
 
 
+# slow only because CI installs Ray for the slow set: without a cluster, ~3 s
+@pytest.mark.slow
+@needs_ray
+def test_the_local_clusters_settings_leave_the_callers_environment_as_it_was(monkeypatch):
+    import ray
+
+    def no_cluster(**_):
+        raise RuntimeError("no cluster in this test")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    monkeypatch.setenv("RAY_worker_niceness", "7")  # the caller's own value stays
+    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)  # and an unset one stays unset
+    with pytest.raises(RuntimeError, match="no cluster in this test"):
+        ray_train.train(ray_train.RayTrainConfig(workers=1))
+    assert os.environ["RAY_worker_niceness"] == "7"
+    assert "RAY_USAGE_STATS_ENABLED" not in os.environ
+
+
 # --- under Ray (slow: each run starts a local Ray cluster, ~35 s and ~40 CPU s on 2 cores) ---
 
 
