@@ -160,10 +160,10 @@ def _free_port() -> int:
 
 
 # A local cluster for one run on a small machine: no spot-preemption watcher, no Prometheus
-# metrics (no dashboard to show them), no usage report. Every Ray process inherits them.
-# Pitfall: Ray starts its workers at niceness 15, so on a machine with anything else busy the
-# ranks get almost no CPU and the run stalls (measured: no step in 6 minutes beside 4 busy loops
-# on 2 cores, 37 s without them): the training ranks at the normal priority.
+# metrics (no dashboard to show them), no usage report. Every Ray process inherits them; a value
+# the caller set stays theirs.
+# Pitfall: Ray starts its workers at niceness 15: beside anything else busy the ranks get almost
+# no CPU and the run stalls. The training ranks run at the normal priority.
 LOCAL_CLUSTER_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -201,10 +201,10 @@ def train(cfg: RayTrainConfig, recipe_cfg=None) -> dict | list:
         runtime_env={"env_vars": QUIET_WORKERS_ENV},  # what the job's actors start with
     )
     temp = storage = None
-    saved_env = {name: os.environ.get(name) for name in LOCAL_CLUSTER_ENV}
+    added = [name for name in LOCAL_CLUSTER_ENV if name not in os.environ]
     try:
         if cfg.address is None:  # a local cluster, for this run only
-            os.environ.update(LOCAL_CLUSTER_ENV)
+            os.environ.update({name: LOCAL_CLUSTER_ENV[name] for name in added})
             # Pitfall: Ray's sockets live under its temporary folder and a socket's path must
             # stay under 108 bytes: a short folder
             base = tempfile.gettempdir()
@@ -255,11 +255,8 @@ def train(cfg: RayTrainConfig, recipe_cfg=None) -> dict | list:
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        for name, value in saved_env.items():  # the caller's environment as it was
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        for name in added:  # the caller's environment as it was
+            os.environ.pop(name, None)
         if temp:
             shutil.rmtree(temp, ignore_errors=True)
         if storage and not cfg.storage_path:

@@ -19,6 +19,11 @@ from tests.test_job import job_in_a_rank, shards
 
 __all__ = ["shards"]  # the job's session shards (tests/test_job.py), prepared once per run
 
+# One local Ray cluster at a time on this machine: with two, Ray Train's placement-group cleaner
+# finds both by their processes and raises in its thread (a traceback; the runs go on). These
+# tests share a worker with the copy test, whose launch runs ray_train's copy.
+pytestmark = pytest.mark.xdist_group("copy_recipes")
+
 # The bad-input tests refuse before Ray is imported: they run where Ray is not installed (the
 # README's install), and so does the one that hides Ray. The runs under Ray need it.
 needs_ray = pytest.mark.skipif(
@@ -81,18 +86,22 @@ def test_a_config_of_another_recipe_is_refused():
 # slow only because CI installs Ray for the slow set: without a cluster, ~3 s
 @pytest.mark.slow
 @needs_ray
-def test_the_local_clusters_settings_leave_the_callers_environment_as_it_was(monkeypatch):
+def test_the_local_cluster_settings_yield_to_the_callers_and_are_removed_after(monkeypatch):
     import ray
 
+    seen = {}
+
     def no_cluster(**_):
+        seen.update({name: os.environ.get(name) for name in ray_train.LOCAL_CLUSTER_ENV})
         raise RuntimeError("no cluster in this test")
 
     monkeypatch.setattr(ray, "init", no_cluster)
-    monkeypatch.setenv("RAY_worker_niceness", "7")  # the caller's own value stays
-    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)  # and an unset one stays unset
+    monkeypatch.setenv("RAY_worker_niceness", "7")  # the caller's own value is kept
+    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)  # an unset one, set for the run
     with pytest.raises(RuntimeError, match="no cluster in this test"):
         ray_train.train(ray_train.RayTrainConfig(workers=1))
-    assert os.environ["RAY_worker_niceness"] == "7"
+    assert seen["RAY_worker_niceness"] == "7" and seen["RAY_USAGE_STATS_ENABLED"] == "0"
+    assert os.environ["RAY_worker_niceness"] == "7"  # and after the run, as it was
     assert "RAY_USAGE_STATS_ENABLED" not in os.environ
 
 
@@ -111,26 +120,21 @@ def under_ray(args: list[str], *, env: dict | None = None) -> dict:
     return json.loads([line for line in lines if line.startswith("{")][-1])
 
 
-# slow: a local Ray cluster and 2 workers (~35 s, ~40 CPU s), and the 2-rank reference
+# slow: a local Ray cluster and 2 workers (~35 s, ~40 CPU s each), and the 2-rank reference.
+# fsdp2 calls setup_distributed, which takes the process group Ray made as it finds it;
+# ddp_torchrun leaves Ray's group and joins its own, in the open.
 @pytest.mark.slow
 @needs_ray
-def test_fsdp2_under_ray_equals_fsdp2_on_two_ranks():
-    """fsdp2 calls setup_distributed, which takes the process group Ray made as it finds it."""
-    result = under_ray(["--recipe", "fsdp2", "--", "--steps", "4", "--precision", "fp32"])
-    reference = spawn_world(
-        fsdp2_result, 2, fsdp2.FSDP2Config(steps=4, precision="fp32"), deadline_s=120
-    )
-    assert result["result"] == reference.losses  # the same world, the same floats
-
-
-# slow: as above
-@pytest.mark.slow
-@needs_ray
-def test_ddp_under_ray_equals_ddp_on_two_ranks():
-    result = under_ray(["--recipe", "ddp_torchrun", "--", "--steps", "4", "--precision", "fp32"])
-    reference = spawn_world(
-        ddp_result_only, 2, ddp_torchrun.DDPConfig(steps=4, precision="fp32"), deadline_s=120
-    )
+@pytest.mark.parametrize(
+    "recipe, in_a_rank, config",
+    [
+        ("fsdp2", fsdp2_result, fsdp2.FSDP2Config),
+        ("ddp_torchrun", ddp_result_only, ddp_torchrun.DDPConfig),
+    ],
+)
+def test_a_recipe_under_ray_equals_it_on_two_ranks(recipe, in_a_rank, config):
+    result = under_ray(["--recipe", recipe, "--", "--steps", "4", "--precision", "fp32"])
+    reference = spawn_world(in_a_rank, 2, config(steps=4, precision="fp32"), deadline_s=120)
     assert result["result"] == reference.losses  # the same world, the same floats
 
 
