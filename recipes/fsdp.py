@@ -27,15 +27,24 @@ Speed: ``--precision auto`` (bf16 on a GPU) is FSDP's own ``MixedPrecision`` (bf
 buffers, fp32 reduction), AdamW is fused on CUDA (results/bench/ has the measured steps).
 
 New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing
-training code uses, so its options and pitfalls are shown here. Pitfalls named where they bite: fp16
-needs ShardedGradScaler; clip with ``FSDP.clip_grad_norm_``; ``no_sync`` holds unsharded gradients;
-the optimizer is built after wrapping; activation checkpointing goes inside the FSDP unit.
+training code uses, so its options and pitfalls are shown here. ``wrap_with_fsdp`` holds the wrap
+(its options all in one call); the loop is DDP's. Pitfalls named where they bite: fp16 needs
+ShardedGradScaler, unscaled before the step; the optimizer is built after wrapping; activation
+checkpointing goes inside the FSDP unit.
+
+Accumulation and clipping are other recipes' lessons (recipes/grad_accumulation.py,
+recipes/grad_clipping.py); under classic FSDP they take its own calls, which tests/test_fsdp.py
+checks on this wrap:
+
+- accumulate in ``model.no_sync()``: every rank then holds the UNSHARDED gradients until the synced
+  micro-batch (N x the bytes sharding saved); or sync every micro-batch and keep them sharded;
+- clip with ``model.clip_grad_norm_(max_norm)``: it all-reduces the shards' partial norms, where
+  ``torch.nn.utils.clip_grad_norm_`` would return this rank's shard's norm.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -125,18 +134,6 @@ class FSDPConfig:
     activation_checkpointing: bool = option(
         False, "recompute each Block's activations in backward (non-reentrant)"
     )
-    micro_batches: int = option(
-        1, "gradient accumulation: micro-batches per optimizer step", at_least=1
-    )
-    accumulation: str = option(
-        "sync",
-        "sync = reduce-scatter every micro-batch (gradients stay sharded); no_sync = "
-        "communicate on the last one only (every rank holds unsharded gradients: N x the memory)",
-        choices=["sync", "no_sync"],
-    )
-    max_grad_norm: float = option(
-        0.0, "clip the total gradient norm with FSDP.clip_grad_norm_ (0 = off)", at_least=0
-    )
     grad_scaler: str = option(
         "sharded",
         "fp16 only: sharded = ShardedGradScaler (right); amp = torch.amp.GradScaler (wrong "
@@ -206,104 +203,112 @@ def hybrid_mesh(world_size: int, ranks_per_node: int, device_type: str) -> Devic
     )
 
 
-# --8<-- [start:train]
-def train(cfg: FSDPConfig, observer=None) -> list[float]:
-    """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
+# --8<-- [start:wrap]
+def wrap_with_fsdp(
+    model: nn.Module, cfg: FSDPConfig, *, precision: str, device: torch.device, world_size: int
+) -> FullyShardedDataParallel:
+    """``model`` as FSDP units, as ``cfg`` says: the wrap policy, the sharding strategy (and the
+    hybrid mesh), mixed precision and prefetching; then activation checkpointing inside units."""
     policy = wrap_policy_for(
         cfg.wrap_policy, block_types=(Block,), min_num_params=cfg.min_num_params
     )
+    strategy, mesh = STRATEGIES[cfg.sharding_strategy], None
+    if cfg.sharding_strategy == "hybrid":
+        mesh = hybrid_mesh(world_size, cfg.ranks_per_node, device.type)
+        if mesh.size(1) == 1:
+            # Pitfall (torch's FSDP, seen on 2.13): with one rank per shard group FSDP clamps the
+            # group to NO_SHARD and never all-reduces across the replicas: each rank trains on its
+            # own gradient. One rank per node is NO_SHARD over the whole world.
+            strategy, mesh = ShardingStrategy.NO_SHARD, None
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    use_cuda = device.type == "cuda"
+    if cfg.sync_module_states and not use_cuda:
+        # FSDP's own sync_module_states broadcasts on the accelerator and refuses CPU tensors: on
+        # a CPU-only world, broadcast rank 0's parameters and buffers by hand.
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+    tied = tied_modules(model)  # before wrapping: FSDP flattens them away
+    model = FullyShardedDataParallel(
+        model,
+        sharding_strategy=strategy,
+        auto_wrap_policy=policy,  # one FSDP unit per module it picks, the root takes the rest
+        # bf16/fp16: compute (and keep buffers) in it, reduce gradients in fp32: a sum over many
+        # ranks in bf16 loses bits. fp32: None, everything in the parameters' fp32.
+        mixed_precision=MixedPrecision(
+            param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low
+        )
+        if low
+        else None,
+        cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None,
+        backward_prefetch=PREFETCH[cfg.backward_prefetch],
+        forward_prefetch=cfg.forward_prefetch,
+        limit_all_gathers=cfg.limit_all_gathers,
+        sync_module_states=cfg.sync_module_states and use_cuda,
+        # use_orig_params: parameters keep their names and shapes for the optimizer and for
+        # torch.compile; gradients are views into the flat shard.
+        use_orig_params=True,
+        device_id=device,  # Pitfall: without it FSDP refuses a CPU-only host
+        device_mesh=mesh,
+    )
+    check_units(model, policy, tied)  # a policy that wraps nothing, or splits a tied weight
+    if cfg.activation_checkpointing:
+        # Order: wrap with FSDP FIRST, then checkpoint, so each unit is
+        # FSDP(CheckpointWrapper(Block)): the recomputation runs inside the unit while its
+        # parameters are all-gathered. Non-reentrant: FSDP's hooks expect no nested backward.
+        apply_activation_checkpointing(
+            model,
+            check_fn=lambda module: isinstance(module, Block),
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            ),
+        )
+    return model
+
+
+# --8<-- [end:wrap]
+
+
+# --8<-- [start:train]
+def train(cfg: FSDPConfig, observer=None) -> list[float]:
+    """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
     world = setup_distributed(cfg.backend, timeout_s=cfg.timeout_s)  # torchrun's, or a world of 1
     try:
-        device, parts = world.device, world.world_size * cfg.micro_batches
-        if cfg.global_batch_size % parts:
-            lower = max(parts, cfg.global_batch_size - cfg.global_batch_size % parts)
-            over = f" x {cfg.micro_batches} micro-batches" if cfg.micro_batches > 1 else ""
+        device, rank, world_size = world.device, world.rank, world.world_size
+        if cfg.global_batch_size % world_size:
+            lower = max(world_size, cfg.global_batch_size - cfg.global_batch_size % world_size)
             raise ValueError(
-                f"global_batch_size={cfg.global_batch_size} does not divide across "
-                f"{world.world_size} ranks{over}; use a multiple of {parts}, e.g. {lower} or "
-                f"{lower + parts}"
+                f"global_batch_size={cfg.global_batch_size} does not divide across {world_size} "
+                f"ranks; use a multiple of {world_size}, e.g. {lower} or {lower + world_size}"
             )
-        strategy, mesh = STRATEGIES[cfg.sharding_strategy], None
-        if cfg.sharding_strategy == "hybrid":
-            mesh = hybrid_mesh(world.world_size, cfg.ranks_per_node, device.type)
-            if mesh.size(1) == 1:
-                # Pitfall (torch's FSDP, seen on 2.13): with one rank per shard group FSDP clamps
-                # the group to NO_SHARD and never all-reduces across the replicas: each rank
-                # trains on its own gradient. One rank per node is NO_SHARD over the whole world.
-                strategy, mesh = ShardingStrategy.NO_SHARD, None
         precision = resolve_precision(cfg.precision, device)
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        rank, world_size, use_cuda = world.rank, world.world_size, device.type == "cuda"
-        per_rank_batch = cfg.global_batch_size // world_size
+        use_cuda, per_rank_batch = device.type == "cuda", cfg.global_batch_size // world_size
         if rank == 0:
             print(
                 f"FSDP {cfg.sharding_strategy} on {world_size} rank(s), wrap={cfg.wrap_policy}, "
-                f"{precision}, {cfg.micro_batches} x {per_rank_batch // cfg.micro_batches} "
-                "sequences per rank",
+                f"{precision}, {per_rank_batch} sequences per rank",
                 flush=True,
             )
 
         # --8<-- [start:loop]
+        # Pitfall: the same seed on every rank, or the replicas start different (FSDP broadcasts
+        # rank 0's weights with sync_module_states, but a model built differently still diverges)
         model = build_model(cfg.model, seed=cfg.seed, device=device)
-        if cfg.sync_module_states and not use_cuda:
-            # FSDP's own sync_module_states broadcasts on the accelerator and refuses CPU
-            # tensors: on a CPU-only world, broadcast rank 0's parameters and buffers by hand.
-            with torch.no_grad():
-                for tensor in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(tensor, src=0)
-        tied = tied_modules(model)  # before wrapping: FSDP flattens them away
-        model = FullyShardedDataParallel(
-            model,
-            sharding_strategy=strategy,
-            auto_wrap_policy=policy,  # one FSDP unit per module it picks, the root takes the rest
-            # bf16/fp16: compute (and keep buffers) in it, reduce gradients in fp32: a sum over
-            # many ranks in bf16 loses bits. fp32: None, everything in the parameters' fp32.
-            mixed_precision=MixedPrecision(
-                param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low
-            )
-            if low
-            else None,
-            cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None,
-            backward_prefetch=PREFETCH[cfg.backward_prefetch],
-            forward_prefetch=cfg.forward_prefetch,
-            limit_all_gathers=cfg.limit_all_gathers,
-            sync_module_states=cfg.sync_module_states and use_cuda,
-            # use_orig_params: parameters keep their names and shapes for the optimizer and for
-            # torch.compile; gradients are views into the flat shard.
-            use_orig_params=True,
-            device_id=device,  # Pitfall: without it FSDP refuses a CPU-only host
-            device_mesh=mesh,
+        model = wrap_with_fsdp(
+            model, cfg, precision=precision, device=device, world_size=world_size
         )
-        check_units(model, policy, tied)  # a policy that wraps nothing, or splits a tied weight
-        if cfg.activation_checkpointing:
-            # Order: wrap with FSDP FIRST, then checkpoint, so each unit is
-            # FSDP(CheckpointWrapper(Block)): the recomputation runs inside the unit while its
-            # parameters are all-gathered. Non-reentrant: FSDP's hooks expect no nested backward.
-            apply_activation_checkpointing(
-                model,
-                check_fn=lambda module: isinstance(module, Block),
-                checkpoint_wrapper_fn=functools.partial(
-                    checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-                ),
-            )
-        # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters, not the
-        # originals.
+        # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
         )  # one kernel on CUDA
         if observer:
             observer.model_ready(model, optimizer)
-        scaler = None
-        if precision == "fp16":  # fp32 and bf16 share fp32's exponent range: nothing to scale
-            # Pitfall: torch.amp.GradScaler looks for inf/nan in THIS rank's gradients only. Each
-            # rank holds a different shard, so one rank would skip the step and the others would
-            # not: the shards silently stop being one model. ShardedGradScaler all-reduces
-            # found_inf: every rank decides alike.
-            scaler = (
-                ShardedGradScaler(device.type)
-                if cfg.grad_scaler == "sharded"
-                else torch.amp.GradScaler(device.type)
-            )
+        # Pitfall (fp16): torch.amp.GradScaler looks for inf/nan in THIS rank's gradient shard
+        # only: one rank would skip the step and the others would not, and the shards stop being
+        # one model. ShardedGradScaler all-reduces found_inf. Off (a pass-through) unless fp16.
+        scaler = (ShardedGradScaler if cfg.grad_scaler == "sharded" else torch.amp.GradScaler)(
+            device.type, enabled=precision == "fp16"
+        )
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
@@ -325,30 +330,15 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
                 inputs = inputs.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                step_loss = torch.zeros((), device=device)
-                micro = list(zip(inputs.chunk(cfg.micro_batches), targets.chunk(cfg.micro_batches)))
-                for index, (x, y) in enumerate(micro):
-                    syncing = cfg.accumulation == "sync" or index == len(micro) - 1
-                    # Pitfall: no_sync() skips the reduce-scatter, so every rank keeps UNSHARDED
-                    # gradients until the synced micro-batch: N x the gradient memory that
-                    # sharding saved.
-                    with contextlib.nullcontext() if syncing else model.no_sync():
-                        loss = lm_loss(model(x), y) / cfg.micro_batches
-                        (scaler.scale(loss) if scaler else loss).backward()
-                    step_loss += loss.detach().float()
-                if scaler:
-                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                if cfg.max_grad_norm > 0:
-                    # Pitfall: torch.nn.utils.clip_grad_norm_ here would return the norm of this
-                    # rank's shard; FSDP's all-reduces the partial norms.
-                    model.clip_grad_norm_(cfg.max_grad_norm)
-                if scaler:
-                    scaler.step(optimizer)  # skips optimizer.step() if any rank found an inf
-                    scaler.update()
-                else:
-                    optimizer.step()
+                loss = lm_loss(model(inputs), targets)  # MixedPrecision casts inside each unit
+                scaler.scale(loss).backward()  # FSDP reduce-scatters each unit's gradients here
+                # Pitfall: unscale_ here, not inside step(): with a fused AdamW, step() checks
+                # for infs without ShardedGradScaler's all-reduce of found_inf
+                scaler.unscale_(optimizer)
+                scaler.step(optimizer)  # skips optimizer.step() if any rank found an inf
+                scaler.update()
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)
-                global_loss = step_loss.detach().float().clone()
+                global_loss = loss.detach().float().clone()
                 dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
                 losses.append(global_loss.item())
                 if rank == 0:

@@ -52,7 +52,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -131,6 +132,49 @@ class FSDP2Config:
         self.reshard_after_forward = reshard
 
 
+# --8<-- [start:shard]
+def shard_with_fully_shard(
+    model: nn.Module, cfg: FSDP2Config, *, mesh: DeviceMesh, precision: str, use_cuda: bool
+) -> nn.Module:
+    """``model`` sharded in place by ``fully_shard``: one group per Block, then the root, with the
+    mixed-precision and offload policies and the prefetch order ``cfg`` asks for. Returns
+    ``model``, now also an ``FSDPModule``."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    # bf16: compute in it, reduce gradients in fp32 (a sum over many ranks in bf16 loses
+    # bits), keep fp32 sharded master weights. Never autocast on top of it.
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    # Pinned memory needs an accelerator: on a CPU-only world this only runs the code.
+    offload_policy = CPUOffloadPolicy(pin_memory=use_cuda) if cfg.cpu_offload else OffloadPolicy()
+    # Order: bottom-up. Each call groups the parameters no inner call has claimed, so the
+    # Blocks go first and the root call collects the rest (embeddings, final norm, output).
+    for block in blocks:
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=cfg.reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+    # The root keeps fully_shard's default (not resharded after forward): backward needs its
+    # parameters (the output layer) first, so freeing them would only re-gather them at once.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    if cfg.explicit_prefetch:
+        # Default: each group all-gathers when its own forward / backward starts. Explicit:
+        # Block i issues Block i+1's all-gather in forward and Block i-1's in backward, so the
+        # communication runs under Block i's compute.
+        for previous, following in zip(blocks, blocks[1:]):
+            previous.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([previous])
+    return model
+
+
+# --8<-- [end:shard]
+
+
 # --8<-- [start:train]
 def train(cfg: FSDP2Config, observer=None) -> list[float]:
     """Train on this process's rank; returns the global batch's loss of each step (every rank)."""
@@ -164,48 +208,25 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
                 f"size {shard}; use true, false or a divisor of {shard}"
             )
         precision = resolve_precision(cfg.precision, device)
+        if rank == 0:
+            print(
+                f"fully_shard on mesh {tuple(mesh.shape)}, reshard_after_forward={reshard}, "
+                f"{precision}, {per_rank_batch} sequences per rank",
+                flush=True,
+            )
 
         # --8<-- [start:loop]
         # On CPU from the seed, then sharded: every rank starts from exactly the same weights, and
         # each fully_shard call moves only its group to the device, keeping a 1/N shard of it.
         model = build_model(cfg.model, seed=cfg.seed, device="cpu")
         loss_fn = lm_loss
-        blocks = [m for m in model.modules() if isinstance(m, Block)]
         if cfg.compile:  # each block's forward, before sharding: the hooks stay out of the graphs
-            for block in blocks:
+            for block in [m for m in model.modules() if isinstance(m, Block)]:
                 block.forward = torch.compile(block.forward, backend=cfg.compile_backend)
             loss_fn = torch.compile(lm_loss, backend=cfg.compile_backend)
-        # bf16: compute in it, reduce gradients in fp32 (a sum over many ranks in bf16 loses
-        # bits), keep fp32 sharded master weights. Never autocast on top of it.
-        mp_policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if precision == "bf16"
-            else MixedPrecisionPolicy()
+        model = shard_with_fully_shard(
+            model, cfg, mesh=mesh, precision=precision, use_cuda=use_cuda
         )
-        # Pinned memory needs an accelerator: on a CPU-only world this only runs the code.
-        offload_policy = (
-            CPUOffloadPolicy(pin_memory=use_cuda) if cfg.cpu_offload else OffloadPolicy()
-        )
-        # Order: bottom-up. Each call groups the parameters no inner call has claimed, so the
-        # Blocks go first and the root call collects the rest (embeddings, final norm, output).
-        for block in blocks:
-            fully_shard(
-                block,
-                mesh=mesh,
-                reshard_after_forward=reshard,
-                mp_policy=mp_policy,
-                offload_policy=offload_policy,
-            )
-        # The root keeps fully_shard's default (not resharded after forward): backward needs its
-        # parameters (the output layer) first, so freeing them would only re-gather them at once.
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-        if cfg.explicit_prefetch:
-            # Default: each group all-gathers when its own forward / backward starts. Explicit:
-            # Block i issues Block i+1's all-gather in forward and Block i-1's in backward, so the
-            # communication runs under Block i's compute.
-            for previous, following in zip(blocks, blocks[1:]):
-                previous.set_modules_to_forward_prefetch([following])
-                following.set_modules_to_backward_prefetch([previous])
         # Pitfall: build the optimizer AFTER sharding: its state is then created like the
         # parameters, as DTensor shards (1/N each), not for the replaced full tensors.
         optimizer = torch.optim.AdamW(
@@ -216,20 +237,14 @@ def train(cfg: FSDP2Config, observer=None) -> list[float]:
 
         dataset = make_dataset(cfg.model, cfg.global_batch_size, seed=cfg.seed)
         # Each rank reads a disjoint 1/world_size of every epoch: the union of the ranks' batches
-        # at step s is one process's batch s (HSDP's replicas too: every rank is a data-parallel
-        # rank). drop_last keeps every global batch full.
+        # at step s is one process's batch s. drop_last keeps every global batch full. (HSDP too:
+        # every rank of a 2 x 2 mesh is a data-parallel rank.)
         sampler = DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
         )
         loader = DataLoader(
             dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, pin_memory=use_cuda
         )
-        if rank == 0:
-            print(
-                f"fully_shard on mesh {tuple(mesh.shape)}, reshard_after_forward={reshard}, "
-                f"{precision}, {per_rank_batch} sequences per rank",
-                flush=True,
-            )
 
         losses, step, epoch = [], 0, 0
         while step < cfg.steps:

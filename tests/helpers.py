@@ -405,50 +405,6 @@ def worker_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-# What both FSDP APIs must show (tests/test_fsdp.py, tests/test_fsdp2.py): the same claims, each
-# test names the API-specific call it proves them for.
-SHARDED_STEPS = 4
-SHARDED_CLIP = 0.5  # below the tiny model's gradient norms (about 0.5-0.55): clipping happens
-SHARDED_BF16_ATOL = 2e-2  # bf16's 8-bit mantissa over 4 AdamW steps
-SHARDED_INJECT_STEP = 2
-
-
-def assert_sharded_run_claims(results: dict, ddp_memory: dict, reference) -> None:
-    """Accumulation without sync holds N x the synced gradient bytes; clipping reports the whole
-    model's norm (as one process does); bf16 stays within its tolerance; an inf in one rank's
-    shard makes every rank skip that step and halve its scale."""
-    from recipes import zero
-
-    synced_bytes = results["accumulate_sync"].extras["grad_bytes_accumulated"]
-    unsynced_bytes = results["accumulate_no_sync"].extras["grad_bytes_accumulated"]
-    assert_about_fraction(synced_bytes, ddp_memory["grad_bytes"], 2, "sync accumulation")
-    assert unsynced_bytes >= 0.9 * 2 * synced_bytes and unsynced_bytes >= ddp_memory["grad_bytes"]
-
-    clipped_reference = run_alone(
-        recipe_result,
-        zero.ZeroConfig(
-            optimizer="adamw", max_grad_norm=SHARDED_CLIP, steps=SHARDED_STEPS, precision="fp32"
-        ),
-    )
-    clipped = results["clipped"]
-    assert clipped.extras["grad_norms"] == pytest.approx(
-        clipped_reference.extras["grad_norms"], rel=1e-5
-    )
-    assert max(clipped.extras["grad_norms"]) > SHARDED_CLIP
-    assert_states_close(clipped.final_state, clipped_reference.final_state, atol=1e-5)
-
-    assert_losses_close(results["bf16"].losses, reference.losses, atol=SHARDED_BF16_ATOL / 2)
-    assert_states_close(results["bf16"].final_state, reference.final_state, atol=SHARDED_BF16_ATOL)
-
-    fp16 = results["fp16"].extras
-    assert fp16["skipped_steps_per_rank"] == [[SHARDED_INJECT_STEP], [SHARDED_INJECT_STEP]]
-    assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]  # 2^16 halved once, on both ranks
-    until = SHARDED_INJECT_STEP + 1
-    assert_losses_close(
-        results["fp16"].losses[:until], reference.losses[:until], atol=SHARDED_BF16_ATOL
-    )
-
-
 # The token shards tests/test_data.py and tests/test_evaluation.py read: a corpus of a few hundred
 # KB (the stdlib's first sources), a small vocab, small shards (several per split).
 SMALL_SHARDS = dict(max_bytes=200_000, vocab_size=300, shard_tokens=20_000)

@@ -4,8 +4,11 @@ The recipe is copyable (torch, recipes/toy.py, dist_setup.py and parallelize.py)
 losses; the harness (``prove``, with ``recipes.core.observe.ClassicFSDPObserver``) measures the rest
 from outside: final weights, bytes per rank, the last forward's bytes, clipped norms, skipped
 steps. The fp16 fault (an inf in one rank's gradient shard) is injected from here, through the
-recipe's own loss scaler."""
+recipe's own loss scaler. Accumulation and clipping are other recipes' lessons; what the recipe's
+docstring says of them under classic FSDP (``no_sync`` holds unsharded gradients,
+``model.clip_grad_norm_`` is the whole model's norm) is checked here on its ``wrap_with_fsdp``."""
 
+import contextlib
 import math
 
 import pytest
@@ -16,22 +19,18 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from recipes import fsdp, zero
+from recipes.core.memory import model_state_bytes
 from recipes.core.observe import ClassicFSDPObserver, Observer, prove
 from recipes.core.state import all_ranks, full_state_on_rank0
-from recipes.core.workload import Block, build_model
+from recipes.core.workload import Block, build_model, lm_loss, make_dataset
 from recipes.core.world import join_world
 from recipes.parallelize import apply_fsdp
 from tests.helpers import (
     BACKENDS,
     CUDA_DEVICES,
     PYTHON,
-    SHARDED_BF16_ATOL,
-    SHARDED_CLIP,
-    SHARDED_INJECT_STEP,
-    SHARDED_STEPS,
     assert_about_fraction,
     assert_losses_close,
-    assert_sharded_run_claims,
     assert_states_close,
     recipe_result,
     run_alone,
@@ -42,16 +41,12 @@ from tests.helpers import (
     with_fields,
 )
 
-# SHARDED_* are shared with tests/test_fsdp2.py. bf16 keeps 8 bits of mantissa
-# (relative error 2^-8 = 0.4% per rounding): over 4 AdamW steps the losses stay within 1e-2 and the
-# weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2 of fp32.
-STEPS, CLIP, BF16_ATOL, INJECT_STEP = (
-    SHARDED_STEPS,
-    SHARDED_CLIP,
-    SHARDED_BF16_ATOL,
-    SHARDED_INJECT_STEP,
-)
-INJECT_RANK = 1
+STEPS = 4
+CLIP = 0.25  # half the tiny model's first gradient norm (about 0.5): the step clips
+# bf16 keeps 8 bits of mantissa (relative error 2^-8 = 0.4% per rounding): over 4 AdamW steps the
+# losses stay within 1e-2 and the weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2.
+BF16_ATOL = 2e-2
+INJECT_STEP, INJECT_RANK = 2, 1
 CFG = fsdp.FSDPConfig(steps=STEPS, precision="fp32", timeout_s=120)
 
 
@@ -126,9 +121,6 @@ RUNS = {
         CFG, backward_prefetch="post", forward_prefetch=True, limit_all_gathers=False
     ),
     "prefetch_none": with_fields(CFG, backward_prefetch="none", sync_module_states=False),
-    "accumulate_sync": with_fields(CFG, micro_batches=3),
-    "accumulate_no_sync": with_fields(CFG, micro_batches=3, accumulation="no_sync"),
-    "clipped": with_fields(CFG, max_grad_norm=CLIP),
     "bf16": with_fields(CFG, precision="bf16"),
     # both with an inf in rank 1's shard at INJECT_STEP (fp16_with_an_inf_on_one_rank)
     "fp16": with_fields(CFG, precision="fp16"),
@@ -145,8 +137,6 @@ FP32_EXACT = [
     "wrap_none",
     "prefetch",
     "prefetch_none",
-    "accumulate_sync",
-    "accumulate_no_sync",
 ]
 
 
@@ -161,6 +151,56 @@ def sync_module_states_check(_cfg):
         )
         state, _ = full_state_on_rank0(model)
         return state
+
+
+def accumulation_and_clipping(_cfg):
+    """Classic FSDP's own calls for two other recipes' ideas, on the recipe's wrap: the gradient
+    bytes a rank holds after a micro-batch's backward, synced or in ``no_sync()``; then, on a
+    fresh wrap, torch's ``clip_grad_norm_`` (this rank's shard) and FSDP's (the whole model's),
+    and the weights after one SGD step with FSDP's clipped gradients (on rank 0)."""
+    with join_world("gloo") as world:
+        inputs, targets = global_batch()
+        share = CFG.global_batch_size // world.world_size
+        mine = slice(world.rank * share, (world.rank + 1) * share)
+
+        def wrapped():
+            return fsdp.wrap_with_fsdp(
+                build_model("tiny", seed=0),
+                CFG,
+                precision="fp32",
+                device=world.device,
+                world_size=world.world_size,
+            )
+
+        held = {}
+        for accumulation in ("sync", "no_sync"):
+            model = wrapped()
+            with model.no_sync() if accumulation == "no_sync" else contextlib.nullcontext():
+                lm_loss(model(inputs[mine]), targets[mine]).backward()
+            held[accumulation] = model_state_bytes(model)["grad_bytes"]
+        model = wrapped()
+        lm_loss(model(inputs[mine]), targets[mine]).backward()
+        shard_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)  # scales by 1
+        total_norm = model.clip_grad_norm_(CLIP)
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+        state, _ = full_state_on_rank0(model)
+        return held, all_ranks(float(total_norm)), all_ranks(float(shard_norm)), state
+
+
+def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The first CFG.global_batch_size sequences of the recipe's dataset."""
+    dataset = make_dataset("tiny", CFG.global_batch_size, seed=CFG.seed)
+    return next(iter(torch.utils.data.DataLoader(dataset, batch_size=CFG.global_batch_size)))
+
+
+def one_process_clipped_step() -> tuple[float, dict]:
+    """The same step in one process: the norm torch's clip_grad_norm_ reports, the weights."""
+    inputs, targets = global_batch()
+    model = build_model("tiny", seed=0)
+    lm_loss(model(inputs), targets).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return float(norm), {k: v.detach() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -182,8 +222,9 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
             zero.ZeroConfig(optimizer="adamw", steps=STEPS, backend=backend),
         ),  # DDP's bytes
         (sync_module_states_check, None),
+        (accumulation_and_clipping, None),
     ]
-    *outputs, ddp, synced = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
+    *outputs, ddp, synced, calls = run_world(run_pair, 2, pairs, backend=backend, deadline_s=300)
     results = dict(zip(runs, outputs))
     reference = single_process_reference(steps=STEPS)
 
@@ -216,10 +257,28 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
         results["no_shard"].extras["memory_per_rank"][0]["grad_bytes"] == ddp_memory["grad_bytes"]
     )
 
-    # no_sync holds UNSHARDED gradients (N x) while syncing every micro-batch keeps them sharded;
-    # FSDP.clip_grad_norm_ returns the whole model's norm; bf16 computes in bf16 and reduces in
-    # fp32; with ShardedGradScaler an inf in ONE rank's shard makes EVERY rank skip that step.
-    assert_sharded_run_claims(results, ddp_memory, reference)
+    # no_sync holds UNSHARDED gradients (N x) while syncing every micro-batch keeps them sharded.
+    held, total_norms, shard_norms, clipped_state = calls
+    assert_about_fraction(held["sync"], ddp_memory["grad_bytes"], 2, "synced micro-batch")
+    assert held["no_sync"] >= 0.9 * 2 * held["sync"] and held["no_sync"] >= ddp_memory["grad_bytes"]
+    # FSDP.clip_grad_norm_ returns the whole model's norm, on every rank, and clips by it; torch's
+    # function on a rank's shard returns that shard's norm, less than the whole.
+    norm, one_process_state = one_process_clipped_step()
+    assert norm > CLIP, "the step must clip"
+    assert total_norms == pytest.approx([norm, norm], rel=1e-5)
+    assert all(shard_norm < 0.99 * norm for shard_norm in shard_norms), shard_norms
+    assert_states_close(clipped_state, one_process_state, atol=1e-5)
+
+    # bf16 computes in bf16 and reduces in fp32.
+    assert_losses_close(results["bf16"].losses, reference.losses, atol=BF16_ATOL / 2)
+    assert_states_close(results["bf16"].final_state, reference.final_state, atol=BF16_ATOL)
+    # With ShardedGradScaler an inf in ONE rank's shard makes EVERY rank skip that step and halve
+    # its scale (2^16 once halved).
+    fp16 = results["fp16"].extras
+    assert fp16["skipped_steps_per_rank"] == [[INJECT_STEP], [INJECT_STEP]]
+    assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]
+    until = INJECT_STEP + 1
+    assert_losses_close(results["fp16"].losses[:until], reference.losses[:until], atol=BF16_ATOL)
     # With the plain amp GradScaler only the injecting rank (1) notices: the ranks take different
     # decisions and the model's shards are no longer one consistent model.
     wrong = results["fp16_amp_scaler"].extras

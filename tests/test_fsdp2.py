@@ -20,8 +20,6 @@ from recipes.toy import MODEL_PRESETS, Block
 from tests.helpers import (
     BACKENDS,
     PYTHON,
-    SHARDED_BF16_ATOL,
-    SHARDED_STEPS,
     assert_about_fraction,
     assert_losses_close,
     assert_states_close,
@@ -35,8 +33,10 @@ from tests.helpers import (
     with_fields,
 )
 
-# Shared with tests/test_fsdp.py, which says why these values.
-STEPS, BF16_ATOL = SHARDED_STEPS, SHARDED_BF16_ATOL
+STEPS = 4
+# bf16 keeps 8 bits of mantissa (relative error 2^-8 = 0.4% per rounding): over 4 AdamW steps the
+# losses stay within 1e-2 and the weights (about 0.1-1 in size, steps of lr=1e-3) within 2e-2.
+BF16_ATOL = 2e-2
 CFG = fsdp2.FSDP2Config(steps=STEPS, precision="fp32", timeout_s=120)
 
 RUNS = {

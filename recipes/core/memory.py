@@ -169,40 +169,23 @@ def model_state_bytes(
 # --8<-- [end:model_state_bytes]
 
 
-def measure_last_forward(
-    model: nn.Module, *, steps: int, micro_batches: int, extras: dict[str, Any]
-) -> list[Any]:
-    """Measure the run's last forward (the last step's last micro-batch) from hooks, so that the
-    training loop carries none of it. Into ``extras`` go:
+def measure_last_forward(model: nn.Module, *, steps: int, extras: dict[str, Any]) -> list[Any]:
+    """Measure the run's last forward from a hook, so that the training loop carries none of it:
+    ``extras["param_bytes_after_forward"]`` is the parameter bytes this rank holds just after it
+    (with SHARD_GRAD_OP, or no reshard after forward: the unsharded parameters kept for backward).
 
-    - ``grad_bytes_accumulated``: the gradient bytes just before it, after the earlier
-      micro-batches' backward (with gradient sync off: the unsharded gradients a rank holds);
-      only with two micro-batches or more;
-    - ``param_bytes_after_forward``: the parameter bytes this rank holds just after it (with
-      SHARD_GRAD_OP, or no reshard after forward: the unsharded parameters kept for backward).
-
-    The loop must call ``model`` once per micro-batch (``steps x micro_batches`` calls in all).
-    Returns the hooks' handles (``handle.remove()`` takes them off).
+    The loop must call ``model`` once per step. Returns the hook's handle (``handle.remove()``
+    takes it off).
     """
-    last = steps * micro_batches - 1  # the index of the last call
     calls = 0
-
-    def before(module: nn.Module, args: Any) -> None:
-        if calls == last and micro_batches >= 2:
-            extras["grad_bytes_accumulated"] = model_state_bytes(module)["grad_bytes"]
 
     def after(module: nn.Module, args: Any, output: Any) -> None:
         nonlocal calls
-        if calls == last:
+        if calls == steps - 1:
             extras["param_bytes_after_forward"] = model_state_bytes(module)["param_bytes"]
         calls += 1
 
-    # prepend: before fully_shard's own pre-forward hook, which unshards the root's parameters
-    # (their gradients then sit on sharded parameters that model.parameters() does not show).
-    return [
-        model.register_forward_pre_hook(before, prepend=True),
-        model.register_forward_hook(after),
-    ]
+    return [model.register_forward_hook(after)]
 
 
 class SavedTensorBytes(TorchDispatchMode):

@@ -3,7 +3,6 @@ fsdp (classic FullyShardedDataParallel), sharded_accumulation, and zero's optimi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,37 +29,22 @@ def zero_extras(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 class ShardedObserver(Observer):
     """fsdp2's measurements beyond the common ones, from outside like those (into ``extras``):
 
-    - ``param_bytes_after_forward``, and with two micro-batches or more ``grad_bytes_accumulated``:
-      what a rank holds around the run's last forward, from hooks on the model
-      (``recipes.core.memory.measure_last_forward``: ``cfg.micro_batches`` forwards a step);
-    - ``grad_norms``: the total norm each ``torch.nn.utils.clip_grad_norm_`` call returned, as a
-      float (the observer wraps torch's function from ``model_ready`` to ``close``);
+    - ``param_bytes_after_forward``: the parameter bytes a rank holds just after the run's last
+      forward, from hooks on the model (``recipes.core.memory.measure_last_forward``);
     - ``skipped_steps_per_rank`` where ``cfg.precision`` is fp16: the steps at which a rank's
       optimizer did not advance its step count, i.e. its loss scaler skipped the update.
     """
 
     def __init__(self, cfg: Any, *, keep_final_state: bool = False):
         super().__init__(cfg.steps, keep_final_state=keep_final_state)
-        self.micro_batches = getattr(cfg, "micro_batches", 1)  # fsdp2 itself: 1
         self.count_skips = cfg.precision == "fp16"
-        self.grad_norms: list[float] = []
         self.skipped_steps: list[int] = []
         self._steps_taken = 0
         self._handles: list[Any] = []
-        self._clip: Callable[..., torch.Tensor] | None = None
 
     def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().model_ready(model, optimizer)
-        self._handles = measure_last_forward(
-            model, steps=self.steps, micro_batches=self.micro_batches, extras=self.extras
-        )
-        self._clip = torch.nn.utils.clip_grad_norm_
-        torch.nn.utils.clip_grad_norm_ = self._record_clip  # what the recipe calls, by that name
-
-    def _record_clip(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        norm = self._clip(*args, **kwargs)
-        self.grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-        return norm
+        self._handles = measure_last_forward(model, steps=self.steps, extras=self.extras)
 
     def measure(self, step: int) -> None:
         if self.count_skips:
@@ -71,19 +55,14 @@ class ShardedObserver(Observer):
             if taken == self._steps_taken:  # no update: the scaler found an inf or a nan
                 self.skipped_steps.append(step)
             self._steps_taken = taken
-        if step == self.steps - 1:
-            if self.grad_norms:
-                self.extras["grad_norms"] = list(self.grad_norms)
-            if self.count_skips:  # a collective: every rank's list, in rank order
-                self.extras["skipped_steps_per_rank"] = all_ranks(self.skipped_steps)
+        if step == self.steps - 1 and self.count_skips:  # a collective: every rank's list
+            self.extras["skipped_steps_per_rank"] = all_ranks(self.skipped_steps)
         super().measure(step)
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._clip is not None:
-            torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
         super().close()
 
 
@@ -163,37 +142,11 @@ class AccumulationObserver(Observer):
 
 class ClassicFSDPObserver(ShardedObserver):
     """recipes/fsdp.py (classic ``FullyShardedDataParallel``): ``ShardedObserver``'s figures, with
-    two differences the wrapper makes. Its parameters are not DTensors (``use_orig_params`` views
+    one difference the wrapper makes. Its parameters are not DTensors (``use_orig_params`` views
     into flat shards): the checksum and the final state come from the full state gathered whole to
-    rank 0 (every rank, a collective). It clips with its own ``model.clip_grad_norm_`` (the whole
-    model's norm), not torch's function: the observer wraps that method on the model from
-    ``model_ready`` to ``close`` to record each norm in ``grad_norms``."""
-
-    def __init__(self, cfg: Any, *, keep_final_state: bool = False):
-        super().__init__(cfg, keep_final_state=keep_final_state)
-        self._clipped: nn.Module | None = None
-
-    def model_ready(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        super().model_ready(model, optimizer)
-        # not torch's function: FSDP's method calls it itself where every unit is NO_SHARD
-        torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
-        clip = model.clip_grad_norm_
-
-        def record(*args: Any, **kwargs: Any) -> torch.Tensor:
-            norm = clip(*args, **kwargs)
-            self.grad_norms.append(float(norm))
-            return norm
-
-        model.clip_grad_norm_ = record  # an instance attribute: it shadows the method
-        self._clipped = model
+    rank 0 (every rank, a collective)."""
 
     def gather_final_state(self) -> None:
         state, self.param_checksum = full_state_on_rank0(self._model)
         if self.keep_final_state and self.rank == 0:
             self.final_state = state
-
-    def close(self) -> None:
-        if self._clipped is not None:
-            self._clipped.__dict__.pop("clip_grad_norm_", None)
-            self._clipped = None
-        super().close()
