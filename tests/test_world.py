@@ -160,6 +160,34 @@ def test_a_rank_that_dies_stops_the_world_and_is_named():
         spawn_world(die_mid_run, 2, deadline_s=60)
 
 
+class LateExit:
+    """A rank's process whose exit code the parent learns ``after_s`` seconds from now: what a
+    fork server starved of CPU does when it passes on the code of a rank it has reaped."""
+
+    def __init__(self, code, after_s):
+        self.code, self.at = code, time.monotonic() + after_s
+
+    @property
+    def exitcode(self):
+        return self.code if time.monotonic() >= self.at else None
+
+
+def test_a_dead_rank_is_named_even_when_its_exit_code_comes_after_the_survivors_report(tmp_path):
+    """Seen beside busy processes: rank 1 died mid-save (os._exit), rank 0 reported the broken
+    connection at once, and rank 1's exit code reached the parent over 0.5 s later. The parent
+    waits for every rank to exit or report (up to spawn.SETTLE_S) before it names the cause."""
+    import pickle
+
+    from recipes.core import spawn
+
+    report = {"time": time.time(), "type": "RuntimeError", "message": "Connection reset by peer"}
+    report |= {"traceback": "", "operation": "all_gather", "is_recipe_error": False}
+    (tmp_path / "error0.pkl").write_bytes(pickle.dumps(report))
+    ranks = [LateExit(1, after_s=0.0), LateExit(1, after_s=1.5)]
+    with pytest.raises(RankError, match="^rank 1 exited with code 1 without raising an error"):
+        spawn._supervise(ranks, str(tmp_path), deadline_s=30)
+
+
 def test_a_busy_master_port_is_a_one_line_error():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

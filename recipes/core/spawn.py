@@ -195,16 +195,33 @@ def _supervise(processes, workdir: str, deadline_s: float) -> Any:
         errors = _read_errors(workdir, len(processes))
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)] + list(errors)
         if failed:
-            # Let the other ranks report: the first failure is the cause, not the echoes.
-            time.sleep(0.5)
-            _raise_first_failure(
-                [proc.exitcode for proc in processes], _read_errors(workdir, len(processes))
-            )
+            _raise_first_failure(*_settled(processes, workdir))
         if all(code == 0 for code in codes):
             with open(os.path.join(workdir, "result.pkl"), "rb") as f:
                 return pickle.load(f)
         if time.monotonic() > deadline:
             _raise_timeout(processes, workdir, deadline_s)
+        time.sleep(0.02)
+
+
+# After the first failure, how long the others get to exit or report before the cause is named.
+SETTLE_S = 5.0
+
+
+def _settled(processes, workdir: str) -> tuple[list[int | None], dict[int, dict]]:
+    """The exit codes and error reports once every rank has exited or reported, or SETTLE_S
+    later (a rank blocked in a collective may do neither): the first failure is the cause, not
+    the echoes. A rank that died silently is known only by its exit code, which the fork server
+    passes on once it has reaped the process: on a loaded machine that came after the survivor's
+    report of the broken connection (a fixed 0.5 s wait then named the survivor)."""
+    settle = time.monotonic() + SETTLE_S
+    while True:
+        codes = [proc.exitcode for proc in processes]
+        errors = _read_errors(workdir, len(processes))
+        if time.monotonic() > settle or all(
+            code is not None or rank in errors for rank, code in enumerate(codes)
+        ):
+            return codes, errors
         time.sleep(0.02)
 
 
