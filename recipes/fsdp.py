@@ -24,13 +24,14 @@ NO_SHARD (DDP-like, deprecated by torch in favour of DDP); ``hybrid`` = HYBRID_S
 node, replicate across nodes: a 2-D mesh ("replicate", "shard") of nodes x ``--ranks-per-node``).
 
 Speed: ``--precision auto`` (bf16 on a GPU) is FSDP's own ``MixedPrecision`` (bf16 compute and
-buffers, fp32 reduction), AdamW is fused on CUDA (results/bench/ has the measured steps).
+buffers, fp32 reduction), AdamW is fused on CUDA but in fp16 (results/bench/ has the measured
+steps).
 
 New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing
 training code uses, so its options and pitfalls are shown here. ``wrap_with_fsdp`` holds the wrap
 (its options all in one call); the loop is DDP's. Pitfalls named where they bite: fp16 needs
-ShardedGradScaler, unscaled before the step; the optimizer is built after wrapping; activation
-checkpointing goes inside the FSDP unit.
+ShardedGradScaler, and a foreach AdamW (a fused one skips the scaler's check across ranks); the
+optimizer is built after wrapping; activation checkpointing goes inside the FSDP unit.
 
 Accumulation and clipping are other recipes' lessons (recipes/grad_accumulation.py,
 recipes/grad_clipping.py); under classic FSDP they take its own calls, which tests/test_fsdp.py
@@ -205,12 +206,19 @@ def hybrid_mesh(world_size: int, ranks_per_node: int, device_type: str) -> Devic
 
 # --8<-- [start:wrap]
 def wrap_with_fsdp(
-    model: nn.Module, cfg: FSDPConfig, *, precision: str, device: torch.device, world_size: int
+    model: nn.Module,
+    cfg: FSDPConfig,
+    *,
+    precision: str,
+    device: torch.device,
+    world_size: int,
+    block_types: tuple[type[nn.Module], ...] = (Block,),
 ) -> FullyShardedDataParallel:
     """``model`` as FSDP units, as ``cfg`` says: the wrap policy, the sharding strategy (and the
-    hybrid mesh), mixed precision and prefetching; then activation checkpointing inside units."""
+    hybrid mesh), mixed precision and prefetching; then activation checkpointing inside units.
+    ``block_types``: your model's repeated block class (GPT-2's ``GPT2Block``, say)."""
     policy = wrap_policy_for(
-        cfg.wrap_policy, block_types=(Block,), min_num_params=cfg.min_num_params
+        cfg.wrap_policy, block_types=block_types, min_num_params=cfg.min_num_params
     )
     strategy, mesh = STRATEGIES[cfg.sharding_strategy], None
     if cfg.sharding_strategy == "hybrid":
@@ -258,7 +266,7 @@ def wrap_with_fsdp(
         # parameters are all-gathered. Non-reentrant: FSDP's hooks expect no nested backward.
         apply_activation_checkpointing(
             model,
-            check_fn=lambda module: isinstance(module, Block),
+            check_fn=lambda module: isinstance(module, block_types),
             checkpoint_wrapper_fn=functools.partial(
                 checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
             ),
@@ -297,9 +305,12 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
         model = wrap_with_fsdp(
             model, cfg, precision=precision, device=device, world_size=world_size
         )
-        # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters
+        # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters.
+        # Pitfall (fp16, torch 2.13): with a fused AdamW, scaler.step() looks for infs on this
+        # rank only (ShardedGradScaler all-reduces them in unscale_, and calling unscale_ first
+        # then fails in the fused step): the ranks would skip steps apart. Foreach AdamW in fp16.
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, fused=True if use_cuda else None
+            model.parameters(), lr=cfg.lr, fused=True if use_cuda and precision != "fp16" else None
         )  # one kernel on CUDA
         if observer:
             observer.model_ready(model, optimizer)
@@ -332,9 +343,6 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
                 optimizer.zero_grad(set_to_none=True)
                 loss = lm_loss(model(inputs), targets)  # MixedPrecision casts inside each unit
                 scaler.scale(loss).backward()  # FSDP reduce-scatters each unit's gradients here
-                # Pitfall: unscale_ here, not inside step(): with a fused AdamW, step() checks
-                # for infs without ShardedGradScaler's all-reduce of found_inf
-                scaler.unscale_(optimizer)
                 scaler.step(optimizer)  # skips optimizer.step() if any rank found an inf
                 scaler.update()
                 # Pitfall: rank 0's loss alone is its share of the batch (a half on 2 ranks)

@@ -134,12 +134,21 @@ class FSDP2Config:
 
 # --8<-- [start:shard]
 def shard_with_fully_shard(
-    model: nn.Module, cfg: FSDP2Config, *, mesh: DeviceMesh, precision: str, use_cuda: bool
+    model: nn.Module,
+    cfg: FSDP2Config,
+    *,
+    mesh: DeviceMesh,
+    precision: str,
+    use_cuda: bool,
+    block_types: tuple[type[nn.Module], ...] = (Block,),
 ) -> nn.Module:
-    """``model`` sharded in place by ``fully_shard``: one group per Block, then the root, with the
+    """``model`` sharded in place by ``fully_shard``: one group per block, then the root, with the
     mixed-precision and offload policies and the prefetch order ``cfg`` asks for. Returns
-    ``model``, now also an ``FSDPModule``."""
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    ``model``, now also an ``FSDPModule``. ``block_types``: your model's repeated block class."""
+    blocks = [m for m in model.modules() if isinstance(m, block_types)]
+    if not blocks:
+        names = ", ".join(t.__name__ for t in block_types)
+        raise ValueError(f"no module of {model.__class__.__name__} is a {names}: pass block_types")
     # bf16: compute in it, reduce gradients in fp32 (a sum over many ranks in bf16 loses
     # bits), keep fp32 sharded master weights. Never autocast on top of it.
     mp_policy = (

@@ -92,7 +92,8 @@ BYTECODE_VARIABLE = "PYTHONDONTWRITEBYTECODE"
 
 def _cache_bytecode(config) -> None:
     config._recipes_bytecode_variable = os.environ.pop(BYTECODE_VARIABLE, None)
-    sys.dont_write_bytecode = False
+    if config._recipes_bytecode_variable is not None:  # not `python -B`: the user's own choice
+        sys.dont_write_bytecode = False
 
 
 # Every temporary file of the run goes into one folder of its own, removed when the run ends:

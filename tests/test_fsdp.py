@@ -73,9 +73,10 @@ class LossScaleObserver(ClassicFSDPObserver):
 def fp16_with_an_inf_on_one_rank(cfg):
     """fsdp in fp16, with the fp16 overflow that one rank sees injected from the test: both of the
     recipe's scaler classes (``fsdp.ShardedGradScaler``, ``torch.amp.GradScaler``) are recording
-    subclasses for the run (this rank's process only) whose ``unscale_``, at INJECT_STEP on rank
-    INJECT_RANK, first puts an inf into that rank's first non-empty gradient shard: after the
-    step's backward (and its reduce-scatter), before the scaler looks for infs."""
+    subclasses for the run (this rank's process only) that, at INJECT_STEP on rank INJECT_RANK,
+    first put an inf into that rank's first non-empty gradient shard: after the step's backward
+    (and its reduce-scatter), as the scaler looks for infs (in ``unscale_``, or in
+    ``_check_inf_per_device``, where ``step`` looks for a fused optimizer)."""
     scalers, real = [], (fsdp.ShardedGradScaler, torch.amp.GradScaler)
 
     def recording(base):
@@ -85,7 +86,7 @@ def fp16_with_an_inf_on_one_rank(cfg):
                 self.unscaled = 0
                 scalers.append(self)
 
-            def unscale_(self, optimizer):
+            def inject(self, optimizer):
                 if self.unscaled == INJECT_STEP and dist.get_rank() == INJECT_RANK:
                     grad = next(
                         p.grad
@@ -95,7 +96,14 @@ def fp16_with_an_inf_on_one_rank(cfg):
                     )
                     grad.view(-1)[0] = math.inf
                 self.unscaled += 1
+
+            def unscale_(self, optimizer):
+                self.inject(optimizer)
                 return super().unscale_(optimizer)
+
+            def _check_inf_per_device(self, optimizer):
+                self.inject(optimizer)
+                return super()._check_inf_per_device(optimizer)
 
         return Recorded
 
@@ -104,6 +112,23 @@ def fp16_with_an_inf_on_one_rank(cfg):
         return fsdp_result(cfg, observer=LossScaleObserver(cfg, scalers))
     finally:
         fsdp.ShardedGradScaler, torch.amp.GradScaler = real
+
+
+def fp16_fused_with_an_inf_on_one_rank(cfg):
+    """The same with the recipe's AdamW forced fused (what CUDA would pick; CPU has the kernel
+    too). A fused optimizer's ``scaler.step`` looks for infs itself, without ShardedGradScaler's
+    all-reduce of found_inf: the reason the recipe keeps a foreach AdamW in fp16."""
+    real = torch.optim.AdamW
+
+    class FusedAdamW(real):
+        def __init__(self, params, **kwargs):
+            super().__init__(params, **{**kwargs, "fused": True})
+
+    torch.optim.AdamW = FusedAdamW  # in this rank's process only
+    try:
+        return fp16_with_an_inf_on_one_rank(cfg)
+    finally:
+        torch.optim.AdamW = real
 
 
 # name -> config; every one runs in the same 2-rank world.
@@ -125,6 +150,12 @@ RUNS = {
     # both with an inf in rank 1's shard at INJECT_STEP (fp16_with_an_inf_on_one_rank)
     "fp16": with_fields(CFG, precision="fp16"),
     "fp16_amp_scaler": with_fields(CFG, precision="fp16", grad_scaler="amp"),
+    "fp16_fused": with_fields(CFG, precision="fp16"),
+}
+RUNNERS = {
+    "fp16": fp16_with_an_inf_on_one_rank,
+    "fp16_amp_scaler": fp16_with_an_inf_on_one_rank,
+    "fp16_fused": fp16_fused_with_an_inf_on_one_rank,
 }
 FP32_EXACT = [
     "full",
@@ -211,7 +242,7 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
         exact.append("cpu_offload")
     pairs = [
         (
-            fp16_with_an_inf_on_one_rank if name.startswith("fp16") else fsdp_result,
+            RUNNERS.get(name, fsdp_result),
             with_fields(cfg, backend=backend),
         )
         for name, cfg in runs.items()
@@ -279,11 +310,13 @@ def test_every_strategy_and_option_equals_ddp_on_two_ranks(backend):
     assert fp16["loss_scale_per_rank"] == [2.0**15, 2.0**15]
     until = INJECT_STEP + 1
     assert_losses_close(results["fp16"].losses[:until], reference.losses[:until], atol=BF16_ATOL)
-    # With the plain amp GradScaler only the injecting rank (1) notices: the ranks take different
-    # decisions and the model's shards are no longer one consistent model.
-    wrong = results["fp16_amp_scaler"].extras
-    assert wrong["skipped_steps_per_rank"] == [[], [INJECT_STEP]]
-    assert wrong["loss_scale_per_rank"] == [2.0**16, 2.0**15]
+    # With the plain amp GradScaler, or with a fused AdamW (whose step() checks for infs without
+    # the sharded scaler's all-reduce), only the injecting rank (1) notices: the ranks take
+    # different decisions and the model's shards are no longer one consistent model.
+    for name in ("fp16_amp_scaler", "fp16_fused"):
+        wrong = results[name].extras
+        assert wrong["skipped_steps_per_rank"] == [[], [INJECT_STEP]], name
+        assert wrong["loss_scale_per_rank"] == [2.0**16, 2.0**15], name
 
 
 def test_bad_options_fail_in_one_line():

@@ -375,3 +375,47 @@ def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
         feed_forwards.append(calls[0])
     assert feed_forwards == [4, 8], "each checkpointed block's forward runs again in backward"
     assert_states_close(grads[1], grads[0], atol=0.0)
+
+
+def test_the_recipes_own_wraps_take_your_model_by_its_block_class():
+    """fsdp's wrap_with_fsdp and fsdp2's shard_with_fully_shard, given Llama's decoder layer as
+    ``block_types``: one unit per layer and the root, and the unwrapped model's logits (a world
+    of 1, fp32). Left at the cookbook's Block, fully_shard's wrap refuses in one line."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from recipes import fsdp, fsdp2
+
+    inputs = third_party.batch(0)[:, :-1]
+    layers = third_party.LLAMA_SHAPE["num_hidden_layers"]
+    blocks = third_party.block_types("llama")
+    with torch.no_grad():
+        expected = third_party.build("llama")(inputs).logits
+    with join_world("gloo") as world:
+        wrapped = fsdp.wrap_with_fsdp(
+            third_party.build("llama"),
+            fsdp.FSDPConfig(precision="fp32", activation_checkpointing=True),
+            precision="fp32",
+            device=world.device,
+            world_size=1,
+            block_types=blocks,
+        )
+        assert len(FSDP.fsdp_modules(wrapped)) == layers + 1
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        cfg = fsdp2.FSDP2Config(precision="fp32")
+        sharded = fsdp2.shard_with_fully_shard(
+            third_party.build("llama"),
+            cfg,
+            mesh=mesh,
+            precision="fp32",
+            use_cuda=False,
+            block_types=blocks,
+        )
+        assert sum(isinstance(m, FSDPModule) for m in sharded.modules()) == layers + 1
+        with torch.no_grad():
+            for model in (wrapped, sharded):
+                torch.testing.assert_close(model(inputs).logits, expected, rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="^no module of LlamaForCausalLM is a Block: pass"):
+            fsdp2.shard_with_fully_shard(
+                third_party.build("llama"), cfg, mesh=mesh, precision="fp32", use_cuda=False
+            )
