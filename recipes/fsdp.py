@@ -306,9 +306,7 @@ def train(cfg: FSDPConfig, observer=None) -> list[float]:
             model, cfg, precision=precision, device=device, world_size=world_size
         )
         # Pitfall: build the optimizer AFTER wrapping: it must hold the sharded parameters.
-        # Pitfall (fp16, torch 2.13): with a fused AdamW, scaler.step() looks for infs on this
-        # rank only (ShardedGradScaler all-reduces them in unscale_, and calling unscale_ first
-        # then fails in the fused step): the ranks would skip steps apart. Foreach AdamW in fp16.
+        # Pitfall: in fp16 a fused AdamW skips the sharded scaler's inf check across ranks
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, fused=True if use_cuda and precision != "fp16" else None
         )  # one kernel on CUDA
