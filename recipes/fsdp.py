@@ -24,7 +24,7 @@ NO_SHARD (DDP-like, deprecated by torch in favour of DDP); ``hybrid`` = HYBRID_S
 node, replicate across nodes: a 2-D mesh ("replicate", "shard") of nodes x ``--ranks-per-node``).
 
 Speed: ``--precision auto`` (bf16 on a GPU) is FSDP's own ``MixedPrecision`` (bf16 compute and
-buffers, fp32 reduction), AdamW is fused on CUDA but in fp16 (results/bench/ has the measured
+buffers, fp32 reduction), AdamW is fused on CUDA except in fp16 (results/bench/ has the measured
 steps).
 
 New code should prefer ``fully_shard`` (recipes/fsdp2.py): this API is the one most existing
@@ -220,6 +220,10 @@ def wrap_with_fsdp(
     policy = wrap_policy_for(
         cfg.wrap_policy, block_types=block_types, min_num_params=cfg.min_num_params
     )
+    blocks = [m for m in model.modules() if isinstance(m, block_types)]
+    if cfg.activation_checkpointing and not blocks:  # else it checkpoints nothing, silently
+        names = ", ".join(t.__name__ for t in block_types)
+        raise ValueError(f"no module of {type(model).__name__} is a {names}: pass block_types")
     strategy, mesh = STRATEGIES[cfg.sharding_strategy], None
     if cfg.sharding_strategy == "hybrid":
         mesh = hybrid_mesh(world_size, cfg.ranks_per_node, device.type)

@@ -1,5 +1,10 @@
-"""The suite leaves nothing behind: after a representative set of tests (a torchrun launch, a
-command forked from the suite's preloaded server), the temporary folder holds nothing new.
+"""The suite leaves nothing behind: after a representative set of tests (a torchrun launch whose
+agent is forked from the suite's preloaded server, a spawned world one of whose ranks dies), the
+temporary folder holds nothing new.
+
+What the run's processes write there goes into the run's own folder (tests/conftest.py), removed
+when the run ends; this fails on what lands outside it or outlives it. (A recipe that forgot to
+remove its own folder is not caught here: the run's folder takes it away.)
 
 The set runs in a pytest of its own with a TMPDIR of its own (an empty folder, which every
 tempfile call of its processes uses), so that what it would leave is told apart from what the
@@ -17,11 +22,13 @@ from tests.deadlines import scaled
 from tests.helpers import PYTHON, REPO_ROOT
 
 REPRESENTATIVE = [
-    # torchrun: its torchelastic_ log folder and the workers' error files. (A default-run test:
-    # the slow profiling launch this used to be cost 22 CPU s here against 14.)
+    # torchrun, its agent forked from the preloaded server (run_cli): its torchelastic_ log folder
+    # and the workers' error files. (A default-run test: the slow profiling launch this used to be
+    # cost 22 CPU s here against 14.)
     "tests/test_preflight.py::test_a_healthy_world_under_torchrun_passes_and_prints_the_table",
-    # a command forked from the preloaded server, as a user runs it
-    "tests/test_ddp_spawn.py::test_bad_input_is_rejected_in_the_parent_before_spawning",
+    # a world of the suite's harness (spawn_world) whose rank dies: the killed rank's files and
+    # its fork server's. (It replaced ddp_spawn's bad-input test, which starts no process.)
+    "tests/test_world.py::test_a_rank_that_dies_stops_the_world_and_is_named",
 ]
 
 

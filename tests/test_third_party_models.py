@@ -380,7 +380,8 @@ def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
 def test_the_recipes_own_wraps_take_your_model_by_its_block_class():
     """fsdp's wrap_with_fsdp and fsdp2's shard_with_fully_shard, given Llama's decoder layer as
     ``block_types``: one unit per layer and the root, and the unwrapped model's logits (a world
-    of 1, fp32). Left at the cookbook's Block, fully_shard's wrap refuses in one line."""
+    of 1, fp32). Left at the cookbook's Block, each refuses in one line rather than shard or
+    checkpoint less than asked."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -419,3 +420,19 @@ def test_the_recipes_own_wraps_take_your_model_by_its_block_class():
             fsdp2.shard_with_fully_shard(
                 third_party.build("llama"), cfg, mesh=mesh, precision="fp32", use_cuda=False
             )
+        for wrap_policy, checkpointing, refusal in (
+            ("block", False, "^the FSDP wrap policy matched nothing in LlamaForCausalLM"),
+            ("size", True, "^no module of LlamaForCausalLM is a Block: pass block_types"),
+        ):
+            with pytest.raises(ValueError, match=refusal):
+                fsdp.wrap_with_fsdp(
+                    third_party.build("llama"),
+                    fsdp.FSDPConfig(
+                        precision="fp32",
+                        wrap_policy=wrap_policy,
+                        activation_checkpointing=checkpointing,
+                    ),
+                    precision="fp32",
+                    device=world.device,
+                    world_size=1,
+                )
