@@ -144,7 +144,7 @@ def replay_init(
 # --8<-- [start:seed_checkpoint]
 def write_seed_checkpoint(model: nn.Module, path: str) -> None:
     """Save a normally built model's initial weights with DCP (one process, no world needed)."""
-    dcp.save(model.state_dict(), checkpoint_id=path)
+    dcp.save(model.state_dict(), checkpoint_id=path, no_dist=True)
 
 
 def load_seed_checkpoint(model: nn.Module, path: str) -> None:

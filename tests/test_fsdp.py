@@ -374,6 +374,8 @@ class UnitOptions(Observer):
         }
 
 
+# A world of 1 on purpose (what is asserted is each unit's options): FSDP says it shards nothing.
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")
 def test_prefetch_options_reach_every_unit():
     """Prefetch changes when the all-gathers run, not what they compute: the parity above cannot
     see it. So assert that every FSDP unit train() builds holds the options it was given."""

@@ -377,6 +377,8 @@ def test_t5_checkpointed_with_a_cache_is_refused_and_without_one_is_exact():
     assert_states_close(grads[1], grads[0], atol=0.0)
 
 
+# A world of 1 on purpose (what is asserted is the units): FSDP says it shards nothing.
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")
 def test_the_recipes_own_wraps_take_your_model_by_its_block_class():
     """fsdp's wrap_with_fsdp and fsdp2's shard_with_fully_shard, given Llama's decoder layer as
     ``block_types``: one unit per layer and the root, and the unwrapped model's logits (a world
