@@ -16,6 +16,7 @@ ValueError subclass defined in the extracted code, with a one-line message.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
@@ -64,6 +65,15 @@ def source_path(module: str) -> Path:
     return Path(REPO_ROOT) / (module.replace(".", "/") + ".py")
 
 
+@functools.cache
+def parsed(module: str) -> tuple[str, ast.Module]:
+    """A module's source and its tree, parsed once per test process: an extraction visits a
+    module once per name it follows (recipes/parallelize.py dozens of times), and parsing it each
+    time was most of this file's CPU. Read-only: nothing here changes a tree."""
+    text = source_path(module).read_text()
+    return text, ast.parse(text)
+
+
 class Extraction:
     """The code a user copies for some functions: imports first, then definitions in source order,
     module by module (a composed module before the one that uses it). ``package_uses`` lists every
@@ -79,7 +89,7 @@ class Extraction:
         if name in self.wanted.setdefault(module, set()):
             return
         self.wanted[module].add(name)
-        tree = ast.parse(source_path(module).read_text())
+        _, tree = parsed(module)
         definitions, imported = top_level_names(tree)
         if name in imported:
             node, alias = imported[name]
@@ -102,7 +112,7 @@ class Extraction:
     def source(self) -> str:
         lines, seen_imports, defined = ["from __future__ import annotations", ""], set(), {}
         for module in self.modules:
-            tree = ast.parse(source_path(module).read_text())
+            _, tree = parsed(module)
             _, imported = top_level_names(tree)
             for node in tree.body:
                 if (
@@ -129,8 +139,7 @@ class Extraction:
                             lines.append(text)
         lines.append("")
         for module in self.modules:
-            text = source_path(module).read_text()
-            tree = ast.parse(text)
+            text, tree = parsed(module)
             definitions, _ = top_level_names(tree)
             for node in tree.body:
                 names = [
