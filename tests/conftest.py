@@ -8,11 +8,16 @@ import tempfile
 import pytest
 import torch
 
+from recipes.core import spawn
 from tests import deadlines
 
 # Spawned ranks inherit this: one thread per rank keeps a 2-core machine from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# The ranks unpickle functions of tests/helpers.py, which imports pytest: 0.07 s of CPU in each of
+# the ~150 ranks of a run unless the fork server has it (tests.helpers itself is not preloaded:
+# its CUDA device count must not run in the server that GPU ranks fork from).
+spawn.preload_in_fork_server("pytest")
 
 
 @pytest.hookimpl(optionalhook=True)  # without pytest-xdist (-p no:xdist) there is no such hook

@@ -136,6 +136,14 @@ _PRELOAD = [
 ]
 
 
+def preload_in_fork_server(*modules: str) -> None:
+    """Have the fork server import ``modules`` too when it starts, so that no rank imports them
+    again: what a caller's own rank functions need (a test suite's helpers import pytest, which
+    every rank would otherwise import when it unpickles its function). Call it before the first
+    world: the server reads the list once."""
+    _PRELOAD.extend(module for module in modules if module not in _PRELOAD)
+
+
 def _rank_context() -> Any:
     """The multiprocessing context ranks start in: ``forkserver`` where the platform has it
     (Linux), else ``spawn``. Both start ranks from a process that has not touched CUDA or started
