@@ -137,11 +137,25 @@ def pytest_unconfigure(config):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+# The Hugging Face models the tests build in their ranks (tests/third_party.py, and tests that
+# import transformers themselves): ~2.5 s of imports per rank otherwise, in a dozen worlds of the
+# default run. The fork server imports them once (~3 s), where a collected test module uses them.
+# Without transformers installed the server skips them (it ignores an ImportError).
+HUGGING_FACE_MODELS = (
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+)
+
+
 def pytest_collection_finish(session):
-    """With torch, transformers, Lightning and every test module imported, put those objects
-    (~420k) out of the garbage collector's reach: ``join_world`` collects before each in-process
-    run, and a full collection over them costs ~0.3 s of CPU each time. Objects the tests create
-    later are collected as before."""
+    """Before the first world starts: the fork server's Hugging Face imports, where a collected
+    module needs them. Then, with torch, transformers, Lightning and every test module imported,
+    put those objects (~420k) out of the garbage collector's reach: ``join_world`` collects before
+    each in-process run, and a full collection over them costs ~0.3 s of CPU each time. Objects
+    the tests create later are collected as before."""
+    paths = {item.path for item in session.items}
+    if any(word in path.read_text() for path in paths for word in ("transformers", "third_party")):
+        spawn.preload_in_fork_server(*HUGGING_FACE_MODELS)
     gc.freeze()
 
 

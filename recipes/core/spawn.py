@@ -128,11 +128,6 @@ _PRELOAD = [
     "recipes.core.observe",
     "recipes.core.workload",
     "recipes.core.result",
-    # The third-party models the tests build in their ranks (tests/third_party.py): ~2.5 s of
-    # imports per rank otherwise, in a dozen worlds of the default run; the server pays it once.
-    # Without transformers installed the fork server skips them (it ignores an ImportError).
-    "transformers.models.gpt2.modeling_gpt2",
-    "transformers.models.llama.modeling_llama",
 ]
 
 
