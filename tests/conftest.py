@@ -49,6 +49,18 @@ LONG_FIRST = (
     "test_ddp_spawn",
     "test_collectives",
     "test_world",
+    # Then the modules whose tests take 10-60 s of wall time in all and sort late by name: run in
+    # name order, they were the run's last 30 s, with one or two workers left (2026-11-28).
+    "test_job",
+    "test_job_your_model",
+    "test_preflight",
+    "test_suite_hygiene",
+    "test_troubleshooting",
+    "test_hf_checkpoint",
+    "test_standalone",
+    "test_speed",
+    "test_sharded_accumulation",
+    "test_tensor_parallel",
 )
 
 
