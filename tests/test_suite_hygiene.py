@@ -8,7 +8,9 @@ remove its own folder is not caught here: the run's folder takes it away.)
 
 The set runs in a pytest of its own with a TMPDIR of its own (an empty folder, which every
 tempfile call of its processes uses), so that what it would leave is told apart from what the
-rest of this run, or anything else on the machine, is doing."""
+rest of this run, or anything else on the machine, is doing. Where this test is selected, the
+representative tests run only here (tests/conftest.py deselects them beside it): it fails unless
+each of them passes, so their own assertions still hold the run."""
 
 from __future__ import annotations
 
