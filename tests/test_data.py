@@ -27,6 +27,12 @@ from tests.helpers import (
 # shards per split, prepared in well under a second.
 TINY = dict(**SMALL_SHARDS, seq_len=16, batch_size=4)
 
+# Two loader workers on purpose (each sample once across workers): on a machine with one core
+# for the test, torch's DataLoader adds that it suggests one.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:This DataLoader will create \\d+ worker processes in total:UserWarning"
+)
+
 
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory) -> data.DataConfig:
