@@ -84,6 +84,9 @@ def _run_the_hygiene_set_once(config, items) -> None:
         config.hook.pytest_deselected(items=inside)
 
 
+# trylast: after -k and -m have deselected what they do, so that a representative test selected
+# without the hygiene test still runs.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     _run_the_hygiene_set_once(config, items)
     rank = {name: order for order, name in enumerate(LONG_FIRST)}
